@@ -1,0 +1,1 @@
+//! The local workloads file (`--workloads FILE`).

@@ -1,0 +1,143 @@
+//! Network namespaces: open one by path, run code inside it, read its cookie.
+//!
+//! Entering a namespace is per thread (`setns(CLONE_NEWNET)`), so work that
+//! must happen inside a pod's netns runs on a short-lived scoped thread. A
+//! socket keeps the namespace it was created in, so the usual pattern is to
+//! create (bind, connect, open netlink) inside and use the result anywhere.
+
+use std::{
+    fs::File,
+    os::fd::{AsFd, AsRawFd},
+    path::{Path, PathBuf},
+};
+
+use nix::sched::{CloneFlags, setns};
+
+/// Errors from opening or entering a network namespace.
+#[derive(Debug, thiserror::Error)]
+pub enum NetNsError {
+    #[error("cannot open network namespace {path}: {source}")]
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot enter network namespace {path}: {source}")]
+    Enter { path: PathBuf, source: nix::Error },
+    #[error("the thread that entered network namespace {path} panicked")]
+    ThreadPanicked { path: PathBuf },
+    #[error("cannot read the cookie of network namespace {path}: {source}")]
+    Cookie {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// An open handle on a network namespace (e.g. `/var/run/netns/NAME` or
+/// `/proc/PID/ns/net`). Holding it keeps the namespace alive.
+#[derive(Debug)]
+pub struct NetNs {
+    path: PathBuf,
+    file: File,
+}
+
+impl NetNs {
+    /// Opens the namespace at `path`.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, NetNsError> {
+        let path = path.as_ref().to_path_buf();
+        let file = File::open(&path).map_err(|source| NetNsError::Open {
+            path: path.clone(),
+            source,
+        })?;
+        Ok(Self { path, file })
+    }
+
+    /// The namespace of the calling thread.
+    pub fn current() -> Result<Self, NetNsError> {
+        Self::open("/proc/thread-self/ns/net")
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs `f` on a new thread that has entered this namespace and returns
+    /// its result. The calling thread's namespace is never changed.
+    pub fn run<T, F>(&self, f: F) -> Result<T, NetNsError>
+    where
+        F: FnOnce() -> T + Send,
+        T: Send,
+    {
+        std::thread::scope(|scope| {
+            let handle = scope.spawn(|| {
+                setns(self.file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|source| {
+                    NetNsError::Enter {
+                        path: self.path.clone(),
+                        source,
+                    }
+                })?;
+                Ok(f())
+            });
+            handle.join().unwrap_or_else(|_| {
+                Err(NetNsError::ThreadPanicked {
+                    path: self.path.clone(),
+                })
+            })
+        })
+    }
+
+    /// The kernel's cookie for this namespace (`SO_NETNS_COOKIE`): a stable
+    /// 64-bit id, the same value `bpf_get_netns_cookie()` returns to the
+    /// programs. Read from a socket created inside the namespace.
+    pub fn cookie(&self) -> Result<u64, NetNsError> {
+        let cookie_err = |source| NetNsError::Cookie {
+            path: self.path.clone(),
+            source,
+        };
+        self.run(netns_cookie_of_current_thread)?
+            .map_err(cookie_err)
+    }
+
+    /// True if `self` and `other` are the same namespace (same inode).
+    pub fn same_as(&self, other: &NetNs) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        match (self.file.metadata(), other.file.metadata()) {
+            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+            _ => false,
+        }
+    }
+}
+
+impl AsFd for NetNs {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+}
+
+/// Cookie of the calling thread's network namespace.
+pub fn netns_cookie_of_current_thread() -> std::io::Result<u64> {
+    // An unbound socket is enough (and works before `lo` is up).
+    let socket = nix::sys::socket::socket(
+        nix::sys::socket::AddressFamily::Inet,
+        nix::sys::socket::SockType::Datagram,
+        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(std::io::Error::from)?;
+    let mut cookie: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: the fd is a live socket; `cookie` and `len` are valid for the
+    // duration of the call and sized as the kernel expects.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_NETNS_COOKIE,
+            (&mut cookie as *mut u64).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cookie)
+}

@@ -1,0 +1,1 @@
+//! What the agent knows about workloads (pods) in the mesh.
