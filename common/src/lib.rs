@@ -27,11 +27,24 @@ pub const MAX_PODS: u32 = 4096;
 /// Names of the maps, as they appear in the ELF object and under the pin dir.
 pub mod maps {
     /// `HashMap<u64 netns cookie, PodSlot>`: which network namespaces are
-    /// enrolled, and which counter slot each owns.
+    /// enrolled, and which counter slot each owns (the agent's record; the
+    /// socket-level programs key on it).
     pub const ENROLLED: &str = "SHUNT_ENROLLED";
     /// `PerCpuArray<PodCounters>` indexed by `PodSlot::slot`.
     pub const POD_COUNTERS: &str = "SHUNT_POD_COUNTERS";
 }
+
+/// Names of the globals the agent sets when it loads a pod's instance.
+pub mod globals {
+    /// `u32`: the pod's counter slot, baked into its TC programs.
+    pub const POD_SLOT: &str = "POD_SLOT";
+    /// `u8`: the most verbose aya-log level the programs emit.
+    pub const LOG_LEVEL: &str = "AYA_LOG_LEVEL";
+}
+
+/// aya-log's ring buffer, pinned so that every pod's instance of the
+/// programs writes into the one buffer the agent reads.
+pub const LOG_MAP: &str = "AYA_LOGS";
 
 /// Names of the programs in the ELF object.
 pub mod programs {

@@ -1,11 +1,19 @@
 //! TC programs on an enrolled pod's `eth0` (inside the pod's netns).
 //!
+//! Every enrolled pod gets its own instance of these programs, loaded with
+//! `POD_SLOT` fixed to the pod's counter slot. A per-packet map lookup cannot
+//! find the pod instead: `bpf_get_netns_cookie()` on an skb answers for the
+//! packet's socket, and arriving packets have none yet (measured: it returned
+//! the wrong namespace on ingress), while ifindexes repeat across pod
+//! namespaces. Baking the slot in costs one program load per pod and nothing
+//! per packet.
+//!
 //! Today they count the pod's traffic in each direction; inbound steering to
 //! the proxy (`bpf_sk_assign`) grows here.
 
 use aya_ebpf::{
+    Global,
     bindings::TC_ACT_OK,
-    helpers::bpf_get_netns_cookie,
     macros::{classifier, map},
     maps::{HashMap, PerCpuArray},
     programs::TcContext,
@@ -13,7 +21,14 @@ use aya_ebpf::{
 use aya_log_ebpf::debug;
 use shunt_common::{MAX_PODS, PodCounters, PodSlot};
 
-/// netns cookie → counter slot, written by the agent on enrolment.
+/// The counter slot of the pod this instance was loaded for (set by the
+/// agent at load time; `u32::MAX` means "no pod").
+#[unsafe(no_mangle)]
+static POD_SLOT: Global<u32> = Global::new(u32::MAX);
+
+/// netns cookie → counter slot: the record of which namespaces are enrolled,
+/// written by the agent. The socket-level programs (connect, sockops) key on
+/// it; the TC programs use their baked-in slot.
 #[map(name = "SHUNT_ENROLLED")]
 static ENROLLED: HashMap<u64, PodSlot> = HashMap::with_max_entries(MAX_PODS, 0);
 
@@ -35,9 +50,9 @@ enum Direction {
 }
 
 /// Hook: TC ingress (clsact) on an enrolled pod's `eth0` — packets arriving
-/// at the pod. Matches every packet whose netns is enrolled and counts it in
-/// the pod's slot. Miss path (netns not enrolled, e.g. a filter left behind by
-/// a crashed agent for a pod it no longer knows): `TC_ACT_OK`, untouched.
+/// at the pod. Matches every packet and counts it in the pod's slot. Miss
+/// path (an instance loaded without a slot): `TC_ACT_OK`, untouched. Never
+/// drops or changes a packet.
 #[classifier]
 pub fn shunt_tc_ingress(ctx: TcContext) -> i32 {
     count(&ctx, Direction::In);
@@ -54,13 +69,9 @@ pub fn shunt_tc_egress(ctx: TcContext) -> i32 {
 
 #[inline(always)]
 fn count(ctx: &TcContext, direction: Direction) {
-    // SAFETY: the helper only reads the skb's device netns.
-    let cookie = unsafe { bpf_get_netns_cookie(ctx.skb.skb as *mut _) };
-    // SAFETY: the value is a plain `#[repr(C)]` struct copied out by value.
-    let Some(pod) = (unsafe { ENROLLED.get(&cookie) }).copied() else {
-        return;
-    };
-    let Some(counters) = POD_COUNTERS.get_ptr_mut(pod.slot) else {
+    let slot = POD_SLOT.load();
+    // Out of range (including "no pod") fails the lookup: the miss path.
+    let Some(counters) = POD_COUNTERS.get_ptr_mut(slot) else {
         return;
     };
     let len = u64::from(ctx.len());
@@ -81,7 +92,7 @@ fn count(ctx: &TcContext, direction: Direction) {
             Direction::In => "in",
             Direction::Out => "out",
         };
-        debug!(ctx, "pod slot {}: new TCP connection {}", pod.slot, dir);
+        debug!(ctx, "pod slot {}: new TCP connection {}", slot, dir);
     }
 }
 

@@ -1,10 +1,16 @@
 //! shunt: the node agent of a sidecarless service mesh.
 //!
 //! Data flows one way through the modules: a pod source (`control/`) says
-//! which pods are on this node → the agent (`agent.rs`) reconciles them →
+//! which pods exist → the agent (`agent.rs`) reconciles this node's pods →
 //! `redirect/` enrols each in the kernel → (later) `proxy/` carries the
-//! traffic to its peer.
+//! traffic to its peer. `admin.rs` and `status.rs` only read.
 
+pub mod admin;
+pub mod agent;
+pub mod cli;
 pub mod control;
+pub mod logging;
 pub mod netns;
+pub mod redirect;
 pub mod state;
+pub mod status;

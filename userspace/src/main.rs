@@ -1,1 +1,36 @@
-fn main() {}
+//! The `shunt` binary: parses the command line and hands over to the library.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use shunt::cli::{Cli, Command};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Agent(args) => {
+            if let Err(message) = shunt::logging::init(&args.log) {
+                eprintln!("shunt: {message}");
+                return ExitCode::from(2);
+            }
+            run_agent(args)
+        }
+        Command::Status(args) => shunt::status::run(&args).map_err(anyhow::Error::from),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            // Our error types already name their causes in their messages.
+            eprintln!("shunt: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_agent(args: shunt::cli::AgentArgs) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(shunt::agent::run(args))?;
+    Ok(())
+}

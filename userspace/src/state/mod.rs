@@ -1,1 +1,291 @@
 //! What the agent knows about workloads (pods) in the mesh.
+//!
+//! These types are the agent's own model, independent of the source that
+//! produced them (the local workloads file today, the Kubernetes watch next),
+//! so that reconciling, enrolment and the proxy never see a source's format.
+
+mod store;
+
+pub use store::{WorkloadChanges, WorkloadStore};
+
+use std::{fmt, net::IpAddr, path::PathBuf, str::FromStr};
+
+/// The trust domain of SPIFFE identities (`cluster.local` unless configured).
+///
+/// Validated on construction, because it is pasted into every identity and
+/// a stray `/` or capital letter would yield IDs that peers never match.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TrustDomain(String);
+
+impl TrustDomain {
+    /// Istio's default, used when nothing else is configured.
+    pub const DEFAULT: &str = "cluster.local";
+
+    /// Accepts 1–255 characters from SPIFFE's trust-domain set: lowercase
+    /// letters, digits, `.`, `-` and `_`.
+    pub fn new(name: &str) -> Result<Self, InvalidTrustDomain> {
+        let invalid = |reason| InvalidTrustDomain {
+            name: name.to_owned(),
+            reason,
+        };
+        if name.is_empty() {
+            return Err(invalid("it is empty"));
+        }
+        if name.len() > 255 {
+            return Err(invalid("it is longer than 255 characters"));
+        }
+        let allowed = |c: char| matches!(c, 'a'..='z' | '0'..='9' | '.' | '-' | '_');
+        if !name.chars().all(allowed) {
+            return Err(invalid(
+                "only lowercase letters, digits, '.', '-' and '_' are allowed",
+            ));
+        }
+        Ok(Self(name.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Default for TrustDomain {
+    fn default() -> Self {
+        Self(Self::DEFAULT.to_owned())
+    }
+}
+
+impl FromStr for TrustDomain {
+    type Err = InvalidTrustDomain;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::new(s)
+    }
+}
+
+impl fmt::Display for TrustDomain {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A string that is not a valid trust domain.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{name:?} is not a valid trust domain: {reason}")]
+pub struct InvalidTrustDomain {
+    pub name: String,
+    pub reason: &'static str,
+}
+
+/// A workload's SPIFFE identity, `spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>`
+/// (the URI SAN of its certificate, compared byte for byte by peers).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SpiffeId(String);
+
+impl SpiffeId {
+    /// The identity Istio gives the pods of a Kubernetes service account.
+    pub fn for_service_account(
+        trust_domain: &TrustDomain,
+        namespace: &str,
+        service_account: &str,
+    ) -> Self {
+        Self(format!(
+            "spiffe://{trust_domain}/ns/{namespace}/sa/{service_account}"
+        ))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for SpiffeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Identifies a workload across updates: its namespace and pod name.
+///
+/// Ordered by namespace then name, so listings and change sets are stable.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkloadKey {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl WorkloadKey {
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        Self {
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+}
+
+/// `namespace/name`, as `kubectl` users write it.
+impl fmt::Display for WorkloadKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// Whether a pod's traffic goes through the mesh (Istio's
+/// `istio.io/dataplane-mode` values).
+///
+/// Defaults to [`DataplaneMode::None`]: the mesh is opt-in, as in Istio, so
+/// forgetting the setting never captures a pod's traffic by surprise.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum DataplaneMode {
+    /// Captured and carried over HBONE.
+    Ambient,
+    /// Left alone.
+    #[default]
+    None,
+}
+
+impl DataplaneMode {
+    /// The label value (`ambient` or `none`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ambient => "ambient",
+            Self::None => "none",
+        }
+    }
+}
+
+impl FromStr for DataplaneMode {
+    type Err = UnknownDataplaneMode;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "ambient" => Ok(Self::Ambient),
+            "none" => Ok(Self::None),
+            _ => Err(UnknownDataplaneMode(s.to_owned())),
+        }
+    }
+}
+
+impl fmt::Display for DataplaneMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A dataplane mode value other than `ambient` or `none`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown value {0:?}; expected ambient or none")]
+pub struct UnknownDataplaneMode(pub String);
+
+/// A pod as the agent sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Workload {
+    /// Pod name.
+    pub name: String,
+    pub namespace: String,
+    /// Determines the pod's identity.
+    pub service_account: String,
+    /// The pod's addresses; each belongs to this pod only.
+    pub ips: Vec<IpAddr>,
+    /// The node the pod is scheduled on.
+    pub node: String,
+    /// The pod's network namespace; known (and needed) only for pods on the
+    /// agent's own node, where capture happens.
+    pub netns: Option<PathBuf>,
+    pub dataplane_mode: DataplaneMode,
+}
+
+impl Workload {
+    pub fn key(&self) -> WorkloadKey {
+        WorkloadKey::new(&self.namespace, &self.name)
+    }
+
+    /// The SPIFFE identity the pod speaks with (and peers expect of it).
+    pub fn identity(&self, trust_domain: &TrustDomain) -> SpiffeId {
+        SpiffeId::for_service_account(trust_domain, &self.namespace, &self.service_account)
+    }
+
+    /// Whether the pod opted into the mesh.
+    pub fn wants_mesh(&self) -> bool {
+        self.dataplane_mode == DataplaneMode::Ambient
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn workload(ns: &str, name: &str, ip: &str, node: &str) -> Workload {
+        Workload {
+            name: name.into(),
+            namespace: ns.into(),
+            service_account: "sleep".into(),
+            ips: vec![ip.parse().expect("test IP")],
+            node: node.into(),
+            netns: None,
+            dataplane_mode: DataplaneMode::Ambient,
+        }
+    }
+
+    #[test]
+    fn identity_follows_istio_format() {
+        let w = workload("default", "client", "198.18.1.2", "node-a");
+        assert_eq!(
+            w.identity(&TrustDomain::default()).to_string(),
+            "spiffe://cluster.local/ns/default/sa/sleep"
+        );
+        let td = TrustDomain::new("example.org").expect("valid");
+        assert_eq!(
+            w.identity(&td).as_str(),
+            "spiffe://example.org/ns/default/sa/sleep"
+        );
+    }
+
+    #[test]
+    fn key_displays_as_namespace_slash_name() {
+        let w = workload("prod", "web-0", "198.18.1.2", "node-a");
+        assert_eq!(w.key(), WorkloadKey::new("prod", "web-0"));
+        assert_eq!(w.key().to_string(), "prod/web-0");
+    }
+
+    #[test]
+    fn trust_domain_validation() {
+        for good in ["cluster.local", "a", "td_1-x.example"] {
+            assert_eq!(
+                TrustDomain::new(good).map(|t| t.to_string()),
+                Ok(good.into())
+            );
+        }
+        for bad in [
+            "",
+            "Cluster.local",
+            "a/b",
+            "spiffe://x",
+            "a b",
+            &"a".repeat(256),
+        ] {
+            let err = TrustDomain::new(bad).expect_err(bad);
+            assert!(
+                err.to_string().contains("not a valid trust domain"),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn dataplane_mode_is_opt_in() {
+        assert_eq!(DataplaneMode::default(), DataplaneMode::None);
+        assert_eq!("ambient".parse(), Ok(DataplaneMode::Ambient));
+        assert_eq!("none".parse(), Ok(DataplaneMode::None));
+        let err = "Ambient"
+            .parse::<DataplaneMode>()
+            .expect_err("case matters");
+        assert_eq!(
+            err.to_string(),
+            r#"unknown value "Ambient"; expected ambient or none"#
+        );
+        let mut w = workload("default", "client", "198.18.1.2", "node-a");
+        assert!(w.wants_mesh());
+        w.dataplane_mode = DataplaneMode::None;
+        assert!(!w.wants_mesh());
+    }
+}

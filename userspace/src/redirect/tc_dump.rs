@@ -1,0 +1,121 @@
+//! Reading which BPF filters are attached to an interface's clsact hooks, with
+//! a netlink dump (what `tc filter show dev IF ingress` does). Runs in the
+//! calling thread's network namespace.
+
+use std::io;
+
+use aya::programs::TcAttachType;
+use netlink_packet_core::{
+    NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+};
+use netlink_packet_route::{
+    RouteNetlinkMessage,
+    tc::{TcAttribute, TcFilterBpfOption, TcHandle, TcMessage, TcOption},
+};
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+
+/// A BPF filter found on a clsact hook.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BpfFilter {
+    pub priority: u16,
+    pub handle: u32,
+    /// The program's name as the kernel reports it (truncated to 15 bytes
+    /// by the kernel for the BPF object name; the filter keeps the full
+    /// section/function name given at attach time).
+    pub program_name: String,
+    pub program_id: Option<u32>,
+}
+
+/// Every BPF filter on `interface`'s clsact hook for `attach_type`.
+pub fn bpf_filters(interface: &str, attach_type: TcAttachType) -> io::Result<Vec<BpfFilter>> {
+    let index = nix::net::if_::if_nametoindex(interface).map_err(io::Error::from)?;
+    let parent = TcHandle {
+        major: TcHandle::CLSACT.major,
+        minor: match attach_type {
+            TcAttachType::Ingress => TcHandle::MIN_INGRESS,
+            TcAttachType::Egress => TcHandle::MIN_EGRESS,
+            TcAttachType::Custom(parent) => parent as u16,
+        },
+    };
+    let mut request = TcMessage::with_index(index as i32);
+    request.header.parent = parent;
+    let mut header = NetlinkHeader::default();
+    header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+    let mut message = NetlinkMessage::new(
+        header,
+        NetlinkPayload::InnerMessage(RouteNetlinkMessage::GetTrafficFilter(request)),
+    );
+    message.finalize();
+    let mut buf = vec![0; message.buffer_len()];
+    message.serialize(&mut buf);
+
+    let mut socket = Socket::new(NETLINK_ROUTE)?;
+    socket.bind_auto()?;
+    socket.connect(&SocketAddr::new(0, 0))?;
+    socket.send(&buf, 0)?;
+
+    let mut filters = Vec::new();
+    // A dump ends with NLMSG_DONE; bound the reads anyway.
+    for _ in 0..1024 {
+        let (data, _) = socket.recv_from_full()?;
+        let mut offset = 0;
+        while offset < data.len() {
+            let reply = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&data[offset..])
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
+            let length = reply.header.length as usize;
+            match reply.payload {
+                NetlinkPayload::Done(_) => return Ok(filters),
+                NetlinkPayload::Error(error) => {
+                    return Err(error.to_io());
+                }
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewTrafficFilter(msg)) => {
+                    if let Some(filter) = as_bpf_filter(&msg) {
+                        filters.push(filter);
+                    }
+                }
+                _ => {}
+            }
+            if length == 0 {
+                break;
+            }
+            offset += length;
+        }
+    }
+    Err(io::Error::new(
+        io::ErrorKind::TimedOut,
+        "netlink filter dump did not finish",
+    ))
+}
+
+fn as_bpf_filter(msg: &TcMessage) -> Option<BpfFilter> {
+    let mut program_name = None;
+    let mut program_id = None;
+    for attribute in &msg.attributes {
+        if let TcAttribute::Options(options) = attribute {
+            for option in options {
+                match option {
+                    TcOption::Bpf(TcFilterBpfOption::ProgName(name)) => {
+                        program_name = Some(name.clone())
+                    }
+                    TcOption::Bpf(TcFilterBpfOption::ProgId(id)) => program_id = Some(*id),
+                    _ => {}
+                }
+            }
+        }
+    }
+    Some(BpfFilter {
+        // tcm_info carries the priority in its upper 16 bits.
+        priority: (msg.header.info >> 16) as u16,
+        handle: u32::from(msg.header.handle),
+        program_name: program_name?,
+        program_id,
+    })
+}
+
+/// True if a filter running the program `name` is attached at shunt's
+/// priority on `interface`.
+pub fn has_filter(interface: &str, attach_type: TcAttachType, name: &str) -> io::Result<bool> {
+    Ok(bpf_filters(interface, attach_type)?
+        .iter()
+        .any(|f| f.program_name.starts_with(name) && f.priority == super::ebpf::TC_PRIORITY))
+}

@@ -1,0 +1,65 @@
+//! `cargo xtask test` and `cargo xtask lint`.
+
+use std::process::Command;
+
+use anyhow::bail;
+use clap::Args;
+
+use crate::util;
+
+/// The workspace's host crates (the eBPF crate builds only for the BPF target,
+/// through userspace/build.rs).
+const HOST_PACKAGES: &[&str] = &["shunt-common", "shunt", "shunt-testbed", "xtask"];
+
+#[derive(Args)]
+pub struct TestArgs {
+    /// Only run tests whose name contains this.
+    filter: Option<String>,
+    /// Extra arguments for the test binaries (after `--`).
+    #[arg(last = true)]
+    test_args: Vec<String>,
+}
+
+pub fn run(args: TestArgs) -> anyhow::Result<()> {
+    if !util::is_root() {
+        bail!(
+            "the kernel tests need root: they create network namespaces and veth pairs, load eBPF programs and attach them; run `sudo -E cargo xtask test` (no test was run)"
+        );
+    }
+    let root = util::workspace_root();
+    // The end-to-end tests start the real agent binary.
+    util::run(
+        Command::new("cargo")
+            .args(["build", "-p", "shunt", "--bins"])
+            .current_dir(&root),
+    )?;
+    let mut cmd = Command::new("cargo");
+    cmd.arg("test").current_dir(&root);
+    for package in HOST_PACKAGES {
+        cmd.args(["-p", package]);
+    }
+    cmd.env("SHUNT_BIN", root.join("target/debug/shunt"));
+    if let Some(filter) = &args.filter {
+        cmd.arg(filter);
+    }
+    if !args.test_args.is_empty() {
+        cmd.arg("--").args(&args.test_args);
+    }
+    util::run(&mut cmd)
+}
+
+pub fn lint() -> anyhow::Result<()> {
+    let root = util::workspace_root();
+    util::run(
+        Command::new("cargo")
+            .args(["fmt", "--all", "--", "--check"])
+            .current_dir(&root),
+    )?;
+    let mut clippy = Command::new("cargo");
+    clippy.arg("clippy").current_dir(&root);
+    for package in HOST_PACKAGES {
+        clippy.args(["-p", package]);
+    }
+    clippy.args(["--tests", "--", "-D", "warnings"]);
+    util::run(&mut clippy)
+}
