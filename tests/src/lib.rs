@@ -42,9 +42,11 @@
 //! /sys, bpffs and cgroup2 visible); [`Cgroup::place`] additionally starts
 //! them inside a cgroup.
 
+pub mod agent;
 mod cgroup;
 mod cmd;
 mod error;
+pub mod inspect;
 mod names;
 mod sweep;
 mod topology;

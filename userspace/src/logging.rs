@@ -19,9 +19,11 @@ pub fn init(args: &LogArgs) -> Result<(), String> {
         })?,
     };
     let registry = tracing_subscriber::registry().with(filter);
+    // Colours only for a person at a terminal, never into log files.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let result = match args.log_format {
         LogFormat::Text => registry
-            .with(fmt::layer().with_writer(std::io::stderr))
+            .with(fmt::layer().with_ansi(ansi).with_writer(std::io::stderr))
             .try_init(),
         LogFormat::Json => registry
             .with(fmt::layer().json().with_writer(std::io::stderr))

@@ -1,0 +1,314 @@
+//! Running the real `shunt agent` binary inside a node of a [`Topology`]:
+//! start it on a workloads file, read its status through its admin API, stop
+//! it with SIGTERM or SIGKILL. Everything it leaves (its pin dir, its temp
+//! dir) goes when the [`Agent`] is dropped.
+
+use std::{
+    fs,
+    io::Write as _,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Child, ExitStatus, Stdio},
+    time::{Duration, Instant},
+};
+
+use nix::{
+    sys::signal::{Signal, kill},
+    unistd::Pid,
+};
+use shunt::admin::NodeStatus;
+
+use crate::{Node, Pod, Result, TestbedError, Topology};
+
+/// Where the agent's admin API listens (in its node's netns).
+pub const ADMIN_ADDR: &str = "127.0.0.1:15000";
+
+/// Where bpf pin dirs of test agents live (`<BPF_ROOT>/<prefix>-<node>`).
+pub const BPF_ROOT: &str = "/sys/fs/bpf";
+
+/// The `shunt` binary under test: `$SHUNT_BIN` (set by `cargo xtask test`),
+/// else `target/debug/shunt` of this workspace.
+pub fn shunt_binary() -> Result<PathBuf> {
+    let path = match std::env::var_os("SHUNT_BIN") {
+        Some(path) => PathBuf::from(path),
+        None => {
+            let target = std::env::var_os("CARGO_TARGET_DIR")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
+            target.join("debug/shunt")
+        }
+    };
+    if path.exists() {
+        Ok(path)
+    } else {
+        Err(TestbedError::Invalid(format!(
+            "the shunt binary is not at {}: build it with `cargo build -p shunt` (cargo xtask test does) or set SHUNT_BIN",
+            path.display()
+        )))
+    }
+}
+
+/// One entry of a workloads file.
+#[derive(Clone, Debug)]
+pub struct WorkloadSpec {
+    pub name: String,
+    pub namespace: String,
+    pub service_account: String,
+    pub ip: std::net::Ipv4Addr,
+    pub node: String,
+    pub netns: Option<PathBuf>,
+    pub ambient: bool,
+}
+
+impl WorkloadSpec {
+    /// The pod as a workload of namespace `default`, its service account
+    /// named after it, opting into the mesh or not.
+    pub fn for_pod(pod: &Pod, ambient: bool) -> Self {
+        Self {
+            name: pod.name().to_string(),
+            namespace: "default".into(),
+            service_account: format!("sa-{}", pod.name()),
+            ip: pod.ip(),
+            node: pod.node().name().to_string(),
+            netns: Some(pod.netns_path()),
+            ambient,
+        }
+    }
+}
+
+/// The YAML of a workloads file listing `workloads`.
+pub fn workloads_yaml(workloads: &[WorkloadSpec]) -> String {
+    let mut yaml = String::from("trustDomain: cluster.local\nworkloads:\n");
+    for w in workloads {
+        yaml.push_str(&format!(
+            "  - name: {}\n    namespace: {}\n    serviceAccount: {}\n    ips: [\"{}\"]\n    node: {}\n    dataplaneMode: {}\n",
+            w.name,
+            w.namespace,
+            w.service_account,
+            w.ip,
+            w.node,
+            if w.ambient { "ambient" } else { "none" }
+        ));
+        if let Some(netns) = &w.netns {
+            yaml.push_str(&format!("    netns: {}\n", netns.display()));
+        }
+    }
+    yaml
+}
+
+/// A running `shunt agent` in a node's netns.
+pub struct Agent {
+    child: Option<Child>,
+    node: Node,
+    dir: PathBuf,
+    pin_dir: PathBuf,
+}
+
+impl Agent {
+    /// Starts the agent for `node` on a workloads file with `yaml`, and waits
+    /// (bounded) until its admin API answers.
+    pub fn start(
+        topology: &Topology,
+        node: &Node,
+        yaml: &str,
+        extra_args: &[&str],
+    ) -> Result<Agent> {
+        sweep_stale_pins();
+        let dir = std::env::temp_dir().join(format!("{}-{}", topology.prefix(), node.name()));
+        fs::create_dir_all(&dir)
+            .map_err(|e| TestbedError::io(format!("creating {}", dir.display()), e))?;
+        let pin_dir = Path::new(BPF_ROOT).join(format!("{}-{}", topology.prefix(), node.name()));
+        let mut agent = Agent {
+            child: None,
+            node: node.clone(),
+            dir,
+            pin_dir,
+        };
+        agent.write_workloads(yaml)?;
+        agent.spawn(extra_args)?;
+        agent.wait_for("the admin API to answer", Duration::from_secs(20), |_| true)?;
+        Ok(agent)
+    }
+
+    /// Starts the agent again (after [`Agent::kill`] or [`Agent::stop`]), on
+    /// the same workloads file and pin dir.
+    pub fn restart(&mut self, extra_args: &[&str]) -> Result<()> {
+        self.spawn(extra_args)?;
+        self.wait_for("the admin API to answer", Duration::from_secs(20), |_| true)?;
+        Ok(())
+    }
+
+    fn spawn(&mut self, extra_args: &[&str]) -> Result<()> {
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .map_err(|e| TestbedError::io("opening the agent log", e))?;
+        let log_err = log
+            .try_clone()
+            .map_err(|e| TestbedError::io("opening the agent log", e))?;
+        let binary = shunt_binary()?;
+        let mut cmd = self.node.command(&binary);
+        cmd.arg("agent")
+            .args(["--node-name", self.node.name()])
+            .arg("--workloads")
+            .arg(self.workloads_path())
+            .arg("--bpf-pin-dir")
+            .arg(&self.pin_dir)
+            .args(["--reload-interval", "1"])
+            .args(extra_args)
+            .env("RUST_LOG", "info,shunt=debug,shunt_ebpf=debug")
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err);
+        let child = cmd.spawn().map_err(|source| TestbedError::Spawn {
+            command: format!("{} agent", binary.display()),
+            source,
+        })?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    pub fn workloads_path(&self) -> PathBuf {
+        self.dir.join("workloads.yaml")
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.join("agent.log")
+    }
+
+    pub fn pin_dir(&self) -> &Path {
+        &self.pin_dir
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Replaces the workloads file (atomically, so the agent never reads a
+    /// half-written file).
+    pub fn write_workloads(&self, yaml: &str) -> Result<()> {
+        let tmp = self.dir.join("workloads.yaml.tmp");
+        let write = || -> std::io::Result<()> {
+            let mut file = fs::File::create(&tmp)?;
+            file.write_all(yaml.as_bytes())?;
+            file.sync_all()?;
+            fs::rename(&tmp, self.workloads_path())
+        };
+        write().map_err(|e| TestbedError::io("writing the workloads file", e))
+    }
+
+    /// Everything the agent logged so far.
+    pub fn logs(&self) -> String {
+        fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    /// The agent's view of its node, from its admin API.
+    pub fn status(&self) -> Result<NodeStatus> {
+        let addr: SocketAddr = ADMIN_ADDR
+            .parse()
+            .map_err(|_| TestbedError::Invalid(format!("bad admin address {ADMIN_ADDR}")))?;
+        self.node
+            .run(move || shunt::status::fetch(addr))?
+            .map_err(|e| TestbedError::Invalid(e.to_string()))
+    }
+
+    /// Polls the status until `done` holds, failing after `timeout` with the
+    /// last status (or error) and the agent's log.
+    pub fn wait_for(
+        &mut self,
+        what: &str,
+        timeout: Duration,
+        done: impl Fn(&NodeStatus) -> bool,
+    ) -> Result<NodeStatus> {
+        let start = Instant::now();
+        let mut last = String::from("no answer yet");
+        while start.elapsed() < timeout {
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                return Err(TestbedError::Invalid(format!(
+                    "the agent exited ({status}) while waiting for {what}; its log:\n{}",
+                    self.logs()
+                )));
+            }
+            match self.status() {
+                Ok(status) if done(&status) => return Ok(status),
+                Ok(status) => last = format!("{status:?}"),
+                Err(e) => last = e.to_string(),
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Err(TestbedError::Invalid(format!(
+            "timed out after {timeout:?} waiting for {what}; last status: {last}; agent log:\n{}",
+            self.logs()
+        )))
+    }
+
+    /// SIGTERM, then waits (bounded) for a clean exit.
+    pub fn stop(&mut self) -> Result<ExitStatus> {
+        self.signal_and_wait(Signal::SIGTERM, Duration::from_secs(15))
+    }
+
+    /// SIGKILL: the agent gets no chance to clean up.
+    pub fn kill(&mut self) -> Result<ExitStatus> {
+        self.signal_and_wait(Signal::SIGKILL, Duration::from_secs(5))
+    }
+
+    fn signal_and_wait(&mut self, signal: Signal, timeout: Duration) -> Result<ExitStatus> {
+        let Some(mut child) = self.child.take() else {
+            return Err(TestbedError::Invalid("the agent is not running".into()));
+        };
+        let pid = Pid::from_raw(child.id() as i32);
+        let _ = kill(pid, signal);
+        let start = Instant::now();
+        loop {
+            match child.try_wait() {
+                Ok(Some(status)) => return Ok(status),
+                Ok(None) if start.elapsed() < timeout => {
+                    std::thread::sleep(Duration::from_millis(50))
+                }
+                _ => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(TestbedError::Invalid(format!(
+                        "the agent did not exit within {timeout:?} of {signal}; log:\n{}",
+                        self.logs()
+                    )));
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // Our own child, by PID.
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if let Err(e) = fs::remove_dir_all(&self.pin_dir)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            crate::warn(format_args!(
+                "cannot remove pin dir {}: {e}",
+                self.pin_dir.display()
+            ));
+        }
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Removes pin dirs of test agents whose topology is gone (a killed run
+/// never reached `Drop`).
+fn sweep_stale_pins() {
+    let Ok(entries) = fs::read_dir(BPF_ROOT) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if crate::names::is_stale(&entry.file_name().to_string_lossy()) {
+            let _ = fs::remove_dir_all(entry.path());
+        }
+    }
+}
