@@ -1,6 +1,6 @@
 //! Types and constants shared by the eBPF programs (`shunt-ebpf`) and the
-//! userspace agent (`shunt`). Everything here is `#[repr(C)]` and plain old
-//! data: the same bytes are read by the kernel and by userspace.
+//! userspace agent (`shunt`). Everything here is `#[repr(C)]` plain old data
+//! without padding: the same bytes are read by the kernel and by userspace.
 #![no_std]
 
 /// Proxy listener for traffic a pod sends out (cgroup connect redirects here).
@@ -20,23 +20,56 @@ pub const PORT_READINESS: u16 = 15021;
 /// captured.
 pub const PROXY_MARK: u32 = 0x539;
 
+/// Istio's kubelet health-probe source address: probes from it reach the
+/// application directly. 169.254.7.127.
+pub const DEFAULT_PROBE_SOURCE_V4: [u8; 4] = [169, 254, 7, 127];
+
 /// Largest number of pods one agent can enrol (size of the enrolment map and
-/// of the counter array).
+/// of the per-pod arrays).
 pub const MAX_PODS: u32 = 4096;
+
+/// Excluded ports per pod and direction (fixed size: the programs loop over
+/// them with a bound).
+pub const MAX_EXCLUDED_PORTS: usize = 8;
+/// Excluded outbound IPv4 CIDRs per pod.
+pub const MAX_EXCLUDED_CIDRS: usize = 4;
+
+/// Original destinations remembered at once (LRU: the proxy reads an entry
+/// right after accept; old ones are evicted, never leak).
+pub const MAX_ORIGINAL_DSTS: u32 = 65536;
 
 /// Names of the maps, as they appear in the ELF object and under the pin dir.
 pub mod maps {
     /// `HashMap<u64 netns cookie, PodSlot>`: which network namespaces are
-    /// enrolled, and which counter slot each owns (the agent's record; the
-    /// socket-level programs key on it).
+    /// enrolled, and which slot each owns. The socket programs key on it.
     pub const ENROLLED: &str = "SHUNT_ENROLLED";
     /// `PerCpuArray<PodCounters>` indexed by `PodSlot::slot`.
     pub const POD_COUNTERS: &str = "SHUNT_POD_COUNTERS";
+    /// `Array<PodConfig>` indexed by `PodSlot::slot`.
+    pub const POD_CONFIG: &str = "SHUNT_POD_CONFIG";
+    /// `Array<GlobalConfig>` with one entry.
+    pub const CONFIG: &str = "SHUNT_CONFIG";
+    /// `LruHashMap<u64 socket cookie, OriginalDst>`: written at connect,
+    /// moved to [`ORIGINAL_DST`] once the socket's local port is known.
+    pub const ORIGINAL_DST_BY_COOKIE: &str = "SHUNT_ORIG_BY_COOKIE";
+    /// `LruHashMap<SockKey, OriginalDst>`: where the connection that the
+    /// proxy accepted from `SockKey` was going.
+    pub const ORIGINAL_DST: &str = "SHUNT_ORIG_DST";
+
+    /// Every map the agent pins (and every pod's program instance shares).
+    pub const ALL: [&str; 6] = [
+        ENROLLED,
+        POD_COUNTERS,
+        POD_CONFIG,
+        CONFIG,
+        ORIGINAL_DST_BY_COOKIE,
+        ORIGINAL_DST,
+    ];
 }
 
 /// Names of the globals the agent sets when it loads a pod's instance.
 pub mod globals {
-    /// `u32`: the pod's counter slot, baked into its TC programs.
+    /// `u32`: the pod's slot, baked into its TC programs.
     pub const POD_SLOT: &str = "POD_SLOT";
     /// `u8`: the most verbose aya-log level the programs emit.
     pub const LOG_LEVEL: &str = "AYA_LOG_LEVEL";
@@ -52,22 +85,101 @@ pub mod programs {
     pub const TC_POD_INGRESS: &str = "shunt_tc_ingress";
     /// TC egress classifier on a pod's `eth0`.
     pub const TC_POD_EGRESS: &str = "shunt_tc_egress";
+    /// `cgroup/connect4` on the cgroup root.
+    pub const CONNECT4: &str = "shunt_connect4";
+    /// `cgroup/connect6` on the cgroup root.
+    pub const CONNECT6: &str = "shunt_connect6";
+    /// `sockops` on the cgroup root.
+    pub const SOCKOPS: &str = "shunt_sockops";
 }
 
-/// Value of the enrolment map: where this pod's counters live.
+/// Value of the enrolment map.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PodSlot {
-    /// Index into [`maps::POD_COUNTERS`]; below [`MAX_PODS`].
+    /// Index into the per-pod arrays; below [`MAX_PODS`].
     pub slot: u32,
-    /// Reserved flags (zero today); keeps the struct 8-byte sized and lets
-    /// redirection options grow without changing the key.
+    /// Reserved (zero).
     pub flags: u32,
 }
 
-/// Per-pod traffic counters kept by the TC programs on the pod's `eth0`.
-/// "in" is traffic arriving at the pod, "out" traffic leaving it; bytes are
-/// whole L2 frames as the device sees them (`skb->len`).
+/// What a pod's redirection does; indexed by slot.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PodConfig {
+    /// [`PodConfig::REDIRECT_OUTBOUND`] | [`PodConfig::REDIRECT_INBOUND`].
+    pub flags: u32,
+    /// Number of valid entries in `excluded_cidrs_v4`.
+    pub excluded_cidr_count: u32,
+    /// Destination ports an outbound connect keeps (host order, 0 = unused).
+    pub excluded_outbound_ports: [u16; MAX_EXCLUDED_PORTS],
+    /// Local ports inbound traffic reaches directly (host order, 0 = unused).
+    pub excluded_inbound_ports: [u16; MAX_EXCLUDED_PORTS],
+    /// Outbound destinations that are not redirected.
+    pub excluded_cidrs_v4: [Cidr4; MAX_EXCLUDED_CIDRS],
+}
+
+impl PodConfig {
+    /// Outbound TCP connects go to the proxy's 15001.
+    pub const REDIRECT_OUTBOUND: u32 = 1;
+    /// Inbound plaintext TCP goes to the proxy's 15006.
+    pub const REDIRECT_INBOUND: u32 = 2;
+}
+
+/// An IPv4 prefix, both fields in network byte order as the kernel gives
+/// addresses to the programs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cidr4 {
+    pub addr: u32,
+    pub mask: u32,
+}
+
+impl Cidr4 {
+    pub fn contains(&self, addr_be: u32) -> bool {
+        addr_be & self.mask == self.addr & self.mask
+    }
+}
+
+/// Settings of the whole agent (one entry).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GlobalConfig {
+    /// Health-probe source whose traffic is never steered (network order).
+    pub probe_source_v4: u32,
+    pub flags: u32,
+}
+
+/// Where an application's connection was going before connect() was
+/// rewritten. Addresses in network order (IPv4 in `addr[0]`), port in host
+/// order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OriginalDst {
+    pub addr: [u32; 4],
+    pub port: u16,
+    /// `AF_INET` (2) or `AF_INET6` (10).
+    pub family: u16,
+}
+
+/// A socket's local end inside a netns: how the proxy finds the original
+/// destination of a connection it accepted (the peer of the accepted socket
+/// is the application's local end).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockKey {
+    pub netns_cookie: u64,
+    /// Network order; IPv4 in `addr[0]`, the rest zero.
+    pub addr: [u32; 4],
+    /// Host order.
+    pub port: u32,
+    /// `AF_INET` (2) or `AF_INET6` (10).
+    pub family: u32,
+}
+
+/// Per-pod counters kept by the programs. "in" is traffic arriving at the
+/// pod, "out" traffic leaving it; bytes are whole frames as `eth0` sees
+/// them (`skb->len`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PodCounters {
@@ -75,22 +187,71 @@ pub struct PodCounters {
     pub bytes_in: u64,
     pub packets_out: u64,
     pub bytes_out: u64,
+    /// Outbound connects rewritten to the proxy.
+    pub outbound_redirected: u64,
+    /// Inbound connections (SYNs) steered to the proxy.
+    pub inbound_redirected: u64,
+    /// Outbound connects refused because no proxy listener was there.
+    pub outbound_fail_closed: u64,
+    /// Inbound packets dropped because no proxy listener was there.
+    pub inbound_fail_closed: u64,
+    /// Payload bytes moved between app and proxy sockets by sk_msg.
+    pub spliced_bytes: u64,
 }
 
 impl PodCounters {
-    /// Sum of per-CPU values.
+    /// Adds `other` (per-CPU values are summed this way).
     pub fn add(&mut self, other: &PodCounters) {
         self.packets_in += other.packets_in;
         self.bytes_in += other.bytes_in;
         self.packets_out += other.packets_out;
         self.bytes_out += other.bytes_out;
+        self.outbound_redirected += other.outbound_redirected;
+        self.inbound_redirected += other.inbound_redirected;
+        self.outbound_fail_closed += other.outbound_fail_closed;
+        self.inbound_fail_closed += other.inbound_fail_closed;
+        self.spliced_bytes += other.spliced_bytes;
     }
 }
 
 #[cfg(feature = "user")]
 mod user {
-    // SAFETY: both types are `#[repr(C)]`, contain only integers, and have no
-    // padding, so any bit pattern is valid.
+    // SAFETY: each type is `#[repr(C)]`, contains only integers (or arrays
+    // and structs of them) laid out without padding, so any bit pattern is a
+    // valid value.
     unsafe impl aya::Pod for super::PodSlot {}
     unsafe impl aya::Pod for super::PodCounters {}
+    unsafe impl aya::Pod for super::PodConfig {}
+    unsafe impl aya::Pod for super::Cidr4 {}
+    unsafe impl aya::Pod for super::GlobalConfig {}
+    unsafe impl aya::Pod for super::OriginalDst {}
+    unsafe impl aya::Pod for super::SockKey {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_have_no_padding() {
+        assert_eq!(core::mem::size_of::<PodSlot>(), 8);
+        assert_eq!(core::mem::size_of::<PodCounters>(), 9 * 8);
+        assert_eq!(core::mem::size_of::<Cidr4>(), 8);
+        assert_eq!(
+            core::mem::size_of::<PodConfig>(),
+            8 + 2 * 2 * MAX_EXCLUDED_PORTS + 8 * MAX_EXCLUDED_CIDRS
+        );
+        assert_eq!(core::mem::size_of::<OriginalDst>(), 20);
+        assert_eq!(core::mem::size_of::<SockKey>(), 32);
+    }
+
+    #[test]
+    fn cidr_matches_by_prefix() {
+        let net = Cidr4 {
+            addr: u32::from_be_bytes([198, 18, 0, 0]).to_be(),
+            mask: u32::from_be_bytes([255, 254, 0, 0]).to_be(),
+        };
+        assert!(net.contains(u32::from_be_bytes([198, 19, 3, 4]).to_be()));
+        assert!(!net.contains(u32::from_be_bytes([198, 20, 0, 1]).to_be()));
+    }
 }

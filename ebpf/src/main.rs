@@ -1,9 +1,13 @@
-//! shunt's kernel side. Every program here acts only on pods that the agent
-//! enrolled: a pod is enrolled when its network namespace's cookie is a key of
-//! `SHUNT_ENROLLED`. Everything else passes untouched.
+//! shunt's kernel side. Every program here acts only on enrolled pods: the
+//! socket programs find the pod by its network namespace's cookie in
+//! `SHUNT_ENROLLED`; the TC programs are loaded per pod with its slot baked
+//! in. Everything else passes untouched.
 #![no_std]
 #![no_main]
 
+mod connect;
+mod maps;
+mod sockops;
 mod tc_pod;
 
 #[cfg(not(test))]

@@ -1,40 +1,34 @@
-//! TC programs on an enrolled pod's `eth0` (inside the pod's netns).
+//! TC programs on an enrolled pod's `eth0` (inside the pod's netns): they
+//! count the pod's traffic and steer inbound plaintext TCP to the proxy.
 //!
 //! Every enrolled pod gets its own instance of these programs, loaded with
-//! `POD_SLOT` fixed to the pod's counter slot. A per-packet map lookup cannot
-//! find the pod instead: `bpf_get_netns_cookie()` on an skb answers for the
+//! `POD_SLOT` fixed to the pod's slot. A per-packet map lookup cannot find
+//! the pod instead: `bpf_get_netns_cookie()` on an skb answers for the
 //! packet's socket, and arriving packets have none yet (measured: it returned
 //! the wrong namespace on ingress), while ifindexes repeat across pod
 //! namespaces. Baking the slot in costs one program load per pod and nothing
 //! per packet.
-//!
-//! Today they count the pod's traffic in each direction; inbound steering to
-//! the proxy (`bpf_sk_assign`) grows here.
 
 use aya_ebpf::{
     Global,
-    bindings::TC_ACT_OK,
-    macros::{classifier, map},
-    maps::{HashMap, PerCpuArray},
+    bindings::{
+        BPF_F_CURRENT_NETNS, BPF_TCP_LISTEN, TC_ACT_OK, TC_ACT_SHOT, bpf_sock, bpf_sock_tuple,
+        bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1 as Tuple4,
+        bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2 as Tuple6,
+    },
+    helpers::{bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
+    macros::classifier,
     programs::TcContext,
 };
 use aya_log_ebpf::debug;
-use shunt_common::{MAX_PODS, PodCounters, PodSlot};
+use shunt_common::{PORT_HBONE, PORT_INBOUND_PLAINTEXT, PodConfig, PodCounters};
 
-/// The counter slot of the pod this instance was loaded for (set by the
-/// agent at load time; `u32::MAX` means "no pod").
+use crate::maps::{CONFIG, POD_CONFIG, counters};
+
+/// The slot of the pod this instance was loaded for (set by the agent at
+/// load time; `u32::MAX` means "no pod").
 #[unsafe(no_mangle)]
 static POD_SLOT: Global<u32> = Global::new(u32::MAX);
-
-/// netns cookie → counter slot: the record of which namespaces are enrolled,
-/// written by the agent. The socket-level programs (connect, sockops) key on
-/// it; the TC programs use their baked-in slot.
-#[map(name = "SHUNT_ENROLLED")]
-static ENROLLED: HashMap<u64, PodSlot> = HashMap::with_max_entries(MAX_PODS, 0);
-
-/// Per-pod counters, per CPU (no atomics on the BPF target).
-#[map(name = "SHUNT_POD_COUNTERS")]
-static POD_COUNTERS: PerCpuArray<PodCounters> = PerCpuArray::with_max_entries(MAX_PODS, 0);
 
 const ETH_HDR_LEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
@@ -43,89 +37,213 @@ const IPPROTO_TCP: u8 = 6;
 const TCP_FLAG_SYN: u8 = 0x02;
 const TCP_FLAG_ACK: u8 = 0x10;
 
-#[derive(Clone, Copy)]
-enum Direction {
-    In,
-    Out,
-}
-
 /// Hook: TC ingress (clsact) on an enrolled pod's `eth0` — packets arriving
-/// at the pod. Matches every packet and counts it in the pod's slot. Miss
-/// path (an instance loaded without a slot): `TC_ACT_OK`, untouched. Never
-/// drops or changes a packet.
+/// at the pod. Counts every packet. When the pod's inbound redirection is on,
+/// a TCP packet to the pod that belongs to no existing connection (a new
+/// connection) is assigned to the proxy's 15006 listener with
+/// `bpf_sk_assign`, keeping its destination, so the accepted socket's local
+/// address is the original one. Never steered: port 15008 (HBONE, the proxy
+/// binds it), the health-probe source, excluded ports. No proxy listener:
+/// the packet is dropped and counted (fail closed). Miss path: `TC_ACT_OK`.
 #[classifier]
 pub fn shunt_tc_ingress(ctx: TcContext) -> i32 {
-    count(&ctx, Direction::In);
-    TC_ACT_OK
+    let slot = POD_SLOT.load();
+    // Out of range (including "no pod") fails the lookup: the miss path.
+    let Some(stats) = counters(slot) else {
+        return TC_ACT_OK;
+    };
+    stats.packets_in += 1;
+    stats.bytes_in += u64::from(ctx.len());
+    let Some(config) = POD_CONFIG.get(slot) else {
+        return TC_ACT_OK;
+    };
+    if config.flags & PodConfig::REDIRECT_INBOUND == 0 {
+        return TC_ACT_OK;
+    }
+    match parse_tcp(&ctx) {
+        Some(packet) => steer_inbound(&ctx, slot, config, stats, &packet),
+        None => TC_ACT_OK,
+    }
 }
 
 /// Hook: TC egress (clsact) on an enrolled pod's `eth0` — packets the pod
-/// sends. Same matching and counting as ingress; always `TC_ACT_OK`.
+/// sends. Counts every packet (and logs connection starts at debug level);
+/// always `TC_ACT_OK`.
 #[classifier]
 pub fn shunt_tc_egress(ctx: TcContext) -> i32 {
-    count(&ctx, Direction::Out);
+    let slot = POD_SLOT.load();
+    let Some(stats) = counters(slot) else {
+        return TC_ACT_OK;
+    };
+    stats.packets_out += 1;
+    stats.bytes_out += u64::from(ctx.len());
+    if let Some(packet) = parse_tcp(&ctx)
+        && packet.flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN
+    {
+        debug!(&ctx, "pod slot {}: new TCP connection out to port {}", slot, packet.dport);
+    }
+    TC_ACT_OK
+}
+
+/// The fields of a TCP packet the programs act on. Addresses and ports in
+/// network order, as the socket lookup wants them.
+struct TcpPacket {
+    v6: bool,
+    saddr: [u32; 4],
+    daddr: [u32; 4],
+    sport_be: u16,
+    dport_be: u16,
+    /// Host order, for comparisons and logs.
+    dport: u16,
+    flags: u8,
+}
+
+/// Parses Ethernet + IPv4/IPv6 (no extension headers) + TCP.
+#[inline(always)]
+fn parse_tcp(ctx: &TcContext) -> Option<TcpPacket> {
+    let ethertype = u16::from_be(ctx.load::<u16>(12).ok()?);
+    let (v6, proto, saddr, daddr, l4) = match ethertype {
+        ETH_P_IP => {
+            let ver_ihl = ctx.load::<u8>(ETH_HDR_LEN).ok()?;
+            let proto = ctx.load::<u8>(ETH_HDR_LEN + 9).ok()?;
+            let saddr = ctx.load::<u32>(ETH_HDR_LEN + 12).ok()?;
+            let daddr = ctx.load::<u32>(ETH_HDR_LEN + 16).ok()?;
+            let l4 = ETH_HDR_LEN + usize::from(ver_ihl & 0x0f) * 4;
+            (false, proto, [saddr, 0, 0, 0], [daddr, 0, 0, 0], l4)
+        }
+        ETH_P_IPV6 => {
+            let proto = ctx.load::<u8>(ETH_HDR_LEN + 6).ok()?;
+            let saddr = ctx.load::<[u32; 4]>(ETH_HDR_LEN + 8).ok()?;
+            let daddr = ctx.load::<[u32; 4]>(ETH_HDR_LEN + 24).ok()?;
+            (true, proto, saddr, daddr, ETH_HDR_LEN + 40)
+        }
+        _ => return None,
+    };
+    if proto != IPPROTO_TCP {
+        return None;
+    }
+    let sport_be = ctx.load::<u16>(l4).ok()?;
+    let dport_be = ctx.load::<u16>(l4 + 2).ok()?;
+    let flags = ctx.load::<u8>(l4 + 13).ok()?;
+    Some(TcpPacket {
+        v6,
+        saddr,
+        daddr,
+        sport_be,
+        dport_be,
+        dport: u16::from_be(dport_be),
+        flags,
+    })
+}
+
+#[inline(always)]
+fn steer_inbound(
+    ctx: &TcContext,
+    slot: u32,
+    config: &PodConfig,
+    stats: &mut PodCounters,
+    packet: &TcpPacket,
+) -> i32 {
+    if packet.dport == PORT_HBONE || packet.dport == PORT_INBOUND_PLAINTEXT {
+        return TC_ACT_OK;
+    }
+    if config
+        .excluded_inbound_ports
+        .iter()
+        .any(|&p| p != 0 && p == packet.dport)
+    {
+        return TC_ACT_OK;
+    }
+    if !packet.v6
+        && let Some(global) = CONFIG.get(0)
+        && global.probe_source_v4 != 0
+        && packet.saddr[0] == global.probe_source_v4
+    {
+        return TC_ACT_OK;
+    }
+    // A packet of an existing connection (or handshake in progress) is left
+    // to the kernel's own lookup, which finds the same socket.
+    let mut tuple = tuple_of(packet, packet.dport_be);
+    let existing = lookup(ctx, &mut tuple, packet.v6);
+    if !existing.is_null() {
+        // SAFETY: non-null socket from the lookup, released right after.
+        let state = unsafe { (*existing).state };
+        unsafe { bpf_sk_release(existing.cast()) };
+        if state != BPF_TCP_LISTEN {
+            return TC_ACT_OK;
+        }
+    }
+    // A new connection: hand it to the proxy's listener. Only a SYN can
+    // start one; anything else without a socket is the kernel's to refuse.
+    if packet.flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) != TCP_FLAG_SYN {
+        return TC_ACT_OK;
+    }
+    let mut tuple = tuple_of(packet, PORT_INBOUND_PLAINTEXT.to_be());
+    let proxy = lookup(ctx, &mut tuple, packet.v6);
+    if proxy.is_null() {
+        stats.inbound_fail_closed += 1;
+        debug!(ctx, "pod slot {}: no inbound listener; dropped SYN to port {}", slot, packet.dport);
+        return TC_ACT_SHOT;
+    }
+    // SAFETY: non-null socket from the lookup; released on every path.
+    let assigned = unsafe {
+        let listening = (*proxy).state == BPF_TCP_LISTEN;
+        let result = if listening {
+            bpf_sk_assign(ctx.skb.skb.cast(), proxy.cast(), 0)
+        } else {
+            -1
+        };
+        bpf_sk_release(proxy.cast());
+        result == 0
+    };
+    if !assigned {
+        stats.inbound_fail_closed += 1;
+        return TC_ACT_SHOT;
+    }
+    stats.inbound_redirected += 1;
     TC_ACT_OK
 }
 
 #[inline(always)]
-fn count(ctx: &TcContext, direction: Direction) {
-    let slot = POD_SLOT.load();
-    // Out of range (including "no pod") fails the lookup: the miss path.
-    let Some(counters) = POD_COUNTERS.get_ptr_mut(slot) else {
-        return;
-    };
-    let len = u64::from(ctx.len());
-    // SAFETY: per-CPU slot, only this CPU writes it while this program runs.
-    let counters = unsafe { &mut *counters };
-    match direction {
-        Direction::In => {
-            counters.packets_in += 1;
-            counters.bytes_in += len;
-        }
-        Direction::Out => {
-            counters.packets_out += 1;
-            counters.bytes_out += len;
-        }
-    }
-    if is_tcp_syn(ctx) {
-        let dir = match direction {
-            Direction::In => "in",
-            Direction::Out => "out",
+fn tuple_of(packet: &TcpPacket, dport_be: u16) -> bpf_sock_tuple {
+    // SAFETY: zeroed is a valid tuple; the union member written matches the
+    // size passed to the lookup.
+    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
+    if packet.v6 {
+        tuple.__bindgen_anon_1.ipv6 = Tuple6 {
+            saddr: packet.saddr,
+            daddr: packet.daddr,
+            sport: packet.sport_be,
+            dport: dport_be,
         };
-        debug!(ctx, "pod slot {}: new TCP connection {}", slot, dir);
+    } else {
+        tuple.__bindgen_anon_1.ipv4 = Tuple4 {
+            saddr: packet.saddr[0],
+            daddr: packet.daddr[0],
+            sport: packet.sport_be,
+            dport: dport_be,
+        };
     }
+    tuple
 }
 
-/// True for the first segment of a TCP handshake (SYN without ACK), IPv4 or
-/// IPv6 without extension headers. Used only to log connection starts.
+/// A TCP socket (full, request or listener) in this netns matching `tuple`;
+/// the caller must release a non-null result.
 #[inline(always)]
-fn is_tcp_syn(ctx: &TcContext) -> bool {
-    let Ok(eth_proto) = ctx.load::<u16>(12) else {
-        return false;
+fn lookup(ctx: &TcContext, tuple: &mut bpf_sock_tuple, v6: bool) -> *mut bpf_sock {
+    let size = if v6 {
+        core::mem::size_of::<Tuple6>()
+    } else {
+        core::mem::size_of::<Tuple4>()
     };
-    let (proto, l4_offset) = match u16::from_be(eth_proto) {
-        ETH_P_IP => {
-            let Ok(ver_ihl) = ctx.load::<u8>(ETH_HDR_LEN) else {
-                return false;
-            };
-            let Ok(proto) = ctx.load::<u8>(ETH_HDR_LEN + 9) else {
-                return false;
-            };
-            (proto, ETH_HDR_LEN + usize::from(ver_ihl & 0x0f) * 4)
-        }
-        ETH_P_IPV6 => {
-            let Ok(next_header) = ctx.load::<u8>(ETH_HDR_LEN + 6) else {
-                return false;
-            };
-            (next_header, ETH_HDR_LEN + 40)
-        }
-        _ => return false,
-    };
-    if proto != IPPROTO_TCP {
-        return false;
-    }
-    match ctx.load::<u8>(l4_offset + 13) {
-        Ok(flags) => flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN,
-        Err(_) => false,
+    // SAFETY: the tuple lives on the stack for the call.
+    unsafe {
+        bpf_skc_lookup_tcp(
+            ctx.skb.skb.cast(),
+            tuple,
+            size as u32,
+            BPF_F_CURRENT_NETNS as u64,
+            0,
+        )
     }
 }

@@ -102,6 +102,7 @@ pub struct Agent {
     node: Node,
     dir: PathBuf,
     pin_dir: PathBuf,
+    cgroup_root: PathBuf,
 }
 
 impl Agent {
@@ -118,11 +119,15 @@ impl Agent {
         fs::create_dir_all(&dir)
             .map_err(|e| TestbedError::io(format!("creating {}", dir.display()), e))?;
         let pin_dir = Path::new(BPF_ROOT).join(format!("{}-{}", topology.prefix(), node.name()));
+        // The socket programs attach to the topology's own cgroup, never to
+        // the machine's root.
+        let cgroup_root = topology.cgroup_root()?;
         let mut agent = Agent {
             child: None,
             node: node.clone(),
             dir,
             pin_dir,
+            cgroup_root,
         };
         agent.write_workloads(yaml)?;
         agent.spawn(extra_args)?;
@@ -155,6 +160,8 @@ impl Agent {
             .arg(self.workloads_path())
             .arg("--bpf-pin-dir")
             .arg(&self.pin_dir)
+            .arg("--cgroup-root")
+            .arg(&self.cgroup_root)
             .args(["--reload-interval", "1"])
             .args(extra_args)
             .env("RUST_LOG", "info,shunt=debug,shunt_ebpf=debug")
@@ -179,6 +186,12 @@ impl Agent {
 
     pub fn pin_dir(&self) -> &Path {
         &self.pin_dir
+    }
+
+    /// The cgroup the agent's socket programs are attached to; processes
+    /// placed below it (see [`crate::Cgroup`]) are captured.
+    pub fn cgroup_root(&self) -> &Path {
+        &self.cgroup_root
     }
 
     pub fn pid(&self) -> Option<u32> {
@@ -309,6 +322,38 @@ fn sweep_stale_pins() {
     for entry in entries.flatten() {
         if crate::names::is_stale(&entry.file_name().to_string_lossy()) {
             let _ = fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+/// A bpf pin dir for a redirector a test runs in-process; removed (which
+/// also detaches the pinned socket-program links) on drop.
+pub struct PinDir {
+    path: PathBuf,
+}
+
+impl PinDir {
+    pub fn new(topology: &Topology, name: &str) -> PinDir {
+        sweep_stale_pins();
+        PinDir {
+            path: Path::new(BPF_ROOT).join(format!("{}-{name}", topology.prefix())),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for PinDir {
+    fn drop(&mut self) {
+        if let Err(e) = fs::remove_dir_all(&self.path)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            crate::warn(format_args!(
+                "cannot remove pin dir {}: {e}",
+                self.path.display()
+            ));
         }
     }
 }

@@ -21,7 +21,8 @@ use crate::{
     control::local,
     redirect::{
         PodTarget, RedirectMode, Redirector,
-        ebpf::{EbpfRedirector, LoadError},
+        Capture,
+        ebpf::{EbpfOptions, EbpfRedirector, LoadError},
     },
     state::{TrustDomain, Workload, WorkloadKey},
 };
@@ -29,18 +30,14 @@ use crate::{
 /// Errors that stop the agent from starting.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
-    #[error(
-        "no pod source: the Kubernetes watch is not built yet; pass --workloads FILE (see `shunt agent --help`)"
-    )]
-    NoSource,
+    #[error("Kubernetes pod source: {0}")]
+    Kube(#[from] crate::control::kube::KubeSourceError),
     #[error(transparent)]
     Workloads(#[from] local::WorkloadsFileError),
     #[error("eBPF redirection: {0}")]
     Ebpf(#[from] LoadError),
-    #[error(
-        "the iptables redirection mode is not implemented yet; use --redirect ebpf (or auto) on a kernel with eBPF support"
-    )]
-    IptablesNotImplemented,
+    #[error("iptables redirection: {0}")]
+    Iptables(#[from] crate::redirect::iptables::IptablesError),
     #[error("--cgroup-root {path}: {problem}")]
     CgroupRoot { path: PathBuf, problem: String },
     #[error("admin API on {addr}: {source}")]
@@ -57,16 +54,24 @@ pub struct NodeAgent {
     node: String,
     trust_domain: TrustDomain,
     redirector: Box<dyn Redirector>,
+    /// What each enrolled pod sends to the proxy.
+    capture: Capture,
     /// Every pod of this node, with what happened to it.
     pods: BTreeMap<WorkloadKey, (Workload, PodState)>,
 }
 
 impl NodeAgent {
-    pub fn new(node: String, trust_domain: TrustDomain, redirector: Box<dyn Redirector>) -> Self {
+    pub fn new(
+        node: String,
+        trust_domain: TrustDomain,
+        redirector: Box<dyn Redirector>,
+        capture: Capture,
+    ) -> Self {
         Self {
             node,
             trust_domain,
             redirector,
+            capture,
             pods: BTreeMap::new(),
         }
     }
@@ -121,6 +126,7 @@ impl NodeAgent {
         let target = PodTarget {
             key: key.clone(),
             netns: netns.clone(),
+            capture: self.capture.clone(),
         };
         match self.redirector.enrol(&target) {
             Ok(()) => PodState::Enrolled,
@@ -132,7 +138,16 @@ impl NodeAgent {
     }
 
     fn is_enrolled(&self, key: &WorkloadKey) -> bool {
-        self.redirector.list().iter().any(|p| &p.key == key)
+        self.redirector.is_enrolled(key)
+    }
+
+    /// Removes what a previous agent left for pods this one was not given.
+    /// Call after the first full reconcile.
+    pub fn remove_stale(&mut self) {
+        let removed = self.redirector.remove_stale();
+        if removed > 0 {
+            info!(removed, "cleaned up pods a previous agent had enrolled");
+        }
     }
 
     /// Unenrols every pod (agent shutdown).
@@ -148,6 +163,16 @@ impl NodeAgent {
                 *state = PodState::Pending("agent stopped".into());
             }
         }
+    }
+
+    /// What the last reconcile did with each pod of this node. Cheap (no
+    /// kernel reads, unlike [`NodeAgent::status`]): the Kubernetes source
+    /// reads it after every reconcile to set the pods' status annotation.
+    pub fn pod_states(&self) -> BTreeMap<WorkloadKey, PodState> {
+        self.pods
+            .iter()
+            .map(|(key, (_, state))| (key.clone(), state.clone()))
+            .collect()
     }
 
     /// A snapshot for the admin API and `shunt status`.
@@ -200,27 +225,64 @@ pub fn lock(agent: &SharedAgent) -> MutexGuard<'_, NodeAgent> {
 
 /// `shunt agent`: runs until SIGINT or SIGTERM, then unenrols every pod.
 pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
-    let workloads_path = args.workloads.clone().ok_or(AgentError::NoSource)?;
-    let initial = local::load(&workloads_path, &args.node_name)?;
-    info!(
-        file = %workloads_path.display(),
-        workloads = initial.workloads.len(),
-        node = %args.node_name,
-        "workloads file loaded"
-    );
+    let source = match args.workloads.clone() {
+        Some(path) => {
+            let initial = local::load(&path, &args.node_name)?;
+            info!(
+                file = %path.display(),
+                workloads = initial.workloads.len(),
+                node = %args.node_name,
+                "workloads file loaded"
+            );
+            PodSource::File { path, initial }
+        }
+        // Configured before anything is loaded, so that a missing
+        // configuration fails fast.
+        None => PodSource::Kube(crate::control::kube::client().await?),
+    };
+    let trust_domain = match &source {
+        PodSource::File { initial, .. } => initial.trust_domain.clone(),
+        PodSource::Kube(_) => TrustDomain::default(),
+    };
     check_cgroup_root(args.cgroup_root.as_deref())?;
 
-    let mut redirector = match args.redirect {
-        RedirectMode::Auto | RedirectMode::Ebpf => EbpfRedirector::load(&args.bpf_pin_dir)?,
-        RedirectMode::Iptables => return Err(AgentError::IptablesNotImplemented),
+    let iptables = || -> Result<Box<dyn Redirector>, AgentError> {
+        let mut options = crate::redirect::iptables::IptablesOptions::new(args.node_name.clone());
+        options.probe_source = args.probe_source;
+        let iptables = crate::redirect::iptables::IptablesRedirector::new(options)?;
+        info!(mode = "iptables", requested = %args.redirect, backend = %iptables.backend(), "redirection ready: netfilter rules in each pod's netns");
+        Ok(Box::new(iptables))
     };
-    info!(mode = "ebpf", requested = %args.redirect, pin_dir = %args.bpf_pin_dir.display(), "redirection ready: every eBPF hook it needs is available");
-    forward_kernel_logs(&mut redirector);
+    let redirector: Box<dyn Redirector> = match args.redirect {
+        RedirectMode::Iptables => iptables()?,
+        RedirectMode::Auto | RedirectMode::Ebpf => {
+            let options = EbpfOptions {
+                pin_dir: args.bpf_pin_dir.clone(),
+                cgroup_root: args.cgroup_root.clone(),
+                probe_source: args.probe_source,
+            };
+            match EbpfRedirector::load(&options) {
+                Ok(mut ebpf) => {
+                    info!(mode = "ebpf", requested = %args.redirect, pin_dir = %args.bpf_pin_dir.display(), cgroup_root = %ebpf.cgroup_root().display(), "redirection ready: every eBPF hook it needs is available");
+                    forward_kernel_logs(&mut ebpf);
+                    Box::new(ebpf)
+                }
+                // Only a kernel that lacks a hook falls back; any other
+                // failure (bpffs, pins, cgroup) is reported, not papered over.
+                Err(LoadError::Features(missing)) if args.redirect == RedirectMode::Auto => {
+                    warn!(reason = %missing, "eBPF redirection is not possible on this kernel; --redirect auto falls back to iptables");
+                    iptables()?
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    };
 
     let agent: SharedAgent = Arc::new(Mutex::new(NodeAgent::new(
         args.node_name.clone(),
-        initial.trust_domain.clone(),
-        Box::new(redirector),
+        trust_domain,
+        redirector,
+        args.capture.into(),
     )));
     let listener = tokio::net::TcpListener::bind(args.admin_addr)
         .await
@@ -234,8 +296,30 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     let mut sigterm = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
     let mut sigint = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
 
+    let (workloads_path, initial) = match source {
+        PodSource::File { path, initial } => (path, initial),
+        PodSource::Kube(client) => {
+            use crate::control::kube::{KubeOptions, KubeSource, ProcScanResolver};
+            // Pods' netns are found through /proc (the agent runs with hostPID).
+            let source = KubeSource::new(
+                client,
+                KubeOptions::new(args.node_name.clone()),
+                Arc::new(ProcScanResolver::default()),
+            );
+            tokio::select! {
+                _ = sigterm.recv() => info!("SIGTERM: unenrolling every pod"),
+                _ = sigint.recv() => info!("SIGINT: unenrolling every pod"),
+                _ = source.run(agent.clone()) => error!("the Kubernetes source stopped; unenrolling every pod"),
+            }
+            return shutdown(agent).await;
+        }
+    };
     let mut seen = file_stamp(&workloads_path);
     apply(&agent, initial).await;
+    // Every pod the source knows is enrolled now: anything else pinned is a
+    // previous agent's leftover.
+    let agent_for_cleanup = agent.clone();
+    let _ = tokio::task::spawn_blocking(move || lock(&agent_for_cleanup).remove_stale()).await;
     let mut tick = tokio::time::interval(Duration::from_secs(args.reload_interval.max(1)));
     tick.tick().await;
     loop {
@@ -259,8 +343,23 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             }
         }
     }
-    let agent_for_shutdown = agent.clone();
-    let _ = tokio::task::spawn_blocking(move || lock(&agent_for_shutdown).unenrol_all()).await;
+    shutdown(agent).await
+}
+
+/// Where the agent learns its pods.
+enum PodSource {
+    /// `--workloads FILE`, loaded and validated.
+    File {
+        path: PathBuf,
+        initial: local::LocalWorkloads,
+    },
+    /// The Kubernetes API (see `control::kube`).
+    Kube(::kube::Client),
+}
+
+/// Unenrols every pod and reports the agent stopped.
+async fn shutdown(agent: SharedAgent) -> Result<(), AgentError> {
+    let _ = tokio::task::spawn_blocking(move || lock(&agent).unenrol_all()).await;
     info!("agent stopped");
     Ok(())
 }

@@ -59,6 +59,17 @@ pub struct AgentArgs {
     #[arg(long, value_name = "PATH")]
     pub cgroup_root: Option<PathBuf>,
 
+    /// Send enrolled pods' TCP traffic to the proxy's listeners (outbound to
+    /// 127.0.0.1:15001, new inbound connections to 15006). A pod whose
+    /// listener is missing then fails closed. `off` enrols and counts only.
+    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    pub capture: OnOff,
+
+    /// Health-probe source address (kubelet probes, as Istio's
+    /// 169.254.7.127) whose inbound traffic always reaches the application.
+    #[arg(long, value_name = "IP", default_value = "169.254.7.127")]
+    pub probe_source: std::net::Ipv4Addr,
+
     /// Admin API address (status, debugging). Keep it on loopback.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:15000")]
     pub admin_addr: SocketAddr,
@@ -81,6 +92,21 @@ pub struct LogArgs {
     /// overrides it). Kernel-side messages come from the `shunt_ebpf` target.
     #[arg(long, value_name = "FILTER", default_value = "info")]
     pub log_level: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OnOff {
+    On,
+    Off,
+}
+
+impl From<OnOff> for crate::redirect::Capture {
+    fn from(value: OnOff) -> Self {
+        match value {
+            OnOff::On => Self::all(),
+            OnOff::Off => Self::default(),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -28,6 +28,16 @@ fn main() -> ExitCode {
 }
 
 fn run_agent(args: shunt::cli::AgentArgs) -> anyhow::Result<()> {
+    // A parent may have left SIGINT/SIGTERM blocked (the mask is inherited
+    // across exec); the agent must hear them to unenrol cleanly.
+    let mut stop_signals = nix::sys::signal::SigSet::empty();
+    stop_signals.add(nix::sys::signal::Signal::SIGINT);
+    stop_signals.add(nix::sys::signal::Signal::SIGTERM);
+    nix::sys::signal::sigprocmask(
+        nix::sys::signal::SigmaskHow::SIG_UNBLOCK,
+        Some(&stop_signals),
+        None,
+    )?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

@@ -123,6 +123,11 @@ pub fn netns_cookie_of_current_thread() -> std::io::Result<u64> {
         None,
     )
     .map_err(std::io::Error::from)?;
+    socket_netns_cookie(socket.as_fd())
+}
+
+/// Cookie of the network namespace a socket lives in (`SO_NETNS_COOKIE`).
+pub fn socket_netns_cookie(socket: std::os::fd::BorrowedFd<'_>) -> std::io::Result<u64> {
     let mut cookie: u64 = 0;
     let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
     // SAFETY: the fd is a live socket; `cookie` and `len` are valid for the

@@ -37,11 +37,30 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
             ])
             .current_dir(&root),
     )?;
-    util::run(
-        Command::new(root.join("target/debug/shunt-demo"))
-            .arg("--shunt")
-            .arg(root.join("target/debug/shunt"))
-            .arg("--seconds")
-            .arg(args.seconds.to_string()),
-    )
+    let mut demo = Command::new(root.join("target/debug/shunt-demo"));
+    demo.arg("--shunt")
+        .arg(root.join("target/debug/shunt"))
+        .arg("--seconds")
+        .arg(args.seconds.to_string());
+    let mut child = demo
+        .spawn()
+        .map_err(|e| anyhow::anyhow!("cannot start {}: {e}", util::describe(&demo)))?;
+    // Ctrl-C reaches the whole process group: the demo tears down on it and
+    // exits; xtask must outlive it to report how that went.
+    // SAFETY: SIG_IGN installs no handler code.
+    unsafe {
+        let _ = nix::sys::signal::signal(
+            nix::sys::signal::Signal::SIGINT,
+            nix::sys::signal::SigHandler::SigIgn,
+        );
+    }
+    let status = child.wait()?;
+    match status.code() {
+        Some(0) => Ok(()),
+        Some(130) => {
+            eprintln!("demo interrupted; everything it created was removed");
+            Ok(())
+        }
+        _ => bail!("the demo failed ({status})"),
+    }
 }

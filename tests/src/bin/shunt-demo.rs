@@ -23,7 +23,7 @@ use std::{
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
-use nix::sys::signal::{SigSet, Signal};
+use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
 use shunt::admin::{NodeStatus, PodState, PodStatus};
 use shunt_testbed::{
     NETNS_DIR, Pod, Topology,
@@ -105,37 +105,29 @@ fn main() -> ExitCode {
     }
 }
 
-/// Blocks SIGINT and SIGTERM in this thread (and so in every thread spawned
-/// later) and waits for them on a thread of their own, which only records
-/// them: the main loop notices and tears down. Children spawned by
-/// `std::process::Command` start with an empty signal mask again.
+/// Records SIGINT/SIGTERM in [`STOP_SIGNAL`]; the main loop notices and tears
+/// down. Only an atomic store happens here, which is async-signal-safe.
+extern "C" fn on_stop_signal(signal: libc::c_int) {
+    let _ = STOP_SIGNAL.compare_exchange(0, signal, Ordering::SeqCst, Ordering::SeqCst);
+}
+
+/// Installs [`on_stop_signal`] for SIGINT and SIGTERM. A handler, not a
+/// blocked mask and a `sigwait` thread: children inherit the signal mask
+/// (std's `Command` no longer resets it), so the agent would never see its
+/// SIGTERM, while handlers are reset to the default by `execve`.
 fn catch_stop_signals() -> anyhow::Result<()> {
-    let mut set = SigSet::empty();
-    set.add(Signal::SIGINT);
-    set.add(Signal::SIGTERM);
-    set.thread_block()
-        .context("cannot block SIGINT/SIGTERM for the signal thread")?;
-    thread::Builder::new()
-        .name("signals".into())
-        .spawn(move || {
-            loop {
-                match set.wait() {
-                    Ok(signal) => {
-                        let first = STOP_SIGNAL
-                            .compare_exchange(0, signal as i32, Ordering::SeqCst, Ordering::SeqCst)
-                            .is_ok();
-                        let note = if first {
-                            format!("\n{signal}: stopping traffic and tearing down…")
-                        } else {
-                            format!("{signal}: already tearing down (bounded, a few seconds)…")
-                        };
-                        let _ = writeln!(std::io::stderr(), "{note}");
-                    }
-                    Err(_) => thread::sleep(Duration::from_millis(100)),
-                }
-            }
-        })
-        .context("cannot start the signal thread")?;
+    let action = SigAction::new(
+        SigHandler::Handler(on_stop_signal),
+        SaFlags::SA_RESTART,
+        SigSet::empty(),
+    );
+    for signal in [Signal::SIGINT, Signal::SIGTERM] {
+        // SAFETY: the handler only does an atomic compare-exchange, which is
+        // async-signal-safe, and it is a plain `extern "C" fn` that lives for
+        // the whole process.
+        unsafe { sigaction(signal, &action) }
+            .with_context(|| format!("cannot install a handler for {signal}"))?;
+    }
     Ok(())
 }
 
@@ -171,6 +163,8 @@ fn demo(shunt: &Path, duration: Duration) -> anyhow::Result<()> {
     ]);
     // Declared after `topo`, so dropped before it on every path: the agent
     // goes before its namespaces do.
+    // The library runs the agent with `--cgroup-root` set to the topology's
+    // own cgroup, so its socket programs affect nothing else on the machine.
     let mut agent = Agent::start(&topo, &node, &yaml, &[]).context("cannot start the agent")?;
 
     let mut problems: Vec<String> = Vec::new();
@@ -185,7 +179,7 @@ fn demo(shunt: &Path, duration: Duration) -> anyhow::Result<()> {
         },
     ) {
         Ok(status) => last_status = Some(status),
-        Err(e) => problems.push(e.to_string()),
+        Err(e) => problems.push(first_line(&e.to_string())),
     }
 
     let pods = Pods {
@@ -208,28 +202,36 @@ fn demo(shunt: &Path, duration: Duration) -> anyhow::Result<()> {
     }
 
     // Teardown, whatever happened above.
-    println!("\n== teardown ==");
+    match interrupted() {
+        Some(signal) => println!("\n== {signal}: stopping traffic and tearing down =="),
+        None => println!("\n== teardown =="),
+    }
     let flows = traffic.map(Traffic::stop).unwrap_or_default();
     let final_status = agent.status().ok().or(last_status);
     let counted_traffic = !flows.is_empty() && interrupted().is_none();
     check_traffic(&flows, counted_traffic, &mut problems);
     check_counters(final_status.as_ref(), counted_traffic, &mut problems);
 
+    if let Some(before) = &tc_before {
+        println!(
+            "tc filters on client eth0 while enrolled:\n{}",
+            indent(match before.as_deref() {
+                Ok("") => "(none: already unenrolled)",
+                Ok(text) => text,
+                Err(_) => "(could not list them)",
+            })
+        );
+    }
     match agent.stop() {
         Ok(status) if status.success() => println!("agent stopped (SIGTERM): {status}"),
         Ok(status) => problems.push(format!("the agent exited with {status} on SIGTERM")),
-        Err(e) => problems.push(format!("stopping the agent: {e}")),
+        Err(e) => problems.push(format!(
+            "stopping the agent: {}",
+            first_line(&e.to_string())
+        )),
     }
     for pod in [&pods.client, &pods.server] {
         let after = tc_filters(pod);
-        if pod.name() == CLIENT {
-            if let Some(before) = &tc_before {
-                println!(
-                    "tc filters on client eth0 while enrolled:\n{}",
-                    indent(before.as_deref().unwrap_or("(could not list them)"))
-                );
-            }
-        }
         match after {
             Ok(text) if text.is_empty() => {
                 println!(
@@ -356,6 +358,10 @@ fn print_intro(topo: &Topology, agent: &Agent, pods: &Pods, shunt: &Path, durati
     out.push_str(&format!(
         "    workloads  {}\n",
         agent.workloads_path().display()
+    ));
+    out.push_str(&format!(
+        "    cgroup     {}   (its --cgroup-root)\n",
+        agent.cgroup_root().display()
     ));
     out.push_str(&format!(
         "    log        {}   (removed at the end unless the demo fails)\n",
@@ -800,6 +806,15 @@ fn tc_filters(pod: &Pod) -> anyhow::Result<String> {
         }
     }
     Ok(text.trim_end().to_string())
+}
+
+/// The testbed's agent errors end with the whole agent log; the log is kept
+/// and its path printed, so a problem line keeps only the first line.
+fn first_line(text: &str) -> String {
+    match text.split_once('\n') {
+        Some((first, _)) => format!("{first} (see the agent log)"),
+        None => text.to_string(),
+    }
 }
 
 fn indent(text: &str) -> String {

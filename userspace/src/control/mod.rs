@@ -1,2 +1,4 @@
-//! Pod sources: where the agent learns which pods exist (a local file today; the Kubernetes watch next).
+//! Pod sources: where the agent learns which pods exist — a local workloads
+//! file ([`local`]) or the Kubernetes API ([`kube`]).
+pub mod kube;
 pub mod local;

@@ -6,6 +6,7 @@
 //! iptables mode will implement the same trait.
 
 pub mod ebpf;
+pub mod iptables;
 pub mod probe;
 pub mod tc_dump;
 
@@ -48,6 +49,35 @@ pub struct PodTarget {
     pub key: WorkloadKey,
     /// Path of the pod's network namespace (e.g. `/var/run/netns/NAME`).
     pub netns: PathBuf,
+    /// What to send to the proxy.
+    pub capture: Capture,
+}
+
+/// Which of a pod's traffic goes to the proxy. With neither direction on, an
+/// enrolled pod is only counted.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Capture {
+    /// TCP connects out of the pod go to the proxy's 15001.
+    pub outbound: bool,
+    /// New inbound plaintext TCP connections go to the proxy's 15006.
+    pub inbound: bool,
+    /// Destination ports that outbound connects keep.
+    pub excluded_outbound_ports: Vec<u16>,
+    /// Local ports that inbound connections reach directly.
+    pub excluded_inbound_ports: Vec<u16>,
+    /// IPv4 destinations that outbound connects keep (address, prefix length).
+    pub excluded_outbound_cidrs: Vec<(std::net::Ipv4Addr, u8)>,
+}
+
+impl Capture {
+    /// Both directions, nothing excluded.
+    pub fn all() -> Self {
+        Self {
+            outbound: true,
+            inbound: true,
+            ..Self::default()
+        }
+    }
 }
 
 /// A hook (program attachment or rule set) that a pod's enrolment put in place.
@@ -86,7 +116,7 @@ pub enum Verification {
 pub enum RedirectError {
     #[error(transparent)]
     NetNs(#[from] crate::netns::NetNsError),
-    #[error("pod {pod}: {what}: {source}")]
+    #[error("pod {pod}: {what}: {}", crate::error::chain(source.as_ref()))]
     Kernel {
         pod: WorkloadKey,
         what: &'static str,
@@ -103,6 +133,8 @@ pub enum RedirectError {
     NotEnrolled(WorkloadKey),
     #[error("cannot enrol pod {pod}: all {max} pod slots are in use")]
     Full { pod: WorkloadKey, max: u32 },
+    #[error("pod {pod}: {problem}")]
+    InvalidCapture { pod: WorkloadKey, problem: String },
     #[error("pod {pod}: network namespace {netns} is already enrolled as pod {other}")]
     NetNsTaken {
         pod: WorkloadKey,
@@ -127,4 +159,33 @@ pub trait Redirector: Send {
     fn verify(&self, pod: &WorkloadKey) -> Result<Verification, RedirectError>;
     /// Every enrolled pod with its hooks and counters.
     fn list(&self) -> Vec<EnrolledPod>;
+    /// Whether `pod` is enrolled (cheap: no kernel round trip needed).
+    fn is_enrolled(&self, pod: &WorkloadKey) -> bool {
+        self.list().iter().any(|p| &p.key == pod)
+    }
+    /// Removes kernel state that a previous agent left for pods this agent
+    /// was not handed (call once the pod source has listed every pod).
+    /// Returns how many pods' leftovers were removed.
+    fn remove_stale(&mut self) -> usize;
+    /// A handle the proxy uses to recover where a redirected connection was
+    /// going (what `SO_ORIGINAL_DST` answers in the iptables mode).
+    fn original_dst_resolver(&self) -> std::sync::Arc<dyn OriginalDst>;
+}
+
+/// Recovers the destination an application connected to, for a connection
+/// the proxy accepted on its outbound listener (15001).
+pub trait OriginalDst: Send + Sync {
+    fn original_dst(
+        &self,
+        accepted: &std::net::TcpStream,
+    ) -> Result<std::net::SocketAddr, OriginalDstError>;
+}
+
+/// Why the original destination of a connection is not known.
+#[derive(Debug, thiserror::Error)]
+pub enum OriginalDstError {
+    #[error("connection from {peer} was not redirected (no original destination recorded)")]
+    NotRedirected { peer: std::net::SocketAddr },
+    #[error("reading the original destination: {0}")]
+    Io(#[from] std::io::Error),
 }

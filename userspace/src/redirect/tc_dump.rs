@@ -111,11 +111,3 @@ fn as_bpf_filter(msg: &TcMessage) -> Option<BpfFilter> {
         program_id,
     })
 }
-
-/// True if a filter running the program `name` is attached at shunt's
-/// priority on `interface`.
-pub fn has_filter(interface: &str, attach_type: TcAttachType, name: &str) -> io::Result<bool> {
-    Ok(bpf_filters(interface, attach_type)?
-        .iter()
-        .any(|f| f.program_name.starts_with(name) && f.priority == super::ebpf::TC_PRIORITY))
-}

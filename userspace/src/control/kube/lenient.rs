@@ -37,6 +37,11 @@ impl<K> Lenient<K> {
         self.parsed.as_ref()
     }
 
+    /// The metadata (see the field's docs), without needing `K: Resource`.
+    pub fn metadata(&self) -> &ObjectMeta {
+        &self.meta
+    }
+
     /// `namespace/name` as far as it could be read, for logs.
     pub fn display_name(&self) -> String {
         let name = self.meta.name.as_deref().unwrap_or("<no name>");

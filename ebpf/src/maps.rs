@@ -1,0 +1,48 @@
+//! The maps every program shares. All are pinned by the agent (see
+//! `shunt_common::maps`), so every pod's program instance and every agent
+//! restart sees the same ones.
+
+use aya_ebpf::{
+    macros::map,
+    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+};
+use shunt_common::{
+    GlobalConfig, MAX_ORIGINAL_DSTS, MAX_PODS, OriginalDst, PodConfig, PodCounters, PodSlot,
+    SockKey,
+};
+
+/// netns cookie → slot: which namespaces are enrolled.
+#[map(name = "SHUNT_ENROLLED")]
+pub static ENROLLED: HashMap<u64, PodSlot> = HashMap::with_max_entries(MAX_PODS, 0);
+
+/// Per-pod counters, per CPU (no atomics on the BPF target).
+#[map(name = "SHUNT_POD_COUNTERS")]
+pub static POD_COUNTERS: PerCpuArray<PodCounters> = PerCpuArray::with_max_entries(MAX_PODS, 0);
+
+/// Per-pod redirection settings, by slot.
+#[map(name = "SHUNT_POD_CONFIG")]
+pub static POD_CONFIG: Array<PodConfig> = Array::with_max_entries(MAX_PODS, 0);
+
+/// Agent-wide settings (one entry).
+#[map(name = "SHUNT_CONFIG")]
+pub static CONFIG: Array<GlobalConfig> = Array::with_max_entries(1, 0);
+
+/// socket cookie → original destination, from connect() until the socket
+/// is established and its local port known.
+#[map(name = "SHUNT_ORIG_BY_COOKIE")]
+pub static ORIGINAL_DST_BY_COOKIE: LruHashMap<u64, OriginalDst> =
+    LruHashMap::with_max_entries(MAX_ORIGINAL_DSTS, 0);
+
+/// (netns, local address, local port) → original destination: what the
+/// proxy looks up for the peer of a connection it accepted.
+#[map(name = "SHUNT_ORIG_DST")]
+pub static ORIGINAL_DST: LruHashMap<SockKey, OriginalDst> =
+    LruHashMap::with_max_entries(MAX_ORIGINAL_DSTS, 0);
+
+/// The counters of `slot` on this CPU, if the slot is valid.
+#[inline(always)]
+pub fn counters(slot: u32) -> Option<&'static mut PodCounters> {
+    let ptr = POD_COUNTERS.get_ptr_mut(slot)?;
+    // SAFETY: per-CPU value; only this CPU writes it while the program runs.
+    Some(unsafe { &mut *ptr })
+}

@@ -1,0 +1,400 @@
+//! The eBPF redirection datapath on the real kernel. Until the proxy is
+//! wired into the agent, test listeners stand in for it on 15001/15006 inside
+//! the pod's netns and report what they accepted. Applications are real
+//! processes (`shunt-testapp`) placed in a cgroup below the redirector's
+//! cgroup root, as a pod's containers are below a node's.
+
+use std::{
+    io::{Read, Write},
+    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+use shunt::{
+    redirect::{
+        Capture, OriginalDst, PodTarget, Redirector,
+        ebpf::{EbpfOptions, EbpfOriginalDst, EbpfRedirector},
+    },
+    state::WorkloadKey,
+};
+use shunt_common::PodCounters;
+use shunt_testbed::{
+    Cgroup, Pod, Topology,
+    agent::{Agent, PinDir, WorkloadSpec, workloads_yaml},
+    inspect, require_root,
+};
+
+const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+struct Bed {
+    topo: Topology,
+    pods: Vec<Pod>,
+    apps: Cgroup,
+    pin: PinDir,
+}
+
+fn bed(test: &str, pods: &[&str]) -> Bed {
+    require_root().expect("kernel tests need root");
+    let mut topo = Topology::new(test).expect("topology");
+    topo.add_node("node-a").expect("node");
+    let pods = pods
+        .iter()
+        .map(|name| topo.add_pod("node-a", name).expect("pod"))
+        .collect();
+    let apps = Cgroup::create(&topo, "apps").expect("cgroup");
+    let pin = PinDir::new(&topo, "redirect");
+    Bed {
+        topo,
+        pods,
+        apps,
+        pin,
+    }
+}
+
+impl Bed {
+    fn redirector(&self, probe_source: Option<Ipv4Addr>) -> EbpfRedirector {
+        let mut options = EbpfOptions::new(self.pin.path());
+        options.cgroup_root = Some(self.topo.cgroup_root().expect("cgroup root"));
+        if let Some(probe) = probe_source {
+            options.probe_source = probe;
+        }
+        EbpfRedirector::load(&options).expect("load redirector")
+    }
+
+    /// Runs `shunt-testapp ARGS` as a process in `pod`'s netns and in the
+    /// apps cgroup; returns its JSON report.
+    fn app(&self, pod: &Pod, args: &[&str]) -> Value {
+        let mut cmd = pod.command(TESTAPP);
+        cmd.args(args);
+        self.apps.place(&mut cmd);
+        let out = cmd.output().expect("run testapp");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = stdout.lines().last().unwrap_or("{}");
+        serde_json::from_str(line).unwrap_or_else(|e| panic!("testapp printed {stdout:?}: {e}"))
+    }
+}
+
+fn target(pod: &Pod, capture: Capture) -> PodTarget {
+    PodTarget {
+        key: WorkloadKey::new("default", pod.name()),
+        netns: pod.netns_path(),
+        capture,
+    }
+}
+
+fn counters(redirector: &EbpfRedirector, pod: &Pod) -> PodCounters {
+    redirector
+        .list()
+        .into_iter()
+        .find(|p| p.key.name == pod.name())
+        .map(|p| p.counters)
+        .unwrap_or_else(|| panic!("pod {} not enrolled", pod.name()))
+}
+
+/// What a listener accepted.
+#[derive(Clone, Debug)]
+struct Accepted {
+    local: SocketAddr,
+    peer: SocketAddr,
+    original: Option<SocketAddr>,
+}
+
+/// A listener that echoes every connection and records it; with a resolver,
+/// it also records each connection's original destination (as the proxy
+/// will). Stops on drop.
+struct EchoServer {
+    accepted: Arc<Mutex<Vec<Accepted>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl EchoServer {
+    fn start(listener: TcpListener, resolver: Option<Arc<dyn OriginalDst>>) -> EchoServer {
+        listener.set_nonblocking(true).expect("nonblocking");
+        let accepted = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let accepted = accepted.clone();
+            let stop = stop.clone();
+            thread::spawn(move || {
+                let start = Instant::now();
+                while !stop.load(Ordering::Relaxed) && start.elapsed() < Duration::from_secs(120) {
+                    match listener.accept() {
+                        Ok((stream, peer)) => {
+                            let original = resolver
+                                .as_ref()
+                                .and_then(|r| r.original_dst(&stream).ok());
+                            let local = stream.local_addr().expect("local addr");
+                            accepted.lock().expect("lock").push(Accepted {
+                                local,
+                                peer,
+                                original,
+                            });
+                            thread::spawn(move || echo(stream));
+                        }
+                        Err(_) => thread::sleep(Duration::from_millis(5)),
+                    }
+                }
+            })
+        };
+        EchoServer {
+            accepted,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    fn accepted(&self) -> Vec<Accepted> {
+        self.accepted.lock().expect("lock").clone()
+    }
+}
+
+impl Drop for EchoServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn echo(mut stream: TcpStream) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_read_timeout(Some(TIMEOUT));
+    let mut buf = [0u8; 16 * 1024];
+    while let Ok(n) = stream.read(&mut buf) {
+        if n == 0 || stream.write_all(&buf[..n]).is_err() {
+            break;
+        }
+    }
+}
+
+fn listen(pod: &Pod, addr: &str) -> TcpListener {
+    pod.listen_tcp(addr.parse().expect("addr")).expect("listen")
+}
+
+fn ok(report: &Value) -> bool {
+    report["ok"] == Value::Bool(true) && report["intact"] != Value::Bool(false)
+}
+
+#[test]
+fn outbound_connects_land_on_the_proxy_with_their_original_destination() {
+    let bed = bed("outbound", &["client", "server"]);
+    let [client, server] = [&bed.pods[0], &bed.pods[1]];
+    let mut redirector = bed.redirector(None);
+    redirector
+        .enrol(&target(client, Capture::all()))
+        .expect("enrol");
+    let resolver = redirector.original_dst_resolver();
+    let proxy = EchoServer::start(listen(client, "127.0.0.1:15001"), Some(resolver));
+    let real = EchoServer::start(listen(server, "0.0.0.0:8080"), None);
+
+    let to = format!("{}:8080", server.ip());
+    let report = bed.app(client, &["connect", &to, "--send", "100000"]);
+    assert!(ok(&report), "{report}");
+    // Dual-stack socket to a v4-mapped address: connect6's path.
+    let mapped = format!("[::ffff:{}]:8080", server.ip());
+    let report6 = bed.app(client, &["connect", &mapped, "--send", "5000"]);
+    assert!(ok(&report6), "{report6}");
+
+    let accepted = proxy.accepted();
+    assert_eq!(accepted.len(), 2, "{accepted:?}");
+    for a in &accepted {
+        assert_eq!(a.original, Some(to.parse().expect("addr")), "{a:?}");
+        assert_eq!(a.local, "127.0.0.1:15001".parse().expect("addr"));
+    }
+    assert!(real.accepted().is_empty(), "the real server was reached directly");
+    let c = counters(&redirector, client);
+    assert_eq!(c.outbound_redirected, 2, "{c:?}");
+    assert_eq!(c.outbound_fail_closed, 0, "{c:?}");
+}
+
+#[test]
+fn unenrolled_marked_and_excluded_connects_go_direct() {
+    let bed = bed("direct", &["client", "outsider", "server"]);
+    let [client, outsider, server] = [&bed.pods[0], &bed.pods[1], &bed.pods[2]];
+    let mut redirector = bed.redirector(None);
+    let mut capture = Capture::all();
+    capture.excluded_outbound_ports = vec![9090];
+    redirector.enrol(&target(client, capture)).expect("enrol");
+    let proxy = EchoServer::start(listen(client, "127.0.0.1:15001"), None);
+    let real = EchoServer::start(listen(server, "0.0.0.0:8080"), None);
+    let excluded = EchoServer::start(listen(server, "0.0.0.0:9090"), None);
+
+    let to = format!("{}:8080", server.ip());
+    // A pod that is not enrolled, though in the same cgroup tree.
+    assert!(ok(&bed.app(outsider, &["connect", &to])));
+    // The proxy's own sockets carry mark 0x539.
+    assert!(ok(&bed.app(client, &["connect", &to, "--mark", "0x539"])));
+    // An excluded destination port.
+    let to_excluded = format!("{}:9090", server.ip());
+    assert!(ok(&bed.app(client, &["connect", &to_excluded])));
+    // Loopback destinations stay in the pod.
+    let local = EchoServer::start(listen(client, "127.0.0.1:7777"), None);
+    assert!(ok(&bed.app(client, &["connect", "127.0.0.1:7777"])));
+
+    assert!(proxy.accepted().is_empty(), "{:?}", proxy.accepted());
+    assert_eq!(real.accepted().len(), 2);
+    assert_eq!(excluded.accepted().len(), 1);
+    assert_eq!(local.accepted().len(), 1);
+    assert_eq!(counters(&redirector, client).outbound_redirected, 0);
+}
+
+#[test]
+fn inbound_plaintext_lands_on_15006_with_the_original_destination() {
+    let bed = bed("inbound", &["server", "client", "prober"]);
+    let [server, client, prober] = [&bed.pods[0], &bed.pods[1], &bed.pods[2]];
+    // The probe source is configurable; tests use an address of the test
+    // range for it (Istio's default, 169.254.7.127, is outside it).
+    let mut redirector = bed.redirector(Some(prober.ip()));
+    let mut capture = Capture::all();
+    capture.excluded_inbound_ports = vec![9090];
+    redirector.enrol(&target(server, capture)).expect("enrol");
+    let proxy = EchoServer::start(listen(server, "0.0.0.0:15006"), None);
+    let app = EchoServer::start(listen(server, "0.0.0.0:8080"), None);
+    let hbone = EchoServer::start(listen(server, "0.0.0.0:15008"), None);
+    let excluded = EchoServer::start(listen(server, "0.0.0.0:9090"), None);
+
+    let to = format!("{}:8080", server.ip());
+    assert!(ok(&bed.app(client, &["connect", &to, "--send", "50000"])));
+    let accepted = proxy.accepted();
+    assert_eq!(accepted.len(), 1, "{accepted:?}");
+    assert_eq!(accepted[0].local, to.parse().expect("addr"), "local address is the original destination");
+    assert_eq!(accepted[0].peer.ip(), std::net::IpAddr::V4(client.ip()));
+    assert!(app.accepted().is_empty(), "the app was reached around the proxy");
+
+    // Never steered: HBONE, the probe source, excluded ports.
+    assert!(ok(&bed.app(client, &["connect", &format!("{}:15008", server.ip())])));
+    assert!(ok(&bed.app(prober, &["connect", &to])));
+    assert!(ok(&bed.app(client, &["connect", &format!("{}:9090", server.ip())])));
+    assert_eq!(hbone.accepted().len(), 1);
+    assert_eq!(app.accepted().len(), 1, "probe reaches the app directly");
+    assert_eq!(excluded.accepted().len(), 1);
+    assert_eq!(proxy.accepted().len(), 1);
+    assert_eq!(counters(&redirector, server).inbound_redirected, 1);
+}
+
+#[test]
+fn missing_proxy_listeners_fail_closed_and_are_counted() {
+    let bed = bed("failclosed", &["client", "server"]);
+    let [client, server] = [&bed.pods[0], &bed.pods[1]];
+    let mut redirector = bed.redirector(None);
+    redirector.enrol(&target(client, Capture::all())).expect("enrol");
+    redirector.enrol(&target(server, Capture::all())).expect("enrol");
+    let app = EchoServer::start(listen(server, "0.0.0.0:8080"), None);
+    let to = format!("{}:8080", server.ip());
+
+    // No 15001 in the client: connect() is refused, nothing leaves.
+    let report = bed.app(client, &["connect", &to]);
+    assert_eq!(report["ok"], Value::Bool(false), "{report}");
+    assert_eq!(report["errno"], Value::from(libc::EPERM), "{report}");
+    assert_eq!(counters(&redirector, client).outbound_fail_closed, 1);
+
+    // No 15006 in the server: the SYN is dropped, the app never sees it.
+    let report = bed.app(
+        &bed.pods[0],
+        &["connect", &to, "--mark", "0x539", "--timeout-ms", "1500"],
+    );
+    assert_eq!(report["ok"], Value::Bool(false), "{report}");
+    assert!(app.accepted().is_empty(), "plaintext reached the app around the proxy");
+    assert!(counters(&redirector, server).inbound_fail_closed >= 1);
+}
+
+#[test]
+fn killed_agent_keeps_flows_and_a_restarted_agent_keeps_redirecting() {
+    let bed = bed("agentrestart", &["client", "server"]);
+    let [client, server] = [&bed.pods[0], &bed.pods[1]];
+    let node = bed.topo.node("node-a").expect("node");
+    let yaml = workloads_yaml(&[
+        WorkloadSpec::for_pod(client, true),
+        WorkloadSpec::for_pod(server, false),
+    ]);
+    let mut agent = Agent::start(&bed.topo, node, &yaml, &["--capture", "on"]).expect("agent");
+    agent
+        .wait_for("client enrolled", TIMEOUT, |s| {
+            s.pods.iter().any(|p| p.name == client.name() && p.counters.is_some())
+        })
+        .expect("enrolled");
+    let resolver: Arc<dyn OriginalDst> =
+        Arc::new(EbpfOriginalDst::open(agent.pin_dir()).expect("open pinned map"));
+    // The apps cgroup must sit below the agent's cgroup root.
+    assert!(bed.apps.path().starts_with(agent.cgroup_root()));
+    let proxy = EchoServer::start(listen(client, "127.0.0.1:15001"), Some(resolver));
+    let _real = EchoServer::start(listen(server, "0.0.0.0:8080"), None);
+    let to = format!("{}:8080", server.ip());
+
+    // A long-lived flow, running across the kill and the restart.
+    let mut hold = client.command(TESTAPP);
+    hold.args(["hold", &to, "--seconds", "4"]);
+    bed.apps.place(&mut hold);
+    let hold = hold.stdout(std::process::Stdio::piped()).spawn().expect("hold");
+    thread::sleep(Duration::from_millis(500));
+
+    agent.kill().expect("kill -9");
+    // Nothing was cleaned up: a new connect is still redirected.
+    assert!(ok(&bed.app(client, &["connect", &to])));
+    agent.restart(&["--capture", "on"]).expect("restart");
+    agent
+        .wait_for("client enrolled again", TIMEOUT, |s| {
+            s.pods.iter().any(|p| p.name == client.name() && p.counters.is_some())
+        })
+        .expect("re-enrolled");
+    assert!(ok(&bed.app(client, &["connect", &to])));
+
+    let out = hold.wait_with_output().expect("hold output");
+    let report: Value = serde_json::from_slice(&out.stdout).expect("hold report");
+    assert_eq!(report["ok"], Value::Bool(true), "the flow broke: {report}");
+    assert!(report["rounds"].as_u64().unwrap_or(0) > 20, "{report}");
+    let accepted = proxy.accepted();
+    assert_eq!(accepted.len(), 3, "{accepted:?}");
+    assert!(accepted.iter().all(|a| a.original == Some(to.parse().expect("addr"))));
+    let links = agent.pin_dir().join("links");
+    for name in ["shunt_connect4", "shunt_connect6", "shunt_sockops"] {
+        assert!(links.join(name).exists(), "link {name} not pinned");
+    }
+}
+
+#[test]
+fn two_hundred_pods_enrol_and_unenrol_leaving_nothing_behind() {
+    require_root().expect("kernel tests need root");
+    let mut topo = Topology::new("manypods").expect("topology");
+    topo.add_node("node-a").expect("node");
+    // A /24 per node: 200 pods fit (from .10).
+    let pods: Vec<Pod> = (0..200)
+        .map(|i| topo.add_pod("node-a", &format!("p{i}")).expect("pod"))
+        .collect();
+    let pin = PinDir::new(&topo, "many");
+    let mut options = EbpfOptions::new(pin.path());
+    options.cgroup_root = Some(topo.cgroup_root().expect("cgroup root"));
+    let mut redirector = EbpfRedirector::load(&options).expect("load");
+    for pod in &pods {
+        redirector.enrol(&target(pod, Capture::all())).expect("enrol");
+    }
+    assert_eq!(inspect::enrolled_entries(pin.path()).expect("map").len(), 200);
+    for pod in pods.iter().step_by(37) {
+        let filters = inspect::tc_filters(&pod.netns_path(), "eth0", "ingress").expect("tc");
+        assert_eq!(filters.len(), 1, "{}: {filters:?}", pod.name());
+    }
+    for pod in &pods {
+        redirector
+            .unenrol(&WorkloadKey::new("default", pod.name()))
+            .expect("unenrol");
+    }
+    assert!(inspect::enrolled_entries(pin.path()).expect("map").is_empty());
+    assert!(redirector.list().is_empty());
+    for pod in &pods {
+        for hook in ["ingress", "egress"] {
+            let filters = inspect::tc_filters(&pod.netns_path(), "eth0", hook).expect("tc");
+            assert!(filters.is_empty(), "{} {hook}: {filters:?}", pod.name());
+        }
+    }
+    let records = std::fs::read_dir(pin.path().join("pods")).expect("records").count();
+    assert_eq!(records, 0, "per-pod records left behind");
+}

@@ -1,0 +1,464 @@
+//! The Kubernetes pod source: watches the API server and keeps the agent's
+//! node in line with it.
+//!
+//! ```text
+//! watch pods (fieldSelector spec.nodeName=NODE) ─┐                  ┌─> NodeAgent::reconcile
+//! watch namespaces (for their label) ────────────┼─> caches ─(debounce)─> snapshot ─┤
+//!                                                │   of facts       └─> annotations (merge patch)
+//! resync timer (repairs, retries pending pods) ──┘
+//! ```
+//!
+//! - Two kube-rs watchers (list, then watch from the list's resource version;
+//!   bookmarks on; `410 Gone` and dropped watches relist or resume by
+//!   themselves) feed [`cache::ObjectCache`]s of [`pod::PodFacts`] and
+//!   [`pod::NamespaceFacts`]. Watch errors are logged and retried with
+//!   kube-rs' default backoff (0.8 s doubling up to 30 s).
+//! - Nothing is reconciled until both watches have listed once: a fresh agent
+//!   (e.g. restarted mid-stream) must not unenrol pods it simply has not
+//!   heard of yet, nor judge a pod before its namespace's label is known.
+//! - Each change arms a debounce timer (default 100 ms, not extended by later
+//!   events, so the delay is bounded); when it fires, one full snapshot of
+//!   this node's pods goes to [`NodeAgent::reconcile`], which is idempotent.
+//!   A burst of 1000 events thus makes a handful of reconciles.
+//! - A snapshot identical to the previous one is not reconciled, except by
+//!   the resync timer (default 10 s), which re-enrols every mesh pod (the
+//!   redirector verifies and repairs what is in place) and retries pods left
+//!   pending.
+//! - While the API server is unreachable nothing changes: the caches keep the
+//!   last complete view, so every enrolled pod stays enrolled; once it is
+//!   back the watchers relist (or resume) and the agent catches up.
+//! - After the first reconcile, pinned state that a previous agent left for
+//!   pods no longer listed is removed (`NodeAgent::remove_stale`); pods
+//!   still listed are re-adopted in place, so a restart flaps nothing.
+//! - A pod's netns is found by a [`NetnsResolver`] (see [`netns`]), once per
+//!   pod UID, when the pod wants the mesh and has an IP.
+//! - After each reconcile, pods whose `ambient.istio.io/redirection`
+//!   annotation disagrees with their state are patched (see [`annotate`]).
+//!
+//! Objects the agent cannot parse are logged with their name and skipped;
+//! they never stop the watch (see [`lenient`]).
+//!
+//! Cluster-wide workload discovery (every pod's IPs and identity, for the
+//! proxy) is [`ClusterWorkloads`]: a third watcher, on all pods, that keeps
+//! a [`crate::state::WorkloadStore`] up to date.
+//!
+//! [`NodeAgent::reconcile`]: crate::agent::NodeAgent::reconcile
+
+pub mod annotate;
+mod cache;
+mod cluster;
+pub mod lenient;
+pub mod netns;
+pub mod pod;
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use ::kube::{
+    Api, Client, Config,
+    runtime::{WatchStreamExt as _, watcher},
+};
+use futures::{StreamExt as _, stream::BoxStream};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use tokio::time::{Instant, MissedTickBehavior};
+use tracing::{Instrument as _, debug, error, info, info_span, warn};
+
+pub use cluster::ClusterWorkloads;
+pub use lenient::Lenient;
+pub use netns::{MapResolver, NetnsResolver, PodRef, ProcScanResolver};
+
+use crate::{
+    admin::PodState,
+    agent::{SharedAgent, lock},
+    state::{TrustDomain, Workload, WorkloadKey},
+};
+use cache::ObjectCache;
+use pod::{NamespaceFacts, PodFacts};
+
+/// Why the Kubernetes source cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeSourceError {
+    #[error(
+        "no Kubernetes API configuration: not running in a pod with a service account, and no usable KUBECONFIG or ~/.kube/config ({0})"
+    )]
+    Config(#[from] ::kube::config::InferConfigError),
+    #[error("cannot create the Kubernetes client: {0}")]
+    Client(#[source] ::kube::Error),
+}
+
+/// A client for the cluster the agent runs in: the in-cluster service
+/// account, else `KUBECONFIG` (or `~/.kube/config`).
+pub async fn client() -> Result<Client, KubeSourceError> {
+    let config = Config::infer().await?;
+    Client::try_from(config).map_err(KubeSourceError::Client)
+}
+
+/// How the source behaves; [`KubeOptions::new`] gives the defaults.
+#[derive(Clone, Debug)]
+pub struct KubeOptions {
+    /// This node's name: only pods scheduled here are watched.
+    pub node: String,
+    pub trust_domain: TrustDomain,
+    /// How long after a change the snapshot is taken (changes meanwhile are
+    /// included).
+    pub debounce: Duration,
+    /// How often every mesh pod is re-enrolled (verify and repair) even
+    /// without changes.
+    pub resync: Duration,
+    /// Whether to maintain the `ambient.istio.io/redirection` annotation.
+    pub annotate: bool,
+    /// How many annotation patches may be in flight at once.
+    pub patch_concurrency: usize,
+}
+
+impl KubeOptions {
+    pub fn new(node: impl Into<String>) -> Self {
+        Self {
+            node: node.into(),
+            trust_domain: TrustDomain::default(),
+            debounce: Duration::from_millis(100),
+            resync: Duration::from_secs(10),
+            annotate: true,
+            patch_concurrency: 16,
+        }
+    }
+}
+
+/// Counters of what the source did (for tests, benchmarks and logs).
+#[derive(Debug, Default)]
+pub struct SourceStats {
+    /// Snapshots handed to `NodeAgent::reconcile`.
+    pub reconciles: AtomicU64,
+    /// Annotation patches that succeeded.
+    pub patches: AtomicU64,
+    /// Annotation patches that failed (retried at the next sync).
+    pub patch_failures: AtomicU64,
+    /// Watch errors (each retried after a backoff).
+    pub watch_errors: AtomicU64,
+}
+
+/// The Kubernetes pod source of one node agent. See the module docs.
+pub struct KubeSource {
+    client: Client,
+    options: KubeOptions,
+    resolver: Arc<dyn NetnsResolver>,
+    stats: Arc<SourceStats>,
+}
+
+impl KubeSource {
+    pub fn new(client: Client, options: KubeOptions, resolver: Arc<dyn NetnsResolver>) -> Self {
+        Self {
+            client,
+            options,
+            resolver,
+            stats: Arc::default(),
+        }
+    }
+
+    pub fn stats(&self) -> Arc<SourceStats> {
+        self.stats.clone()
+    }
+
+    /// Watches and reconciles until the future is dropped (the agent's
+    /// shutdown). Errors are logged and retried, never returned: a node
+    /// agent must outlive API server trouble.
+    pub async fn run(self, agent: SharedAgent) {
+        let pods_api: Api<Lenient<Pod>> = Api::all(self.client.clone());
+        let mut watch = Watches::new(
+            &self.client,
+            Some(format!("spec.nodeName={}", self.options.node)),
+            self.stats.clone(),
+        );
+        let mut state = SyncState {
+            netns: Arc::new(Mutex::new(netns::NetnsCache::default())),
+            last: None,
+            sent: annotate::Sent::default(),
+            pods_api,
+            stale_removed: false,
+        };
+        let mut resync = tokio::time::interval(self.options.resync);
+        resync.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        resync.tick().await; // the first tick is immediate: nothing is listed yet
+        let mut deadline: Option<Instant> = None;
+        info!(node = %self.options.node, "watching the Kubernetes API for this node's pods");
+        loop {
+            let armed = deadline;
+            tokio::select! {
+                step = watch.step() => match step {
+                    Step::Changed => {
+                        deadline.get_or_insert_with(|| Instant::now() + self.options.debounce);
+                    }
+                    Step::Unchanged => {}
+                    Step::Ended => return,
+                },
+                _ = sleep_until(armed), if armed.is_some() => {
+                    deadline = None;
+                    self.sync(&agent, &watch.view, &mut state, false).await;
+                }
+                _ = resync.tick() => {
+                    self.sync(&agent, &watch.view, &mut state, true).await;
+                }
+            }
+        }
+    }
+
+    /// Takes a snapshot of this node's pods, reconciles it, then fixes
+    /// annotations.
+    async fn sync(&self, agent: &SharedAgent, watch: &View, state: &mut SyncState, force: bool) {
+        if !watch.listed() {
+            debug!("not every watch has listed yet; nothing to reconcile");
+            return;
+        }
+        let mut workloads = Vec::with_capacity(watch.pods.len());
+        let mut wanted: Vec<(WorkloadKey, String)> = Vec::new();
+        for facts in watch.pods.values() {
+            // The field selector already keeps other nodes' pods out.
+            if facts.node != self.options.node {
+                continue;
+            }
+            let workload = facts.to_workload(watch.namespaces.get(&facts.key.namespace));
+            if workload.wants_mesh() && !facts.ips.is_empty() {
+                wanted.push((facts.key.clone(), facts.uid.clone()));
+            }
+            workloads.push((facts.uid.clone(), workload));
+        }
+        let found = self.find_netns(&state.netns, wanted).await;
+        let workloads: Vec<Workload> = workloads
+            .into_iter()
+            .map(|(uid, mut workload)| {
+                workload.netns = found.get(&uid).cloned();
+                workload
+            })
+            .collect();
+
+        let changed = state.last.as_ref() != Some(&workloads);
+        let reconcile = (force || changed).then(|| {
+            state.last = Some(workloads.clone());
+            (self.options.trust_domain.clone(), workloads)
+        });
+        if reconcile.is_some() {
+            self.stats.reconciles.fetch_add(1, Ordering::Relaxed);
+            debug!(forced = force && !changed, "reconciling this node's pods");
+        }
+        // After the first reconcile of a complete listing, whatever a
+        // previous agent left pinned for pods not listed is stale.
+        let remove_stale = reconcile.is_some() && !state.stale_removed;
+        state.stale_removed |= remove_stale;
+        let agent = agent.clone();
+        let states = tokio::task::spawn_blocking(move || {
+            let mut agent = lock(&agent);
+            if let Some((trust_domain, workloads)) = reconcile {
+                agent.reconcile(trust_domain, workloads);
+            }
+            if remove_stale {
+                agent.remove_stale();
+            }
+            agent.pod_states()
+        })
+        .await;
+        let states = match states {
+            Ok(states) => states,
+            Err(error) => {
+                error!(%error, "reconcile panicked");
+                return;
+            }
+        };
+        if self.options.annotate {
+            self.annotate(watch, state, &states).await;
+        }
+    }
+
+    async fn find_netns(
+        &self,
+        cache: &Arc<Mutex<netns::NetnsCache>>,
+        wanted: Vec<(WorkloadKey, String)>,
+    ) -> HashMap<String, std::path::PathBuf> {
+        let cache = cache.clone();
+        let resolver = self.resolver.clone();
+        let found = tokio::task::spawn_blocking(move || {
+            let refs: Vec<PodRef<'_>> = wanted
+                .iter()
+                .map(|(key, uid)| PodRef { key, uid })
+                .collect();
+            cache
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .lookup(resolver.as_ref(), &refs)
+        })
+        .await;
+        found.unwrap_or_else(|error| {
+            error!(%error, "netns discovery panicked");
+            HashMap::new()
+        })
+    }
+
+    async fn annotate(
+        &self,
+        watch: &View,
+        state: &mut SyncState,
+        states: &BTreeMap<WorkloadKey, PodState>,
+    ) {
+        let mut todo = Vec::new();
+        for facts in watch.pods.values() {
+            // A terminating pod is about to go: leave its object alone.
+            if facts.terminating {
+                continue;
+            }
+            let Some(pod_state) = states.get(&facts.key) else {
+                continue;
+            };
+            let value = annotate::desired(pod_state);
+            if state.sent.needed(
+                &facts.key,
+                facts.redirection.as_deref(),
+                value,
+                &facts.resource_version,
+            ) {
+                todo.push((facts.key.clone(), value, facts.resource_version.clone()));
+            }
+        }
+        state.sent.retain(|key| states.contains_key(key));
+        if todo.is_empty() {
+            return;
+        }
+        // Owned clones in each future: a future borrowing from this
+        // function's frame would not be `Send` for every lifetime, which
+        // `tokio::spawn` of the source needs.
+        let api = state.pods_api.clone();
+        let patches: Vec<_> = todo
+            .into_iter()
+            .map(|(key, value, resource_version): (WorkloadKey, Option<&'static str>, String)| {
+                let span = info_span!("pod", pod = %key);
+                let api = api.clone();
+                async move {
+                    let result = annotate::patch(&api, &key, value).await;
+                    match &result {
+                        Ok(()) => info!(annotation = pod::REDIRECTION_ANNOTATION, value = value.unwrap_or("<removed>"), "pod annotated"),
+                        // The pod went away meanwhile: nothing to annotate.
+                        Err(::kube::Error::Api(e)) if e.code == 404 => debug!("pod gone before it could be annotated"),
+                        Err(error) => warn!(%error, "cannot annotate the pod; will retry"),
+                    }
+                    (key, value, resource_version, result.is_ok())
+                }
+                .instrument(span)
+            })
+            .collect();
+        let results: Vec<_> = futures::stream::iter(patches)
+            .buffer_unordered(self.options.patch_concurrency.max(1))
+            .collect()
+            .await;
+        for (key, value, resource_version, ok) in results {
+            if ok {
+                self.stats.patches.fetch_add(1, Ordering::Relaxed);
+                state.sent.record(key, value, resource_version);
+            } else {
+                self.stats.patch_failures.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// What the source's loop owns between syncs, besides the watches.
+struct SyncState {
+    netns: Arc<Mutex<netns::NetnsCache>>,
+    /// The last snapshot reconciled.
+    last: Option<Vec<Workload>>,
+    sent: annotate::Sent,
+    pods_api: Api<Lenient<Pod>>,
+    /// Whether `NodeAgent::remove_stale` ran (once, after the first sync).
+    stale_removed: bool,
+}
+
+/// A pod watch (optionally narrowed by a field selector) and a namespace
+/// watch, each feeding its cache of facts.
+pub(crate) struct Watches {
+    pod_events: BoxStream<'static, Result<watcher::Event<Lenient<Pod>>, watcher::Error>>,
+    namespace_events: BoxStream<'static, Result<watcher::Event<Lenient<Namespace>>, watcher::Error>>,
+    /// Kept apart from the streams (which are not `Sync`) so that syncing
+    /// can borrow it across awaits.
+    pub(crate) view: View,
+    stats: Arc<SourceStats>,
+}
+
+/// What the watches have seen so far.
+pub(crate) struct View {
+    pub(crate) pods: ObjectCache<PodFacts>,
+    pub(crate) namespaces: ObjectCache<NamespaceFacts>,
+}
+
+impl View {
+    /// Whether both watches have listed once (before that, what is missing
+    /// may simply not have been heard of yet).
+    pub(crate) fn listed(&self) -> bool {
+        self.pods.listed() && self.namespaces.listed()
+    }
+}
+
+/// The outcome of one watch event.
+pub(crate) enum Step {
+    /// The complete view changed.
+    Changed,
+    Unchanged,
+    /// A watch stream ended (kube-rs' never do).
+    Ended,
+}
+
+impl Watches {
+    pub(crate) fn new(client: &Client, pod_fields: Option<String>, stats: Arc<SourceStats>) -> Self {
+        let mut pod_config = watcher::Config::default();
+        if let Some(fields) = &pod_fields {
+            pod_config = pod_config.fields(fields);
+        }
+        Self {
+            pod_events: watcher(Api::all(client.clone()), pod_config)
+                .default_backoff()
+                .boxed(),
+            namespace_events: watcher(Api::all(client.clone()), watcher::Config::default())
+                .default_backoff()
+                .boxed(),
+            view: View {
+                pods: ObjectCache::new("pod"),
+                namespaces: ObjectCache::new("namespace"),
+            },
+            stats,
+        }
+    }
+
+    /// Waits for the next event of either watch and applies it.
+    /// Cancel-safe: an event is applied as soon as it is received.
+    pub(crate) async fn step(&mut self) -> Step {
+        let changed = tokio::select! {
+            event = self.pod_events.next() => match event {
+                Some(Ok(event)) => self.view.pods.apply(event, PodFacts::from_pod),
+                Some(Err(error)) => { self.watch_error("pods", &error); false }
+                None => { error!("the pod watch ended"); return Step::Ended; }
+            },
+            event = self.namespace_events.next() => match event {
+                Some(Ok(event)) => self.view.namespaces.apply(event, NamespaceFacts::from_namespace),
+                Some(Err(error)) => { self.watch_error("namespaces", &error); false }
+                None => { error!("the namespace watch ended"); return Step::Ended; }
+            },
+        };
+        if changed { Step::Changed } else { Step::Unchanged }
+    }
+
+    fn watch_error(&self, what: &str, error: &watcher::Error) {
+        self.stats.watch_errors.fetch_add(1, Ordering::Relaxed);
+        // 410 Gone is routine (the watch fell behind; kube-rs relists), as
+        // are dropped connections (it resumes from the last version seen).
+        warn!(watch = what, %error, "watch error; retrying after a backoff (what is enrolled stays enrolled)");
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}

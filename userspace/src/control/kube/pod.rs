@@ -1,0 +1,303 @@
+//! From Kubernetes objects to the agent's model: Istio's enrolment rule and
+//! the few facts of a pod or namespace the agent keeps.
+//!
+//! Objects are reduced to these facts as they arrive, so the watch caches
+//! hold a few hundred bytes per pod instead of whole `Pod`s, and a problem in
+//! an object (no name, an IP that does not parse) is logged once, when it
+//! arrives, not at every reconcile.
+
+use std::{collections::BTreeMap, net::IpAddr};
+
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use tracing::warn;
+
+use crate::state::{DataplaneMode, Workload, WorkloadKey};
+
+/// The label that puts a pod (or every pod of a namespace) in the mesh.
+pub const DATAPLANE_MODE_LABEL: &str = "istio.io/dataplane-mode";
+/// The annotation that tells users (and Istio's tooling) whether a pod's
+/// traffic is redirected: `enabled` or `pending`; absent when not in the mesh.
+pub const REDIRECTION_ANNOTATION: &str = "ambient.istio.io/redirection";
+/// Present on pods that run an Istio sidecar: those are never captured here
+/// (their sidecar already captures them), as in Istio.
+pub const SIDECAR_STATUS_ANNOTATION: &str = "sidecar.istio.io/status";
+/// A pod's service account when its spec names none (Kubernetes' default).
+pub const DEFAULT_SERVICE_ACCOUNT: &str = "default";
+
+/// What the agent needs to know about one pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodFacts {
+    pub key: WorkloadKey,
+    /// Finds the pod's processes (cgroup paths contain it) and its netns.
+    pub uid: String,
+    pub resource_version: String,
+    /// The pod's `istio.io/dataplane-mode` label, if any.
+    pub mode_label: Option<String>,
+    pub has_sidecar: bool,
+    pub host_network: bool,
+    pub service_account: String,
+    pub ips: Vec<IpAddr>,
+    pub node: String,
+    /// Phase `Succeeded` or `Failed`: no container will run again, nothing
+    /// to capture.
+    pub finished: bool,
+    /// Has a deletion timestamp: still running while it drains.
+    pub terminating: bool,
+    /// The current value of [`REDIRECTION_ANNOTATION`].
+    pub redirection: Option<String>,
+}
+
+/// What the agent needs to know about one namespace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NamespaceFacts {
+    pub name: String,
+    /// The namespace's `istio.io/dataplane-mode` label, if any.
+    pub mode_label: Option<String>,
+}
+
+/// Why an object was skipped.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FactsError {
+    #[error("it has no {0}")]
+    Missing(&'static str),
+}
+
+impl PodFacts {
+    /// Extracts the facts of `pod`. An IP that does not parse is logged and
+    /// left out (the pod still counts, with its other IPs).
+    pub fn from_pod(pod: &Pod) -> Result<Self, FactsError> {
+        let meta = &pod.metadata;
+        let name = meta.name.clone().ok_or(FactsError::Missing("name"))?;
+        let namespace = meta
+            .namespace
+            .clone()
+            .ok_or(FactsError::Missing("namespace"))?;
+        let key = WorkloadKey::new(namespace, name);
+        let uid = meta.uid.clone().ok_or(FactsError::Missing("uid"))?;
+        let spec = pod.spec.as_ref();
+        let status = pod.status.as_ref();
+        // status.podIPs lists every family; status.podIP is its first entry
+        // and the only one older API servers fill in.
+        let mut raw_ips: Vec<&str> = status
+            .and_then(|s| s.pod_ips.as_ref())
+            .map(|ips| ips.iter().map(|ip| ip.ip.as_str()).collect())
+            .unwrap_or_default();
+        if raw_ips.is_empty()
+            && let Some(ip) = status.and_then(|s| s.pod_ip.as_deref())
+        {
+            raw_ips.push(ip);
+        }
+        let mut ips = Vec::with_capacity(raw_ips.len());
+        for raw in raw_ips {
+            match raw.parse::<IpAddr>() {
+                Ok(ip) if !ips.contains(&ip) => ips.push(ip),
+                Ok(_) => {}
+                Err(_) => warn!(pod = %key, ip = raw, "pod IP does not parse; ignoring it"),
+            }
+        }
+        let annotations = meta.annotations.as_ref();
+        Ok(Self {
+            uid,
+            resource_version: meta.resource_version.clone().unwrap_or_default(),
+            mode_label: label(meta.labels.as_ref()),
+            has_sidecar: annotations.is_some_and(|a| a.contains_key(SIDECAR_STATUS_ANNOTATION)),
+            host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
+            service_account: spec
+                .and_then(|s| s.service_account_name.clone())
+                .filter(|sa| !sa.is_empty())
+                .unwrap_or_else(|| DEFAULT_SERVICE_ACCOUNT.to_owned()),
+            ips,
+            node: spec.and_then(|s| s.node_name.clone()).unwrap_or_default(),
+            finished: matches!(
+                status.and_then(|s| s.phase.as_deref()),
+                Some("Succeeded" | "Failed")
+            ),
+            terminating: meta.deletion_timestamp.is_some(),
+            redirection: annotations.and_then(|a| a.get(REDIRECTION_ANNOTATION).cloned()),
+            key,
+        })
+    }
+
+    /// Istio's enrolment rule: the pod's or its namespace's label says
+    /// `ambient`, the pod's label does not say `none`, and the pod neither
+    /// shares the node's network nor runs a sidecar. A finished pod has no
+    /// traffic left to capture. `namespace` is `None` when the namespace is
+    /// not (yet) known: only the pod's own label counts then.
+    pub fn dataplane_mode(&self, namespace: Option<&NamespaceFacts>) -> DataplaneMode {
+        let ambient = DataplaneMode::Ambient.as_str();
+        let pod_label = self.mode_label.as_deref();
+        let ns_label = namespace.and_then(|ns| ns.mode_label.as_deref());
+        let opted_in = pod_label == Some(ambient) || ns_label == Some(ambient);
+        let opted_out = pod_label == Some(DataplaneMode::None.as_str());
+        if opted_in && !opted_out && !self.host_network && !self.has_sidecar && !self.finished {
+            DataplaneMode::Ambient
+        } else {
+            DataplaneMode::None
+        }
+    }
+
+    /// The pod as the agent's model sees it; the netns is filled in by
+    /// discovery, for this node's mesh pods only.
+    pub fn to_workload(&self, namespace: Option<&NamespaceFacts>) -> Workload {
+        Workload {
+            name: self.key.name.clone(),
+            namespace: self.key.namespace.clone(),
+            service_account: self.service_account.clone(),
+            ips: self.ips.clone(),
+            node: self.node.clone(),
+            netns: None,
+            dataplane_mode: self.dataplane_mode(namespace),
+        }
+    }
+}
+
+impl NamespaceFacts {
+    pub fn from_namespace(namespace: &Namespace) -> Result<Self, FactsError> {
+        Ok(Self {
+            name: namespace
+                .metadata
+                .name
+                .clone()
+                .ok_or(FactsError::Missing("name"))?,
+            mode_label: label(namespace.metadata.labels.as_ref()),
+        })
+    }
+}
+
+fn label(labels: Option<&BTreeMap<String, String>>) -> Option<String> {
+    labels.and_then(|l| l.get(DATAPLANE_MODE_LABEL).cloned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pod(value: serde_json::Value) -> PodFacts {
+        let pod: Pod = serde_json::from_value(value).expect("test pod parses");
+        PodFacts::from_pod(&pod).expect("test pod has facts")
+    }
+
+    fn basic(labels: serde_json::Value) -> serde_json::Value {
+        json!({
+            "metadata": {"name": "web-0", "namespace": "prod", "uid": "1111-2222",
+                          "resourceVersion": "7", "labels": labels},
+            "spec": {"containers": [{"name": "app"}], "nodeName": "node-a",
+                     "serviceAccountName": "web"},
+            "status": {"phase": "Running", "podIP": "198.18.1.10",
+                       "podIPs": [{"ip": "198.18.1.10"}, {"ip": "fd00::10"}]}
+        })
+    }
+
+    fn ns(label: Option<&str>) -> NamespaceFacts {
+        NamespaceFacts {
+            name: "prod".into(),
+            mode_label: label.map(str::to_owned),
+        }
+    }
+
+    #[test]
+    fn facts_of_a_running_pod() {
+        let facts = pod(basic(json!({})));
+        assert_eq!(facts.key, WorkloadKey::new("prod", "web-0"));
+        assert_eq!(facts.uid, "1111-2222");
+        assert_eq!(facts.resource_version, "7");
+        assert_eq!(facts.service_account, "web");
+        assert_eq!(facts.node, "node-a");
+        assert_eq!(
+            facts.ips,
+            vec![
+                "198.18.1.10".parse::<IpAddr>().expect("ip"),
+                "fd00::10".parse().expect("ip")
+            ]
+        );
+        assert!(!facts.finished && !facts.terminating && !facts.host_network);
+        let w = facts.to_workload(Some(&ns(None)));
+        assert_eq!(w.key(), facts.key);
+        assert_eq!(w.dataplane_mode, DataplaneMode::None, "opt-in only");
+        assert_eq!(w.netns, None);
+    }
+
+    #[test]
+    fn istio_enrolment_rule() {
+        use DataplaneMode::{Ambient, None as Off};
+        let cases: [(Option<&str>, Option<&str>, DataplaneMode); 9] = [
+            (Some("ambient"), None, Ambient),
+            (None, Some("ambient"), Ambient),
+            (Some("ambient"), Some("ambient"), Ambient),
+            (Some("none"), Some("ambient"), Off),
+            (Some("other"), Some("ambient"), Ambient),
+            (None, None, Off),
+            (None, Some("none"), Off),
+            (Some("Ambient"), None, Off),
+            (Some("ambient"), Some("none"), Ambient),
+        ];
+        for (pod_label, ns_label, want) in cases {
+            let labels = match pod_label {
+                Some(v) => json!({ DATAPLANE_MODE_LABEL: v }),
+                None => json!({}),
+            };
+            let got = pod(basic(labels)).dataplane_mode(Some(&ns(ns_label)));
+            assert_eq!(got, want, "pod label {pod_label:?}, namespace label {ns_label:?}");
+        }
+        // An unknown namespace: only the pod's label counts.
+        let labelled = pod(basic(json!({ DATAPLANE_MODE_LABEL: "ambient" })));
+        assert_eq!(labelled.dataplane_mode(None), Ambient);
+        assert_eq!(pod(basic(json!({}))).dataplane_mode(None), Off);
+    }
+
+    #[test]
+    fn host_network_sidecar_and_finished_pods_never_join() {
+        let mut host = basic(json!({ DATAPLANE_MODE_LABEL: "ambient" }));
+        host["spec"]["hostNetwork"] = json!(true);
+        assert_eq!(pod(host).dataplane_mode(Some(&ns(Some("ambient")))), DataplaneMode::None);
+
+        let mut sidecar = basic(json!({}));
+        sidecar["metadata"]["annotations"] = json!({ SIDECAR_STATUS_ANNOTATION: "{}" });
+        assert_eq!(pod(sidecar).dataplane_mode(Some(&ns(Some("ambient")))), DataplaneMode::None);
+
+        for phase in ["Succeeded", "Failed"] {
+            let mut done = basic(json!({ DATAPLANE_MODE_LABEL: "ambient" }));
+            done["status"]["phase"] = json!(phase);
+            let facts = pod(done);
+            assert!(facts.finished);
+            assert_eq!(facts.dataplane_mode(None), DataplaneMode::None, "{phase}");
+        }
+    }
+
+    #[test]
+    fn defaults_and_odd_values() {
+        let facts = pod(json!({
+            "metadata": {"name": "p", "namespace": "n", "uid": "u",
+                          "deletionTimestamp": "2024-01-01T00:00:00Z",
+                          "annotations": { REDIRECTION_ANNOTATION: "enabled" }},
+            "spec": {"containers": [], "serviceAccountName": ""},
+            "status": {"podIP": "not-an-ip"}
+        }));
+        assert_eq!(facts.service_account, DEFAULT_SERVICE_ACCOUNT);
+        assert!(facts.ips.is_empty(), "a bad IP is dropped");
+        assert!(facts.terminating);
+        assert_eq!(facts.redirection.as_deref(), Some("enabled"));
+        // podIP is used when podIPs is absent.
+        let old = pod(json!({
+            "metadata": {"name": "p", "namespace": "n", "uid": "u"},
+            "spec": {"containers": []},
+            "status": {"podIP": "198.18.1.3"}
+        }));
+        assert_eq!(old.ips, vec!["198.18.1.3".parse::<IpAddr>().expect("ip")]);
+    }
+
+    #[test]
+    fn objects_without_identity_are_rejected() {
+        let no_uid: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "p", "namespace": "n"}, "spec": {"containers": []}
+        }))
+        .expect("parses");
+        assert_eq!(PodFacts::from_pod(&no_uid), Err(FactsError::Missing("uid")));
+        let no_name = Namespace::default();
+        assert_eq!(
+            NamespaceFacts::from_namespace(&no_name),
+            Err(FactsError::Missing("name"))
+        );
+    }
+}

@@ -1,0 +1,104 @@
+//! Inbound plaintext (0.0.0.0:15006, transparent, in the pod's netns):
+//! connections from outside the mesh to an enrolled pod, handed over by the
+//! TC program (`bpf_sk_assign`, which keeps the original destination as the
+//! socket's local address) or iptables REDIRECT (local port 15006; the
+//! redirector's [`OriginalDst`](crate::redirect::OriginalDst) knows where it
+//! was going). Delivered to the application from inside the pod's netns;
+//! counted and logged. A policy hook goes here later.
+
+use std::{net::SocketAddr, sync::Arc, time::Instant};
+
+use shunt_common::PORT_INBOUND_PLAINTEXT;
+use tokio::net::TcpStream;
+use tracing::Instrument;
+
+use super::{AccessLog, Outcome, PROXY_PORTS, PodState, Shared, copy_both};
+
+pub(super) async fn serve(
+    shared: Arc<Shared>,
+    pod: Arc<PodState>,
+    tcp: TcpStream,
+    peer: SocketAddr,
+) {
+    let span = tracing::info_span!("inbound_plaintext", pod = %pod.key, src = %peer);
+    serve_inner(shared, pod, tcp, peer).instrument(span).await
+}
+
+async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, tcp: TcpStream, peer: SocketAddr) {
+    let mut log = AccessLog {
+        direction: "inbound_plaintext",
+        src_addr: peer,
+        src_identity: None,
+        dst_addr: peer,
+        dst_identity: Some(pod.identity.as_str()),
+        started: Instant::now(),
+        bytes_sent: 0,
+        bytes_received: 0,
+        outcome: Outcome::Refused,
+        reason: None,
+    };
+    let (mut client, dst) = match destination(&shared, tcp) {
+        Ok(pair) => pair,
+        Err(reason) => {
+            log.reason = Some(reason);
+            log.emit(&shared);
+            return;
+        }
+    };
+    log.dst_addr = dst;
+    if PROXY_PORTS.contains(&dst.port()) {
+        log.reason = Some(format!("port {} is the proxy's own", dst.port()));
+        log.emit(&shared);
+        return;
+    }
+    // Only this pod's own addresses: the listener must not relay elsewhere.
+    if !pod.ips.contains(&dst.ip()) {
+        log.reason = Some(format!("{} is not this pod's address", dst.ip()));
+        log.emit(&shared);
+        return;
+    }
+    let mut upstream = match pod
+        .sockets
+        .connect(dst, shared.config.connect_timeout)
+        .await
+    {
+        Ok(s) => s,
+        Err(e) => {
+            log.outcome = Outcome::Failed;
+            log.reason = Some(format!("application at {dst}: {e}"));
+            let _ = socket2::SockRef::from(&client).set_linger(Some(std::time::Duration::ZERO));
+            log.emit(&shared);
+            return;
+        }
+    };
+    match copy_both(&mut client, &mut upstream, shared.config.copy_buffer).await {
+        Ok((sent, received)) => {
+            log.bytes_sent = sent;
+            log.bytes_received = received;
+            log.outcome = Outcome::Success;
+        }
+        Err(e) => {
+            log.outcome = Outcome::Failed;
+            log.reason = Some(e.to_string());
+        }
+    }
+    log.emit(&shared);
+}
+
+/// Where the connection was going: the local address itself (sk_assign,
+/// TPROXY), or the redirector's record when it was REDIRECTed to 15006.
+fn destination(shared: &Shared, tcp: TcpStream) -> Result<(TcpStream, SocketAddr), String> {
+    let local = tcp
+        .local_addr()
+        .map_err(|e| format!("local address: {e}"))?;
+    if local.port() != PORT_INBOUND_PLAINTEXT {
+        return Ok((tcp, local));
+    }
+    let std = tcp
+        .into_std()
+        .map_err(|e| format!("cannot inspect the connection: {e}"))?;
+    let dst = shared.original_dst.original_dst(&std);
+    let tcp = TcpStream::from_std(std).map_err(|e| format!("cannot resume the connection: {e}"))?;
+    dst.map(|d| (tcp, d))
+        .map_err(|e| format!("no original destination: {e}"))
+}

@@ -1,0 +1,639 @@
+//! The node proxy: per-pod listeners inside each enrolled pod's netns, and
+//! HBONE between pods.
+//!
+//! ```text
+//!  app ──▶ 127.0.0.1:15001 (outbound.rs) ──HBONE──▶ podIP:15008 (inbound.rs) ──▶ app
+//!            │ not a mesh workload                          ▲ plaintext from outside
+//!            └──▶ passthrough (plain TCP)      0.0.0.0:15006 (inbound_plaintext.rs) ──▶ app
+//! ```
+//!
+//! The agent drives it: [`Proxy::add_pod`] when a pod is enrolled (binds the
+//! three listeners inside the pod's netns, registers its identity),
+//! [`Proxy::remove_pod`] when it leaves, [`Proxy::drain`] on SIGTERM. Every
+//! socket the proxy opens carries `SO_MARK` 0x539 and listeners use
+//! `SO_REUSEPORT`, so a new agent can bind while the old one drains.
+
+mod h2;
+mod inbound;
+mod inbound_plaintext;
+mod outbound;
+mod pool;
+mod socket;
+
+pub use h2::H2Settings;
+pub use inbound::NON_CONNECT_STATUS;
+pub use socket::PROXY_MARK;
+
+use std::{
+    collections::HashMap,
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    path::PathBuf,
+    sync::{
+        Arc, RwLock,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use shunt_common::{PORT_HBONE, PORT_INBOUND_PLAINTEXT, PORT_OUTBOUND};
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+
+use crate::{
+    identity::IdentityManager,
+    redirect::OriginalDst,
+    state::{SpiffeId, TrustDomain, Workload, WorkloadKey, WorkloadStore},
+    tls::TrustRoots,
+};
+
+/// The proxy's own ports: a CONNECT or redirect to one of them would loop.
+pub const PROXY_PORTS: [u16; 3] = [PORT_OUTBOUND, PORT_INBOUND_PLAINTEXT, PORT_HBONE];
+
+/// Tuning of the proxy. `Default` is what the agent runs with.
+#[derive(Clone, Debug)]
+pub struct ProxyConfig {
+    pub trust_domain: TrustDomain,
+    pub h2: H2Settings,
+    /// Copy buffer per direction per connection. 64 KiB: tokio's default
+    /// 8 KiB capped throughput in measurements (DESIGN); more costs memory
+    /// per stream for little gain.
+    pub copy_buffer: usize,
+    /// TCP connect to a peer's 15008, an application, or a passthrough
+    /// destination.
+    pub connect_timeout: Duration,
+    /// TLS + HTTP/2 handshake of an HBONE connection.
+    pub handshake_timeout: Duration,
+    /// Waiting for the answer to a CONNECT.
+    pub connect_response_timeout: Duration,
+    /// A pooled connection with no stream for this long is closed.
+    pub pool_idle_timeout: Duration,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        Self {
+            trust_domain: TrustDomain::default(),
+            h2: H2Settings::default(),
+            copy_buffer: 64 * 1024,
+            connect_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(10),
+            connect_response_timeout: Duration::from_secs(15),
+            pool_idle_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Where the proxy learns which workload owns an IP (for the destination's
+/// identity and whether it is in the mesh).
+pub trait WorkloadLookup: Send + Sync {
+    fn workload_by_ip(&self, ip: IpAddr) -> Option<Workload>;
+}
+
+impl WorkloadLookup for RwLock<WorkloadStore> {
+    fn workload_by_ip(&self, ip: IpAddr) -> Option<Workload> {
+        self.read()
+            .unwrap_or_else(|p| p.into_inner())
+            .by_ip(ip)
+            .cloned()
+    }
+}
+
+/// A pod the proxy serves, as the agent hands it over.
+#[derive(Clone, Debug)]
+pub struct PodNet {
+    pub key: WorkloadKey,
+    /// The pod's network namespace (`/var/run/netns/NAME`, `/proc/PID/ns/net`).
+    pub netns: PathBuf,
+    /// The pod's addresses: 15008 is bound on each.
+    pub ips: Vec<IpAddr>,
+    /// The identity the pod speaks with.
+    pub identity: SpiffeId,
+}
+
+/// Errors from the proxy's control API.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("pod {pod}: cannot enter its network namespace {netns}: {source}")]
+    NetNs {
+        pod: WorkloadKey,
+        netns: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("pod {pod}: cannot listen on {addr}: {source}")]
+    Listen {
+        pod: WorkloadKey,
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("pod {pod} has no IP address")]
+    NoIp { pod: WorkloadKey },
+    #[error("pod {pod}: IP {ip} is already served for pod {other}")]
+    IpTaken {
+        pod: WorkloadKey,
+        ip: IpAddr,
+        other: WorkloadKey,
+    },
+    #[error("the mesh trust roots are unusable: {0}")]
+    Roots(#[from] crate::tls::TlsConfigError),
+    #[error("the proxy is draining; no new pods")]
+    Draining,
+}
+
+/// Counters since start (read with [`Proxy::stats`]).
+#[derive(Debug, Default)]
+struct Counters {
+    outbound_hbone: AtomicU64,
+    outbound_passthrough: AtomicU64,
+    inbound_hbone: AtomicU64,
+    inbound_plaintext: AtomicU64,
+    refused: AtomicU64,
+    failed: AtomicU64,
+    bytes_out: AtomicU64,
+    bytes_in: AtomicU64,
+}
+
+/// A snapshot of the proxy's counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ProxyStats {
+    pub outbound_hbone: u64,
+    pub outbound_passthrough: u64,
+    pub inbound_hbone: u64,
+    pub inbound_plaintext: u64,
+    /// Connections or streams refused (bad input, policy, unknown target).
+    pub refused: u64,
+    /// Connections that failed after being accepted (upstream errors).
+    pub failed: u64,
+    /// Bytes from local applications towards peers, and back.
+    pub bytes_out: u64,
+    pub bytes_in: u64,
+    /// Connections and streams being served now.
+    pub active: usize,
+    /// HBONE connections in the outbound pools.
+    pub pooled_connections: usize,
+}
+
+/// One enrolled pod's proxy state.
+pub(crate) struct PodState {
+    pub key: WorkloadKey,
+    pub identity: SpiffeId,
+    pub ips: Vec<IpAddr>,
+    pub sockets: socket::PodSockets,
+    pub pool: pool::Pool,
+    /// Cancelled when the pod leaves: its listeners stop accepting.
+    pub listeners: CancellationToken,
+}
+
+/// State shared by every task of the proxy.
+pub(crate) struct Shared {
+    pub config: ProxyConfig,
+    pub identities: IdentityManager,
+    pub workloads: Arc<dyn WorkloadLookup>,
+    pub original_dst: Arc<dyn OriginalDst>,
+    pub roots: TrustRoots,
+    pods: RwLock<HashMap<WorkloadKey, Arc<PodState>>>,
+    pods_by_ip: RwLock<HashMap<IpAddr, Arc<PodState>>>,
+    /// Every connection and stream task, for draining.
+    pub tracker: TaskTracker,
+    /// Cancelled when draining starts: listeners stop, HTTP/2 connections
+    /// send GOAWAY.
+    pub draining: CancellationToken,
+    /// Cancelled when the drain grace period ends: everything stops.
+    pub abort: CancellationToken,
+    counters: Counters,
+}
+
+impl Shared {
+    /// The local (enrolled on this proxy) pod owning `ip`.
+    pub fn local_pod(&self, ip: IpAddr) -> Option<Arc<PodState>> {
+        self.pods_by_ip
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&ip)
+            .cloned()
+    }
+
+    fn all_pods(&self) -> Vec<Arc<PodState>> {
+        self.pods
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect()
+    }
+}
+
+/// The proxy. Cheap to clone (shared); all methods take `&self`.
+#[derive(Clone)]
+pub struct Proxy {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Proxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Proxy")
+            .field("pods", &self.pods())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Proxy {
+    /// A proxy serving no pod yet. The trust roots are read from the
+    /// identity manager's CA now.
+    pub fn new(
+        config: ProxyConfig,
+        identities: IdentityManager,
+        workloads: Arc<dyn WorkloadLookup>,
+        original_dst: Arc<dyn OriginalDst>,
+    ) -> Result<Self, ProxyError> {
+        let roots = TrustRoots::new(&identities.roots())?;
+        Ok(Self {
+            shared: Arc::new(Shared {
+                config,
+                identities,
+                workloads,
+                original_dst,
+                roots,
+                pods: RwLock::new(HashMap::new()),
+                pods_by_ip: RwLock::new(HashMap::new()),
+                tracker: TaskTracker::new(),
+                draining: CancellationToken::new(),
+                abort: CancellationToken::new(),
+                counters: Counters::default(),
+            }),
+        })
+    }
+
+    /// Starts serving `pod`: binds 127.0.0.1:15001, 0.0.0.0:15006 and
+    /// podIP:15008 inside its netns and registers its identity. Adding a pod
+    /// that is already served replaces it (new listeners first, then the old
+    /// ones stop).
+    pub async fn add_pod(&self, pod: PodNet) -> Result<(), ProxyError> {
+        if self.shared.draining.is_cancelled() {
+            return Err(ProxyError::Draining);
+        }
+        if pod.ips.is_empty() {
+            return Err(ProxyError::NoIp { pod: pod.key });
+        }
+        {
+            let by_ip = self
+                .shared
+                .pods_by_ip
+                .read()
+                .unwrap_or_else(|p| p.into_inner());
+            for ip in &pod.ips {
+                if let Some(other) = by_ip.get(ip).filter(|o| o.key != pod.key) {
+                    return Err(ProxyError::IpTaken {
+                        pod: pod.key.clone(),
+                        ip: *ip,
+                        other: other.key.clone(),
+                    });
+                }
+            }
+        }
+        let sockets =
+            socket::PodSockets::start(&pod.netns).map_err(|source| ProxyError::NetNs {
+                pod: pod.key.clone(),
+                netns: pod.netns.clone(),
+                source,
+            })?;
+        let mut specs = vec![
+            (
+                Listener::Outbound,
+                socket::ListenSpec {
+                    addr: SocketAddr::new(Ipv4Addr::LOCALHOST.into(), PORT_OUTBOUND),
+                    transparent: false,
+                },
+            ),
+            (
+                Listener::InboundPlaintext,
+                socket::ListenSpec {
+                    addr: SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), PORT_INBOUND_PLAINTEXT),
+                    transparent: true,
+                },
+            ),
+        ];
+        for ip in &pod.ips {
+            specs.push((
+                Listener::Hbone,
+                socket::ListenSpec {
+                    addr: SocketAddr::new(*ip, PORT_HBONE),
+                    transparent: false,
+                },
+            ));
+        }
+        let mut listeners = Vec::with_capacity(specs.len());
+        for (kind, spec) in specs {
+            let listener = sockets
+                .listen(spec)
+                .await
+                .map_err(|source| ProxyError::Listen {
+                    pod: pod.key.clone(),
+                    addr: spec.addr,
+                    source,
+                })?;
+            listeners.push((kind, listener));
+        }
+
+        self.shared.identities.register(&pod.identity);
+        let state = Arc::new(PodState {
+            key: pod.key.clone(),
+            identity: pod.identity.clone(),
+            ips: pod.ips.clone(),
+            sockets,
+            pool: pool::Pool::new(),
+            listeners: self.shared.draining.child_token(),
+        });
+        for (kind, listener) in listeners {
+            let shared = self.shared.clone();
+            let pod = state.clone();
+            tokio::spawn(accept_loop(shared, pod, kind, listener));
+        }
+        let old = {
+            let mut pods = self.shared.pods.write().unwrap_or_else(|p| p.into_inner());
+            let mut by_ip = self
+                .shared
+                .pods_by_ip
+                .write()
+                .unwrap_or_else(|p| p.into_inner());
+            let old = pods.insert(pod.key.clone(), state.clone());
+            if let Some(old) = &old {
+                for ip in &old.ips {
+                    by_ip.remove(ip);
+                }
+            }
+            for ip in &pod.ips {
+                by_ip.insert(*ip, state.clone());
+            }
+            old
+        };
+        if let Some(old) = old {
+            retire(&self.shared, &old);
+        }
+        tracing::info!(pod = %pod.key, identity = %pod.identity, ips = ?pod.ips, "proxy serving pod");
+        Ok(())
+    }
+
+    /// Stops serving the pod: its listeners close; streams in flight finish.
+    /// Returns whether the pod was served.
+    pub fn remove_pod(&self, key: &WorkloadKey) -> bool {
+        let removed = {
+            let mut pods = self.shared.pods.write().unwrap_or_else(|p| p.into_inner());
+            let mut by_ip = self
+                .shared
+                .pods_by_ip
+                .write()
+                .unwrap_or_else(|p| p.into_inner());
+            let removed = pods.remove(key);
+            if let Some(pod) = &removed {
+                for ip in &pod.ips {
+                    if by_ip.get(ip).is_some_and(|p| Arc::ptr_eq(p, pod)) {
+                        by_ip.remove(ip);
+                    }
+                }
+            }
+            removed
+        };
+        match removed {
+            Some(pod) => {
+                retire(&self.shared, &pod);
+                tracing::info!(pod = %key, "proxy stopped serving pod");
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The pods being served, sorted.
+    pub fn pods(&self) -> Vec<WorkloadKey> {
+        let mut keys: Vec<_> = self
+            .shared
+            .pods
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        keys.sort();
+        keys
+    }
+
+    pub fn stats(&self) -> ProxyStats {
+        let c = &self.shared.counters;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ProxyStats {
+            outbound_hbone: load(&c.outbound_hbone),
+            outbound_passthrough: load(&c.outbound_passthrough),
+            inbound_hbone: load(&c.inbound_hbone),
+            inbound_plaintext: load(&c.inbound_plaintext),
+            refused: load(&c.refused),
+            failed: load(&c.failed),
+            bytes_out: load(&c.bytes_out),
+            bytes_in: load(&c.bytes_in),
+            active: self.shared.tracker.len(),
+            pooled_connections: self
+                .shared
+                .all_pods()
+                .iter()
+                .map(|p| p.pool.connection_count())
+                .sum(),
+        }
+    }
+
+    /// Graceful stop: every listener closes at once (a new agent bound with
+    /// SO_REUSEPORT takes the new connections), HTTP/2 connections send
+    /// GOAWAY, and streams in flight get `grace` to finish before being cut.
+    /// Returns how many were still open when the grace period ended.
+    pub async fn drain(&self, grace: Duration) -> usize {
+        let started = Instant::now();
+        self.shared.draining.cancel();
+        self.shared.tracker.close();
+        let open = self.shared.tracker.len();
+        tracing::info!(open, ?grace, "draining");
+        let finished = tokio::time::timeout(grace, self.shared.tracker.wait())
+            .await
+            .is_ok();
+        let left = if finished {
+            0
+        } else {
+            self.shared.tracker.len()
+        };
+        self.shared.abort.cancel();
+        // Cut streams end promptly (they watch `abort`); bounded anyway.
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.shared.tracker.wait()).await;
+        for pod in self.shared.all_pods() {
+            self.shared.identities.unregister(&pod.identity);
+        }
+        self.shared
+            .pods
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        self.shared
+            .pods_by_ip
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        tracing::info!(left, took = ?started.elapsed(), "drained");
+        left
+    }
+}
+
+/// Stops a replaced or removed pod's listeners and releases its identity.
+fn retire(shared: &Shared, pod: &PodState) {
+    pod.listeners.cancel();
+    shared.identities.unregister(&pod.identity);
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Listener {
+    Outbound,
+    InboundPlaintext,
+    Hbone,
+}
+
+async fn accept_loop(
+    shared: Arc<Shared>,
+    pod: Arc<PodState>,
+    kind: Listener,
+    listener: tokio::net::TcpListener,
+) {
+    let local = listener.local_addr().ok();
+    loop {
+        let accepted = tokio::select! {
+            _ = pod.listeners.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, peer) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning; the
+                // backlog holds new connections meanwhile.
+                tracing::warn!(pod = %pod.key, ?kind, error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let shared2 = shared.clone();
+        let pod2 = pod.clone();
+        let abort = shared.abort.clone();
+        let task = async move {
+            match kind {
+                Listener::Outbound => outbound::serve(shared2, pod2, stream, peer).await,
+                Listener::InboundPlaintext => {
+                    inbound_plaintext::serve(shared2, pod2, stream, peer).await
+                }
+                Listener::Hbone => inbound::serve(shared2, pod2, stream, peer).await,
+            }
+        };
+        shared.tracker.spawn(async move {
+            tokio::select! {
+                _ = abort.cancelled() => {}
+                () = task => {}
+            }
+        });
+    }
+    tracing::debug!(pod = %pod.key, ?kind, ?local, "listener closed");
+}
+
+/// How a connection or stream ended, for the access log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    Success,
+    Refused,
+    Failed,
+}
+
+impl Outcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Success => "success",
+            Outcome::Refused => "refused",
+            Outcome::Failed => "failed",
+        }
+    }
+}
+
+/// One access-log line: who talked to whom, how much, how long, and how it
+/// ended. Also feeds the counters.
+pub(crate) struct AccessLog<'a> {
+    pub direction: &'static str,
+    pub src_addr: SocketAddr,
+    pub src_identity: Option<&'a str>,
+    pub dst_addr: SocketAddr,
+    pub dst_identity: Option<&'a str>,
+    pub started: Instant,
+    /// Bytes from the connection's initiator to its target, and back.
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    pub outcome: Outcome,
+    pub reason: Option<String>,
+}
+
+impl AccessLog<'_> {
+    pub fn emit(&self, shared: &Shared) {
+        let c = &shared.counters;
+        let counter = match self.direction {
+            "outbound" => &c.outbound_hbone,
+            "passthrough" => &c.outbound_passthrough,
+            "inbound" => &c.inbound_hbone,
+            _ => &c.inbound_plaintext,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        match self.outcome {
+            Outcome::Success => {}
+            Outcome::Refused => {
+                c.refused.fetch_add(1, Ordering::Relaxed);
+            }
+            Outcome::Failed => {
+                c.failed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if matches!(self.direction, "outbound" | "passthrough") {
+            c.bytes_out.fetch_add(self.bytes_sent, Ordering::Relaxed);
+            c.bytes_in.fetch_add(self.bytes_received, Ordering::Relaxed);
+        }
+        let duration_ms = self.started.elapsed().as_millis() as u64;
+        let src_identity = self.src_identity.unwrap_or("-");
+        let dst_identity = self.dst_identity.unwrap_or("-");
+        let reason = self.reason.as_deref().unwrap_or("");
+        macro_rules! line {
+            ($level:ident) => {
+                tracing::$level!(
+                    target: "shunt::access",
+                    direction = self.direction,
+                    src.addr = %self.src_addr,
+                    src.identity = src_identity,
+                    dst.addr = %self.dst_addr,
+                    dst.identity = dst_identity,
+                    bytes_sent = self.bytes_sent,
+                    bytes_received = self.bytes_received,
+                    duration_ms,
+                    result = self.outcome.as_str(),
+                    reason,
+                    "connection complete"
+                )
+            };
+        }
+        match self.outcome {
+            Outcome::Success => line!(info),
+            _ => line!(warn),
+        }
+    }
+}
+
+/// Copies both ways until both directions are done, honouring half-close
+/// (EOF on one side shuts down the other side's write half). Returns the
+/// bytes a→b and b→a, or the error with the counts so far unknown.
+pub(crate) async fn copy_both<A, B>(
+    a: &mut A,
+    b: &mut B,
+    buffer: usize,
+) -> std::io::Result<(u64, u64)>
+where
+    A: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
+    B: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
+{
+    tokio::io::copy_bidirectional_with_sizes(a, b, buffer, buffer).await
+}

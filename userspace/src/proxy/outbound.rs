@@ -1,0 +1,326 @@
+//! Outbound (127.0.0.1:15001 in the pod's netns): what a pod's application
+//! connects to, after redirection.
+//!
+//! The original destination decides the path: a mesh workload gets HBONE to
+//! its IP:15008 (presenting the source pod's identity, accepting only the
+//! destination's), anything else plain TCP from the pod's own netns.
+//! Same-node destinations take the HBONE path too, so the inbound checks
+//! apply to them as well.
+
+use std::{
+    net::SocketAddr,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use h2::client::SendRequest;
+use http::{Method, Request, StatusCode};
+use rustls_pki_types::ServerName;
+use shunt_common::PORT_HBONE;
+use tokio::net::TcpStream;
+use tracing::Instrument;
+
+use super::{
+    AccessLog, Outcome, PROXY_PORTS, PodState, Shared, copy_both,
+    h2::H2Stream,
+    pool::{PoolKey, StreamGuard},
+};
+
+/// Why an outbound HBONE stream could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum OutboundError {
+    #[error("no certificate for the source identity: {0}")]
+    Identity(#[from] crate::identity::IdentityError),
+    #[error("TLS configuration: {0}")]
+    TlsConfig(#[from] crate::tls::TlsConfigError),
+    #[error("connecting to {addr}: {source}")]
+    Connect {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("TLS handshake with {addr}: {source}")]
+    Handshake {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{addr} did not negotiate ALPN h2")]
+    NoH2 { addr: SocketAddr },
+    #[error("HTTP/2: {0}")]
+    H2(#[from] h2::Error),
+    #[error("{what} timed out after {after:?}")]
+    Timeout { what: &'static str, after: Duration },
+    #[error("the peer answered {0}")]
+    Status(StatusCode),
+}
+
+pub(super) async fn serve(
+    shared: Arc<Shared>,
+    pod: Arc<PodState>,
+    stream: TcpStream,
+    peer: SocketAddr,
+) {
+    let span = tracing::info_span!("outbound", pod = %pod.key, src = %peer);
+    serve_inner(shared, pod, stream, peer)
+        .instrument(span)
+        .await
+}
+
+async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream, peer: SocketAddr) {
+    let started = Instant::now();
+    let mut log = AccessLog {
+        direction: "outbound",
+        src_addr: peer,
+        src_identity: Some(pod.identity.as_str()),
+        dst_addr: peer,
+        dst_identity: None,
+        started,
+        bytes_sent: 0,
+        bytes_received: 0,
+        outcome: Outcome::Refused,
+        reason: None,
+    };
+    let (mut app, dst) = match original_dst(&shared, stream) {
+        Ok(pair) => pair,
+        Err(reason) => {
+            log.reason = Some(reason);
+            log.emit(&shared);
+            return;
+        }
+    };
+    log.dst_addr = dst;
+    // Redirected to ourselves would loop forever.
+    if dst.ip().is_loopback() && PROXY_PORTS.contains(&dst.port()) {
+        log.reason = Some("destination is the proxy itself".into());
+        log.emit(&shared);
+        return;
+    }
+
+    let mesh_peer = shared
+        .workloads
+        .workload_by_ip(dst.ip())
+        .filter(|w| w.wants_mesh());
+    let Some(workload) = mesh_peer else {
+        passthrough(&shared, &pod, app, dst, log).await;
+        return;
+    };
+    let dst_identity = workload.identity(&shared.config.trust_domain);
+    log.dst_identity = Some(dst_identity.as_str());
+    let key = PoolKey {
+        src: pod.identity.clone(),
+        dst: dst_identity.clone(),
+        dst_ip: dst.ip(),
+    };
+    let (mut h2s, _guard) = match open_stream(&shared, &pod, &key, dst).await {
+        Ok(s) => s,
+        Err(e) => {
+            log.outcome = match e {
+                OutboundError::Status(_) => Outcome::Refused,
+                _ => Outcome::Failed,
+            };
+            log.reason = Some(e.to_string());
+            log.emit(&shared);
+            reset(&app);
+            return;
+        }
+    };
+    match copy_both(&mut app, &mut h2s, shared.config.copy_buffer).await {
+        Ok((sent, received)) => {
+            log.bytes_sent = sent;
+            log.bytes_received = received;
+            log.outcome = Outcome::Success;
+            log.emit(&shared);
+        }
+        Err(e) => {
+            h2s.reset(h2::Reason::CANCEL);
+            reset(&app);
+            log.outcome = Outcome::Failed;
+            log.reason = Some(e.to_string());
+            log.emit(&shared);
+        }
+    }
+}
+
+/// Asks the redirector where the application was connecting to. The trait
+/// takes a std socket; the round trip through std only re-registers the fd
+/// with the reactor.
+fn original_dst(shared: &Shared, stream: TcpStream) -> Result<(TcpStream, SocketAddr), String> {
+    let std = stream
+        .into_std()
+        .map_err(|e| format!("cannot inspect the connection: {e}"))?;
+    let dst = shared.original_dst.original_dst(&std);
+    let stream =
+        TcpStream::from_std(std).map_err(|e| format!("cannot resume the connection: {e}"))?;
+    match dst {
+        Ok(dst) => Ok((stream, dst)),
+        Err(e) => Err(format!("no original destination: {e}")),
+    }
+}
+
+/// Closes with RST so the application sees a failure, not a clean EOF.
+fn reset(stream: &TcpStream) {
+    let _ = socket2::SockRef::from(stream).set_linger(Some(Duration::ZERO));
+}
+
+async fn passthrough(
+    shared: &Shared,
+    pod: &PodState,
+    mut app: TcpStream,
+    dst: SocketAddr,
+    mut log: AccessLog<'_>,
+) {
+    log.direction = "passthrough";
+    let mut upstream = match pod
+        .sockets
+        .connect(dst, shared.config.connect_timeout)
+        .await
+    {
+        Ok(s) => s,
+        Err(e) => {
+            log.outcome = Outcome::Failed;
+            log.reason = Some(format!("connect to {dst}: {e}"));
+            log.emit(shared);
+            reset(&app);
+            return;
+        }
+    };
+    match copy_both(&mut app, &mut upstream, shared.config.copy_buffer).await {
+        Ok((sent, received)) => {
+            log.bytes_sent = sent;
+            log.bytes_received = received;
+            log.outcome = Outcome::Success;
+        }
+        Err(e) => {
+            reset(&app);
+            reset(&upstream);
+            log.outcome = Outcome::Failed;
+            log.reason = Some(e.to_string());
+        }
+    }
+    log.emit(shared);
+}
+
+/// A CONNECT stream to `dst` over a pooled connection (opening one when
+/// none has room). A pooled connection that fails before the stream exists
+/// (GOAWAY, dead peer) is dropped and the stream retried once on a new one.
+async fn open_stream(
+    shared: &Shared,
+    pod: &PodState,
+    key: &PoolKey,
+    dst: SocketAddr,
+) -> Result<(H2Stream, StreamGuard), OutboundError> {
+    let max = shared.config.h2.max_streams_per_connection;
+    let mut last_err = None;
+    for _attempt in 0..2 {
+        let (send, guard) = match pod.pool.checkout(key, max) {
+            Some(slot) => slot,
+            None => {
+                let _connecting = pod.pool.connect_lock(key).await;
+                match pod.pool.checkout(key, max) {
+                    Some(slot) => slot,
+                    None => connect(shared, pod, key).await?,
+                }
+            }
+        };
+        match connect_stream(shared, send, dst).await {
+            Ok(h2s) => return Ok((h2s, guard)),
+            // A refusal is the peer's answer: retrying would get the same.
+            Err(e @ OutboundError::Status(_)) => return Err(e),
+            Err(e) => {
+                tracing::debug!(conn = guard.conn.id, error = %e, "pooled connection failed; retrying on a new one");
+                guard.conn.mark_closed();
+                last_err = Some(e);
+            }
+        }
+    }
+    Err(last_err.unwrap_or(OutboundError::Timeout {
+        what: "opening a stream",
+        after: Duration::ZERO,
+    }))
+}
+
+async fn connect_stream(
+    shared: &Shared,
+    send: SendRequest<Bytes>,
+    dst: SocketAddr,
+) -> Result<H2Stream, OutboundError> {
+    let timeout = shared.config.connect_response_timeout;
+    let timed_out = |what| OutboundError::Timeout {
+        what,
+        after: timeout,
+    };
+    // Waits for the peer's concurrency limit, if it has one.
+    let mut send = tokio::time::timeout(timeout, send.ready())
+        .await
+        .map_err(|_| timed_out("waiting for a stream slot"))??;
+    // Only :method and :authority (h2 omits :scheme and :path for CONNECT);
+    // ztunnel resets a CONNECT carrying either.
+    let request = Request::builder()
+        .method(Method::CONNECT)
+        .uri(dst.to_string())
+        .body(())
+        .map_err(|e| OutboundError::Handshake {
+            addr: dst,
+            source: std::io::Error::other(e),
+        })?;
+    let (response, send_stream) = send.send_request(request, false)?;
+    let response = tokio::time::timeout(timeout, response)
+        .await
+        .map_err(|_| timed_out("waiting for the CONNECT answer"))??;
+    if response.status() != StatusCode::OK {
+        return Err(OutboundError::Status(response.status()));
+    }
+    Ok(H2Stream::new(send_stream, response.into_body()))
+}
+
+/// Opens a new HBONE connection from the pod to the destination's 15008 and
+/// adds it to the pool, returning a stream slot on it.
+async fn connect(
+    shared: &Shared,
+    pod: &PodState,
+    key: &PoolKey,
+) -> Result<(SendRequest<Bytes>, StreamGuard), OutboundError> {
+    let addr = SocketAddr::new(key.dst_ip, PORT_HBONE);
+    let cert = shared.identities.certificate(&pod.identity).await?;
+    let config = crate::tls::client_config(&cert, &shared.roots, &key.dst)?;
+    let tcp = pod
+        .sockets
+        .connect(addr, shared.config.connect_timeout)
+        .await
+        .map_err(|source| OutboundError::Connect { addr, source })?;
+    let handshake_timeout = shared.config.handshake_timeout;
+    let timed_out = |what| OutboundError::Timeout {
+        what,
+        after: handshake_timeout,
+    };
+    // No SNI is sent (enable_sni is off); the name only satisfies the API.
+    let server_name = ServerName::IpAddress(key.dst_ip.into());
+    let tls = tokio::time::timeout(
+        handshake_timeout,
+        tokio_rustls::TlsConnector::from(config).connect(server_name, tcp),
+    )
+    .await
+    .map_err(|_| timed_out("TLS handshake"))?
+    .map_err(|source| OutboundError::Handshake { addr, source })?;
+    if tls.get_ref().1.alpn_protocol() != Some(crate::tls::ALPN_H2) {
+        return Err(OutboundError::NoH2 { addr });
+    }
+    let (send, mut connection) =
+        tokio::time::timeout(handshake_timeout, shared.config.h2.client().handshake(tls))
+            .await
+            .map_err(|_| timed_out("HTTP/2 handshake"))??;
+    let ping_pong = connection.ping_pong();
+    tracing::debug!(dst = %key.dst, %addr, src = %key.src, "new HBONE connection");
+    Ok(pod.pool.insert(
+        key,
+        send,
+        connection,
+        ping_pong,
+        shared.config.h2.clone(),
+        shared.config.pool_idle_timeout,
+        shared.draining.clone(),
+        shared.abort.clone(),
+    ))
+}

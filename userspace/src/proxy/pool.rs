@@ -1,0 +1,223 @@
+//! Outbound HBONE connection pool.
+//!
+//! Streams to the same (source identity, destination identity, destination
+//! IP) share HTTP/2 connections, at most `max_streams_per_connection` each;
+//! a full set of connections gets one more. Each pod has its own pool:
+//! connections are made from inside the pod's netns (with its source IP),
+//! so sharing them across pods would misattribute traffic.
+//!
+//! A connection leaves the pool when it fails, stops answering PINGs, has
+//! been idle for `pool_idle_timeout`, or the proxy drains and it is idle.
+
+use std::{
+    collections::HashMap,
+    future::Future,
+    net::IpAddr,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use h2::client::SendRequest;
+use tokio_util::sync::CancellationToken;
+
+use super::h2::{H2Settings, keepalive};
+use crate::state::SpiffeId;
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct PoolKey {
+    pub src: SpiffeId,
+    pub dst: SpiffeId,
+    pub dst_ip: IpAddr,
+}
+
+pub(crate) struct PooledConn {
+    pub id: u64,
+    send: SendRequest<Bytes>,
+    streams: AtomicUsize,
+    closed: AtomicBool,
+    /// Milliseconds since `epoch` when the last stream ended.
+    idle_since_ms: AtomicU64,
+    epoch: Instant,
+}
+
+impl PooledConn {
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Marks the connection unusable for new streams (after an error on it).
+    pub fn mark_closed(&self) {
+        self.closed.store(true, Ordering::Release);
+    }
+}
+
+/// Holds one stream slot on a pooled connection; dropping it frees the slot.
+pub(crate) struct StreamGuard {
+    pub conn: Arc<PooledConn>,
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        if self.conn.streams.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.conn
+                .idle_since_ms
+                .store(self.conn.now_ms(), Ordering::Release);
+        }
+    }
+}
+
+#[derive(Default)]
+struct KeyPool {
+    conns: Mutex<Vec<Arc<PooledConn>>>,
+    /// Held while opening a connection, so a burst of streams opens one
+    /// connection at a time instead of one each.
+    connecting: Arc<tokio::sync::Mutex<()>>,
+}
+
+#[derive(Default)]
+pub(crate) struct Pool {
+    keys: Arc<Mutex<HashMap<PoolKey, Arc<KeyPool>>>>,
+    next_id: AtomicU64,
+}
+
+impl Pool {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn key_pool(&self, key: &PoolKey) -> Arc<KeyPool> {
+        self.keys
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(key.clone())
+            .or_default()
+            .clone()
+    }
+
+    /// A stream slot on an existing connection with room, if any.
+    pub fn checkout(
+        &self,
+        key: &PoolKey,
+        max_streams: usize,
+    ) -> Option<(SendRequest<Bytes>, StreamGuard)> {
+        let kp = self.key_pool(key);
+        let conns = kp.conns.lock().unwrap_or_else(|p| p.into_inner());
+        for conn in conns.iter() {
+            if conn.closed.load(Ordering::Acquire) {
+                continue;
+            }
+            // Reserve a slot unless full (compare-and-swap: no overshoot
+            // under concurrent checkouts).
+            let reserved = conn
+                .streams
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n < max_streams).then_some(n + 1)
+                })
+                .is_ok();
+            if reserved {
+                return Some((conn.send.clone(), StreamGuard { conn: conn.clone() }));
+            }
+        }
+        None
+    }
+
+    /// Serializes connection establishment for `key`.
+    pub async fn connect_lock(&self, key: &PoolKey) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = self.key_pool(key).connecting.clone();
+        lock.lock_owned().await
+    }
+
+    /// Adds a freshly handshaken connection, with one stream slot taken for
+    /// the caller, and spawns the task that drives it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn insert<C>(
+        &self,
+        key: &PoolKey,
+        send: SendRequest<Bytes>,
+        connection: C,
+        ping_pong: Option<h2::PingPong>,
+        settings: H2Settings,
+        idle_timeout: Duration,
+        draining: CancellationToken,
+        abort: CancellationToken,
+    ) -> (SendRequest<Bytes>, StreamGuard)
+    where
+        C: Future<Output = Result<(), h2::Error>> + Send + 'static,
+    {
+        let conn = Arc::new(PooledConn {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            send: send.clone(),
+            streams: AtomicUsize::new(1),
+            closed: AtomicBool::new(false),
+            idle_since_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
+        });
+        let kp = self.key_pool(key);
+        kp.conns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(conn.clone());
+        let keys = self.keys.clone();
+        let key = key.clone();
+        let driven = conn.clone();
+        tokio::spawn(async move {
+            let ping = async move {
+                match ping_pong {
+                    Some(pp) => keepalive(pp, settings).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let idle = async {
+                let mut tick = tokio::time::interval(Duration::from_millis(500));
+                loop {
+                    tick.tick().await;
+                    if driven.streams.load(Ordering::Acquire) == 0 {
+                        let idle_for = driven
+                            .now_ms()
+                            .saturating_sub(driven.idle_since_ms.load(Ordering::Acquire));
+                        if draining.is_cancelled() || idle_for >= idle_timeout.as_millis() as u64 {
+                            return;
+                        }
+                    }
+                }
+            };
+            let why = tokio::select! {
+                r = connection => match r {
+                    Ok(()) => "closed by peer".to_string(),
+                    Err(e) => format!("error: {e}"),
+                },
+                e = ping => format!("keepalive: {e}"),
+                () = idle => "idle".to_string(),
+                _ = abort.cancelled() => "proxy stopped".to_string(),
+            };
+            driven.mark_closed();
+            tracing::debug!(conn = driven.id, dst = %key.dst, dst_ip = %key.dst_ip, why, "pooled HBONE connection closed");
+            // Leave the pool; forget the key when nothing else refers to it.
+            let mut keys = keys.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(kp) = keys.get(&key) {
+                let mut conns = kp.conns.lock().unwrap_or_else(|p| p.into_inner());
+                conns.retain(|c| !Arc::ptr_eq(c, &driven));
+                let empty = conns.is_empty();
+                drop(conns);
+                if empty && Arc::strong_count(kp) == 1 {
+                    keys.remove(&key);
+                }
+            }
+        });
+        (send, StreamGuard { conn })
+    }
+
+    /// Connections currently pooled (for stats and tests).
+    pub fn connection_count(&self) -> usize {
+        self.keys
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|kp| kp.conns.lock().unwrap_or_else(|p| p.into_inner()).len())
+            .sum()
+    }
+}

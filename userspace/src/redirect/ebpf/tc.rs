@@ -1,0 +1,143 @@
+//! TC attachments on a pod's `eth0`. All functions act in the calling
+//! thread's network namespace: call them from inside the pod's
+//! (`NetNs::run`).
+
+use std::io;
+
+use aya::{
+    Ebpf,
+    programs::{
+        SchedClassifier, TcAttachType,
+        links::Link as _,
+        tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcError, TcHandle},
+    },
+};
+use shunt_common::programs;
+use tracing::debug;
+
+use super::kernel;
+use crate::{
+    redirect::{POD_INTERFACE, RedirectError, tc_dump},
+    state::WorkloadKey,
+};
+
+/// TC filter priority of shunt's filters on a pod's `eth0`. Fixed, so that an
+/// enrolment is recognisable (and removable) across agent restarts; low
+/// enough to run before filters a CNI adds at the default priority.
+pub const TC_PRIORITY: u16 = 49;
+/// TC filter handle of shunt's filters (one per direction and priority).
+pub const TC_HANDLE: TcHandle = TcHandle::new(0, 1);
+
+/// The two programs and where each goes.
+pub fn programs() -> [(&'static str, TcAttachType); 2] {
+    [
+        (programs::TC_POD_INGRESS, TcAttachType::Ingress),
+        (programs::TC_POD_EGRESS, TcAttachType::Egress),
+    ]
+}
+
+pub fn direction(attach_type: TcAttachType) -> &'static str {
+    match attach_type {
+        TcAttachType::Ingress => "ingress",
+        TcAttachType::Egress => "egress",
+        TcAttachType::Custom(_) => "custom",
+    }
+}
+
+/// Adds `clsact` to `eth0` and attaches the (loaded) programs of `pod_ebpf`
+/// as netlink filters. A filter already there under shunt's priority and
+/// handle (a previous agent's, for the same slot) is kept.
+pub fn attach(pod: &WorkloadKey, pod_ebpf: &mut Ebpf, netns_path: &std::path::Path) -> Result<(), RedirectError> {
+    match tc::qdisc_add_clsact(POD_INTERFACE) {
+        Ok(()) => {}
+        Err(error) if is_exists(&error) => {}
+        Err(TcError::IoError(e)) if e.kind() == io::ErrorKind::NotFound => {
+            return Err(RedirectError::NoInterface {
+                pod: pod.clone(),
+                interface: POD_INTERFACE,
+                netns: netns_path.to_path_buf(),
+            });
+        }
+        Err(error) => return Err(kernel(pod, "adding the clsact qdisc on eth0", error)),
+    }
+    for (name, attach_type) in programs() {
+        let program: &mut SchedClassifier = pod_ebpf
+            .program_mut(name)
+            .ok_or_else(|| kernel(pod, "finding the TC program", super::missing(name)))?
+            .try_into()
+            .map_err(|e| kernel(pod, "finding the TC program", e))?;
+        let options = TcAttachOptions::Netlink(NlOptions {
+            priority: TC_PRIORITY,
+            handle: TC_HANDLE,
+            classid: None,
+        });
+        match program.attach_with_options(POD_INTERFACE, attach_type, options) {
+            Ok(link_id) => {
+                // The filter must outlive this process (it is the kernel's,
+                // held by the qdisc): take the link out of aya's bookkeeping
+                // and forget it, since dropping it would detach.
+                let link = program
+                    .take_link(link_id)
+                    .map_err(|e| kernel(pod, "taking the TC link", e))?;
+                std::mem::forget(link);
+            }
+            Err(aya::programs::ProgramError::TcError(error)) if is_exists(&error) => {
+                debug!(%pod, program = name, "TC filter already in place; adopting it");
+            }
+            Err(e) => return Err(kernel(pod, "attaching the TC program", e)),
+        }
+    }
+    Ok(())
+}
+
+/// Detaches shunt's TC filters from `eth0`. Filters (or `eth0`) already gone
+/// are not an error.
+pub fn detach(pod: &WorkloadKey) -> Result<(), RedirectError> {
+    for (_, attach_type) in programs() {
+        let link = match SchedClassifierLink::attached(
+            POD_INTERFACE,
+            attach_type,
+            TC_PRIORITY,
+            TC_HANDLE,
+            None,
+        ) {
+            Ok(link) => link,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => return Ok(()),
+            Err(e) => return Err(kernel(pod, "finding eth0", e)),
+        };
+        match link.detach() {
+            Ok(()) => {}
+            Err(aya::programs::ProgramError::TcError(error)) if is_not_found(&error) => {}
+            Err(e) => return Err(kernel(pod, "detaching the TC program", e)),
+        }
+    }
+    Ok(())
+}
+
+/// Which of shunt's filters are on `eth0`, in [`programs`] order.
+pub fn present() -> io::Result<[bool; 2]> {
+    let mut present = [false; 2];
+    for (i, (name, attach_type)) in programs().into_iter().enumerate() {
+        present[i] = tc_dump::bpf_filters(POD_INTERFACE, attach_type)?
+            .iter()
+            .any(|f| f.program_name.starts_with(name) && f.priority == TC_PRIORITY);
+    }
+    Ok(present)
+}
+
+fn is_exists(error: &TcError) -> bool {
+    matches!(error, TcError::AlreadyAttached) || errno(error) == Some(libc::EEXIST)
+}
+
+fn is_not_found(error: &TcError) -> bool {
+    matches!(errno(error), Some(libc::ENOENT) | Some(libc::ENODEV))
+}
+
+fn errno(error: &TcError) -> Option<i32> {
+    match error {
+        TcError::IoError(e) => e.raw_os_error(),
+        TcError::NetlinkError(e) => e.raw_os_error(),
+        _ => None,
+    }
+}

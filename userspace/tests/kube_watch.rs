@@ -1,0 +1,927 @@
+//! The Kubernetes pod source against an in-test API server
+//! (`support/fake_apiserver.rs`), with the real kube-rs client and watcher,
+//! and — for every test but the two that measure bulk behaviour — the real
+//! eBPF redirector enrolling pods that are network namespaces of a
+//! `shunt-testbed` topology.
+//!
+//! The testbed's pods have no processes, so their netns cannot be found by
+//! scanning `/proc` (the agent's resolver, unit-tested on a fake `/proc`):
+//! these tests hand the source a `MapResolver` that knows each pod's netns
+//! path, as a test-only stand-in for discovery.
+//!
+//! Every wait is bounded; the API server listens on 127.0.0.1 only.
+
+mod support;
+
+use std::{
+    collections::BTreeMap,
+    path::PathBuf,
+    sync::{Arc, Mutex, OnceLock},
+    time::{Duration, Instant},
+};
+
+use serde_json::{Value, json};
+use shunt::{
+    admin::PodState,
+    agent::{NodeAgent, SharedAgent, lock},
+    control::kube::{
+        ClusterWorkloads, KubeOptions, KubeSource, MapResolver, NetnsResolver, ProcScanResolver,
+        SourceStats,
+        pod::REDIRECTION_ANNOTATION,
+    },
+    redirect::{
+        Capture, EnrolledPod, OriginalDst, OriginalDstError, PodTarget, RedirectError,
+        RedirectMode, Redirector, Verification,
+        ebpf::{EbpfOptions, EbpfRedirector},
+    },
+    state::{TrustDomain, WorkloadKey},
+};
+use shunt_testbed::{Cgroup, Pod, Topology, inspect, require_root};
+use support::fake_apiserver::{FakeApiServer, Kind, namespace, pod};
+use tokio::task::JoinHandle;
+
+const NODE: &str = "node-a";
+/// Upper bound for anything the agent should do after a change.
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+// ---------------------------------------------------------------- logging
+
+/// Log lines of every test in this binary (tracing's subscriber is global).
+fn logs() -> &'static Mutex<Vec<u8>> {
+    static LOGS: OnceLock<Mutex<Vec<u8>>> = OnceLock::new();
+    LOGS.get_or_init(Mutex::default)
+}
+
+struct LogWriter;
+
+impl std::io::Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        logs()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend_from_slice(buf);
+        // Also visible with --nocapture.
+        let _ = std::io::stderr().write_all(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn init_logging() {
+    static INIT: OnceLock<()> = OnceLock::new();
+    INIT.get_or_init(|| {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter("info,shunt=debug,kube=info")
+            .with_ansi(false)
+            .with_writer(|| LogWriter)
+            .try_init();
+    });
+}
+
+fn logged(needle: &str) -> bool {
+    let logs = logs().lock().unwrap_or_else(|p| p.into_inner());
+    String::from_utf8_lossy(&logs).lines().any(|l| l.contains(needle))
+}
+
+fn log_lines_with(needles: &[&str]) -> Vec<String> {
+    let logs = logs().lock().unwrap_or_else(|p| p.into_inner());
+    String::from_utf8_lossy(&logs)
+        .lines()
+        .filter(|l| needles.iter().all(|n| l.contains(n)))
+        .map(str::to_owned)
+        .collect()
+}
+
+// ---------------------------------------------------------------- harness
+
+/// Waits until `check` holds, polling every 50 ms, for at most `timeout`.
+async fn wait_for(what: &str, timeout: Duration, mut check: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !check() {
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A bpf pin dir for one test agent, removed when dropped (also on panic).
+struct PinDir(PathBuf);
+
+impl Drop for PinDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The agent's side: its redirector (real eBPF), the shared agent, and the
+/// running Kubernetes source.
+struct Agent {
+    agent: SharedAgent,
+    source: JoinHandle<()>,
+    stats: Arc<SourceStats>,
+}
+
+impl Agent {
+    /// Stops the source. With `unenrol`, unenrols everything like a clean
+    /// shutdown; without, leaves the kernel as a crashed agent would.
+    async fn stop(self, unenrol: bool) {
+        self.source.abort();
+        let _ = self.source.await;
+        if unenrol {
+            let agent = self.agent.clone();
+            tokio::task::spawn_blocking(move || lock(&agent).unenrol_all())
+                .await
+                .expect("unenrol");
+        }
+    }
+
+    fn state(&self, pod: &str, ns: &str) -> Option<PodState> {
+        let agent = self.agent.clone();
+        let key = WorkloadKey::new(ns, pod);
+        tokio::task::block_in_place(|| lock(&agent).pod_states().remove(&key))
+    }
+
+    fn enrolled(&self, pod: &str, ns: &str) -> bool {
+        self.state(pod, ns) == Some(PodState::Enrolled)
+    }
+}
+
+struct Harness {
+    server: FakeApiServer,
+    resolver: MapResolver,
+    dir: tempfile::TempDir,
+    // Dropped last: the topology deletes the pods' netns.
+    pin_dir: PinDir,
+    topo: Topology,
+}
+
+impl Harness {
+    async fn new(test: &str, pods: &[&str]) -> Self {
+        init_logging();
+        require_root().expect("kernel tests need root");
+        let mut topo = Topology::new(test).expect("topology");
+        topo.add_node(NODE).expect("node");
+        let resolver = MapResolver::new();
+        for name in pods {
+            topo.add_pod(NODE, name).expect("pod");
+        }
+        let pin_dir = PinDir(PathBuf::from(format!("/sys/fs/bpf/{}-kube", topo.prefix())));
+        let server = FakeApiServer::start().await;
+        let dir = tempfile::tempdir().expect("temp dir");
+        Self {
+            server,
+            resolver,
+            dir,
+            pin_dir,
+            topo,
+        }
+    }
+
+    fn pod(&self, name: &str) -> &Pod {
+        self.topo.pod(name).expect("testbed pod")
+    }
+
+    /// Serves testbed pod `name` in namespace `ns` (with its IP) and tells
+    /// the resolver its netns.
+    fn serve_pod(&self, ns: &str, name: &str, labels: Value) {
+        let pod_ = self.pod(name);
+        self.resolver
+            .insert(WorkloadKey::new(ns, name), pod_.netns_path());
+        self.server.apply(
+            Kind::Pod,
+            pod(ns, name, NODE, Some(&pod_.ip().to_string()), labels),
+        );
+    }
+
+    /// Starts an agent (a fresh eBPF redirector on this test's pin dir) with
+    /// a Kubernetes source talking to the fake server.
+    async fn start_agent(&self, options: impl FnOnce(&mut KubeOptions)) -> Agent {
+        self.start_agent_with(Arc::new(self.resolver.clone()), options)
+            .await
+    }
+
+    async fn start_agent_with(
+        &self,
+        resolver: Arc<dyn NetnsResolver>,
+        options: impl FnOnce(&mut KubeOptions),
+    ) -> Agent {
+        // Socket programs attach to this topology's cgroup only; pods are
+        // only counted (no proxy runs in these tests).
+        let ebpf_options = EbpfOptions {
+            cgroup_root: Some(self.topo.cgroup_root().expect("topology cgroup")),
+            ..EbpfOptions::new(&self.pin_dir.0)
+        };
+        let redirector = EbpfRedirector::load(&ebpf_options).expect("load eBPF");
+        let agent: SharedAgent = Arc::new(Mutex::new(NodeAgent::new(
+            NODE.into(),
+            TrustDomain::default(),
+            Box::new(redirector),
+            Capture::default(),
+        )));
+        let client = self.server.client(self.dir.path()).await;
+        let mut opts = KubeOptions::new(NODE);
+        options(&mut opts);
+        let source = KubeSource::new(client, opts, resolver);
+        let stats = source.stats();
+        let task = tokio::spawn(source.run(agent.clone()));
+        Agent {
+            agent,
+            source: task,
+            stats,
+        }
+    }
+
+    /// Replaces a served pod's labels, keeping the rest (annotations).
+    fn label_pod(&self, ns: &str, name: &str, labels: Value) {
+        self.server
+            .update(Kind::Pod, ns, name, |pod| pod["metadata"]["labels"] = labels);
+    }
+
+    fn annotation(&self, ns: &str, name: &str) -> Option<String> {
+        self.server
+            .object(Kind::Pod, ns, name)
+            .and_then(|p| p["metadata"]["annotations"][REDIRECTION_ANNOTATION].as_str().map(str::to_owned))
+    }
+
+    fn patches_for(&self, ns: &str, name: &str) -> Vec<Value> {
+        self.server
+            .patches()
+            .into_iter()
+            .filter(|p| p.namespace == ns && p.name == name)
+            .map(|p| p.body)
+            .collect()
+    }
+
+    /// Whether shunt's TC filters are on the pod's eth0 (both directions),
+    /// as `tc filter show` reports them.
+    fn tc_attached(&self, name: &str) -> bool {
+        let netns = self.pod(name).netns_path();
+        ["ingress", "egress"].iter().all(|hook| {
+            inspect::tc_filters(&netns, "eth0", hook)
+                .map(|filters| !filters.is_empty())
+                .unwrap_or(false)
+        })
+    }
+
+    fn tc_detached(&self, name: &str) -> bool {
+        let netns = self.pod(name).netns_path();
+        ["ingress", "egress"].iter().all(|hook| {
+            inspect::tc_filters(&netns, "eth0", hook)
+                .map(|filters| filters.is_empty())
+                .unwrap_or(false)
+        })
+    }
+}
+
+fn ambient() -> Value {
+    json!({"istio.io/dataplane-mode": "ambient"})
+}
+
+fn opt_out() -> Value {
+    json!({"istio.io/dataplane-mode": "none"})
+}
+
+// ---------------------------------------------------------------- tests
+
+/// A pod labelled ambient is enrolled once it has an IP (annotated
+/// `pending` before, `enabled` after), and unenrolled when deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_added_is_enrolled_and_annotated_then_unenrolled_when_deleted() {
+    let h = Harness::new("kube-add", &["web"]).await;
+    h.server.apply(Kind::Namespace, namespace("shop", json!({})));
+    let agent = h.start_agent(|_| {}).await;
+
+    // Created before the CNI gave it an IP: wants the mesh, cannot be
+    // redirected yet.
+    h.resolver
+        .insert(WorkloadKey::new("shop", "web"), h.pod("web").netns_path());
+    h.server
+        .apply(Kind::Pod, pod("shop", "web", NODE, None, ambient()));
+    wait_for("web pending", TIMEOUT, || {
+        matches!(agent.state("web", "shop"), Some(PodState::Pending(_)))
+            && h.annotation("shop", "web").as_deref() == Some("pending")
+    })
+    .await;
+    assert!(h.tc_detached("web"), "nothing attached before the pod has an IP");
+
+    // The IP arrives.
+    let ip = h.pod("web").ip().to_string();
+    h.server.update(Kind::Pod, "shop", "web", |pod| {
+        pod["status"] = json!({"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]});
+    });
+    wait_for("web enrolled and annotated enabled", TIMEOUT, || {
+        agent.enrolled("web", "shop") && h.annotation("shop", "web").as_deref() == Some("enabled")
+    })
+    .await;
+    assert!(h.tc_attached("web"), "TC programs on web's eth0");
+    let patches = h.patches_for("shop", "web");
+    assert_eq!(
+        patches,
+        vec![
+            json!({"metadata": {"annotations": {REDIRECTION_ANNOTATION: "pending"}}}),
+            json!({"metadata": {"annotations": {REDIRECTION_ANNOTATION: "enabled"}}}),
+        ],
+        "one merge patch per state change, nothing else touched"
+    );
+    assert!(
+        h.server
+            .patches()
+            .iter()
+            .all(|p| p.content_type == "application/merge-patch+json")
+    );
+
+    h.server.delete(Kind::Pod, "shop", "web");
+    wait_for("web unenrolled", TIMEOUT, || agent.state("web", "shop").is_none()).await;
+    wait_for("web's TC filters gone", TIMEOUT, || h.tc_detached("web")).await;
+    assert_eq!(h.patches_for("shop", "web").len(), 2, "a deleted pod is not patched");
+    agent.stop(true).await;
+}
+
+/// Label flips on a pod and on its namespace move pods in and out; the
+/// annotation follows and is removed on unenrolment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn label_flips_on_pod_and_namespace_enrol_and_unenrol() {
+    let h = Harness::new("kube-flip", &["web", "db"]).await;
+    h.server.apply(Kind::Namespace, namespace("shop", json!({})));
+    h.serve_pod("shop", "web", json!({}));
+    h.serve_pod("shop", "db", json!({}));
+    let agent = h.start_agent(|_| {}).await;
+    wait_for("both pods known, not in the mesh", TIMEOUT, || {
+        agent.state("web", "shop") == Some(PodState::NotInMesh)
+            && agent.state("db", "shop") == Some(PodState::NotInMesh)
+    })
+    .await;
+
+    // Pod label: web joins.
+    h.label_pod("shop", "web", ambient());
+    wait_for("web enrolled", TIMEOUT, || {
+        agent.enrolled("web", "shop") && h.annotation("shop", "web").as_deref() == Some("enabled")
+    })
+    .await;
+    assert!(h.tc_attached("web"));
+    assert_eq!(agent.state("db", "shop"), Some(PodState::NotInMesh));
+
+    // Namespace label: db joins too.
+    h.server.apply(Kind::Namespace, namespace("shop", ambient()));
+    wait_for("db enrolled through its namespace", TIMEOUT, || {
+        agent.enrolled("db", "shop") && h.annotation("shop", "db").as_deref() == Some("enabled")
+    })
+    .await;
+    assert!(h.tc_attached("db"));
+
+    // Pod label flips to none: web opts out although its namespace is in.
+    h.label_pod("shop", "web", opt_out());
+    wait_for("web opted out, annotation removed", TIMEOUT, || {
+        agent.state("web", "shop") == Some(PodState::NotInMesh)
+            && h.annotation("shop", "web").is_none()
+    })
+    .await;
+    assert!(h.tc_detached("web"), "web's programs detached");
+    assert_eq!(
+        h.patches_for("shop", "web").last(),
+        Some(&json!({"metadata": {"annotations": {REDIRECTION_ANNOTATION: null}}})),
+        "removed with a merge patch"
+    );
+
+    // Namespace label removed: db leaves.
+    h.server.apply(Kind::Namespace, namespace("shop", json!({})));
+    wait_for("db unenrolled", TIMEOUT, || {
+        agent.state("db", "shop") == Some(PodState::NotInMesh) && h.annotation("shop", "db").is_none()
+    })
+    .await;
+    assert!(h.tc_detached("db"));
+    assert!(!agent.enrolled("web", "shop"));
+    agent.stop(true).await;
+}
+
+/// Opted-out and host-network pods are never enrolled nor annotated, even in
+/// an ambient namespace; pods of other nodes never reach the agent (the
+/// field selector is sent and honoured).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opted_out_host_network_and_other_node_pods_are_never_touched() {
+    let h = Harness::new("kube-never", &["web", "optout", "hostnet"]).await;
+    h.server.apply(Kind::Namespace, namespace("shop", ambient()));
+    h.serve_pod("shop", "web", json!({}));
+    h.serve_pod("shop", "optout", opt_out());
+    let mut host = pod("shop", "hostnet", NODE, Some("198.19.0.1"), ambient());
+    host["spec"]["hostNetwork"] = json!(true);
+    h.resolver.insert(
+        WorkloadKey::new("shop", "hostnet"),
+        h.pod("hostnet").netns_path(),
+    );
+    h.server.apply(Kind::Pod, host);
+    h.server.apply(
+        Kind::Pod,
+        pod("shop", "elsewhere", "node-b", Some("198.18.2.10"), ambient()),
+    );
+    let agent = h.start_agent(|_| {}).await;
+    wait_for("web enrolled", TIMEOUT, || {
+        agent.enrolled("web", "shop") && h.annotation("shop", "web").as_deref() == Some("enabled")
+    })
+    .await;
+    // A few more syncs (label churn on web) for the others to be mis-handled in.
+    for i in 0..3 {
+        h.label_pod("shop", "web", json!({"rev": i.to_string()}));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    for name in ["optout", "hostnet"] {
+        assert_eq!(agent.state(name, "shop"), Some(PodState::NotInMesh), "{name}");
+        assert!(h.tc_detached(name), "{name} untouched in the kernel");
+        assert!(h.patches_for("shop", name).is_empty(), "{name} never annotated");
+    }
+    assert_eq!(agent.state("elsewhere", "shop"), None, "other node's pod unknown");
+    assert!(h.patches_for("shop", "elsewhere").is_empty());
+    let pod_requests: Vec<_> = h
+        .server
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == "GET" && r.path == "/api/v1/pods")
+        .collect();
+    assert!(!pod_requests.is_empty());
+    for request in &pod_requests {
+        assert_eq!(
+            request.query.get("fieldSelector").map(String::as_str),
+            Some("spec.nodeName=node-a"),
+            "{request:?}"
+        );
+    }
+    assert!(
+        pod_requests
+            .iter()
+            .any(|r| r.query.get("watch").is_some_and(|w| w == "true")
+                && r.query.get("allowWatchBookmarks").is_some_and(|b| b == "true")),
+        "watches ask for bookmarks"
+    );
+    h.server.bookmark();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(agent.enrolled("web", "shop"), "a bookmark changes nothing");
+    agent.stop(true).await;
+}
+
+/// `410 Gone` — as an ERROR event on a live watch, and for a watch resuming
+/// from compacted history after a dropped connection — makes the watcher
+/// relist; the relist never makes enrolled pods flap, and catches up with
+/// what changed while the watch was down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gone_410_forces_a_relist_that_catches_up_without_flapping() {
+    let h = Harness::new("kube-gone", &["a", "b", "c"]).await;
+    h.server.apply(Kind::Namespace, namespace("shop", ambient()));
+    h.serve_pod("shop", "a", json!({}));
+    h.serve_pod("shop", "b", json!({}));
+    let agent = h.start_agent(|_| {}).await;
+    wait_for("a and b enrolled", TIMEOUT, || {
+        agent.enrolled("a", "shop") && agent.enrolled("b", "shop")
+    })
+    .await;
+    let pod_lists = || {
+        h.server
+            .requests()
+            .iter()
+            .filter(|r| r.path == "/api/v1/pods" && !r.query.contains_key("watch"))
+            .count()
+    };
+    let lists_before = pod_lists();
+    wait_for("watches open", TIMEOUT, || h.server.open_watches() >= 2).await;
+
+    // 1. An ERROR 410 event on the live watches: relist, nothing changes.
+    h.server.send_gone();
+    wait_for("pods relisted after the 410 event", TIMEOUT, || pod_lists() > lists_before).await;
+    wait_for("watches reopened", TIMEOUT, || h.server.open_watches() >= 2).await;
+    assert!(agent.enrolled("a", "shop") && agent.enrolled("b", "shop"));
+    assert!(h.tc_attached("a") && h.tc_attached("b"));
+
+    // 2. The watches drop; meanwhile b goes, c comes, and history is
+    //    compacted: resuming from the last version seen gets 410.
+    let lists_before = pod_lists();
+    h.server.drop_watches();
+    h.server.delete(Kind::Pod, "shop", "b");
+    h.serve_pod("shop", "c", json!({}));
+    h.server.compact();
+    wait_for("relisted after the 410 on resume", TIMEOUT, || pod_lists() > lists_before).await;
+    wait_for("c enrolled, b unenrolled", TIMEOUT, || {
+        agent.enrolled("c", "shop") && agent.state("b", "shop").is_none()
+    })
+    .await;
+    assert!(h.tc_attached("c") && h.tc_detached("b"));
+    assert!(agent.enrolled("a", "shop"), "a stayed enrolled through both relists");
+    assert_eq!(h.patches_for("shop", "a").len(), 1, "a's annotation never flapped");
+    assert!(agent.stats.watch_errors.load(std::sync::atomic::Ordering::Relaxed) >= 2);
+    agent.stop(true).await;
+}
+
+/// Objects that do not parse are logged with their name and skipped: the
+/// list still delivers the other pods, a pod that turns malformed keeps its
+/// last good state, and the loop keeps going.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_objects_are_logged_by_name_and_skipped() {
+    let h = Harness::new("kube-malformed", &["good", "later"]).await;
+    h.server.apply(Kind::Namespace, namespace("shop", ambient()));
+    h.serve_pod("shop", "good", json!({}));
+    let mut broken = pod("shop", "broken-at-list", NODE, Some("198.18.1.250"), json!({}));
+    broken["spec"]["containers"] = json!("not a list");
+    h.server.apply(Kind::Pod, broken);
+    // A namespace whose labels are not a map.
+    h.server.apply(
+        Kind::Namespace,
+        json!({"metadata": {"name": "weird-ns", "labels": ["x"]}}),
+    );
+    let agent = h.start_agent(|_| {}).await;
+    wait_for("good enrolled despite its malformed neighbour", TIMEOUT, || {
+        agent.enrolled("good", "shop")
+    })
+    .await;
+    assert!(logged("shop/broken-at-list"), "the malformed pod is named in the log");
+    assert!(logged("weird-ns"), "the malformed namespace is named in the log");
+    assert_eq!(agent.state("broken-at-list", "shop"), None);
+
+    // good turns malformed in a watch event: logged, its last good version
+    // stays, so it stays enrolled.
+    let mut bad = h.server.object(Kind::Pod, "shop", "good").expect("good");
+    bad["status"]["podIPs"] = json!(42);
+    h.server.apply(Kind::Pod, bad);
+    wait_for("the malformed update is logged", TIMEOUT, || {
+        !log_lines_with(&["malformed object skipped", "shop/good"]).is_empty()
+    })
+    .await;
+    assert!(agent.enrolled("good", "shop") && h.tc_attached("good"));
+
+    // The loop goes on.
+    h.serve_pod("shop", "later", json!({}));
+    wait_for("later enrolled", TIMEOUT, || agent.enrolled("later", "shop")).await;
+    // And a malformed pod can still be deleted by name.
+    h.server.delete(Kind::Pod, "shop", "good");
+    wait_for("good unenrolled on delete", TIMEOUT, || agent.state("good", "shop").is_none()).await;
+    assert!(h.tc_detached("good"));
+    agent.stop(true).await;
+}
+
+/// The API server goes away for 10 s: every enrolled pod stays redirected
+/// the whole time (sampled in the kernel), and once it is back the agent
+/// catches up with what changed meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_server_outage_keeps_pods_enrolled_and_the_agent_catches_up() {
+    let h = Harness::new("kube-outage", &["a", "b", "c"]).await;
+    h.server.apply(Kind::Namespace, namespace("shop", ambient()));
+    h.serve_pod("shop", "a", json!({}));
+    h.serve_pod("shop", "b", json!({}));
+    // A short resync so that several forced reconciles happen during the
+    // outage: they must keep (repair), not drop, what is enrolled.
+    let agent = h
+        .start_agent(|o| o.resync = Duration::from_secs(2))
+        .await;
+    wait_for("a and b enrolled", TIMEOUT, || {
+        agent.enrolled("a", "shop") && agent.enrolled("b", "shop")
+    })
+    .await;
+
+    h.server.stop();
+    let outage = Instant::now();
+    let mut samples = 0;
+    while outage.elapsed() < Duration::from_secs(10) {
+        assert!(
+            agent.enrolled("a", "shop") && agent.enrolled("b", "shop"),
+            "enrolled pods stay enrolled during the outage"
+        );
+        assert!(h.tc_attached("a") && h.tc_attached("b"), "and redirected in the kernel");
+        samples += 1;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(samples >= 15);
+    assert!(
+        agent.stats.watch_errors.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "the outage was noticed"
+    );
+    // What changed while the agent could not see it.
+    h.server.delete(Kind::Pod, "shop", "b");
+    h.serve_pod("shop", "c", json!({}));
+    h.server.resume().await;
+
+    // kube-rs' backoff may be at several seconds by now.
+    wait_for("caught up: b gone, c enrolled and annotated", Duration::from_secs(60), || {
+        agent.state("b", "shop").is_none()
+            && agent.enrolled("c", "shop")
+            && h.annotation("shop", "c").as_deref() == Some("enabled")
+    })
+    .await;
+    assert!(h.tc_detached("b") && h.tc_attached("c") && h.tc_attached("a"));
+    assert_eq!(h.patches_for("shop", "a").len(), 1, "a's annotation never flapped");
+    agent.stop(true).await;
+}
+
+/// The agent restarts mid-stream (its process dies, the pinned kernel state
+/// stays) while pods keep changing: a new source against the same server
+/// lists, re-adopts what is enrolled without detaching it, patches nothing
+/// that is already right, removes what was left for a pod deleted while no
+/// agent ran, and enrols the pod added meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_restart_mid_stream_picks_up_state_without_flapping() {
+    let h = Harness::new("kube-restart", &["a", "b", "c", "d"]).await;
+    h.server.apply(Kind::Namespace, namespace("shop", ambient()));
+    for name in ["a", "b", "d"] {
+        h.serve_pod("shop", name, json!({}));
+    }
+    let first = h.start_agent(|_| {}).await;
+    wait_for("a, b and d enrolled and annotated", TIMEOUT, || {
+        ["a", "b", "d"].iter().all(|name| {
+            first.enrolled(name, "shop") && h.annotation("shop", name).as_deref() == Some("enabled")
+        })
+    })
+    .await;
+    let entries_before = inspect::enrolled_entries(&h.pin_dir.0).expect("pinned map");
+    assert_eq!(entries_before.len(), 3);
+    let patches_before = h.server.patches().len();
+
+    // The agent dies without cleaning up; changes keep coming meanwhile.
+    first.stop(false).await;
+    assert!(
+        ["a", "b", "d"].iter().all(|name| h.tc_attached(name)),
+        "the datapath outlives the agent"
+    );
+    h.server.delete(Kind::Pod, "shop", "d");
+    h.serve_pod("shop", "c", json!({}));
+    h.label_pod("shop", "a", json!({"rev": "2"}));
+
+    let second = h.start_agent(|_| {}).await;
+    let restart = Instant::now();
+    // Sample the kernel while the new agent comes up: nothing detaches.
+    while restart.elapsed() < Duration::from_secs(3) {
+        assert!(h.tc_attached("a") && h.tc_attached("b"), "no flap while restarting");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    wait_for("a, b and c enrolled by the new agent", TIMEOUT, || {
+        second.enrolled("a", "shop")
+            && second.enrolled("b", "shop")
+            && second.enrolled("c", "shop")
+            && h.annotation("shop", "c").as_deref() == Some("enabled")
+    })
+    .await;
+    let d_cookie = h
+        .pod("d")
+        .netns()
+        .expect("d's netns")
+        .cookie()
+        .expect("d's cookie");
+    // d was deleted while no agent ran: its enrolment entry is stale.
+    // (Detaching its TC filters too is the redirector's job, from a record
+    // it keeps per pod; not asserted here.)
+    wait_for("d's enrolment entry removed", TIMEOUT, || {
+        inspect::enrolled_entries(&h.pin_dir.0).is_ok_and(|e| !e.contains_key(&d_cookie))
+    })
+    .await;
+    let entries_after = inspect::enrolled_entries(&h.pin_dir.0).expect("pinned map");
+    assert_eq!(entries_after.len(), 3, "a, b and c");
+    for (cookie, slot) in entries_before.iter().filter(|(c, _)| **c != d_cookie) {
+        assert_eq!(entries_after.get(cookie), Some(slot), "a and b kept their entries and slots");
+    }
+    let new_patches: Vec<_> = h.server.patches()[patches_before..]
+        .iter()
+        .map(|p| p.name.clone())
+        .collect();
+    assert_eq!(new_patches, ["c"], "only the new pod was annotated after the restart");
+    second.stop(true).await;
+}
+
+/// The production netns discovery on the real kernel: a process of the pod
+/// (here `sleep`, started in the pod's netns and in a cgroup named like a
+/// kubelet's, `pod<uid>`) is found by scanning `/proc/*/cgroup` for the
+/// pod's UID, and the pod is enrolled through its `/proc/PID/ns/net`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proc_scan_finds_a_real_pods_netns_by_its_uid() {
+    let h = Harness::new("kube-procscan", &["web"]).await;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let uid = format!("{:08x}-5eed-4000-8000-{:012x}", std::process::id(), nanos);
+    let cgroup = Cgroup::create(&h.topo, &format!("pod{uid}")).expect("pod cgroup");
+    let mut command = h.pod("web").command("sleep");
+    command.arg("60");
+    let mut child = cgroup.place(&mut command).spawn().expect("start sleep in the pod");
+    let pid = child.id();
+    // nsenter enters the netns, then execs sleep under the same PID.
+    let pod_netns = std::fs::metadata(h.pod("web").netns_path()).expect("pod netns");
+    wait_for("the process is in the pod's netns", TIMEOUT, || {
+        use std::os::unix::fs::MetadataExt as _;
+        std::fs::metadata(format!("/proc/{pid}/ns/net"))
+            .is_ok_and(|m| m.ino() == pod_netns.ino() && m.dev() == pod_netns.dev())
+    })
+    .await;
+
+    h.server.apply(Kind::Namespace, namespace("shop", ambient()));
+    let mut web = pod("shop", "web", NODE, Some(&h.pod("web").ip().to_string()), json!({}));
+    web["metadata"]["uid"] = json!(uid);
+    h.server.apply(Kind::Pod, web);
+    let agent = h
+        .start_agent_with(Arc::new(ProcScanResolver::default()), |_| {})
+        .await;
+    wait_for("web enrolled through /proc", TIMEOUT, || agent.enrolled("web", "shop")).await;
+    let status = {
+        let agent = agent.agent.clone();
+        tokio::task::spawn_blocking(move || lock(&agent).status())
+            .await
+            .expect("status")
+    };
+    let web = status.pods.iter().find(|p| p.name == "web").expect("web in status");
+    assert_eq!(web.netns, Some(PathBuf::from(format!("/proc/{pid}/ns/net"))));
+    assert!(h.tc_attached("web"), "attached in the pod's netns, seen through its testbed path");
+    agent.stop(true).await;
+    assert!(h.tc_detached("web"));
+    child.kill().expect("kill the pod's sleep");
+    child.wait().expect("reap");
+    drop(cgroup);
+}
+
+// ------------------------------------------------- bulk, without the kernel
+
+/// A redirector that only records (for measuring the control loop alone).
+#[derive(Default)]
+struct RecordingRedirector {
+    enrolled: BTreeMap<WorkloadKey, PathBuf>,
+    enrols: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Redirector for RecordingRedirector {
+    fn mode(&self) -> RedirectMode {
+        RedirectMode::Ebpf
+    }
+
+    fn enrol(&mut self, pod: &PodTarget) -> Result<(), RedirectError> {
+        self.enrols.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.enrolled.insert(pod.key.clone(), pod.netns.clone());
+        Ok(())
+    }
+
+    fn unenrol(&mut self, pod: &WorkloadKey) -> Result<(), RedirectError> {
+        self.enrolled
+            .remove(pod)
+            .map(drop)
+            .ok_or_else(|| RedirectError::NotEnrolled(pod.clone()))
+    }
+
+    fn verify(&self, _pod: &WorkloadKey) -> Result<Verification, RedirectError> {
+        Ok(Verification::Redirected)
+    }
+
+    fn list(&self) -> Vec<EnrolledPod> {
+        self.enrolled
+            .iter()
+            .map(|(key, netns)| EnrolledPod {
+                key: key.clone(),
+                netns: netns.clone(),
+                netns_cookie: 0,
+                mode: RedirectMode::Ebpf,
+                hooks: Vec::new(),
+                counters: Default::default(),
+            })
+            .collect()
+    }
+
+    fn is_enrolled(&self, pod: &WorkloadKey) -> bool {
+        self.enrolled.contains_key(pod)
+    }
+
+    fn remove_stale(&mut self) -> usize {
+        0
+    }
+
+    fn original_dst_resolver(&self) -> Arc<dyn OriginalDst> {
+        Arc::new(NoOriginalDst)
+    }
+}
+
+struct NoOriginalDst;
+
+impl OriginalDst for NoOriginalDst {
+    fn original_dst(
+        &self,
+        accepted: &std::net::TcpStream,
+    ) -> Result<std::net::SocketAddr, OriginalDstError> {
+        Err(OriginalDstError::NotRedirected {
+            peer: accepted.peer_addr()?,
+        })
+    }
+}
+
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// 1000 pods appear at once: a handful of reconciles (debounced), not 1000;
+/// prints the time until all are enrolled and annotated, and the RSS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn burst_of_1000_pod_events_is_debounced() {
+    init_logging();
+    const PODS: usize = 1000;
+    let server = FakeApiServer::start().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    // The recording redirector never opens the path; it must only exist.
+    let netns: PathBuf = dir.path().join("netns");
+    std::fs::write(&netns, "").expect("write");
+    let resolver = MapResolver::new();
+    server.apply(Kind::Namespace, namespace("burst", ambient()));
+    let redirector = RecordingRedirector::default();
+    let enrols = redirector.enrols.clone();
+    let agent: SharedAgent = Arc::new(Mutex::new(NodeAgent::new(
+        NODE.into(),
+        TrustDomain::default(),
+        Box::new(redirector),
+        Capture::default(),
+    )));
+    let source = KubeSource::new(
+        server.client(dir.path()).await,
+        KubeOptions::new(NODE),
+        Arc::new(resolver.clone()),
+    );
+    let stats = source.stats();
+    let task = tokio::spawn(source.run(agent.clone()));
+    wait_for("watches open", TIMEOUT, || server.open_watches() >= 2).await;
+    let rss_before = rss_kib();
+
+    let start = Instant::now();
+    for i in 0..PODS {
+        let name = format!("p{i:04}");
+        // Distinct netns paths: one netns per pod.
+        let path = dir.path().join(&name);
+        std::fs::write(&path, "").expect("write");
+        resolver.insert(WorkloadKey::new("burst", &name), path);
+        let ip = format!("198.18.{}.{}", 10 + i / 250, 1 + i % 250);
+        server.apply(Kind::Pod, pod("burst", &name, NODE, Some(&ip), json!({})));
+    }
+    let all_enrolled = |agent: &SharedAgent| {
+        let states = tokio::task::block_in_place(|| lock(agent).pod_states());
+        states.len() == PODS && states.values().all(|s| *s == PodState::Enrolled)
+    };
+    wait_for("1000 pods enrolled", Duration::from_secs(60), || all_enrolled(&agent)).await;
+    let enrolled_after = start.elapsed();
+    wait_for("1000 pods annotated", Duration::from_secs(120), || {
+        stats.patches.load(std::sync::atomic::Ordering::Relaxed) >= PODS as u64
+    })
+    .await;
+    let annotated_after = start.elapsed();
+    let reconciles = stats.reconciles.load(std::sync::atomic::Ordering::Relaxed);
+    let rss_after = rss_kib();
+    println!(
+        "burst of {PODS} pod events: all enrolled after {enrolled_after:?}, all annotated after {annotated_after:?}; {reconciles} reconciles, {} enrol calls; test process RSS {rss_before} KiB before, {rss_after} KiB after",
+        enrols.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    assert!(reconciles <= 50, "{reconciles} reconciles for {PODS} events: not debounced");
+    // Once settled, the annotations' own MODIFIED events cause no reconcile.
+    let settled = stats.reconciles.load(std::sync::atomic::Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(stats.reconciles.load(std::sync::atomic::Ordering::Relaxed), settled);
+    assert_eq!(
+        server.patches().len(),
+        PODS,
+        "exactly one patch per pod"
+    );
+    task.abort();
+}
+
+/// Cluster-wide discovery: every pod with an IP, on any node, with its
+/// identity, in a `WorkloadStore` snapshot that follows changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_workloads_track_every_pods_ip_and_identity() {
+    init_logging();
+    let server = FakeApiServer::start().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    server.apply(Kind::Namespace, namespace("shop", ambient()));
+    server.apply(Kind::Pod, pod("shop", "a", "node-a", Some("198.18.1.10"), json!({})));
+    server.apply(Kind::Pod, pod("shop", "b", "node-b", Some("198.18.2.10"), opt_out()));
+    server.apply(Kind::Pod, pod("shop", "unscheduled", "", None, json!({})));
+    let discovery = ClusterWorkloads::new(server.client(dir.path()).await);
+    let mut snapshots = discovery.subscribe();
+    let task = tokio::spawn(discovery.run());
+    let ip = |s: &str| s.parse::<std::net::IpAddr>().expect("ip");
+    wait_for("both pods discovered", TIMEOUT, || snapshots.borrow_and_update().len() == 2).await;
+    {
+        let store = snapshots.borrow();
+        let a = store.by_ip(ip("198.18.1.10")).expect("a by IP");
+        assert_eq!((a.name.as_str(), a.node.as_str()), ("a", "node-a"));
+        assert!(a.wants_mesh());
+        assert_eq!(
+            a.identity(&TrustDomain::default()).as_str(),
+            "spiffe://cluster.local/ns/shop/sa/sleep"
+        );
+        let b = store.by_ip(ip("198.18.2.10")).expect("b by IP");
+        assert!(!b.wants_mesh(), "b opted out");
+    }
+    server.delete(Kind::Pod, "shop", "a");
+    wait_for("a gone from discovery", TIMEOUT, || {
+        snapshots.borrow().by_ip(ip("198.18.1.10")).is_none()
+    })
+    .await;
+    task.abort();
+}
