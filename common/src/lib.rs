@@ -56,14 +56,20 @@ pub mod maps {
     /// proxy accepted from `SockKey` was going.
     pub const ORIGINAL_DST: &str = "SHUNT_ORIG_DST";
 
+    /// `HashMap<u64 netns cookie, PodRecord>`: which pod and netns path
+    /// each enrolment is, so that a later agent can clean up after a pod it
+    /// never heard of. Userspace only (bpffs holds no plain files).
+    pub const POD_RECORDS: &str = "SHUNT_POD_RECORDS";
+
     /// Every map the agent pins (and every pod's program instance shares).
-    pub const ALL: [&str; 6] = [
+    pub const ALL: [&str; 7] = [
         ENROLLED,
         POD_COUNTERS,
         POD_CONFIG,
         CONFIG,
         ORIGINAL_DST_BY_COOKIE,
         ORIGINAL_DST,
+        POD_RECORDS,
     ];
 }
 
@@ -177,6 +183,24 @@ pub struct SockKey {
     pub family: u32,
 }
 
+/// Who an enrolment belongs to: `namespace/name` and the netns path,
+/// NUL-padded UTF-8 (longer values are cut).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PodRecord {
+    pub pod: [u8; 128],
+    pub netns: [u8; 256],
+}
+
+impl Default for PodRecord {
+    fn default() -> Self {
+        Self {
+            pod: [0; 128],
+            netns: [0; 256],
+        }
+    }
+}
+
 /// Per-pod counters kept by the programs. "in" is traffic arriving at the
 /// pod, "out" traffic leaving it; bytes are whole frames as `eth0` sees
 /// them (`skb->len`).
@@ -226,6 +250,7 @@ mod user {
     unsafe impl aya::Pod for super::GlobalConfig {}
     unsafe impl aya::Pod for super::OriginalDst {}
     unsafe impl aya::Pod for super::SockKey {}
+    unsafe impl aya::Pod for super::PodRecord {}
 }
 
 #[cfg(test)]

@@ -50,7 +50,10 @@ pub fn shunt_connect4(ctx: SockAddrContext) -> i32 {
     };
     if !proxy_listening_v4(&ctx) {
         stats.outbound_fail_closed += 1;
-        debug!(&ctx, "pod slot {}: no outbound listener; connect refused", slot);
+        debug!(
+            &ctx,
+            "pod slot {}: no outbound listener; connect refused", slot
+        );
         return REJECT;
     }
     let original = OriginalDst {
@@ -60,7 +63,10 @@ pub fn shunt_connect4(ctx: SockAddrContext) -> i32 {
     };
     // SAFETY: the helper only reads the socket behind the context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
-    if ORIGINAL_DST_BY_COOKIE.insert(&cookie, &original, 0).is_err() {
+    if ORIGINAL_DST_BY_COOKIE
+        .insert(&cookie, &original, 0)
+        .is_err()
+    {
         // Without a record the proxy could not forward it: refuse.
         stats.outbound_fail_closed += 1;
         return REJECT;
@@ -101,8 +107,7 @@ pub fn shunt_connect6(ctx: SockAddrContext) -> i32 {
     if loopback || is_proxy_socket(addr) {
         return ALLOW;
     }
-    if v4_mapped && excluded(&config, dst[3], port) || !v4_mapped && port_excluded(&config, port)
-    {
+    if v4_mapped && excluded(&config, dst[3], port) || !v4_mapped && port_excluded(&config, port) {
         return ALLOW;
     }
     let Some(stats) = counters(slot) else {
@@ -122,7 +127,10 @@ pub fn shunt_connect6(ctx: SockAddrContext) -> i32 {
     };
     if !listening {
         stats.outbound_fail_closed += 1;
-        debug!(&ctx, "pod slot {}: no outbound listener (v6); connect refused", slot);
+        debug!(
+            &ctx,
+            "pod slot {}: no outbound listener (v6); connect refused", slot
+        );
         return REJECT;
     }
     let original = OriginalDst {
@@ -132,7 +140,10 @@ pub fn shunt_connect6(ctx: SockAddrContext) -> i32 {
     };
     // SAFETY: the helper only reads the socket behind the context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
-    if ORIGINAL_DST_BY_COOKIE.insert(&cookie, &original, 0).is_err() {
+    if ORIGINAL_DST_BY_COOKIE
+        .insert(&cookie, &original, 0)
+        .is_err()
+    {
         stats.outbound_fail_closed += 1;
         return REJECT;
     }
@@ -196,7 +207,8 @@ fn proxy_listening_v4(ctx: &SockAddrContext) -> bool {
     let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
     tuple.__bindgen_anon_1.ipv4.daddr = LOOPBACK_V4.to_be();
     tuple.__bindgen_anon_1.ipv4.dport = PORT_OUTBOUND.to_be();
-    let size = core::mem::size_of::<aya_ebpf::bindings::bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1>();
+    let size =
+        core::mem::size_of::<aya_ebpf::bindings::bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1>();
     listening(ctx, &mut tuple, size as u32)
 }
 
@@ -206,7 +218,8 @@ fn proxy_listening_v6(ctx: &SockAddrContext, proxy: [u32; 4]) -> bool {
     let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
     tuple.__bindgen_anon_1.ipv6.daddr = proxy;
     tuple.__bindgen_anon_1.ipv6.dport = PORT_OUTBOUND.to_be();
-    let size = core::mem::size_of::<aya_ebpf::bindings::bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2>();
+    let size =
+        core::mem::size_of::<aya_ebpf::bindings::bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2>();
     listening(ctx, &mut tuple, size as u32)
 }
 

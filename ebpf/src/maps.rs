@@ -7,8 +7,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use shunt_common::{
-    GlobalConfig, MAX_ORIGINAL_DSTS, MAX_PODS, OriginalDst, PodConfig, PodCounters, PodSlot,
-    SockKey,
+    GlobalConfig, MAX_ORIGINAL_DSTS, MAX_PODS, OriginalDst, PodConfig, PodCounters, PodRecord,
+    PodSlot, SockKey,
 };
 
 /// netns cookie → slot: which namespaces are enrolled.
@@ -38,6 +38,11 @@ pub static ORIGINAL_DST_BY_COOKIE: LruHashMap<u64, OriginalDst> =
 #[map(name = "SHUNT_ORIG_DST")]
 pub static ORIGINAL_DST: LruHashMap<SockKey, OriginalDst> =
     LruHashMap::with_max_entries(MAX_ORIGINAL_DSTS, 0);
+
+/// netns cookie → which pod and netns path: the agent's notes for a later
+/// agent, kept in bpffs. No program reads it.
+#[map(name = "SHUNT_POD_RECORDS")]
+pub static POD_RECORDS: HashMap<u64, PodRecord> = HashMap::with_max_entries(MAX_PODS, 0);
 
 /// The counters of `slot` on this CPU, if the slot is valid.
 #[inline(always)]

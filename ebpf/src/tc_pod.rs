@@ -80,7 +80,10 @@ pub fn shunt_tc_egress(ctx: TcContext) -> i32 {
     if let Some(packet) = parse_tcp(&ctx)
         && packet.flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN
     {
-        debug!(&ctx, "pod slot {}: new TCP connection out to port {}", slot, packet.dport);
+        debug!(
+            &ctx,
+            "pod slot {}: new TCP connection out to port {}", slot, packet.dport
+        );
     }
     TC_ACT_OK
 }
@@ -182,7 +185,10 @@ fn steer_inbound(
     let proxy = lookup(ctx, &mut tuple, packet.v6);
     if proxy.is_null() {
         stats.inbound_fail_closed += 1;
-        debug!(ctx, "pod slot {}: no inbound listener; dropped SYN to port {}", slot, packet.dport);
+        debug!(
+            ctx,
+            "pod slot {}: no inbound listener; dropped SYN to port {}", slot, packet.dport
+        );
         return TC_ACT_SHOT;
     }
     // SAFETY: non-null socket from the lookup; released on every path.

@@ -103,6 +103,7 @@ pub struct Agent {
     dir: PathBuf,
     pin_dir: PathBuf,
     cgroup_root: PathBuf,
+    ca_dir: PathBuf,
 }
 
 impl Agent {
@@ -122,12 +123,14 @@ impl Agent {
         // The socket programs attach to the topology's own cgroup, never to
         // the machine's root.
         let cgroup_root = topology.cgroup_root()?;
+        let ca_dir = std::env::temp_dir().join(format!("{}-ca", topology.prefix()));
         let mut agent = Agent {
             child: None,
             node: node.clone(),
             dir,
             pin_dir,
             cgroup_root,
+            ca_dir,
         };
         agent.write_workloads(yaml)?;
         agent.spawn(extra_args)?;
@@ -162,6 +165,9 @@ impl Agent {
             .arg(&self.pin_dir)
             .arg("--cgroup-root")
             .arg(&self.cgroup_root)
+            // One CA per topology: its agents trust each other.
+            .arg("--ca-dir")
+            .arg(&self.ca_dir)
             .args(["--reload-interval", "1"])
             .args(extra_args)
             .env("RUST_LOG", "info,shunt=debug,shunt_ebpf=debug")
@@ -310,6 +316,7 @@ impl Drop for Agent {
             ));
         }
         let _ = fs::remove_dir_all(&self.dir);
+        let _ = fs::remove_dir_all(&self.ca_dir);
     }
 }
 

@@ -128,9 +128,8 @@ impl EchoServer {
                 while !stop.load(Ordering::Relaxed) && start.elapsed() < Duration::from_secs(120) {
                     match listener.accept() {
                         Ok((stream, peer)) => {
-                            let original = resolver
-                                .as_ref()
-                                .and_then(|r| r.original_dst(&stream).ok());
+                            let original =
+                                resolver.as_ref().and_then(|r| r.original_dst(&stream).ok());
                             let local = stream.local_addr().expect("local addr");
                             accepted.lock().expect("lock").push(Accepted {
                                 local,
@@ -210,7 +209,10 @@ fn outbound_connects_land_on_the_proxy_with_their_original_destination() {
         assert_eq!(a.original, Some(to.parse().expect("addr")), "{a:?}");
         assert_eq!(a.local, "127.0.0.1:15001".parse().expect("addr"));
     }
-    assert!(real.accepted().is_empty(), "the real server was reached directly");
+    assert!(
+        real.accepted().is_empty(),
+        "the real server was reached directly"
+    );
     let c = counters(&redirector, client);
     assert_eq!(c.outbound_redirected, 2, "{c:?}");
     assert_eq!(c.outbound_fail_closed, 0, "{c:?}");
@@ -266,14 +268,25 @@ fn inbound_plaintext_lands_on_15006_with_the_original_destination() {
     assert!(ok(&bed.app(client, &["connect", &to, "--send", "50000"])));
     let accepted = proxy.accepted();
     assert_eq!(accepted.len(), 1, "{accepted:?}");
-    assert_eq!(accepted[0].local, to.parse().expect("addr"), "local address is the original destination");
+    assert_eq!(
+        accepted[0].local,
+        to.parse().expect("addr"),
+        "local address is the original destination"
+    );
     assert_eq!(accepted[0].peer.ip(), std::net::IpAddr::V4(client.ip()));
-    assert!(app.accepted().is_empty(), "the app was reached around the proxy");
+    assert!(
+        app.accepted().is_empty(),
+        "the app was reached around the proxy"
+    );
 
     // Never steered: HBONE, the probe source, excluded ports.
-    assert!(ok(&bed.app(client, &["connect", &format!("{}:15008", server.ip())])));
+    assert!(ok(
+        &bed.app(client, &["connect", &format!("{}:15008", server.ip())])
+    ));
     assert!(ok(&bed.app(prober, &["connect", &to])));
-    assert!(ok(&bed.app(client, &["connect", &format!("{}:9090", server.ip())])));
+    assert!(ok(
+        &bed.app(client, &["connect", &format!("{}:9090", server.ip())])
+    ));
     assert_eq!(hbone.accepted().len(), 1);
     assert_eq!(app.accepted().len(), 1, "probe reaches the app directly");
     assert_eq!(excluded.accepted().len(), 1);
@@ -286,8 +299,12 @@ fn missing_proxy_listeners_fail_closed_and_are_counted() {
     let bed = bed("failclosed", &["client", "server"]);
     let [client, server] = [&bed.pods[0], &bed.pods[1]];
     let mut redirector = bed.redirector(None);
-    redirector.enrol(&target(client, Capture::all())).expect("enrol");
-    redirector.enrol(&target(server, Capture::all())).expect("enrol");
+    redirector
+        .enrol(&target(client, Capture::all()))
+        .expect("enrol");
+    redirector
+        .enrol(&target(server, Capture::all()))
+        .expect("enrol");
     let app = EchoServer::start(listen(server, "0.0.0.0:8080"), None);
     let to = format!("{}:8080", server.ip());
 
@@ -303,7 +320,10 @@ fn missing_proxy_listeners_fail_closed_and_are_counted() {
         &["connect", &to, "--mark", "0x539", "--timeout-ms", "1500"],
     );
     assert_eq!(report["ok"], Value::Bool(false), "{report}");
-    assert!(app.accepted().is_empty(), "plaintext reached the app around the proxy");
+    assert!(
+        app.accepted().is_empty(),
+        "plaintext reached the app around the proxy"
+    );
     assert!(counters(&redirector, server).inbound_fail_closed >= 1);
 }
 
@@ -316,10 +336,15 @@ fn killed_agent_keeps_flows_and_a_restarted_agent_keeps_redirecting() {
         WorkloadSpec::for_pod(client, true),
         WorkloadSpec::for_pod(server, false),
     ]);
-    let mut agent = Agent::start(&bed.topo, node, &yaml, &["--capture", "on"]).expect("agent");
+    // The test's listeners stand in for the proxy, so that a kill -9 of the
+    // agent shows what redirection alone keeps.
+    let args = ["--capture", "on", "--proxy", "external"];
+    let mut agent = Agent::start(&bed.topo, node, &yaml, &args).expect("agent");
     agent
         .wait_for("client enrolled", TIMEOUT, |s| {
-            s.pods.iter().any(|p| p.name == client.name() && p.counters.is_some())
+            s.pods
+                .iter()
+                .any(|p| p.name == client.name() && p.counters.is_some())
         })
         .expect("enrolled");
     let resolver: Arc<dyn OriginalDst> =
@@ -334,16 +359,21 @@ fn killed_agent_keeps_flows_and_a_restarted_agent_keeps_redirecting() {
     let mut hold = client.command(TESTAPP);
     hold.args(["hold", &to, "--seconds", "4"]);
     bed.apps.place(&mut hold);
-    let hold = hold.stdout(std::process::Stdio::piped()).spawn().expect("hold");
+    let hold = hold
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("hold");
     thread::sleep(Duration::from_millis(500));
 
     agent.kill().expect("kill -9");
     // Nothing was cleaned up: a new connect is still redirected.
     assert!(ok(&bed.app(client, &["connect", &to])));
-    agent.restart(&["--capture", "on"]).expect("restart");
+    agent.restart(&args).expect("restart");
     agent
         .wait_for("client enrolled again", TIMEOUT, |s| {
-            s.pods.iter().any(|p| p.name == client.name() && p.counters.is_some())
+            s.pods
+                .iter()
+                .any(|p| p.name == client.name() && p.counters.is_some())
         })
         .expect("re-enrolled");
     assert!(ok(&bed.app(client, &["connect", &to])));
@@ -354,7 +384,11 @@ fn killed_agent_keeps_flows_and_a_restarted_agent_keeps_redirecting() {
     assert!(report["rounds"].as_u64().unwrap_or(0) > 20, "{report}");
     let accepted = proxy.accepted();
     assert_eq!(accepted.len(), 3, "{accepted:?}");
-    assert!(accepted.iter().all(|a| a.original == Some(to.parse().expect("addr"))));
+    assert!(
+        accepted
+            .iter()
+            .all(|a| a.original == Some(to.parse().expect("addr")))
+    );
     let links = agent.pin_dir().join("links");
     for name in ["shunt_connect4", "shunt_connect6", "shunt_sockops"] {
         assert!(links.join(name).exists(), "link {name} not pinned");
@@ -375,9 +409,14 @@ fn two_hundred_pods_enrol_and_unenrol_leaving_nothing_behind() {
     options.cgroup_root = Some(topo.cgroup_root().expect("cgroup root"));
     let mut redirector = EbpfRedirector::load(&options).expect("load");
     for pod in &pods {
-        redirector.enrol(&target(pod, Capture::all())).expect("enrol");
+        redirector
+            .enrol(&target(pod, Capture::all()))
+            .expect("enrol");
     }
-    assert_eq!(inspect::enrolled_entries(pin.path()).expect("map").len(), 200);
+    assert_eq!(
+        inspect::enrolled_entries(pin.path()).expect("map").len(),
+        200
+    );
     for pod in pods.iter().step_by(37) {
         let filters = inspect::tc_filters(&pod.netns_path(), "eth0", "ingress").expect("tc");
         assert_eq!(filters.len(), 1, "{}: {filters:?}", pod.name());
@@ -387,7 +426,11 @@ fn two_hundred_pods_enrol_and_unenrol_leaving_nothing_behind() {
             .unenrol(&WorkloadKey::new("default", pod.name()))
             .expect("unenrol");
     }
-    assert!(inspect::enrolled_entries(pin.path()).expect("map").is_empty());
+    assert!(
+        inspect::enrolled_entries(pin.path())
+            .expect("map")
+            .is_empty()
+    );
     assert!(redirector.list().is_empty());
     for pod in &pods {
         for hook in ["ingress", "egress"] {
@@ -395,6 +438,60 @@ fn two_hundred_pods_enrol_and_unenrol_leaving_nothing_behind() {
             assert!(filters.is_empty(), "{} {hook}: {filters:?}", pod.name());
         }
     }
-    let records = std::fs::read_dir(pin.path().join("pods")).expect("records").count();
-    assert_eq!(records, 0, "per-pod records left behind");
+    let records = std::process::Command::new("bpftool")
+        .args(["-j", "map", "dump", "pinned"])
+        .arg(pin.path().join("SHUNT_POD_RECORDS"))
+        .output()
+        .expect("bpftool");
+    let records: Value = serde_json::from_slice(&records.stdout).expect("bpftool json");
+    assert_eq!(
+        records.as_array().map(Vec::len),
+        Some(0),
+        "per-pod records left behind"
+    );
+}
+
+#[test]
+fn a_new_agent_removes_what_a_dead_one_left_for_pods_no_longer_enrolled() {
+    let bed = bed("stale", &["kept", "gone"]);
+    let [kept, gone] = [&bed.pods[0], &bed.pods[1]];
+    {
+        // The "previous agent": enrols both, then dies without cleaning up.
+        let mut previous = bed.redirector(None);
+        previous
+            .enrol(&target(kept, Capture::all()))
+            .expect("enrol");
+        previous
+            .enrol(&target(gone, Capture::all()))
+            .expect("enrol");
+    }
+    assert_eq!(
+        inspect::enrolled_entries(bed.pin.path())
+            .expect("map")
+            .len(),
+        2
+    );
+    let filters = |pod: &Pod| {
+        inspect::tc_filters(&pod.netns_path(), "eth0", "ingress")
+            .expect("tc")
+            .len()
+    };
+    assert_eq!(filters(gone), 1);
+
+    // The new agent is told only about `kept`.
+    let mut next = bed.redirector(None);
+    next.enrol(&target(kept, Capture::all())).expect("enrol");
+    assert_eq!(next.remove_stale(), 1);
+    assert_eq!(
+        inspect::enrolled_entries(bed.pin.path())
+            .expect("map")
+            .len(),
+        1
+    );
+    assert_eq!(
+        filters(gone),
+        0,
+        "the stale pod's TC programs were left attached"
+    );
+    assert_eq!(filters(kept), 1, "the kept pod lost its programs");
 }

@@ -19,6 +19,9 @@ pub struct NodeStatus {
     /// Redirection mode in use (`ebpf` or `iptables`).
     pub mode: String,
     pub trust_domain: String,
+    /// The builtin proxy's counters (absent without one).
+    #[serde(default)]
+    pub proxy: Option<crate::proxy::ProxyStats>,
     pub pods: Vec<PodStatus>,
 }
 

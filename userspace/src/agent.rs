@@ -1,14 +1,17 @@
 //! The node agent: one owner for what this node enrols.
 //!
-//! Data flows one way: the pod source (the workloads file today) yields the
-//! workload list → [`NodeAgent::reconcile`] decides, per pod of this node,
-//! whether it belongs in the mesh → the [`Redirector`] enrols or unenrols it.
-//! The admin API only reads [`NodeAgent::status`].
+//! Data flows one way: the pod source (a workloads file or the Kubernetes
+//! watch) yields the workload list → [`NodeAgent::reconcile`] decides, per
+//! pod of this node, whether it belongs in the mesh → the proxy starts
+//! serving it (listeners in its netns) → the [`Redirector`] enrols it, so
+//! that its traffic reaches those listeners. Leaving runs the other way:
+//! unenrol first, then the proxy lets go. The admin API only reads
+//! [`NodeAgent::status`].
 
 use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{Arc, Mutex, MutexGuard, RwLock},
     time::{Duration, SystemTime},
 };
 
@@ -17,14 +20,14 @@ use tracing::{Instrument as _, error, info, info_span, warn};
 
 use crate::{
     admin::{self, NodeStatus, PodState, PodStatus},
-    cli::AgentArgs,
+    cli::{AgentArgs, OnOff, ProxyKind},
     control::local,
+    proxy::{PodNet, Proxy},
     redirect::{
-        PodTarget, RedirectMode, Redirector,
-        Capture,
+        Capture, PodTarget, RedirectMode, Redirector,
         ebpf::{EbpfOptions, EbpfRedirector, LoadError},
     },
-    state::{TrustDomain, Workload, WorkloadKey},
+    state::{TrustDomain, Workload, WorkloadKey, WorkloadStore},
 };
 
 /// Errors that stop the agent from starting.
@@ -47,6 +50,20 @@ pub enum AgentError {
     },
     #[error("cannot install signal handlers: {0}")]
     Signals(std::io::Error),
+    #[error("identity: {0}")]
+    Identity(crate::identity::IdentityError),
+    #[error("proxy: {0}")]
+    Proxy(crate::proxy::ProxyError),
+}
+
+/// The proxy, as the agent drives it: reconcile runs on a blocking thread,
+/// so proxy calls are run to completion on the runtime's handle.
+#[derive(Clone)]
+pub struct ProxyHandle {
+    pub proxy: Proxy,
+    pub runtime: tokio::runtime::Handle,
+    /// Every workload the source knows, for the proxy's destination lookups.
+    pub workloads: Arc<RwLock<WorkloadStore>>,
 }
 
 /// What the agent knows and owns for its node.
@@ -54,6 +71,8 @@ pub struct NodeAgent {
     node: String,
     trust_domain: TrustDomain,
     redirector: Box<dyn Redirector>,
+    /// `None` when pods are only counted (`--capture off`).
+    proxy: Option<ProxyHandle>,
     /// What each enrolled pod sends to the proxy.
     capture: Capture,
     /// Every pod of this node, with what happened to it.
@@ -71,15 +90,37 @@ impl NodeAgent {
             node,
             trust_domain,
             redirector,
+            proxy: None,
             capture,
             pods: BTreeMap::new(),
         }
+    }
+
+    /// Hands the pods' traffic to `proxy` from now on.
+    pub fn with_proxy(mut self, proxy: ProxyHandle) -> Self {
+        self.proxy = Some(proxy);
+        self
     }
 
     /// Brings the kernel in line with `workloads` (all workloads the source
     /// knows; only this node's are acted on).
     pub fn reconcile(&mut self, trust_domain: TrustDomain, workloads: Vec<Workload>) {
         self.trust_domain = trust_domain;
+        if let Some(handle) = &self.proxy {
+            let changes = handle
+                .workloads
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .replace_all(workloads.iter().cloned());
+            if !changes.is_empty() {
+                info!(
+                    added = changes.added.len(),
+                    removed = changes.removed.len(),
+                    updated = changes.updated.len(),
+                    "workload store updated"
+                );
+            }
+        }
         let mut next = BTreeMap::new();
         let node = self.node.clone();
         for workload in workloads.into_iter().filter(|w| w.node == node) {
@@ -102,8 +143,41 @@ impl NodeAgent {
                     Err(e) => error!(error = %e, "pod left; unenrolling failed"),
                 }
             }
+            self.stop_serving(&key);
         }
         self.pods = next;
+    }
+
+    /// Starts the proxy's listeners for the pod (if a proxy runs and does
+    /// not serve it yet). Returns why it could not.
+    fn serve(&self, key: &WorkloadKey, workload: &Workload, netns: &Path) -> Option<String> {
+        let handle = self.proxy.as_ref()?;
+        if handle.proxy.serves(key) {
+            return None;
+        }
+        let pod = PodNet {
+            key: key.clone(),
+            netns: netns.to_path_buf(),
+            ips: workload.ips.clone(),
+            identity: workload.identity(&self.trust_domain),
+        };
+        match handle.runtime.block_on(handle.proxy.add_pod(pod)) {
+            Ok(()) => None,
+            Err(e) => {
+                // Redirection still goes on: with no listener the pod fails
+                // closed rather than talking around the mesh.
+                error!(error = %e, "the proxy cannot serve the pod; its traffic fails closed");
+                Some(e.to_string())
+            }
+        }
+    }
+
+    fn stop_serving(&self, key: &WorkloadKey) {
+        if let Some(handle) = &self.proxy
+            && handle.proxy.remove_pod(key)
+        {
+            info!("proxy no longer serves the pod");
+        }
     }
 
     fn converge(&mut self, key: &WorkloadKey, workload: &Workload) -> PodState {
@@ -117,19 +191,26 @@ impl NodeAgent {
                     }
                 }
             }
+            self.stop_serving(key);
             return PodState::NotInMesh;
         }
         let Some(netns) = &workload.netns else {
             warn!("pod opts into the mesh but its network namespace is not known yet");
             return PodState::Pending("network namespace not known yet".into());
         };
+        let proxy_problem = self.serve(key, workload, netns);
         let target = PodTarget {
             key: key.clone(),
             netns: netns.clone(),
             capture: self.capture.clone(),
         };
         match self.redirector.enrol(&target) {
-            Ok(()) => PodState::Enrolled,
+            Ok(()) => match proxy_problem {
+                None => PodState::Enrolled,
+                Some(problem) => PodState::Error(format!(
+                    "enrolled, but the proxy cannot serve it (traffic fails closed): {problem}"
+                )),
+            },
             Err(e) => {
                 error!(error = %e, "cannot enrol pod; will retry on the next change");
                 PodState::Pending(e.to_string())
@@ -150,7 +231,8 @@ impl NodeAgent {
         }
     }
 
-    /// Unenrols every pod (agent shutdown).
+    /// Unenrols every pod (agent shutdown). The proxy keeps serving what is
+    /// in flight; see [`shutdown`].
     pub fn unenrol_all(&mut self) {
         for pod in self.redirector.list() {
             let _span = info_span!("pod", pod = %pod.key).entered();
@@ -207,6 +289,7 @@ impl NodeAgent {
             node: self.node.clone(),
             mode: self.redirector.mode().to_string(),
             trust_domain: self.trust_domain.to_string(),
+            proxy: self.proxy.as_ref().map(|h| h.proxy.stats()),
             pods,
         }
     }
@@ -278,12 +361,26 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         }
     };
 
-    let agent: SharedAgent = Arc::new(Mutex::new(NodeAgent::new(
+    let proxy = match (args.capture, args.proxy) {
+        (OnOff::On, ProxyKind::Builtin) => {
+            Some(start_proxy(&args, &trust_domain, redirector.original_dst_resolver()).await?)
+        }
+        (OnOff::On, ProxyKind::External) => {
+            info!("captured traffic goes to an external proxy's listeners in each pod's netns");
+            None
+        }
+        (OnOff::Off, _) => None,
+    };
+    let mut node_agent = NodeAgent::new(
         args.node_name.clone(),
         trust_domain,
         redirector,
         args.capture.into(),
-    )));
+    );
+    if let Some(proxy) = &proxy {
+        node_agent = node_agent.with_proxy(proxy.clone());
+    }
+    let agent: SharedAgent = Arc::new(Mutex::new(node_agent));
     let listener = tokio::net::TcpListener::bind(args.admin_addr)
         .await
         .map_err(|source| AgentError::Admin {
@@ -311,7 +408,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
                 _ = sigint.recv() => info!("SIGINT: unenrolling every pod"),
                 _ = source.run(agent.clone()) => error!("the Kubernetes source stopped; unenrolling every pod"),
             }
-            return shutdown(agent).await;
+            return shutdown(agent, proxy, args.drain_seconds).await;
         }
     };
     let mut seen = file_stamp(&workloads_path);
@@ -343,7 +440,37 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             }
         }
     }
-    shutdown(agent).await
+    shutdown(agent, proxy, args.drain_seconds).await
+}
+
+/// The identity manager (with its CA) and the proxy on top of it.
+async fn start_proxy(
+    args: &AgentArgs,
+    trust_domain: &TrustDomain,
+    original_dst: Arc<dyn crate::redirect::OriginalDst>,
+) -> Result<ProxyHandle, AgentError> {
+    let istio = crate::identity::istio::IstioCaConfig::new(
+        args.ca_address.clone(),
+        args.ca_root_cert.clone(),
+        args.ca_token_file.clone(),
+    );
+    let ca = crate::identity::ca_from_args(args.ca, &args.ca_dir, trust_domain, istio)
+        .await
+        .map_err(AgentError::Identity)?;
+    let identities = crate::identity::IdentityManager::new(ca, Default::default());
+    let workloads = Arc::new(RwLock::new(WorkloadStore::new()));
+    let config = crate::proxy::ProxyConfig {
+        trust_domain: trust_domain.clone(),
+        ..Default::default()
+    };
+    let proxy = Proxy::new(config, identities, workloads.clone(), original_dst)
+        .map_err(AgentError::Proxy)?;
+    info!(ca = ?args.ca, ca_dir = %args.ca_dir.display(), "proxy ready: pods get listeners on 15001, 15006 and 15008 as they enrol");
+    Ok(ProxyHandle {
+        proxy,
+        runtime: tokio::runtime::Handle::current(),
+        workloads,
+    })
 }
 
 /// Where the agent learns its pods.
@@ -357,9 +484,24 @@ enum PodSource {
     Kube(::kube::Client),
 }
 
-/// Unenrols every pod and reports the agent stopped.
-async fn shutdown(agent: SharedAgent) -> Result<(), AgentError> {
+/// Unenrols every pod (no new connection is captured), lets the proxy's
+/// connections in flight finish within the grace period, and reports the
+/// agent stopped.
+async fn shutdown(
+    agent: SharedAgent,
+    proxy: Option<ProxyHandle>,
+    drain_seconds: u64,
+) -> Result<(), AgentError> {
     let _ = tokio::task::spawn_blocking(move || lock(&agent).unenrol_all()).await;
+    if let Some(handle) = proxy {
+        let cut = handle.proxy.drain(Duration::from_secs(drain_seconds)).await;
+        if cut > 0 {
+            warn!(
+                connections = cut,
+                "connections still open after the drain period were cut"
+            );
+        }
+    }
     info!("agent stopped");
     Ok(())
 }

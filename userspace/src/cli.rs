@@ -39,7 +39,9 @@ pub struct AgentArgs {
     /// Read workloads from this YAML file instead of the Kubernetes API (the
     /// embedded default, no cluster needed). Edits to the file are picked up.
     /// Format: trustDomain and a list of workloads with name, namespace,
-    /// serviceAccount, ips, node, netns and dataplaneMode.
+    /// serviceAccount, ips, node, netns and dataplaneMode. Without it, pods
+    /// come from the Kubernetes API (in-cluster service account, else
+    /// KUBECONFIG or ~/.kube/config), their netns found through /proc.
     #[arg(long, value_name = "FILE")]
     pub workloads: Option<PathBuf>,
 
@@ -59,11 +61,24 @@ pub struct AgentArgs {
     #[arg(long, value_name = "PATH")]
     pub cgroup_root: Option<PathBuf>,
 
-    /// Send enrolled pods' TCP traffic to the proxy's listeners (outbound to
-    /// 127.0.0.1:15001, new inbound connections to 15006). A pod whose
-    /// listener is missing then fails closed. `off` enrols and counts only.
-    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    /// Send enrolled pods' TCP traffic through the proxy: outbound connects
+    /// to its 127.0.0.1:15001, new inbound plaintext connections to its
+    /// 15006, HBONE on podIP:15008 (all bound inside each pod's netns). A pod
+    /// whose listener is missing fails closed. `off` runs no proxy and only
+    /// enrols and counts.
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
     pub capture: OnOff,
+
+    /// Which proxy the captured traffic goes to: `builtin` (this agent's own,
+    /// the default) or `external` (another process binds the listeners in
+    /// each pod's netns and reads original destinations from the pinned
+    /// SHUNT_ORIG_DST map; shunt only redirects).
+    #[arg(long, value_enum, default_value_t = ProxyKind::Builtin)]
+    pub proxy: ProxyKind,
+
+    /// How long in-flight connections may finish after SIGTERM, in seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = 5)]
+    pub drain_seconds: u64,
 
     /// Health-probe source address (kubelet probes, as Istio's
     /// 169.254.7.127) whose inbound traffic always reaches the application.
@@ -77,6 +92,49 @@ pub struct AgentArgs {
     /// How often to re-check the workloads file for edits, in seconds.
     #[arg(long, value_name = "SECONDS", default_value_t = 2)]
     pub reload_interval: u64,
+
+    /// Where workload certificates come from: `builtin` (a CA inside the
+    /// agent, its files in --ca-dir) or `istio` (istiod's CA over gRPC at
+    /// --ca-address, as ztunnel uses it).
+    #[arg(long, value_enum, default_value_t = crate::identity::CaKind::Builtin)]
+    pub ca: crate::identity::CaKind,
+
+    /// The built-in CA's directory, in Istio's plug-in CA layout
+    /// (ca-cert.pem, ca-key.pem, root-cert.pem, cert-chain.pem): put an
+    /// existing mesh's files there to join its trust root; when empty, a new
+    /// root is generated and kept there. Only for --ca builtin.
+    #[arg(long, value_name = "DIR", default_value = "/var/lib/shunt/ca")]
+    pub ca_dir: PathBuf,
+
+    /// The Istio CA's gRPC address (https; a bare host:port means https).
+    /// Its serving certificate is checked against --ca-root-cert for this
+    /// host name. Only for --ca istio.
+    #[arg(
+        long,
+        value_name = "URL",
+        default_value = "https://istiod.istio-system.svc:15012"
+    )]
+    pub ca_address: String,
+
+    /// PEM root certificate(s) of the mesh: the Istio CA's serving
+    /// certificate must chain to them, and so must the workload certificates
+    /// it issues (peers check against the same roots). Only for --ca istio.
+    #[arg(
+        long,
+        value_name = "FILE",
+        default_value = "/var/run/secrets/istio/root-cert.pem"
+    )]
+    pub ca_root_cert: PathBuf,
+
+    /// File with the bearer token sent to the Istio CA (a service account
+    /// token with the istio-ca audience), re-read for every request so
+    /// rotated tokens are picked up. Only for --ca istio.
+    #[arg(
+        long,
+        value_name = "FILE",
+        default_value = "/var/run/secrets/tokens/istio-token"
+    )]
+    pub ca_token_file: PathBuf,
 
     #[command(flatten)]
     pub log: LogArgs,
@@ -92,6 +150,12 @@ pub struct LogArgs {
     /// overrides it). Kernel-side messages come from the `shunt_ebpf` target.
     #[arg(long, value_name = "FILTER", default_value = "info")]
     pub log_level: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ProxyKind {
+    Builtin,
+    External,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -70,6 +70,22 @@ pub fn render_table(status: &NodeStatus) -> String {
         status.trust_domain,
         status.pods.len()
     );
+    if let Some(p) = &status.proxy {
+        let _ = writeln!(
+            out,
+            "proxy: hbone out {} in {}, passthrough {}, plaintext in {}, refused {}, failed {}, active {}, pooled {}, bytes out {} in {}",
+            p.outbound_hbone,
+            p.inbound_hbone,
+            p.outbound_passthrough,
+            p.inbound_plaintext,
+            p.refused,
+            p.failed,
+            p.active,
+            p.pooled_connections,
+            p.bytes_out,
+            p.bytes_in
+        );
+    }
     let header = [
         "POD",
         "IP",

@@ -11,7 +11,10 @@
 //!
 //! Every wait is bounded; the API server listens on 127.0.0.1 only.
 
-mod support;
+// By path, not through `support/mod.rs`: other test files share `support/`
+// with modules of their own.
+#[path = "support/fake_apiserver.rs"]
+mod fake_apiserver;
 
 use std::{
     collections::BTreeMap,
@@ -20,14 +23,14 @@ use std::{
     time::{Duration, Instant},
 };
 
+use fake_apiserver::{FakeApiServer, Kind, namespace, pod};
 use serde_json::{Value, json};
 use shunt::{
     admin::PodState,
     agent::{NodeAgent, SharedAgent, lock},
     control::kube::{
         ClusterWorkloads, KubeOptions, KubeSource, MapResolver, NetnsResolver, ProcScanResolver,
-        SourceStats,
-        pod::REDIRECTION_ANNOTATION,
+        SourceStats, pod::REDIRECTION_ANNOTATION,
     },
     redirect::{
         Capture, EnrolledPod, OriginalDst, OriginalDstError, PodTarget, RedirectError,
@@ -37,7 +40,6 @@ use shunt::{
     state::{TrustDomain, WorkloadKey},
 };
 use shunt_testbed::{Cgroup, Pod, Topology, inspect, require_root};
-use support::fake_apiserver::{FakeApiServer, Kind, namespace, pod};
 use tokio::task::JoinHandle;
 
 const NODE: &str = "node-a";
@@ -83,7 +85,9 @@ fn init_logging() {
 
 fn logged(needle: &str) -> bool {
     let logs = logs().lock().unwrap_or_else(|p| p.into_inner());
-    String::from_utf8_lossy(&logs).lines().any(|l| l.contains(needle))
+    String::from_utf8_lossy(&logs)
+        .lines()
+        .any(|l| l.contains(needle))
 }
 
 fn log_lines_with(needles: &[&str]) -> Vec<String> {
@@ -236,16 +240,58 @@ impl Harness {
         }
     }
 
+    /// Starts a process for testbed pod `name` (see [`PodProcess`]) and
+    /// serves the pod, with the UID in that process's cgroup path, in
+    /// namespace `ns` labelled ambient.
+    async fn pod_process(&self, ns: &str, name: &str) -> PodProcess {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let uid = format!("{:08x}-5eed-4000-8000-{:012x}", std::process::id(), nanos);
+        let cgroup = Cgroup::create(&self.topo, &format!("pod{uid}")).expect("pod cgroup");
+        let mut command = self.pod(name).command("sleep");
+        command.arg("60");
+        let child = ChildGuard(
+            cgroup
+                .place(&mut command)
+                .spawn()
+                .expect("start sleep in the pod"),
+        );
+        let pid = child.0.id();
+        // nsenter enters the netns, then execs sleep under the same PID.
+        let pod_netns = std::fs::metadata(self.pod(name).netns_path()).expect("pod netns");
+        wait_for("the process is in the pod's netns", TIMEOUT, || {
+            use std::os::unix::fs::MetadataExt as _;
+            std::fs::metadata(format!("/proc/{pid}/ns/net"))
+                .is_ok_and(|m| m.ino() == pod_netns.ino() && m.dev() == pod_netns.dev())
+        })
+        .await;
+        self.server.apply(Kind::Namespace, namespace(ns, ambient()));
+        let ip = self.pod(name).ip().to_string();
+        let mut object = pod(ns, name, NODE, Some(&ip), json!({}));
+        object["metadata"]["uid"] = json!(uid);
+        self.server.apply(Kind::Pod, object);
+        PodProcess {
+            pid,
+            _child: child,
+            _cgroup: cgroup,
+        }
+    }
+
     /// Replaces a served pod's labels, keeping the rest (annotations).
     fn label_pod(&self, ns: &str, name: &str, labels: Value) {
-        self.server
-            .update(Kind::Pod, ns, name, |pod| pod["metadata"]["labels"] = labels);
+        self.server.update(Kind::Pod, ns, name, |pod| {
+            pod["metadata"]["labels"] = labels
+        });
     }
 
     fn annotation(&self, ns: &str, name: &str) -> Option<String> {
-        self.server
-            .object(Kind::Pod, ns, name)
-            .and_then(|p| p["metadata"]["annotations"][REDIRECTION_ANNOTATION].as_str().map(str::to_owned))
+        self.server.object(Kind::Pod, ns, name).and_then(|p| {
+            p["metadata"]["annotations"][REDIRECTION_ANNOTATION]
+                .as_str()
+                .map(str::to_owned)
+        })
     }
 
     fn patches_for(&self, ns: &str, name: &str) -> Vec<Value> {
@@ -293,7 +339,8 @@ fn opt_out() -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pod_added_is_enrolled_and_annotated_then_unenrolled_when_deleted() {
     let h = Harness::new("kube-add", &["web"]).await;
-    h.server.apply(Kind::Namespace, namespace("shop", json!({})));
+    h.server
+        .apply(Kind::Namespace, namespace("shop", json!({})));
     let agent = h.start_agent(|_| {}).await;
 
     // Created before the CNI gave it an IP: wants the mesh, cannot be
@@ -307,7 +354,10 @@ async fn pod_added_is_enrolled_and_annotated_then_unenrolled_when_deleted() {
             && h.annotation("shop", "web").as_deref() == Some("pending")
     })
     .await;
-    assert!(h.tc_detached("web"), "nothing attached before the pod has an IP");
+    assert!(
+        h.tc_detached("web"),
+        "nothing attached before the pod has an IP"
+    );
 
     // The IP arrives.
     let ip = h.pod("web").ip().to_string();
@@ -336,9 +386,16 @@ async fn pod_added_is_enrolled_and_annotated_then_unenrolled_when_deleted() {
     );
 
     h.server.delete(Kind::Pod, "shop", "web");
-    wait_for("web unenrolled", TIMEOUT, || agent.state("web", "shop").is_none()).await;
+    wait_for("web unenrolled", TIMEOUT, || {
+        agent.state("web", "shop").is_none()
+    })
+    .await;
     wait_for("web's TC filters gone", TIMEOUT, || h.tc_detached("web")).await;
-    assert_eq!(h.patches_for("shop", "web").len(), 2, "a deleted pod is not patched");
+    assert_eq!(
+        h.patches_for("shop", "web").len(),
+        2,
+        "a deleted pod is not patched"
+    );
     agent.stop(true).await;
 }
 
@@ -347,7 +404,8 @@ async fn pod_added_is_enrolled_and_annotated_then_unenrolled_when_deleted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn label_flips_on_pod_and_namespace_enrol_and_unenrol() {
     let h = Harness::new("kube-flip", &["web", "db"]).await;
-    h.server.apply(Kind::Namespace, namespace("shop", json!({})));
+    h.server
+        .apply(Kind::Namespace, namespace("shop", json!({})));
     h.serve_pod("shop", "web", json!({}));
     h.serve_pod("shop", "db", json!({}));
     let agent = h.start_agent(|_| {}).await;
@@ -367,7 +425,8 @@ async fn label_flips_on_pod_and_namespace_enrol_and_unenrol() {
     assert_eq!(agent.state("db", "shop"), Some(PodState::NotInMesh));
 
     // Namespace label: db joins too.
-    h.server.apply(Kind::Namespace, namespace("shop", ambient()));
+    h.server
+        .apply(Kind::Namespace, namespace("shop", ambient()));
     wait_for("db enrolled through its namespace", TIMEOUT, || {
         agent.enrolled("db", "shop") && h.annotation("shop", "db").as_deref() == Some("enabled")
     })
@@ -389,9 +448,11 @@ async fn label_flips_on_pod_and_namespace_enrol_and_unenrol() {
     );
 
     // Namespace label removed: db leaves.
-    h.server.apply(Kind::Namespace, namespace("shop", json!({})));
+    h.server
+        .apply(Kind::Namespace, namespace("shop", json!({})));
     wait_for("db unenrolled", TIMEOUT, || {
-        agent.state("db", "shop") == Some(PodState::NotInMesh) && h.annotation("shop", "db").is_none()
+        agent.state("db", "shop") == Some(PodState::NotInMesh)
+            && h.annotation("shop", "db").is_none()
     })
     .await;
     assert!(h.tc_detached("db"));
@@ -405,7 +466,8 @@ async fn label_flips_on_pod_and_namespace_enrol_and_unenrol() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn opted_out_host_network_and_other_node_pods_are_never_touched() {
     let h = Harness::new("kube-never", &["web", "optout", "hostnet"]).await;
-    h.server.apply(Kind::Namespace, namespace("shop", ambient()));
+    h.server
+        .apply(Kind::Namespace, namespace("shop", ambient()));
     h.serve_pod("shop", "web", json!({}));
     h.serve_pod("shop", "optout", opt_out());
     let mut host = pod("shop", "hostnet", NODE, Some("198.19.0.1"), ambient());
@@ -417,7 +479,13 @@ async fn opted_out_host_network_and_other_node_pods_are_never_touched() {
     h.server.apply(Kind::Pod, host);
     h.server.apply(
         Kind::Pod,
-        pod("shop", "elsewhere", "node-b", Some("198.18.2.10"), ambient()),
+        pod(
+            "shop",
+            "elsewhere",
+            "node-b",
+            Some("198.18.2.10"),
+            ambient(),
+        ),
     );
     let agent = h.start_agent(|_| {}).await;
     wait_for("web enrolled", TIMEOUT, || {
@@ -430,11 +498,22 @@ async fn opted_out_host_network_and_other_node_pods_are_never_touched() {
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     for name in ["optout", "hostnet"] {
-        assert_eq!(agent.state(name, "shop"), Some(PodState::NotInMesh), "{name}");
+        assert_eq!(
+            agent.state(name, "shop"),
+            Some(PodState::NotInMesh),
+            "{name}"
+        );
         assert!(h.tc_detached(name), "{name} untouched in the kernel");
-        assert!(h.patches_for("shop", name).is_empty(), "{name} never annotated");
+        assert!(
+            h.patches_for("shop", name).is_empty(),
+            "{name} never annotated"
+        );
     }
-    assert_eq!(agent.state("elsewhere", "shop"), None, "other node's pod unknown");
+    assert_eq!(
+        agent.state("elsewhere", "shop"),
+        None,
+        "other node's pod unknown"
+    );
     assert!(h.patches_for("shop", "elsewhere").is_empty());
     let pod_requests: Vec<_> = h
         .server
@@ -454,7 +533,9 @@ async fn opted_out_host_network_and_other_node_pods_are_never_touched() {
         pod_requests
             .iter()
             .any(|r| r.query.get("watch").is_some_and(|w| w == "true")
-                && r.query.get("allowWatchBookmarks").is_some_and(|b| b == "true")),
+                && r.query
+                    .get("allowWatchBookmarks")
+                    .is_some_and(|b| b == "true")),
         "watches ask for bookmarks"
     );
     h.server.bookmark();
@@ -470,7 +551,8 @@ async fn opted_out_host_network_and_other_node_pods_are_never_touched() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gone_410_forces_a_relist_that_catches_up_without_flapping() {
     let h = Harness::new("kube-gone", &["a", "b", "c"]).await;
-    h.server.apply(Kind::Namespace, namespace("shop", ambient()));
+    h.server
+        .apply(Kind::Namespace, namespace("shop", ambient()));
     h.serve_pod("shop", "a", json!({}));
     h.serve_pod("shop", "b", json!({}));
     let agent = h.start_agent(|_| {}).await;
@@ -490,7 +572,10 @@ async fn gone_410_forces_a_relist_that_catches_up_without_flapping() {
 
     // 1. An ERROR 410 event on the live watches: relist, nothing changes.
     h.server.send_gone();
-    wait_for("pods relisted after the 410 event", TIMEOUT, || pod_lists() > lists_before).await;
+    wait_for("pods relisted after the 410 event", TIMEOUT, || {
+        pod_lists() > lists_before
+    })
+    .await;
     wait_for("watches reopened", TIMEOUT, || h.server.open_watches() >= 2).await;
     assert!(agent.enrolled("a", "shop") && agent.enrolled("b", "shop"));
     assert!(h.tc_attached("a") && h.tc_attached("b"));
@@ -502,15 +587,31 @@ async fn gone_410_forces_a_relist_that_catches_up_without_flapping() {
     h.server.delete(Kind::Pod, "shop", "b");
     h.serve_pod("shop", "c", json!({}));
     h.server.compact();
-    wait_for("relisted after the 410 on resume", TIMEOUT, || pod_lists() > lists_before).await;
+    wait_for("relisted after the 410 on resume", TIMEOUT, || {
+        pod_lists() > lists_before
+    })
+    .await;
     wait_for("c enrolled, b unenrolled", TIMEOUT, || {
         agent.enrolled("c", "shop") && agent.state("b", "shop").is_none()
     })
     .await;
     assert!(h.tc_attached("c") && h.tc_detached("b"));
-    assert!(agent.enrolled("a", "shop"), "a stayed enrolled through both relists");
-    assert_eq!(h.patches_for("shop", "a").len(), 1, "a's annotation never flapped");
-    assert!(agent.stats.watch_errors.load(std::sync::atomic::Ordering::Relaxed) >= 2);
+    assert!(
+        agent.enrolled("a", "shop"),
+        "a stayed enrolled through both relists"
+    );
+    assert_eq!(
+        h.patches_for("shop", "a").len(),
+        1,
+        "a's annotation never flapped"
+    );
+    assert!(
+        agent
+            .stats
+            .watch_errors
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 2
+    );
     agent.stop(true).await;
 }
 
@@ -520,9 +621,16 @@ async fn gone_410_forces_a_relist_that_catches_up_without_flapping() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_objects_are_logged_by_name_and_skipped() {
     let h = Harness::new("kube-malformed", &["good", "later"]).await;
-    h.server.apply(Kind::Namespace, namespace("shop", ambient()));
+    h.server
+        .apply(Kind::Namespace, namespace("shop", ambient()));
     h.serve_pod("shop", "good", json!({}));
-    let mut broken = pod("shop", "broken-at-list", NODE, Some("198.18.1.250"), json!({}));
+    let mut broken = pod(
+        "shop",
+        "broken-at-list",
+        NODE,
+        Some("198.18.1.250"),
+        json!({}),
+    );
     broken["spec"]["containers"] = json!("not a list");
     h.server.apply(Kind::Pod, broken);
     // A namespace whose labels are not a map.
@@ -531,12 +639,20 @@ async fn malformed_objects_are_logged_by_name_and_skipped() {
         json!({"metadata": {"name": "weird-ns", "labels": ["x"]}}),
     );
     let agent = h.start_agent(|_| {}).await;
-    wait_for("good enrolled despite its malformed neighbour", TIMEOUT, || {
-        agent.enrolled("good", "shop")
-    })
+    wait_for(
+        "good enrolled despite its malformed neighbour",
+        TIMEOUT,
+        || agent.enrolled("good", "shop"),
+    )
     .await;
-    assert!(logged("shop/broken-at-list"), "the malformed pod is named in the log");
-    assert!(logged("weird-ns"), "the malformed namespace is named in the log");
+    assert!(
+        logged("shop/broken-at-list"),
+        "the malformed pod is named in the log"
+    );
+    assert!(
+        logged("weird-ns"),
+        "the malformed namespace is named in the log"
+    );
     assert_eq!(agent.state("broken-at-list", "shop"), None);
 
     // good turns malformed in a watch event: logged, its last good version
@@ -552,10 +668,16 @@ async fn malformed_objects_are_logged_by_name_and_skipped() {
 
     // The loop goes on.
     h.serve_pod("shop", "later", json!({}));
-    wait_for("later enrolled", TIMEOUT, || agent.enrolled("later", "shop")).await;
+    wait_for("later enrolled", TIMEOUT, || {
+        agent.enrolled("later", "shop")
+    })
+    .await;
     // And a malformed pod can still be deleted by name.
     h.server.delete(Kind::Pod, "shop", "good");
-    wait_for("good unenrolled on delete", TIMEOUT, || agent.state("good", "shop").is_none()).await;
+    wait_for("good unenrolled on delete", TIMEOUT, || {
+        agent.state("good", "shop").is_none()
+    })
+    .await;
     assert!(h.tc_detached("good"));
     agent.stop(true).await;
 }
@@ -566,14 +688,13 @@ async fn malformed_objects_are_logged_by_name_and_skipped() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_server_outage_keeps_pods_enrolled_and_the_agent_catches_up() {
     let h = Harness::new("kube-outage", &["a", "b", "c"]).await;
-    h.server.apply(Kind::Namespace, namespace("shop", ambient()));
+    h.server
+        .apply(Kind::Namespace, namespace("shop", ambient()));
     h.serve_pod("shop", "a", json!({}));
     h.serve_pod("shop", "b", json!({}));
     // A short resync so that several forced reconciles happen during the
     // outage: they must keep (repair), not drop, what is enrolled.
-    let agent = h
-        .start_agent(|o| o.resync = Duration::from_secs(2))
-        .await;
+    let agent = h.start_agent(|o| o.resync = Duration::from_secs(2)).await;
     wait_for("a and b enrolled", TIMEOUT, || {
         agent.enrolled("a", "shop") && agent.enrolled("b", "shop")
     })
@@ -587,13 +708,20 @@ async fn api_server_outage_keeps_pods_enrolled_and_the_agent_catches_up() {
             agent.enrolled("a", "shop") && agent.enrolled("b", "shop"),
             "enrolled pods stay enrolled during the outage"
         );
-        assert!(h.tc_attached("a") && h.tc_attached("b"), "and redirected in the kernel");
+        assert!(
+            h.tc_attached("a") && h.tc_attached("b"),
+            "and redirected in the kernel"
+        );
         samples += 1;
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     assert!(samples >= 15);
     assert!(
-        agent.stats.watch_errors.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        agent
+            .stats
+            .watch_errors
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0,
         "the outage was noticed"
     );
     // What changed while the agent could not see it.
@@ -602,14 +730,22 @@ async fn api_server_outage_keeps_pods_enrolled_and_the_agent_catches_up() {
     h.server.resume().await;
 
     // kube-rs' backoff may be at several seconds by now.
-    wait_for("caught up: b gone, c enrolled and annotated", Duration::from_secs(60), || {
-        agent.state("b", "shop").is_none()
-            && agent.enrolled("c", "shop")
-            && h.annotation("shop", "c").as_deref() == Some("enabled")
-    })
+    wait_for(
+        "caught up: b gone, c enrolled and annotated",
+        Duration::from_secs(60),
+        || {
+            agent.state("b", "shop").is_none()
+                && agent.enrolled("c", "shop")
+                && h.annotation("shop", "c").as_deref() == Some("enabled")
+        },
+    )
     .await;
     assert!(h.tc_detached("b") && h.tc_attached("c") && h.tc_attached("a"));
-    assert_eq!(h.patches_for("shop", "a").len(), 1, "a's annotation never flapped");
+    assert_eq!(
+        h.patches_for("shop", "a").len(),
+        1,
+        "a's annotation never flapped"
+    );
     agent.stop(true).await;
 }
 
@@ -621,7 +757,8 @@ async fn api_server_outage_keeps_pods_enrolled_and_the_agent_catches_up() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_restart_mid_stream_picks_up_state_without_flapping() {
     let h = Harness::new("kube-restart", &["a", "b", "c", "d"]).await;
-    h.server.apply(Kind::Namespace, namespace("shop", ambient()));
+    h.server
+        .apply(Kind::Namespace, namespace("shop", ambient()));
     for name in ["a", "b", "d"] {
         h.serve_pod("shop", name, json!({}));
     }
@@ -650,7 +787,10 @@ async fn agent_restart_mid_stream_picks_up_state_without_flapping() {
     let restart = Instant::now();
     // Sample the kernel while the new agent comes up: nothing detaches.
     while restart.elapsed() < Duration::from_secs(3) {
-        assert!(h.tc_attached("a") && h.tc_attached("b"), "no flap while restarting");
+        assert!(
+            h.tc_attached("a") && h.tc_attached("b"),
+            "no flap while restarting"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     wait_for("a, b and c enrolled by the new agent", TIMEOUT, || {
@@ -676,13 +816,21 @@ async fn agent_restart_mid_stream_picks_up_state_without_flapping() {
     let entries_after = inspect::enrolled_entries(&h.pin_dir.0).expect("pinned map");
     assert_eq!(entries_after.len(), 3, "a, b and c");
     for (cookie, slot) in entries_before.iter().filter(|(c, _)| **c != d_cookie) {
-        assert_eq!(entries_after.get(cookie), Some(slot), "a and b kept their entries and slots");
+        assert_eq!(
+            entries_after.get(cookie),
+            Some(slot),
+            "a and b kept their entries and slots"
+        );
     }
     let new_patches: Vec<_> = h.server.patches()[patches_before..]
         .iter()
         .map(|p| p.name.clone())
         .collect();
-    assert_eq!(new_patches, ["c"], "only the new pod was annotated after the restart");
+    assert_eq!(
+        new_patches,
+        ["c"],
+        "only the new pod was annotated after the restart"
+    );
     second.stop(true).await;
 }
 
@@ -693,47 +841,131 @@ async fn agent_restart_mid_stream_picks_up_state_without_flapping() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proc_scan_finds_a_real_pods_netns_by_its_uid() {
     let h = Harness::new("kube-procscan", &["web"]).await;
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    let uid = format!("{:08x}-5eed-4000-8000-{:012x}", std::process::id(), nanos);
-    let cgroup = Cgroup::create(&h.topo, &format!("pod{uid}")).expect("pod cgroup");
-    let mut command = h.pod("web").command("sleep");
-    command.arg("60");
-    let mut child = cgroup.place(&mut command).spawn().expect("start sleep in the pod");
-    let pid = child.id();
-    // nsenter enters the netns, then execs sleep under the same PID.
-    let pod_netns = std::fs::metadata(h.pod("web").netns_path()).expect("pod netns");
-    wait_for("the process is in the pod's netns", TIMEOUT, || {
-        use std::os::unix::fs::MetadataExt as _;
-        std::fs::metadata(format!("/proc/{pid}/ns/net"))
-            .is_ok_and(|m| m.ino() == pod_netns.ino() && m.dev() == pod_netns.dev())
-    })
-    .await;
-
-    h.server.apply(Kind::Namespace, namespace("shop", ambient()));
-    let mut web = pod("shop", "web", NODE, Some(&h.pod("web").ip().to_string()), json!({}));
-    web["metadata"]["uid"] = json!(uid);
-    h.server.apply(Kind::Pod, web);
+    let process = h.pod_process("shop", "web").await;
+    let pid = process.pid;
     let agent = h
         .start_agent_with(Arc::new(ProcScanResolver::default()), |_| {})
         .await;
-    wait_for("web enrolled through /proc", TIMEOUT, || agent.enrolled("web", "shop")).await;
+    wait_for("web enrolled through /proc", TIMEOUT, || {
+        agent.enrolled("web", "shop")
+    })
+    .await;
     let status = {
         let agent = agent.agent.clone();
         tokio::task::spawn_blocking(move || lock(&agent).status())
             .await
             .expect("status")
     };
-    let web = status.pods.iter().find(|p| p.name == "web").expect("web in status");
-    assert_eq!(web.netns, Some(PathBuf::from(format!("/proc/{pid}/ns/net"))));
-    assert!(h.tc_attached("web"), "attached in the pod's netns, seen through its testbed path");
+    let web = status
+        .pods
+        .iter()
+        .find(|p| p.name == "web")
+        .expect("web in status");
+    assert_eq!(
+        web.netns,
+        Some(PathBuf::from(format!("/proc/{pid}/ns/net")))
+    );
+    assert!(
+        h.tc_attached("web"),
+        "attached in the pod's netns, seen through its testbed path"
+    );
     agent.stop(true).await;
     assert!(h.tc_detached("web"));
-    child.kill().expect("kill the pod's sleep");
-    child.wait().expect("reap");
-    drop(cgroup);
+}
+
+/// The `shunt agent` binary without `--workloads` takes its pods from the
+/// Kubernetes API named by `KUBECONFIG`, finds the pod's netns through
+/// `/proc`, enrols and annotates it, and unenrols it on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shunt_agent_binary_without_workloads_watches_kubernetes() {
+    let h = Harness::new("kube-binary", &["web"]).await;
+    let _process = h.pod_process("shop", "web").await;
+    let kubeconfig = h.server.write_kubeconfig(h.dir.path());
+    let admin = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free loopback port");
+    let log_path = h.dir.path().join("agent.log");
+    let log = std::fs::File::create(&log_path).expect("log file");
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_shunt"))
+        .arg("agent")
+        .args(["--redirect", "ebpf", "--log-level", "info,shunt=debug"])
+        .arg("--bpf-pin-dir")
+        .arg(&h.pin_dir.0)
+        .arg("--cgroup-root")
+        .arg(h.topo.cgroup_root().expect("topology cgroup"))
+        .arg("--admin-addr")
+        .arg(admin.to_string())
+        .env("NODE_NAME", NODE)
+        .env("KUBECONFIG", &kubeconfig)
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .stdout(log.try_clone().expect("log"))
+        .stderr(log)
+        .spawn()
+        .expect("start shunt agent");
+    let child = ChildGuard(child);
+    let agent_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    let start = Instant::now();
+    while !(h.annotation("shop", "web").as_deref() == Some("enabled") && h.tc_attached("web")) {
+        assert!(
+            start.elapsed() < TIMEOUT,
+            "the agent did not enrol web within {TIMEOUT:?}; its log:\n{}",
+            agent_log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_shunt"))
+        .args(["status", "--json", "--admin-addr", &admin.to_string()])
+        .output()
+        .expect("shunt status");
+    let status: shunt::admin::NodeStatus =
+        serde_json::from_slice(&status.stdout).expect("status JSON");
+    let web = status
+        .pods
+        .iter()
+        .find(|p| p.name == "web")
+        .expect("web listed");
+    assert_eq!(web.state, PodState::Enrolled);
+    assert_eq!(web.identity, "spiffe://cluster.local/ns/shop/sa/sleep");
+
+    let pid = nix::unistd::Pid::from_raw(child.0.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
+    let mut child = child;
+    let start = Instant::now();
+    let exit = loop {
+        if let Some(exit) = child.0.try_wait().expect("wait") {
+            break exit;
+        }
+        assert!(
+            start.elapsed() < TIMEOUT,
+            "agent still running after SIGTERM:\n{}",
+            agent_log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(exit.success(), "agent exit {exit:?}; log:\n{}", agent_log());
+    assert!(h.tc_detached("web"), "SIGTERM unenrols");
+}
+
+/// Kills (by its PID) and reaps a child process when dropped, also when a
+/// test fails.
+struct ChildGuard(std::process::Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// A process of a testbed pod, as the kubelet would leave one: `sleep`,
+/// in the pod's netns and in a cgroup named `pod<uid>`. Killed when dropped.
+struct PodProcess {
+    pid: u32,
+    // Dropped in this order: the process, then its cgroup.
+    _child: ChildGuard,
+    _cgroup: Cgroup,
 }
 
 // ------------------------------------------------- bulk, without the kernel
@@ -751,7 +983,8 @@ impl Redirector for RecordingRedirector {
     }
 
     fn enrol(&mut self, pod: &PodTarget) -> Result<(), RedirectError> {
-        self.enrols.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.enrols
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.enrolled.insert(pod.key.clone(), pod.netns.clone());
         Ok(())
     }
@@ -864,7 +1097,10 @@ async fn burst_of_1000_pod_events_is_debounced() {
         let states = tokio::task::block_in_place(|| lock(agent).pod_states());
         states.len() == PODS && states.values().all(|s| *s == PodState::Enrolled)
     };
-    wait_for("1000 pods enrolled", Duration::from_secs(60), || all_enrolled(&agent)).await;
+    wait_for("1000 pods enrolled", Duration::from_secs(60), || {
+        all_enrolled(&agent)
+    })
+    .await;
     let enrolled_after = start.elapsed();
     wait_for("1000 pods annotated", Duration::from_secs(120), || {
         stats.patches.load(std::sync::atomic::Ordering::Relaxed) >= PODS as u64
@@ -877,16 +1113,18 @@ async fn burst_of_1000_pod_events_is_debounced() {
         "burst of {PODS} pod events: all enrolled after {enrolled_after:?}, all annotated after {annotated_after:?}; {reconciles} reconciles, {} enrol calls; test process RSS {rss_before} KiB before, {rss_after} KiB after",
         enrols.load(std::sync::atomic::Ordering::Relaxed)
     );
-    assert!(reconciles <= 50, "{reconciles} reconciles for {PODS} events: not debounced");
+    assert!(
+        reconciles <= 50,
+        "{reconciles} reconciles for {PODS} events: not debounced"
+    );
     // Once settled, the annotations' own MODIFIED events cause no reconcile.
     let settled = stats.reconciles.load(std::sync::atomic::Ordering::Relaxed);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(stats.reconciles.load(std::sync::atomic::Ordering::Relaxed), settled);
     assert_eq!(
-        server.patches().len(),
-        PODS,
-        "exactly one patch per pod"
+        stats.reconciles.load(std::sync::atomic::Ordering::Relaxed),
+        settled
     );
+    assert_eq!(server.patches().len(), PODS, "exactly one patch per pod");
     task.abort();
 }
 
@@ -898,14 +1136,23 @@ async fn cluster_workloads_track_every_pods_ip_and_identity() {
     let server = FakeApiServer::start().await;
     let dir = tempfile::tempdir().expect("temp dir");
     server.apply(Kind::Namespace, namespace("shop", ambient()));
-    server.apply(Kind::Pod, pod("shop", "a", "node-a", Some("198.18.1.10"), json!({})));
-    server.apply(Kind::Pod, pod("shop", "b", "node-b", Some("198.18.2.10"), opt_out()));
+    server.apply(
+        Kind::Pod,
+        pod("shop", "a", "node-a", Some("198.18.1.10"), json!({})),
+    );
+    server.apply(
+        Kind::Pod,
+        pod("shop", "b", "node-b", Some("198.18.2.10"), opt_out()),
+    );
     server.apply(Kind::Pod, pod("shop", "unscheduled", "", None, json!({})));
     let discovery = ClusterWorkloads::new(server.client(dir.path()).await);
     let mut snapshots = discovery.subscribe();
     let task = tokio::spawn(discovery.run());
     let ip = |s: &str| s.parse::<std::net::IpAddr>().expect("ip");
-    wait_for("both pods discovered", TIMEOUT, || snapshots.borrow_and_update().len() == 2).await;
+    wait_for("both pods discovered", TIMEOUT, || {
+        snapshots.borrow_and_update().len() == 2
+    })
+    .await;
     {
         let store = snapshots.borrow();
         let a = store.by_ip(ip("198.18.1.10")).expect("a by IP");

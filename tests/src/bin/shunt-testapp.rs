@@ -45,7 +45,9 @@ fn bad(message: &str) -> std::io::Error {
 }
 
 fn run(args: &[String]) -> std::io::Result<String> {
-    let mode = args.first().ok_or_else(|| bad("usage: connect|hold ADDR ..."))?;
+    let mode = args
+        .first()
+        .ok_or_else(|| bad("usage: connect|hold ADDR ..."))?;
     let addr: SocketAddr = args
         .get(1)
         .ok_or_else(|| bad("missing address"))?
@@ -56,9 +58,8 @@ fn run(args: &[String]) -> std::io::Result<String> {
             .and_then(|v| v.parse().ok())
             .unwrap_or(5000),
     );
-    let mark = option(args, "--mark").map(|m| {
-        u32::from_str_radix(m.trim_start_matches("0x"), 16).unwrap_or(0)
-    });
+    let mark = option(args, "--mark")
+        .map(|m| u32::from_str_radix(m.trim_start_matches("0x"), 16).unwrap_or(0));
     let mut stream = connect(addr, mark, timeout)?;
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
@@ -66,7 +67,9 @@ fn run(args: &[String]) -> std::io::Result<String> {
     let peer = stream.peer_addr()?;
     match mode.as_str() {
         "connect" => {
-            let n: usize = option(args, "--send").and_then(|v| v.parse().ok()).unwrap_or(1024);
+            let n: usize = option(args, "--send")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1024);
             let payload: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
             let mut writer = stream.try_clone()?;
             let sender = std::thread::spawn(move || -> std::io::Result<()> {
@@ -76,14 +79,17 @@ fn run(args: &[String]) -> std::io::Result<String> {
             let mut back = Vec::new();
             stream.read_to_end(&mut back)?;
             sender.join().map_err(|_| bad("sender panicked"))??;
-            let intact = back.len() == n && back.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8);
+            let intact =
+                back.len() == n && back.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8);
             Ok(format!(
                 "{{\"ok\":true,\"local\":\"{local}\",\"peer\":\"{peer}\",\"sent\":{n},\"received\":{},\"intact\":{intact}}}",
                 back.len()
             ))
         }
         "hold" => {
-            let seconds: u64 = option(args, "--seconds").and_then(|v| v.parse().ok()).unwrap_or(3);
+            let seconds: u64 = option(args, "--seconds")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(3);
             let start = Instant::now();
             let chunk = [7u8; 1024];
             let mut rounds = 0u64;
@@ -111,7 +117,11 @@ fn connect(addr: SocketAddr, mark: Option<u32>, timeout: Duration) -> std::io::R
         return TcpStream::connect_timeout(&addr, timeout);
     };
     // SO_MARK must be set before connect(): create, mark, connect by hand.
-    let domain = if addr.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
+    let domain = if addr.is_ipv4() {
+        libc::AF_INET
+    } else {
+        libc::AF_INET6
+    };
     // SAFETY: plain socket syscalls on a fd this function owns.
     unsafe {
         let fd = libc::socket(domain, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
@@ -132,7 +142,12 @@ fn connect(addr: SocketAddr, mark: Option<u32>, timeout: Duration) -> std::io::R
         // A blocking connect() gives up after SO_SNDTIMEO.
         stream.set_write_timeout(Some(timeout))?;
         let (storage, len) = sockaddr(addr);
-        if libc::connect(stream.as_raw_fd(), (&storage as *const libc::sockaddr_storage).cast(), len) != 0 {
+        if libc::connect(
+            stream.as_raw_fd(),
+            (&storage as *const libc::sockaddr_storage).cast(),
+            len,
+        ) != 0
+        {
             return Err(std::io::Error::last_os_error());
         }
         Ok(stream)
@@ -146,18 +161,26 @@ fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
         let mut storage: libc::sockaddr_storage = std::mem::zeroed();
         match addr {
             SocketAddr::V4(v4) => {
-                let sin = &mut *(&mut storage as *mut libc::sockaddr_storage).cast::<libc::sockaddr_in>();
+                let sin =
+                    &mut *(&mut storage as *mut libc::sockaddr_storage).cast::<libc::sockaddr_in>();
                 sin.sin_family = libc::AF_INET as libc::sa_family_t;
                 sin.sin_port = v4.port().to_be();
                 sin.sin_addr.s_addr = u32::from_ne_bytes(v4.ip().octets());
-                (storage, std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t)
+                (
+                    storage,
+                    std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+                )
             }
             SocketAddr::V6(v6) => {
-                let sin6 = &mut *(&mut storage as *mut libc::sockaddr_storage).cast::<libc::sockaddr_in6>();
+                let sin6 = &mut *(&mut storage as *mut libc::sockaddr_storage)
+                    .cast::<libc::sockaddr_in6>();
                 sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
                 sin6.sin6_port = v6.port().to_be();
                 sin6.sin6_addr.s6_addr = v6.ip().octets();
-                (storage, std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t)
+                (
+                    storage,
+                    std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
+                )
             }
         }
     }

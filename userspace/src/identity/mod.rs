@@ -6,21 +6,23 @@
 //! that has at least one registered pod, renews it at half-life and forgets
 //! it when its last pod leaves. Certificates come from a
 //! [`CertificateAuthority`]: the built-in one ([`ca::BuiltinCa`], `--ca
-//! builtin`) or, later, Istio's CA over gRPC (`--ca istio`, not written yet).
+//! builtin`) or Istio's CA over gRPC ([`istio::IstioCa`], `--ca istio`);
+//! [`ca_from_args`] picks one.
 //!
 //! Leaf keys are always ECDSA P-256 and generated here; only a CSR leaves the
 //! process, so the same path serves both CAs.
 
 pub mod ca;
+pub mod istio;
 mod manager;
 
 pub use manager::{IdentityConfig, IdentityManager, WorkloadCert};
 
-use std::{future::Future, pin::Pin, time::Duration};
+use std::{future::Future, path::Path, pin::Pin, sync::Arc, time::Duration};
 
 use rustls_pki_types::CertificateDer;
 
-use crate::state::SpiffeId;
+use crate::state::{SpiffeId, TrustDomain};
 
 /// What the manager asks a CA for.
 #[derive(Clone, Debug)]
@@ -88,4 +90,31 @@ pub enum IdentityError {
         #[source]
         source: rustls::Error,
     },
+    #[error(transparent)]
+    IstioCa(#[from] istio::IstioCaError),
+}
+
+/// Which CA signs workload certificates (`--ca`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum CaKind {
+    /// A CA inside the agent, its files in `--ca-dir`.
+    #[default]
+    Builtin,
+    /// Istio's CA (istiod) over gRPC.
+    Istio,
+}
+
+/// The CA the agent's flags ask for: the built-in one, loaded from (or
+/// generated into) `ca_dir` for `trust_domain`, or a client of the Istio CA
+/// described by `istio` (only used for [`CaKind::Istio`]).
+pub async fn ca_from_args(
+    kind: CaKind,
+    ca_dir: &Path,
+    trust_domain: &TrustDomain,
+    istio: istio::IstioCaConfig,
+) -> Result<Arc<dyn CertificateAuthority>, IdentityError> {
+    Ok(match kind {
+        CaKind::Builtin => Arc::new(ca::BuiltinCa::load_or_generate(ca_dir, trust_domain)?),
+        CaKind::Istio => Arc::new(istio::IstioCa::connect(istio).await?),
+    })
 }

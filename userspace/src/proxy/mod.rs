@@ -154,7 +154,7 @@ struct Counters {
 }
 
 /// A snapshot of the proxy's counters.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ProxyStats {
     pub outbound_hbone: u64,
     pub outbound_passthrough: u64,
@@ -402,6 +402,15 @@ impl Proxy {
             }
             None => false,
         }
+    }
+
+    /// Whether the proxy serves `key`.
+    pub fn serves(&self, key: &WorkloadKey) -> bool {
+        self.shared
+            .pods
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(key)
     }
 
     /// The pods being served, sorted.

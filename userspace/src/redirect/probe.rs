@@ -25,7 +25,7 @@ pub struct Probe {
 }
 
 impl Probe {
-    /// Probes every feature the eBPF mode uses today.
+    /// Probes every program type, helper and map type the eBPF mode uses.
     pub fn run() -> Probe {
         let mut features = Vec::new();
         let mut check = |name, result: Result<bool, String>| {
@@ -42,26 +42,52 @@ impl Probe {
                 },
             })
         };
+        let program = |t: ProgramType| is_program_supported(t).map_err(|e| e.to_string());
+        let helper =
+            |t: ProgramType, h: BpfHelper| is_helper_supported(t, h).map_err(|e| e.to_string());
+        let map = |t: MapType| is_map_supported(t).map_err(|e| e.to_string());
+        let sock_addr = ProgramType::CgroupSockAddr;
         check(
-            "program type sched_cls (TC classifier)",
-            is_program_supported(ProgramType::SchedClassifier).map_err(|e| e.to_string()),
+            "program type sched_cls (TC)",
+            program(ProgramType::SchedClassifier),
         );
         check(
-            "helper bpf_get_netns_cookie in TC programs",
-            is_helper_supported(
+            "program type cgroup_sock_addr (connect4/6)",
+            program(sock_addr),
+        );
+        check("program type sock_ops", program(ProgramType::SockOps));
+        check(
+            "helper bpf_skc_lookup_tcp in TC",
+            helper(
                 ProgramType::SchedClassifier,
-                BpfHelper::BPF_FUNC_get_netns_cookie,
-            )
-            .map_err(|e| e.to_string()),
+                BpfHelper::BPF_FUNC_skc_lookup_tcp,
+            ),
         );
         check(
-            "map type hash",
-            is_map_supported(MapType::Hash).map_err(|e| e.to_string()),
+            "helper bpf_sk_assign in TC",
+            helper(ProgramType::SchedClassifier, BpfHelper::BPF_FUNC_sk_assign),
         );
         check(
-            "map type percpu_array",
-            is_map_supported(MapType::PerCpuArray).map_err(|e| e.to_string()),
+            "helper bpf_sk_lookup_tcp in cgroup_sock_addr",
+            helper(sock_addr, BpfHelper::BPF_FUNC_sk_lookup_tcp),
         );
+        check(
+            "helper bpf_get_netns_cookie in cgroup_sock_addr",
+            helper(sock_addr, BpfHelper::BPF_FUNC_get_netns_cookie),
+        );
+        check(
+            "helper bpf_get_socket_cookie in cgroup_sock_addr",
+            helper(sock_addr, BpfHelper::BPF_FUNC_get_socket_cookie),
+        );
+        check(
+            "helper bpf_get_netns_cookie in sock_ops",
+            helper(ProgramType::SockOps, BpfHelper::BPF_FUNC_get_netns_cookie),
+        );
+        check("map type hash", map(MapType::Hash));
+        check("map type lru_hash", map(MapType::LruHash));
+        check("map type array", map(MapType::Array));
+        check("map type percpu_array", map(MapType::PerCpuArray));
+        check("map type ringbuf (aya-log)", map(MapType::RingBuf));
         Probe { features }
     }
 

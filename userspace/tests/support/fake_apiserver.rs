@@ -202,7 +202,12 @@ impl FakeApiServer {
     /// The API server goes away: the listener closes (connections are
     /// refused) and every open connection is cut.
     pub fn stop(&self) {
-        if let Some(task) = self.serving.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        if let Some(task) = self
+            .serving
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
             task.abort();
         }
         self.lock().watches.clear();
@@ -229,8 +234,14 @@ impl FakeApiServer {
         let mut inner = self.lock();
         inner.rv += 1;
         let rv = inner.rv;
-        let name = object["metadata"]["name"].as_str().expect("object has a name").to_owned();
-        let namespace = object["metadata"]["namespace"].as_str().unwrap_or("").to_owned();
+        let name = object["metadata"]["name"]
+            .as_str()
+            .expect("object has a name")
+            .to_owned();
+        let namespace = object["metadata"]["namespace"]
+            .as_str()
+            .unwrap_or("")
+            .to_owned();
         let key = (kind, namespace, name);
         let before = inner.objects.get(&key).cloned();
         object["apiVersion"] = json!("v1");
@@ -240,14 +251,23 @@ impl FakeApiServer {
                 Some(b) => b["metadata"]["uid"].clone(),
                 None => {
                     inner.uid_counter += 1;
-                    json!(format!("00000000-0000-4000-8000-{:012x}", inner.uid_counter))
+                    json!(format!(
+                        "00000000-0000-4000-8000-{:012x}",
+                        inner.uid_counter
+                    ))
                 }
             };
         }
         object["metadata"]["resourceVersion"] = json!(rv.to_string());
-        let event = if before.is_some() { "MODIFIED" } else { "ADDED" };
+        let event = if before.is_some() {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
         inner.objects.insert(key, object.clone());
-        inner.history.push((rv, kind, event, before.clone(), object.clone()));
+        inner
+            .history
+            .push((rv, kind, event, before.clone(), object.clone()));
         broadcast(&mut inner, kind, event, before.as_ref(), &object);
     }
 
@@ -270,13 +290,18 @@ impl FakeApiServer {
         inner.rv += 1;
         let rv = inner.rv;
         object["metadata"]["resourceVersion"] = json!(rv.to_string());
-        inner.history.push((rv, kind, "DELETED", Some(object.clone()), object.clone()));
+        inner
+            .history
+            .push((rv, kind, "DELETED", Some(object.clone()), object.clone()));
         broadcast(&mut inner, kind, "DELETED", Some(&object), &object);
     }
 
     /// The stored object, if any.
     pub fn object(&self, kind: Kind, namespace: &str, name: &str) -> Option<Value> {
-        self.lock().objects.get(&(kind, namespace.into(), name.into())).cloned()
+        self.lock()
+            .objects
+            .get(&(kind, namespace.into(), name.into()))
+            .cloned()
     }
 
     /// Forgets all history up to now: a watch resuming from an older
@@ -293,7 +318,9 @@ impl FakeApiServer {
         let mut inner = self.lock();
         let rv = inner.rv;
         for watch in inner.watches.drain(..) {
-            let _ = watch.tx.send(Ok(Frame::data(event_line("ERROR", &gone_status(rv)))));
+            let _ = watch
+                .tx
+                .send(Ok(Frame::data(event_line("ERROR", &gone_status(rv)))));
         }
     }
 
@@ -301,9 +328,10 @@ impl FakeApiServer {
     /// ended cleanly).
     pub fn drop_watches(&self) {
         for watch in self.lock().watches.drain(..) {
-            let _ = watch
-                .tx
-                .send(Err(io::Error::new(io::ErrorKind::ConnectionReset, "watch dropped by the test")));
+            let _ = watch.tx.send(Err(io::Error::new(
+                io::ErrorKind::ConnectionReset,
+                "watch dropped by the test",
+            )));
         }
     }
 
@@ -316,7 +344,8 @@ impl FakeApiServer {
             !w.bookmarks || {
                 let object = json!({"kind": w.kind.kind(), "apiVersion": "v1",
                                     "metadata": {"resourceVersion": rv}});
-                w.tx.send(Ok(Frame::data(event_line("BOOKMARK", &object)))).is_ok()
+                w.tx.send(Ok(Frame::data(event_line("BOOKMARK", &object))))
+                    .is_ok()
             }
         });
     }
@@ -342,8 +371,8 @@ fn bind(addr: SocketAddr) -> io::Result<tokio::net::TcpListener> {
 }
 
 fn event_line(kind: &str, object: &Value) -> Bytes {
-    let mut line = serde_json::to_vec(&json!({"type": kind, "object": object}))
-        .expect("JSON serializes");
+    let mut line =
+        serde_json::to_vec(&json!({"type": kind, "object": object})).expect("JSON serializes");
     line.push(b'\n');
     Bytes::from(line)
 }
@@ -370,7 +399,13 @@ fn json_response(code: StatusCode, body: &Value) -> Response<Body> {
 }
 
 /// Sends one change to every watch of `kind` it concerns.
-fn broadcast(inner: &mut Inner, kind: Kind, event: &'static str, before: Option<&Value>, after: &Value) {
+fn broadcast(
+    inner: &mut Inner,
+    kind: Kind,
+    event: &'static str,
+    before: Option<&Value>,
+    after: &Value,
+) {
     inner.watches.retain(|w| {
         if w.kind != kind {
             return true;
@@ -433,7 +468,10 @@ fn parse_selector(selector: &str) -> Vec<FieldRequirement> {
 
 fn matches(selector: &[FieldRequirement], object: &Value) -> bool {
     selector.iter().all(|r| {
-        let actual = object.pointer(&r.pointer).and_then(Value::as_str).unwrap_or("");
+        let actual = object
+            .pointer(&r.pointer)
+            .and_then(Value::as_str)
+            .unwrap_or("");
         (actual == r.value) == r.equal
     })
 }
@@ -492,7 +530,9 @@ async fn handle(inner: &Arc<Mutex<Inner>>, req: Request<Incoming>) -> Response<B
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     match (&method, segments.as_slice()) {
         (&Method::GET, ["api", "v1", "pods"]) => list_or_watch(inner, Kind::Pod, &query),
-        (&Method::GET, ["api", "v1", "namespaces"]) => list_or_watch(inner, Kind::Namespace, &query),
+        (&Method::GET, ["api", "v1", "namespaces"]) => {
+            list_or_watch(inner, Kind::Namespace, &query)
+        }
         (&Method::PATCH, ["api", "v1", "namespaces", ns, "pods", name]) => {
             let body = match req.into_body().collect().await {
                 Ok(body) => body.to_bytes(),
@@ -500,7 +540,11 @@ async fn handle(inner: &Arc<Mutex<Inner>>, req: Request<Incoming>) -> Response<B
             };
             patch_pod(inner, ns, name, &content_type, &body)
         }
-        _ => status(StatusCode::NOT_FOUND, "NotFound", &format!("no route for {method} {path}")),
+        _ => status(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            &format!("no route for {method} {path}"),
+        ),
     }
 }
 
@@ -508,7 +552,11 @@ fn lock(inner: &Arc<Mutex<Inner>>) -> MutexGuard<'_, Inner> {
     inner.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn list_or_watch(inner: &Arc<Mutex<Inner>>, kind: Kind, query: &BTreeMap<String, String>) -> Response<Body> {
+fn list_or_watch(
+    inner: &Arc<Mutex<Inner>>,
+    kind: Kind,
+    query: &BTreeMap<String, String>,
+) -> Response<Body> {
     let selector = parse_selector(query.get("fieldSelector").map(String::as_str).unwrap_or(""));
     if query.get("watch").is_some_and(|w| w == "true" || w == "1") {
         return watch(inner, kind, selector, query);
@@ -577,7 +625,10 @@ fn watch(
 ) -> Response<Body> {
     let (tx, rx) = mpsc::unbounded_channel::<Chunk>();
     let mut guard = lock(inner);
-    let from = query.get("resourceVersion").map(String::as_str).unwrap_or("");
+    let from = query
+        .get("resourceVersion")
+        .map(String::as_str)
+        .unwrap_or("");
     match from {
         "" | "0" => {
             // Synthetic ADDED for what exists, then live.
@@ -595,22 +646,29 @@ fn watch(
             }
             Ok(rv) => {
                 for (at, k, event, before, after) in &guard.history {
-                    if *at > rv && *k == kind {
-                        if let Some(event) = translate(&selector, event, before.as_ref(), after) {
-                            let _ = tx.send(Ok(Frame::data(event_line(event, after))));
-                        }
+                    if *at > rv
+                        && *k == kind
+                        && let Some(event) = translate(&selector, event, before.as_ref(), after)
+                    {
+                        let _ = tx.send(Ok(Frame::data(event_line(event, after))));
                     }
                 }
             }
             Err(_) => {
-                return status(StatusCode::BAD_REQUEST, "BadRequest", "resourceVersion is not a number");
+                return status(
+                    StatusCode::BAD_REQUEST,
+                    "BadRequest",
+                    "resourceVersion is not a number",
+                );
             }
         },
     }
     guard.watches.push(Watch {
         kind,
         selector,
-        bookmarks: query.get("allowWatchBookmarks").is_some_and(|b| b == "true"),
+        bookmarks: query
+            .get("allowWatchBookmarks")
+            .is_some_and(|b| b == "true"),
         tx,
     });
     stream_response(rx)
@@ -649,7 +707,11 @@ fn patch_pod(
     let mut guard = lock(inner);
     let key = (Kind::Pod, namespace.to_owned(), name.to_owned());
     let Some(before) = guard.objects.get(&key).cloned() else {
-        return status(StatusCode::NOT_FOUND, "NotFound", &format!("pods \"{name}\" not found"));
+        return status(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            &format!("pods \"{name}\" not found"),
+        );
     };
     guard.patches.push(PatchRecord {
         namespace: namespace.to_owned(),
@@ -663,7 +725,13 @@ fn patch_pod(
     let rv = guard.rv;
     after["metadata"]["resourceVersion"] = json!(rv.to_string());
     guard.objects.insert(key, after.clone());
-    guard.history.push((rv, Kind::Pod, "MODIFIED", Some(before.clone()), after.clone()));
+    guard.history.push((
+        rv,
+        Kind::Pod,
+        "MODIFIED",
+        Some(before.clone()),
+        after.clone(),
+    ));
     broadcast(&mut guard, Kind::Pod, "MODIFIED", Some(&before), &after);
     json_response(StatusCode::OK, &after)
 }
@@ -677,7 +745,9 @@ fn merge_patch(target: &mut Value, patch: &Value) {
     if !target.is_object() {
         *target = json!({});
     }
-    let Value::Object(target) = target else { return };
+    let Value::Object(target) = target else {
+        return;
+    };
     for (key, value) in patch {
         if value.is_null() {
             target.remove(key);

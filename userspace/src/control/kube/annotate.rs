@@ -81,7 +81,12 @@ impl Sent {
             .is_none_or(|(sent, at)| *sent != value || at != resource_version)
     }
 
-    pub(crate) fn record(&mut self, pod: WorkloadKey, value: Option<&'static str>, resource_version: String) {
+    pub(crate) fn record(
+        &mut self,
+        pod: WorkloadKey,
+        value: Option<&'static str>,
+        resource_version: String,
+    ) {
         self.by_pod.insert(pod, (value, resource_version));
     }
 
@@ -98,7 +103,10 @@ mod tests {
     #[test]
     fn desired_follows_the_pod_state() {
         assert_eq!(desired(&PodState::Enrolled), Some("enabled"));
-        assert_eq!(desired(&PodState::Pending("no netns".into())), Some("pending"));
+        assert_eq!(
+            desired(&PodState::Pending("no netns".into())),
+            Some("pending")
+        );
         assert_eq!(desired(&PodState::Error("boom".into())), Some("pending"));
         assert_eq!(desired(&PodState::NotInMesh), None);
     }
@@ -123,7 +131,10 @@ mod tests {
         assert!(sent.needed(&pod, None, Some("enabled"), "5"));
         sent.record(pod.clone(), Some("enabled"), "5".into());
         assert!(!sent.needed(&pod, None, Some("enabled"), "5"), "in flight");
-        assert!(sent.needed(&pod, None, Some("pending"), "5"), "a different value");
+        assert!(
+            sent.needed(&pod, None, Some("pending"), "5"),
+            "a different value"
+        );
         assert!(
             sent.needed(&pod, None, Some("enabled"), "9"),
             "the pod changed since and still lacks it (someone removed it)"

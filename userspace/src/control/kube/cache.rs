@@ -176,12 +176,18 @@ mod tests {
         assert!(!cache.apply(Event::Init, facts));
         assert!(!cache.apply(Event::InitApply(ns("a", Some("ambient"))), facts));
         assert!(!cache.apply(Event::InitApply(ns("b", None)), facts));
-        assert!(cache.apply(Event::InitDone, facts), "first list is a change");
+        assert!(
+            cache.apply(Event::InitDone, facts),
+            "first list is a change"
+        );
         assert!(cache.listed());
         assert_eq!(cache.len(), 2);
 
         assert!(cache.apply(Event::Apply(ns("b", Some("ambient"))), facts));
-        assert!(!cache.apply(Event::Apply(ns("b", Some("ambient"))), facts), "no-op");
+        assert!(
+            !cache.apply(Event::Apply(ns("b", Some("ambient"))), facts),
+            "no-op"
+        );
 
         // Relist: until done, the old view is served.
         cache.apply(Event::Init, facts);
@@ -205,7 +211,11 @@ mod tests {
         cache.apply(Event::InitApply(ns("a", Some("ambient"))), facts);
         cache.apply(Event::InitApply(malformed("new")), facts);
         cache.apply(Event::InitDone, facts);
-        assert_eq!(cache.len(), 1, "a malformed object never seen good is skipped");
+        assert_eq!(
+            cache.len(),
+            1,
+            "a malformed object never seen good is skipped"
+        );
 
         assert!(!cache.apply(Event::Apply(malformed("a")), facts));
         assert_eq!(cache.get("a"), Some(&Some("ambient".to_owned())));

@@ -79,7 +79,7 @@ impl ClusterWorkloads {
                         continue;
                     }
                     debug!(added = changes.added.len(), removed = changes.removed.len(), updated = changes.updated.len(), "cluster workloads changed");
-                    if store.len() > 0 && changes.added.len() == store.len() {
+                    if !store.is_empty() && changes.added.len() == store.len() {
                         info!(workloads = store.len(), "cluster workloads listed");
                     }
                     // Publish a copy: the store is this loop's, readers get

@@ -166,6 +166,9 @@ mod tests {
         assert!(pod.parsed().is_err());
         assert_eq!(pod.to_string(), "ns/odd");
         assert_eq!(Lenient::<Pod>::plural(&()), "pods");
-        assert_eq!(Lenient::<Pod>::url_path(&(), Some("ns")), "/api/v1/namespaces/ns/pods");
+        assert_eq!(
+            Lenient::<Pod>::url_path(&(), Some("ns")),
+            "/api/v1/namespaces/ns/pods"
+        );
     }
 }

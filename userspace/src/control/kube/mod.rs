@@ -333,21 +333,29 @@ impl KubeSource {
         let api = state.pods_api.clone();
         let patches: Vec<_> = todo
             .into_iter()
-            .map(|(key, value, resource_version): (WorkloadKey, Option<&'static str>, String)| {
-                let span = info_span!("pod", pod = %key);
-                let api = api.clone();
-                async move {
-                    let result = annotate::patch(&api, &key, value).await;
-                    match &result {
-                        Ok(()) => info!(annotation = pod::REDIRECTION_ANNOTATION, value = value.unwrap_or("<removed>"), "pod annotated"),
-                        // The pod went away meanwhile: nothing to annotate.
-                        Err(::kube::Error::Api(e)) if e.code == 404 => debug!("pod gone before it could be annotated"),
-                        Err(error) => warn!(%error, "cannot annotate the pod; will retry"),
+            .map(
+                |(key, value, resource_version): (WorkloadKey, Option<&'static str>, String)| {
+                    let span = info_span!("pod", pod = %key);
+                    let api = api.clone();
+                    async move {
+                        let result = annotate::patch(&api, &key, value).await;
+                        match &result {
+                            Ok(()) => info!(
+                                annotation = pod::REDIRECTION_ANNOTATION,
+                                value = value.unwrap_or("<removed>"),
+                                "pod annotated"
+                            ),
+                            // The pod went away meanwhile: nothing to annotate.
+                            Err(::kube::Error::Api(e)) if e.code == 404 => {
+                                debug!("pod gone before it could be annotated")
+                            }
+                            Err(error) => warn!(%error, "cannot annotate the pod; will retry"),
+                        }
+                        (key, value, resource_version, result.is_ok())
                     }
-                    (key, value, resource_version, result.is_ok())
-                }
-                .instrument(span)
-            })
+                    .instrument(span)
+                },
+            )
             .collect();
         let results: Vec<_> = futures::stream::iter(patches)
             .buffer_unordered(self.options.patch_concurrency.max(1))
@@ -379,7 +387,8 @@ struct SyncState {
 /// watch, each feeding its cache of facts.
 pub(crate) struct Watches {
     pod_events: BoxStream<'static, Result<watcher::Event<Lenient<Pod>>, watcher::Error>>,
-    namespace_events: BoxStream<'static, Result<watcher::Event<Lenient<Namespace>>, watcher::Error>>,
+    namespace_events:
+        BoxStream<'static, Result<watcher::Event<Lenient<Namespace>>, watcher::Error>>,
     /// Kept apart from the streams (which are not `Sync`) so that syncing
     /// can borrow it across awaits.
     pub(crate) view: View,
@@ -410,7 +419,11 @@ pub(crate) enum Step {
 }
 
 impl Watches {
-    pub(crate) fn new(client: &Client, pod_fields: Option<String>, stats: Arc<SourceStats>) -> Self {
+    pub(crate) fn new(
+        client: &Client,
+        pod_fields: Option<String>,
+        stats: Arc<SourceStats>,
+    ) -> Self {
         let mut pod_config = watcher::Config::default();
         if let Some(fields) = &pod_fields {
             pod_config = pod_config.fields(fields);
@@ -445,7 +458,11 @@ impl Watches {
                 None => { error!("the namespace watch ended"); return Step::Ended; }
             },
         };
-        if changed { Step::Changed } else { Step::Unchanged }
+        if changed {
+            Step::Changed
+        } else {
+            Step::Unchanged
+        }
     }
 
     fn watch_error(&self, what: &str, error: &watcher::Error) {

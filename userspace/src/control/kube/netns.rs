@@ -114,7 +114,11 @@ impl NetnsResolver for ProcScanResolver {
             }
         };
         for entry in entries.flatten() {
-            let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<u32>().ok())
+            else {
                 continue;
             };
             // Processes come and go during the scan: a vanished one is
@@ -302,10 +306,7 @@ mod tests {
             310,
             &format!("12:memory:/kubepods/besteffort/pod{UID_A}/abc\n0::/kubepods/besteffort/pod{UID_A}/abc\n"),
         );
-        proc.process(
-            455,
-            &format!("0::/kubepods/besteffort/pod{UID_A}/def\n"),
-        );
+        proc.process(455, &format!("0::/kubepods/besteffort/pod{UID_A}/def\n"));
         // systemd driver: dashes become underscores.
         let b = proc.process(
             502,
@@ -318,15 +319,36 @@ mod tests {
         let (a_key, b_key, c_key) = (key("a"), key("b"), key("c"));
         let resolver = ProcScanResolver::new(proc.root());
         let found = resolver.resolve(&[
-            PodRef { key: &a_key, uid: UID_A },
-            PodRef { key: &b_key, uid: UID_B },
-            PodRef { key: &c_key, uid: "no-such-uid" },
+            PodRef {
+                key: &a_key,
+                uid: UID_A,
+            },
+            PodRef {
+                key: &b_key,
+                uid: UID_B,
+            },
+            PodRef {
+                key: &c_key,
+                uid: "no-such-uid",
+            },
         ]);
         assert_eq!(found.get(UID_A), Some(&a_pause), "lowest PID of the pod");
         assert_eq!(found.get(UID_B), Some(&b));
         assert_eq!(found.len(), 2);
-        assert!(resolver.still_valid(PodRef { key: &a_key, uid: UID_A }, &a_pause));
-        assert!(!resolver.still_valid(PodRef { key: &b_key, uid: UID_B }, &a_pause));
+        assert!(resolver.still_valid(
+            PodRef {
+                key: &a_key,
+                uid: UID_A
+            },
+            &a_pause
+        ));
+        assert!(!resolver.still_valid(
+            PodRef {
+                key: &b_key,
+                uid: UID_B
+            },
+            &a_pause
+        ));
     }
 
     #[test]
@@ -335,7 +357,14 @@ mod tests {
         proc.process(40, &format!("0::/kubepods/pod{UID_A}ff/x\n"));
         let k = key("a");
         let resolver = ProcScanResolver::new(proc.root());
-        assert!(resolver.resolve(&[PodRef { key: &k, uid: UID_A }]).is_empty());
+        assert!(
+            resolver
+                .resolve(&[PodRef {
+                    key: &k,
+                    uid: UID_A
+                }])
+                .is_empty()
+        );
     }
 
     #[test]
@@ -344,10 +373,22 @@ mod tests {
         proc.host_network_process(60, &format!("0::/kubepods/pod{UID_A}/x\n"));
         let k = key("a");
         let resolver = ProcScanResolver::new(proc.root());
-        assert!(resolver.resolve(&[PodRef { key: &k, uid: UID_A }]).is_empty());
+        assert!(
+            resolver
+                .resolve(&[PodRef {
+                    key: &k,
+                    uid: UID_A
+                }])
+                .is_empty()
+        );
         let own = proc.process(61, &format!("0::/kubepods/pod{UID_A}/y\n"));
         assert_eq!(
-            resolver.resolve(&[PodRef { key: &k, uid: UID_A }]).get(UID_A),
+            resolver
+                .resolve(&[PodRef {
+                    key: &k,
+                    uid: UID_A
+                }])
+                .get(UID_A),
             Some(&own)
         );
     }
@@ -359,7 +400,10 @@ mod tests {
         let k = key("a");
         let resolver = ProcScanResolver::new(proc.root());
         let mut cache = NetnsCache::default();
-        let pods = [PodRef { key: &k, uid: UID_A }];
+        let pods = [PodRef {
+            key: &k,
+            uid: UID_A,
+        }];
         assert_eq!(cache.lookup(&resolver, &pods).get(UID_A), Some(&first));
         // A lower PID appears, but the cached path is still valid: kept, so
         // the pod's enrolment does not move.

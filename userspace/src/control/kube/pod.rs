@@ -238,7 +238,10 @@ mod tests {
                 None => json!({}),
             };
             let got = pod(basic(labels)).dataplane_mode(Some(&ns(ns_label)));
-            assert_eq!(got, want, "pod label {pod_label:?}, namespace label {ns_label:?}");
+            assert_eq!(
+                got, want,
+                "pod label {pod_label:?}, namespace label {ns_label:?}"
+            );
         }
         // An unknown namespace: only the pod's label counts.
         let labelled = pod(basic(json!({ DATAPLANE_MODE_LABEL: "ambient" })));
@@ -250,11 +253,17 @@ mod tests {
     fn host_network_sidecar_and_finished_pods_never_join() {
         let mut host = basic(json!({ DATAPLANE_MODE_LABEL: "ambient" }));
         host["spec"]["hostNetwork"] = json!(true);
-        assert_eq!(pod(host).dataplane_mode(Some(&ns(Some("ambient")))), DataplaneMode::None);
+        assert_eq!(
+            pod(host).dataplane_mode(Some(&ns(Some("ambient")))),
+            DataplaneMode::None
+        );
 
         let mut sidecar = basic(json!({}));
         sidecar["metadata"]["annotations"] = json!({ SIDECAR_STATUS_ANNOTATION: "{}" });
-        assert_eq!(pod(sidecar).dataplane_mode(Some(&ns(Some("ambient")))), DataplaneMode::None);
+        assert_eq!(
+            pod(sidecar).dataplane_mode(Some(&ns(Some("ambient")))),
+            DataplaneMode::None
+        );
 
         for phase in ["Succeeded", "Failed"] {
             let mut done = basic(json!({ DATAPLANE_MODE_LABEL: "ambient" }));

@@ -31,7 +31,11 @@ pub fn links_dir(pin_dir: &Path) -> PathBuf {
 
 /// Attaches each socket program to `cgroup_root` unless a pinned link from a
 /// previous agent is already there (then that link is kept as it is).
-pub fn attach_or_adopt(ebpf: &mut Ebpf, cgroup_root: &Path, pin_dir: &Path) -> Result<(), LoadError> {
+pub fn attach_or_adopt(
+    ebpf: &mut Ebpf,
+    cgroup_root: &Path,
+    pin_dir: &Path,
+) -> Result<(), LoadError> {
     let dir = links_dir(pin_dir);
     std::fs::create_dir_all(&dir).map_err(|source| LoadError::PinDir {
         dir: dir.clone(),
@@ -49,12 +53,10 @@ pub fn attach_or_adopt(ebpf: &mut Ebpf, cgroup_root: &Path, pin_dir: &Path) -> R
         }
         // A pin that no longer opens as a link is garbage.
         let _ = std::fs::remove_file(&pin);
-        let program = ebpf
-            .program_mut(name)
-            .ok_or(LoadError::Program {
-                name,
-                source: aya::programs::ProgramError::UnexpectedProgramType,
-            })?;
+        let program = ebpf.program_mut(name).ok_or(LoadError::Program {
+            name,
+            source: aya::programs::ProgramError::UnexpectedProgramType,
+        })?;
         let program_error = |source| LoadError::Program { name, source };
         // A BPF link always attaches in multi-program mode (other agents and
         // tools keep theirs); the kernel refuses link_create with any attach

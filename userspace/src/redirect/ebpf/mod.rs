@@ -9,7 +9,7 @@
 //!    then on `connect4/6` capture the pod's outbound connects;
 //! 3. loads the pod's own instance of the TC programs with the slot baked in
 //!    (`ebpf/src/tc_pod.rs` says why) and attaches them to its `eth0`;
-//! 4. writes `<pin dir>/pods/<cookie>`, naming the pod and its netns, so a
+//! 4. records the pod's name and netns path in `SHUNT_POD_RECORDS`, so a
 //!    later agent can clean up after a pod it never heard of.
 //!
 //! Everything the datapath needs is the kernel's: TC filters belong to the
@@ -36,8 +36,8 @@ use aya::{
 pub use cgroup::cgroup2_mount;
 pub use original_dst::EbpfOriginalDst;
 use shunt_common::{
-    Cidr4, GlobalConfig, MAX_EXCLUDED_CIDRS, MAX_EXCLUDED_PORTS, MAX_PODS, PodConfig,
-    PodCounters, PodSlot, globals, maps,
+    Cidr4, GlobalConfig, MAX_EXCLUDED_CIDRS, MAX_EXCLUDED_PORTS, MAX_PODS, PodConfig, PodCounters,
+    PodRecord, PodSlot, globals, maps,
 };
 pub use tc::{TC_HANDLE, TC_PRIORITY};
 use tracing::{info, warn};
@@ -62,7 +62,9 @@ pub enum LoadError {
     PinDir { dir: PathBuf, source: io::Error },
     #[error("cgroup root {path}: {source}")]
     CgroupRoot { path: PathBuf, source: io::Error },
-    #[error("no cgroup v2 filesystem is mounted (see /proc/self/mounts); shunt's socket programs attach to a cgroup v2; pass --cgroup-root")]
+    #[error(
+        "no cgroup v2 filesystem is mounted (see /proc/self/mounts); shunt's socket programs attach to a cgroup v2; pass --cgroup-root"
+    )]
     NoCgroup2,
     #[error(transparent)]
     Features(#[from] super::probe::MissingFeatures),
@@ -118,6 +120,7 @@ pub struct EbpfRedirector {
     enrolled_map: BpfHashMap<MapData, u64, PodSlot>,
     counters_map: PerCpuArray<MapData, PodCounters>,
     config_map: Array<MapData, PodConfig>,
+    records_map: BpfHashMap<MapData, u64, PodRecord>,
     pods: BTreeMap<WorkloadKey, Enrolment>,
     pin_dir: PathBuf,
     cgroup_root: PathBuf,
@@ -133,9 +136,10 @@ impl EbpfRedirector {
         super::probe::Probe::run().require_all()?;
         let pin_dir = options.pin_dir.as_path();
         ensure_bpffs(pin_dir)?;
-        for dir in [pin_dir.to_path_buf(), pods_dir(pin_dir)] {
-            std::fs::create_dir_all(&dir).map_err(|source| LoadError::PinDir { dir, source })?;
-        }
+        std::fs::create_dir_all(pin_dir).map_err(|source| LoadError::PinDir {
+            dir: pin_dir.to_path_buf(),
+            source,
+        })?;
         let cgroup_root = match &options.cgroup_root {
             Some(root) => root.clone(),
             None => cgroup2_mount().ok_or(LoadError::NoCgroup2)?,
@@ -146,6 +150,8 @@ impl EbpfRedirector {
         let counters_map: PerCpuArray<MapData, PodCounters> =
             take_map(&mut ebpf, maps::POD_COUNTERS)?;
         let config_map: Array<MapData, PodConfig> = take_map(&mut ebpf, maps::POD_CONFIG)?;
+        let records_map: BpfHashMap<MapData, u64, PodRecord> =
+            take_map(&mut ebpf, maps::POD_RECORDS)?;
         let mut global: Array<MapData, GlobalConfig> = take_map(&mut ebpf, maps::CONFIG)?;
         global
             .set(
@@ -174,6 +180,7 @@ impl EbpfRedirector {
             enrolled_map,
             counters_map,
             config_map,
+            records_map,
             pods: BTreeMap::new(),
             pin_dir: pin_dir.to_path_buf(),
             cgroup_root,
@@ -231,7 +238,12 @@ impl EbpfRedirector {
 
     /// Loads the pod's instance of the TC programs and attaches it inside
     /// the pod's netns.
-    fn attach_tc(&mut self, pod: &WorkloadKey, netns: &NetNs, slot: u32) -> Result<(), RedirectError> {
+    fn attach_tc(
+        &mut self,
+        pod: &WorkloadKey,
+        netns: &NetNs,
+        slot: u32,
+    ) -> Result<(), RedirectError> {
         let mut pod_ebpf = loader(&self.pin_dir, &slot, &self.log_level)
             .load(EBPF_OBJECT)
             .map_err(|e| kernel(pod, "loading the pod's TC programs", e))?;
@@ -250,16 +262,23 @@ impl EbpfRedirector {
     }
 
     /// Writes the record that lets a later agent clean up after this pod.
-    fn write_record(&self, pod: &WorkloadKey, cookie: u64, netns: &Path) {
-        let record = format!("{pod}\n{}\n", netns.display());
-        let path = pods_dir(&self.pin_dir).join(cookie.to_string());
-        if let Err(e) = std::fs::write(&path, record) {
-            warn!(%pod, path = %path.display(), error = %e, "cannot write the pod's record; a later agent could not clean up after it");
+    fn write_record(&mut self, pod: &WorkloadKey, cookie: u64, netns: &Path) {
+        let mut record = PodRecord::default();
+        copy_cut(&mut record.pod, pod.to_string().as_bytes());
+        copy_cut(&mut record.netns, netns.as_os_str().as_encoded_bytes());
+        if let Err(e) = self.records_map.insert(cookie, record, 0) {
+            warn!(%pod, error = %e, "cannot record the pod; a later agent could not clean up after it");
         }
     }
 
-    fn remove_record(&self, cookie: u64) {
-        let _ = std::fs::remove_file(pods_dir(&self.pin_dir).join(cookie.to_string()));
+    /// The pod name and netns path recorded for `cookie`.
+    fn read_record(&self, cookie: u64) -> Option<(String, PathBuf)> {
+        let record = self.records_map.get(&cookie, 0).ok()?;
+        let text = |bytes: &[u8]| {
+            let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+            String::from_utf8_lossy(&bytes[..end]).into_owned()
+        };
+        Some((text(&record.pod), PathBuf::from(text(&record.netns))))
     }
 
     /// Re-attaches whatever is missing for an enrolled pod.
@@ -286,7 +305,7 @@ impl EbpfRedirector {
     fn forget(&mut self, cookie: u64, slot: u32) {
         let _ = self.enrolled_map.remove(&cookie);
         let _ = self.config_map.set(slot, PodConfig::default(), 0);
-        self.remove_record(cookie);
+        let _ = self.records_map.remove(&cookie);
     }
 }
 
@@ -395,7 +414,10 @@ impl Redirector for EbpfRedirector {
                 missing.push(format!("TC filter {name} on eth0"));
             }
         }
-        for (name, present) in cgroup::PROGRAMS.into_iter().zip(cgroup::present(&self.pin_dir)) {
+        for (name, present) in cgroup::PROGRAMS
+            .into_iter()
+            .zip(cgroup::present(&self.pin_dir))
+        {
             if !present {
                 missing.push(format!("socket program {name}"));
             }
@@ -462,11 +484,10 @@ impl Redirector for EbpfRedirector {
             .map(|(cookie, pod)| (cookie, pod.slot))
             .collect();
         for &(cookie, slot) in &stale {
-            let record = std::fs::read_to_string(pods_dir(&self.pin_dir).join(cookie.to_string()))
-                .unwrap_or_default();
-            let mut lines = record.lines();
-            let name = lines.next().unwrap_or("unknown pod").to_string();
-            let netns_path = lines.next().map(PathBuf::from);
+            let (name, netns_path) = match self.read_record(cookie) {
+                Some((name, path)) => (name, Some(path)),
+                None => ("unknown pod".to_string(), None),
+            };
             // The pod's netns may still exist (the pod left the mesh while no
             // agent ran): then its filters must go too. Same cookie, or it is
             // a different namespace now at that path.
@@ -475,7 +496,11 @@ impl Redirector for EbpfRedirector {
                 && netns.cookie().ok() == Some(cookie)
             {
                 let key = WorkloadKey::new("stale", name.clone());
-                if let Err(e) = netns.run(|| tc::detach(&key)).map_err(RedirectError::from).and_then(|r| r) {
+                if let Err(e) = netns
+                    .run(|| tc::detach(&key))
+                    .map_err(RedirectError::from)
+                    .and_then(|r| r)
+                {
                     warn!(pod = %name, error = %e, "cannot detach a stale pod's TC programs");
                 }
             }
@@ -513,8 +538,16 @@ fn pod_config(pod: &WorkloadKey, capture: &Capture) -> Result<PodConfig, Redirec
         into[..ports.len()].copy_from_slice(ports);
         Ok(())
     };
-    ports(&capture.excluded_outbound_ports, &mut config.excluded_outbound_ports, "outbound")?;
-    ports(&capture.excluded_inbound_ports, &mut config.excluded_inbound_ports, "inbound")?;
+    ports(
+        &capture.excluded_outbound_ports,
+        &mut config.excluded_outbound_ports,
+        "outbound",
+    )?;
+    ports(
+        &capture.excluded_inbound_ports,
+        &mut config.excluded_inbound_ports,
+        "inbound",
+    )?;
     if capture.excluded_outbound_cidrs.len() > MAX_EXCLUDED_CIDRS {
         return Err(invalid(format!(
             "{} excluded outbound CIDRs given, at most {MAX_EXCLUDED_CIDRS} are supported",
@@ -523,9 +556,15 @@ fn pod_config(pod: &WorkloadKey, capture: &Capture) -> Result<PodConfig, Redirec
     }
     for (i, (addr, prefix)) in capture.excluded_outbound_cidrs.iter().enumerate() {
         if *prefix > 32 {
-            return Err(invalid(format!("excluded CIDR {addr}/{prefix}: prefix longer than 32")));
+            return Err(invalid(format!(
+                "excluded CIDR {addr}/{prefix}: prefix longer than 32"
+            )));
         }
-        let mask = if *prefix == 0 { 0 } else { u32::MAX << (32 - prefix) };
+        let mask = if *prefix == 0 {
+            0
+        } else {
+            u32::MAX << (32 - prefix)
+        };
         config.excluded_cidrs_v4[i] = Cidr4 {
             addr: u32::from_ne_bytes(addr.octets()),
             mask: u32::from_ne_bytes(mask.to_be_bytes()),
@@ -535,8 +574,10 @@ fn pod_config(pod: &WorkloadKey, capture: &Capture) -> Result<PodConfig, Redirec
     Ok(config)
 }
 
-fn pods_dir(pin_dir: &Path) -> PathBuf {
-    pin_dir.join("pods")
+/// Copies as much of `from` as fits, leaving the rest NUL.
+fn copy_cut(into: &mut [u8], from: &[u8]) {
+    let n = from.len().min(into.len());
+    into[..n].copy_from_slice(&from[..n]);
 }
 
 /// A loader for the object with every map shared through its pin and the
@@ -593,7 +634,10 @@ fn ensure_bpffs(dir: &Path) -> Result<(), LoadError> {
             .map(|s| s.filesystem_type().0 == BPF_FS_MAGIC)
             .unwrap_or(false)
     };
-    let existing = dir.ancestors().find(|p| p.exists()).unwrap_or(Path::new("/"));
+    let existing = dir
+        .ancestors()
+        .find(|p| p.exists())
+        .unwrap_or(Path::new("/"));
     if on_bpffs(existing) {
         return Ok(());
     }
@@ -631,5 +675,8 @@ pub(crate) fn kernel(
 }
 
 fn missing(name: &str) -> io::Error {
-    io::Error::new(io::ErrorKind::NotFound, format!("program {name} is not in the object"))
+    io::Error::new(
+        io::ErrorKind::NotFound,
+        format!("program {name} is not in the object"),
+    )
 }

@@ -59,7 +59,10 @@ impl OriginalDst for EbpfOriginalDst {
 /// listener) is the IPv4 address its socket has.
 fn to_words(ip: IpAddr) -> [u32; 4] {
     let ip = match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(IpAddr::V6(v6)),
+        IpAddr::V6(v6) => v6
+            .to_ipv4_mapped()
+            .map(IpAddr::V4)
+            .unwrap_or(IpAddr::V6(v6)),
         v4 => v4,
     };
     match ip {
@@ -82,7 +85,9 @@ fn from_recorded(recorded: &Recorded) -> Option<SocketAddr> {
             }
             let v6 = Ipv6Addr::from(octets);
             // A dual-stack socket's connect to ::ffff:a.b.c.d means a.b.c.d.
-            v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(IpAddr::V6(v6))
+            v6.to_ipv4_mapped()
+                .map(IpAddr::V4)
+                .unwrap_or(IpAddr::V6(v6))
         }
         _ => return None,
     };

@@ -47,7 +47,11 @@ pub fn direction(attach_type: TcAttachType) -> &'static str {
 /// Adds `clsact` to `eth0` and attaches the (loaded) programs of `pod_ebpf`
 /// as netlink filters. A filter already there under shunt's priority and
 /// handle (a previous agent's, for the same slot) is kept.
-pub fn attach(pod: &WorkloadKey, pod_ebpf: &mut Ebpf, netns_path: &std::path::Path) -> Result<(), RedirectError> {
+pub fn attach(
+    pod: &WorkloadKey,
+    pod_ebpf: &mut Ebpf,
+    netns_path: &std::path::Path,
+) -> Result<(), RedirectError> {
     match tc::qdisc_add_clsact(POD_INTERFACE) {
         Ok(()) => {}
         Err(error) if is_exists(&error) => {}

@@ -1,0 +1,26 @@
+//! Compiles the `.proto` files with protox (a protobuf compiler written in
+//! Rust, so no `protoc` binary is needed) and generates prost messages and
+//! tonic client/server code from the result.
+
+use std::path::Path;
+
+const PROTOS: &[&str] = &["istio/ca.proto"];
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for proto in PROTOS {
+        println!("cargo:rerun-if-changed={}", root.join(proto).display());
+    }
+    // protox ships google/protobuf/*.proto itself; only our own directory
+    // needs to be on the include path.
+    let descriptors = protox::compile(PROTOS, [root])?;
+    tonic_prost_build::configure()
+        // Clients for the agent, servers for the in-test fakes.
+        .build_client(true)
+        .build_server(true)
+        // The agent brings its own TLS channel; generated `connect()`
+        // helpers would pull in tonic's transport for every user.
+        .build_transport(false)
+        .compile_fds(descriptors)?;
+    Ok(())
+}
