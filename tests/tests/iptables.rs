@@ -773,7 +773,8 @@ fn agent_binary_in_iptables_mode_enrols_reports_and_cleans_up() {
         &topo,
         node,
         &yaml,
-        &["--redirect", "iptables", "--capture", "on"],
+        // The test's listener stands in for the proxy.
+        &["--redirect", "iptables", "--capture", "on", "--proxy", "external"],
     )
     .expect("agent");
     let status = agent

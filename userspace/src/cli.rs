@@ -25,7 +25,7 @@ pub struct Cli {
 pub enum Command {
     /// Run the node agent: enrol this node's mesh pods and keep them enrolled
     /// until SIGINT/SIGTERM, which unenrols them cleanly.
-    Agent(AgentArgs),
+    Agent(Box<AgentArgs>),
     /// Show the pods a running agent knows about: enrolment, hooks, counters.
     Status(StatusArgs),
 }
@@ -88,6 +88,15 @@ pub struct AgentArgs {
     /// Admin API address (status, debugging). Keep it on loopback.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:15000")]
     pub admin_addr: SocketAddr,
+
+    /// Prometheus metrics address (`/metrics`, Istio's TCP metrics and
+    /// shunt's own).
+    #[arg(long, value_name = "ADDR", default_value = "0.0.0.0:15020")]
+    pub metrics_addr: SocketAddr,
+
+    /// Readiness probe address (`/healthz/ready`).
+    #[arg(long, value_name = "ADDR", default_value = "0.0.0.0:15021")]
+    pub readiness_addr: SocketAddr,
 
     /// How often to re-check the workloads file for edits, in seconds.
     #[arg(long, value_name = "SECONDS", default_value_t = 2)]

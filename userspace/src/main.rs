@@ -13,7 +13,7 @@ fn main() -> ExitCode {
                 eprintln!("shunt: {message}");
                 return ExitCode::from(2);
             }
-            run_agent(args)
+            run_agent(*args)
         }
         Command::Status(args) => shunt::status::run(&args).map_err(anyhow::Error::from),
     };

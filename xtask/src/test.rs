@@ -7,9 +7,9 @@ use clap::Args;
 
 use crate::util;
 
-/// The workspace's host crates (the eBPF crate builds only for the BPF target,
-/// through userspace/build.rs).
-const HOST_PACKAGES: &[&str] = &["shunt-common", "shunt", "shunt-testbed", "xtask"];
+/// Every workspace crate but the eBPF one, which builds only for the BPF
+/// target (through userspace/build.rs).
+const HOST_CRATES: &[&str] = &["--workspace", "--exclude", "shunt-ebpf"];
 
 #[derive(Args)]
 pub struct TestArgs {
@@ -34,10 +34,9 @@ pub fn run(args: TestArgs) -> anyhow::Result<()> {
             .current_dir(&root),
     )?;
     let mut cmd = Command::new("cargo");
-    cmd.arg("test").current_dir(&root);
-    for package in HOST_PACKAGES {
-        cmd.args(["-p", package]);
-    }
+    // Every test binary runs even when an earlier one fails: one report.
+    cmd.args(["test", "--no-fail-fast"]).current_dir(&root);
+    cmd.args(HOST_CRATES);
     cmd.env("SHUNT_BIN", root.join("target/debug/shunt"));
     if let Some(filter) = &args.filter {
         cmd.arg(filter);
@@ -57,9 +56,7 @@ pub fn lint() -> anyhow::Result<()> {
     )?;
     let mut clippy = Command::new("cargo");
     clippy.arg("clippy").current_dir(&root);
-    for package in HOST_PACKAGES {
-        clippy.args(["-p", package]);
-    }
+    clippy.args(HOST_CRATES);
     clippy.args(["--tests", "--", "-D", "warnings"]);
     util::run(&mut clippy)
 }

@@ -66,6 +66,8 @@ async fn serve_connection(
         bytes_received: 0,
         outcome: Outcome::Refused,
         reason: None,
+        pod: Some(&pod.key),
+        opened: false,
     };
     // The certificate is the arrival IP's workload's: the listener is bound
     // on that pod's IP, so it is this listener's pod.
@@ -197,6 +199,8 @@ async fn serve_stream(
         bytes_received: 0,
         outcome: Outcome::Refused,
         reason: None,
+        pod: None,
+        opened: false,
     };
     let mut refuse = |status: StatusCode, reason: String, log: &mut AccessLog<'_>| {
         let response = Response::builder()
@@ -218,6 +222,7 @@ async fn serve_stream(
     };
     log.dst_addr = target;
     log.dst_identity = Some(target_pod.identity.as_str());
+    log.pod = Some(&target_pod.key);
     let mut upstream = match target_pod
         .sockets
         .connect(target, shared.config.connect_timeout)
@@ -244,6 +249,7 @@ async fn serve_stream(
         }
     };
     let mut h2s = H2Stream::new(send, request.into_body());
+    log.open(&shared);
     match copy_both(&mut h2s, &mut upstream, shared.config.copy_buffer).await {
         Ok((sent, received)) => {
             log.bytes_sent = sent;

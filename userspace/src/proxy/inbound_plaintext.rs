@@ -36,6 +36,8 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, tcp: TcpStream, pe
         bytes_received: 0,
         outcome: Outcome::Refused,
         reason: None,
+        pod: Some(&pod.key),
+        opened: false,
     };
     let (mut client, dst) = match destination(&shared, tcp) {
         Ok(pair) => pair,
@@ -71,6 +73,7 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, tcp: TcpStream, pe
             return;
         }
     };
+    log.open(&shared);
     match copy_both(&mut client, &mut upstream, shared.config.copy_buffer).await {
         Ok((sent, received)) => {
             log.bytes_sent = sent;

@@ -16,12 +16,16 @@
 mod h2;
 mod inbound;
 mod inbound_plaintext;
+mod observe;
 mod outbound;
 mod pool;
 mod socket;
 
 pub use h2::H2Settings;
 pub use inbound::NON_CONNECT_STATUS;
+pub use observe::{
+    ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, Direction,
+};
 pub use socket::PROXY_MARK;
 
 use std::{
@@ -29,7 +33,7 @@ use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
     path::PathBuf,
     sync::{
-        Arc, RwLock,
+        Arc, OnceLock, RwLock,
         atomic::{AtomicU64, Ordering},
     },
     time::{Duration, Instant},
@@ -201,6 +205,9 @@ pub(crate) struct Shared {
     /// Cancelled when the drain grace period ends: everything stops.
     pub abort: CancellationToken,
     counters: Counters,
+    /// Told about every connection (metrics); set once, see
+    /// [`Proxy::set_observer`].
+    observer: OnceLock<Arc<dyn ConnectionObserver>>,
 }
 
 impl Shared {
@@ -260,6 +267,7 @@ impl Proxy {
                 draining: CancellationToken::new(),
                 abort: CancellationToken::new(),
                 counters: Counters::default(),
+                observer: OnceLock::new(),
             }),
         })
     }
@@ -427,6 +435,17 @@ impl Proxy {
         keys
     }
 
+    /// Hands every connection's open and close to `observer` from now on.
+    /// Only the first observer set is kept; returns whether it was this one.
+    pub fn set_observer(&self, observer: Arc<dyn ConnectionObserver>) -> bool {
+        self.shared.observer.set(observer).is_ok()
+    }
+
+    /// The certificates of the identities the proxy speaks with.
+    pub fn identities(&self) -> &IdentityManager {
+        &self.shared.identities
+    }
+
     pub fn stats(&self) -> ProxyStats {
         let c = &self.shared.counters;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -578,10 +597,53 @@ pub(crate) struct AccessLog<'a> {
     pub bytes_received: u64,
     pub outcome: Outcome,
     pub reason: Option<String>,
+    /// The local pod served (see [`ConnectionInfo::pod`]).
+    pub pod: Option<&'a WorkloadKey>,
+    /// Whether [`AccessLog::open`] reported the connection open.
+    pub opened: bool,
 }
 
-impl AccessLog<'_> {
-    pub fn emit(&self, shared: &Shared) {
+impl<'a> AccessLog<'a> {
+    fn info(&self) -> ConnectionInfo<'a> {
+        ConnectionInfo {
+            direction: observe::Direction::from_log(self.direction),
+            pod: self.pod,
+            src_addr: self.src_addr,
+            src_identity: self.src_identity,
+            dst_addr: self.dst_addr,
+            dst_identity: self.dst_identity,
+        }
+    }
+
+    /// Reports the connection open (its target is known and reached).
+    pub fn open(&mut self, shared: &Shared) {
+        if !self.opened {
+            self.opened = true;
+            if let Some(observer) = shared.observer.get() {
+                observer.opened(&self.info());
+            }
+        }
+    }
+
+    pub fn emit(&mut self, shared: &Shared) {
+        if let Some(observer) = shared.observer.get() {
+            let info = self.info();
+            if !self.opened {
+                observer.opened(&info);
+            }
+            let close = ConnectionClose {
+                bytes_to_target: self.bytes_sent,
+                bytes_from_target: self.bytes_received,
+                duration: self.started.elapsed(),
+                outcome: match self.outcome {
+                    Outcome::Success => ConnectionOutcome::Success,
+                    Outcome::Refused => ConnectionOutcome::Refused,
+                    Outcome::Failed => ConnectionOutcome::Failed,
+                },
+            };
+            observer.closed(&info, &close);
+        }
+        self.opened = true;
         let c = &shared.counters;
         let counter = match self.direction {
             "outbound" => &c.outbound_hbone,

@@ -81,6 +81,8 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
         bytes_received: 0,
         outcome: Outcome::Refused,
         reason: None,
+        pod: Some(&pod.key),
+        opened: false,
     };
     let (mut app, dst) = match original_dst(&shared, stream) {
         Ok(pair) => pair,
@@ -126,6 +128,7 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
             return;
         }
     };
+    log.open(&shared);
     match copy_both(&mut app, &mut h2s, shared.config.copy_buffer).await {
         Ok((sent, received)) => {
             log.bytes_sent = sent;
@@ -186,6 +189,7 @@ async fn passthrough(
             return;
         }
     };
+    log.open(shared);
     match copy_both(&mut app, &mut upstream, shared.config.copy_buffer).await {
         Ok((sent, received)) => {
             log.bytes_sent = sent;

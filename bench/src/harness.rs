@@ -1,0 +1,891 @@
+//! The harness: builds one topology per redirection mode (two nodes, a
+//! client pod and four server pods each), starts the real agents, starts a
+//! server in every server pod, then runs every workload over every path,
+//! interleaved, for every placement and repetition. Each measurement is one
+//! load-generator process in the client pod (and in the apps cgroup below
+//! the agent's cgroup root); each is checked (bytes and content by the load
+//! generator and the sink, connections and bytes by the proxy's counters).
+//!
+//! ```text
+//!   node-a: client (mesh)  same-mesh (mesh)  same-plain (not in the mesh)
+//!   node-b:                cross-mesh (mesh) cross-plain (not in the mesh)
+//! ```
+//!
+//! The direct topology has no agent at all: it is the physical limit.
+
+use std::{
+    collections::BTreeMap,
+    io::{BufRead, BufReader, Read},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::mpsc,
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::{Context as _, anyhow, bail};
+use serde::{Deserialize, Serialize};
+use shunt::{admin::PodState, proxy::ProxyStats};
+use shunt_testbed::{
+    Cgroup, Pod, Topology,
+    agent::{Agent, WorkloadSpec as PodSpec, workloads_yaml},
+};
+
+use crate::{
+    client::{ClientReport, WorkloadKind},
+    sys::{self, Machine},
+};
+
+pub const ECHO_PORT: u16 = 9000;
+pub const SINK_PORT: u16 = 9001;
+const CLIENT: &str = "client";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    Direct,
+    Iptables,
+    Ebpf,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Direct => "direct",
+            Mode::Iptables => "iptables",
+            Mode::Ebpf => "ebpf",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Locality {
+    Same,
+    Cross,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Dest {
+    /// Destination outside the mesh: plain TCP passthrough.
+    Plain,
+    /// Destination in the mesh: HBONE between the proxies.
+    Hbone,
+}
+
+/// One way from the client to a server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct PathSpec {
+    pub mode: Mode,
+    pub locality: Locality,
+    pub dest: Dest,
+}
+
+impl PathSpec {
+    /// Every path, in report order.
+    pub fn all() -> Vec<PathSpec> {
+        let mut paths = Vec::new();
+        for locality in [Locality::Same, Locality::Cross] {
+            paths.push(PathSpec {
+                mode: Mode::Direct,
+                locality,
+                dest: Dest::Plain,
+            });
+        }
+        for mode in [Mode::Iptables, Mode::Ebpf] {
+            for locality in [Locality::Same, Locality::Cross] {
+                for dest in [Dest::Plain, Dest::Hbone] {
+                    paths.push(PathSpec {
+                        mode,
+                        locality,
+                        dest,
+                    });
+                }
+            }
+        }
+        paths
+    }
+
+    /// e.g. `ebpf/cross/hbone`, `direct/same`.
+    pub fn id(&self) -> String {
+        let locality = match self.locality {
+            Locality::Same => "same",
+            Locality::Cross => "cross",
+        };
+        match self.mode {
+            Mode::Direct => format!("direct/{locality}"),
+            mode => {
+                let dest = match self.dest {
+                    Dest::Plain => "plain",
+                    Dest::Hbone => "hbone",
+                };
+                format!("{}/{locality}/{dest}", mode.name())
+            }
+        }
+    }
+
+    /// The server pod this path ends at.
+    fn target_pod(&self) -> &'static str {
+        match (self.locality, self.mode, self.dest) {
+            (Locality::Same, Mode::Direct, _) | (Locality::Same, _, Dest::Plain) => "same-plain",
+            (Locality::Same, _, Dest::Hbone) => "same-mesh",
+            (Locality::Cross, Mode::Direct, _) | (Locality::Cross, _, Dest::Plain) => {
+                "cross-plain"
+            }
+            (Locality::Cross, _, Dest::Hbone) => "cross-mesh",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Placement {
+    /// Every process of the path (client, server, agents) on one CPU.
+    Pinned,
+    /// Left to the scheduler, on every CPU.
+    Scheduler,
+}
+
+impl Placement {
+    pub fn name(self) -> &'static str {
+        match self {
+            Placement::Pinned => "pinned",
+            Placement::Scheduler => "scheduler",
+        }
+    }
+}
+
+/// One workload as run on every path.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Workload {
+    pub id: String,
+    pub title: String,
+    pub kind: WorkloadKind,
+    pub size: usize,
+    pub conns: usize,
+    pub rate: f64,
+    pub seconds: f64,
+    pub warmup: f64,
+}
+
+pub fn workloads(quick: bool) -> Vec<Workload> {
+    let (short, long, warm) = if quick {
+        (0.25, 0.4, 0.05)
+    } else {
+        (2.0, 3.0, 0.3)
+    };
+    let w = |id: &str, title: &str, kind, size, conns, rate, seconds| Workload {
+        id: id.into(),
+        title: title.into(),
+        kind,
+        size,
+        conns,
+        rate,
+        seconds,
+        warmup: warm,
+    };
+    vec![
+        w(
+            "rr1",
+            "request/response 1 B, 1 connection",
+            WorkloadKind::Rr,
+            1,
+            1,
+            0.0,
+            short,
+        ),
+        w(
+            "rr1k",
+            "request/response 1 KiB, 1 connection",
+            WorkloadKind::Rr,
+            1024,
+            1,
+            0.0,
+            short,
+        ),
+        w(
+            "crr",
+            "new connection per 1 B request",
+            WorkloadKind::Crr,
+            1,
+            1,
+            0.0,
+            short,
+        ),
+        w(
+            "stream",
+            "bulk stream, 64 KiB writes",
+            WorkloadKind::Stream,
+            64 * 1024,
+            1,
+            0.0,
+            short,
+        ),
+        w(
+            "rate",
+            "fixed 1000 req/s over 16 connections, 1 KiB",
+            WorkloadKind::Rate,
+            1024,
+            16,
+            1000.0,
+            long,
+        ),
+    ]
+}
+
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub quick: bool,
+    pub reps: usize,
+    pub placements: Vec<Placement>,
+    pub pin_cpu: usize,
+    /// Path ids to run (empty: all).
+    pub only_paths: Vec<String>,
+    /// Workload ids to run (empty: all).
+    pub only_workloads: Vec<String>,
+    /// This binary (run again as client and server inside the pods).
+    pub bench_bin: PathBuf,
+    pub workspace: PathBuf,
+}
+
+/// The agents' proxy counters around one measurement.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ProxyCheck {
+    /// Connections (passthrough) or streams (HBONE) the client-side proxy
+    /// completed.
+    pub client_side: u64,
+    /// HBONE streams the destination's proxy completed (0 for passthrough).
+    pub server_side: u64,
+    pub bytes_out: u64,
+    pub bytes_in: u64,
+    pub refused: u64,
+    pub failed: u64,
+}
+
+/// One measurement: one workload over one path in one placement.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Record {
+    pub path: PathSpec,
+    pub path_id: String,
+    pub workload: String,
+    pub placement: Placement,
+    pub rep: usize,
+    pub report: ClientReport,
+    pub proxy: Option<ProxyCheck>,
+    /// VmRSS of each agent of the path's topology after the run, KiB.
+    pub agent_rss_kib: Vec<u64>,
+    pub agent_hwm_kib: Vec<u64>,
+    pub load_average: String,
+    /// Everything checked out: the load generator's bytes and content, and
+    /// the proxy saw every connection and byte (mesh paths).
+    pub verified: bool,
+    pub problems: Vec<String>,
+}
+
+/// Everything one run produced.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunResults {
+    pub name: String,
+    pub quick: bool,
+    pub started_unix: u64,
+    pub duration_s: f64,
+    pub machine: Machine,
+    pub shunt_binary: String,
+    pub reps: usize,
+    pub pin_cpu: usize,
+    pub placements: Vec<Placement>,
+    pub workloads: Vec<Workload>,
+    pub paths: Vec<PathSpec>,
+    pub load_average_start: String,
+    pub load_average_end: String,
+    /// Whole-machine CPU over the whole run (ticks), for steal and load.
+    pub machine_cpu: sys::CpuTimes,
+    pub records: Vec<Record>,
+}
+
+/// A child process killed (by its PID, which we own) when dropped.
+struct Owned(Child);
+
+impl Drop for Owned {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// One topology with its agents and servers. Field order is drop order:
+/// servers, then agents, then the cgroup, then the namespaces.
+struct Bed {
+    mode: Mode,
+    servers: BTreeMap<&'static str, Owned>,
+    agents: Vec<(String, Agent)>,
+    apps: Cgroup,
+    pods: BTreeMap<&'static str, Pod>,
+    topo: Topology,
+}
+
+const MESH_PODS: &[(&str, &str, bool)] = &[
+    ("node-a", CLIENT, true),
+    ("node-a", "same-mesh", true),
+    ("node-a", "same-plain", false),
+    ("node-b", "cross-mesh", true),
+    ("node-b", "cross-plain", false),
+];
+const DIRECT_PODS: &[(&str, &str, bool)] = &[
+    ("node-a", CLIENT, false),
+    ("node-a", "same-plain", false),
+    ("node-b", "cross-plain", false),
+];
+
+impl Bed {
+    fn build(mode: Mode, bench_bin: &Path) -> anyhow::Result<Bed> {
+        let mut topo = Topology::new(&format!("bench-{}", mode.name()))?;
+        topo.add_node("node-a")?;
+        topo.add_node("node-b")?;
+        let layout = if mode == Mode::Direct {
+            DIRECT_PODS
+        } else {
+            MESH_PODS
+        };
+        let mut pods = BTreeMap::new();
+        for &(node, name, _) in layout {
+            let pod = topo.add_pod(node, name)?;
+            tune_pod(&pod)?;
+            pods.insert(name, pod);
+        }
+        let apps = Cgroup::create(&topo, "apps")?;
+        let mut agents = Vec::new();
+        if mode != Mode::Direct {
+            let specs: Vec<PodSpec> = layout
+                .iter()
+                .map(|&(_, name, ambient)| PodSpec::for_pod(&pods[name], ambient))
+                .collect();
+            let yaml = workloads_yaml(&specs);
+            for node_name in ["node-a", "node-b"] {
+                let node = topo
+                    .node(node_name)
+                    .ok_or_else(|| anyhow!("no node {node_name}"))?
+                    .clone();
+                let mut agent = Agent::start(
+                    &topo,
+                    &node,
+                    &yaml,
+                    &["--redirect", mode.name(), "--drain-seconds", "1"],
+                )?;
+                let status = agent.wait_for("mesh pods enrolled", Duration::from_secs(60), |s| {
+                    s.pods
+                        .iter()
+                        .filter(|p| p.dataplane_mode == "ambient")
+                        .all(|p| p.state == PodState::Enrolled)
+                })?;
+                if status.mode != mode.name() {
+                    bail!(
+                        "agent on {node_name} runs in {} mode, not {}",
+                        status.mode,
+                        mode.name()
+                    );
+                }
+                agents.push((node_name.to_string(), agent));
+            }
+        }
+        let mut bed = Bed {
+            mode,
+            servers: BTreeMap::new(),
+            agents,
+            apps,
+            pods,
+            topo,
+        };
+        for &(_, name, _) in layout {
+            if name != CLIENT {
+                let server = bed.start_server(name, bench_bin)?;
+                bed.servers.insert(name, server);
+            }
+        }
+        Ok(bed)
+    }
+
+    fn start_server(&self, pod: &str, bench_bin: &Path) -> anyhow::Result<Owned> {
+        let mut cmd = self.pods[pod].command(bench_bin);
+        cmd.args([
+            "server",
+            "--echo-port",
+            &ECHO_PORT.to_string(),
+            "--sink-port",
+            &SINK_PORT.to_string(),
+            "--max-seconds",
+            "14400",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+        self.apps.place(&mut cmd);
+        let mut child = Owned(
+            cmd.spawn()
+                .with_context(|| format!("starting the server in {pod}"))?,
+        );
+        let stdout = child.0.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        match rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(line) if line.trim() == "ready" => Ok(child),
+            Ok(line) => bail!("the server in {pod} said {line:?} instead of ready"),
+            Err(_) => bail!("the server in {pod} did not get ready within 20 s"),
+        }
+    }
+
+    fn agent_pids(&self) -> Vec<u32> {
+        self.agents.iter().filter_map(|(_, a)| a.pid()).collect()
+    }
+
+    fn agent_on(&self, node: &str) -> Option<&Agent> {
+        self.agents.iter().find(|(n, _)| n == node).map(|(_, a)| a)
+    }
+
+    fn stop_agents(&mut self) {
+        for (node, agent) in &mut self.agents {
+            if let Err(e) = agent.stop() {
+                eprintln!("shunt-bench: stopping the agent on {node}: {e}");
+            }
+        }
+    }
+}
+
+/// Sysctls of a pod's netns so that connection churn never runs out of
+/// ports: the same on every path (TIME_WAIT reuse for outgoing connections,
+/// a wide ephemeral range).
+fn tune_pod(pod: &Pod) -> anyhow::Result<()> {
+    let results = pod.run(|| {
+        [
+            ("/proc/sys/net/ipv4/tcp_tw_reuse", "1"),
+            ("/proc/sys/net/ipv4/ip_local_port_range", "10000 65000"),
+        ]
+        .iter()
+        .map(|(file, value)| std::fs::write(file, value).map_err(|e| format!("{file}: {e}")))
+        .collect::<Vec<_>>()
+    })?;
+    for r in results {
+        r.map_err(|e| anyhow!("tuning pod {}: {e}", pod.name()))?;
+    }
+    Ok(())
+}
+
+fn proxy_stats(agent: &Agent) -> Option<ProxyStats> {
+    agent.status().ok().and_then(|s| s.proxy)
+}
+
+fn cpus_for(placement: Placement, pin_cpu: usize) -> Vec<usize> {
+    match placement {
+        Placement::Pinned => vec![pin_cpu],
+        Placement::Scheduler => (0..sys::cpu_count()).collect(),
+    }
+}
+
+/// Runs the whole benchmark; the caller writes the reports.
+pub fn run(options: &Options) -> anyhow::Result<RunResults> {
+    shunt_testbed::require_root()?;
+    let started = Instant::now();
+    let started_unix = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let ncpu = sys::cpu_count();
+    if options.pin_cpu >= ncpu {
+        bail!("--pin-cpu {} but the machine has {ncpu} CPUs", options.pin_cpu);
+    }
+    let machine = Machine::probe(&options.workspace);
+    let shunt_binary = shunt_testbed::agent::shunt_binary()?;
+    let load_average_start = sys::load_average();
+    let workloads: Vec<Workload> = workloads(options.quick)
+        .into_iter()
+        .filter(|w| options.only_workloads.is_empty() || options.only_workloads.contains(&w.id))
+        .collect();
+    let paths: Vec<PathSpec> = PathSpec::all()
+        .into_iter()
+        .filter(|p| options.only_paths.is_empty() || options.only_paths.contains(&p.id()))
+        .collect();
+    if workloads.is_empty() || paths.is_empty() {
+        bail!("nothing to run: no workload or no path matches the filters");
+    }
+    eprintln!(
+        "shunt-bench: {} paths × {} workloads × {} placements × {} repetitions; agent {}",
+        paths.len(),
+        workloads.len(),
+        options.placements.len(),
+        options.reps,
+        shunt_binary.display()
+    );
+
+    let mut modes: Vec<Mode> = paths.iter().map(|p| p.mode).collect();
+    modes.sort();
+    modes.dedup();
+    let mut beds = BTreeMap::new();
+    for mode in modes {
+        let t = Instant::now();
+        let bed = Bed::build(mode, &options.bench_bin)
+            .with_context(|| format!("building the {} topology", mode.name()))?;
+        eprintln!(
+            "shunt-bench: {} topology ready ({:.1}s)",
+            mode.name(),
+            t.elapsed().as_secs_f64()
+        );
+        beds.insert(mode, bed);
+    }
+
+    let cpu_start = sys::CpuTimes::read().unwrap_or_default();
+    let total = options.reps * options.placements.len() * workloads.len() * paths.len();
+    let mut records = Vec::with_capacity(total);
+    let measuring = Instant::now();
+    for rep in 0..options.reps {
+        for &placement in &options.placements {
+            for (wi, workload) in workloads.iter().enumerate() {
+                // Paths interleaved, in an order that rotates between
+                // workloads and repetitions so none always goes first.
+                let shift = (rep * 3 + wi) % paths.len();
+                let order: Vec<PathSpec> = paths[shift..]
+                    .iter()
+                    .chain(&paths[..shift])
+                    .copied()
+                    .collect();
+                for path in order {
+                    let bed = &beds[&path.mode];
+                    let record = measure(options, bed, path, workload, placement, rep);
+                    let done = records.len() + 1;
+                    let eta = measuring.elapsed().as_secs_f64() / done as f64
+                        * (total - done) as f64;
+                    eprintln!(
+                        "[{done}/{total} rep {} {} {}] {:<20} {}{}",
+                        rep + 1,
+                        placement.name(),
+                        workload.id,
+                        path.id(),
+                        crate::report::one_line(&record, workload),
+                        if done % 10 == 0 {
+                            format!("  (eta {:.0}s)", eta)
+                        } else {
+                            String::new()
+                        }
+                    );
+                    records.push(record);
+                }
+            }
+        }
+    }
+    // Leave every process unpinned.
+    set_placement(&beds, Placement::Scheduler, options.pin_cpu);
+    let cpu_end = sys::CpuTimes::read().unwrap_or_default();
+    for bed in beds.values_mut() {
+        bed.stop_agents();
+    }
+    drop(beds);
+    Ok(RunResults {
+        name: String::new(),
+        quick: options.quick,
+        started_unix,
+        duration_s: started.elapsed().as_secs_f64(),
+        machine,
+        shunt_binary: shunt_binary.display().to_string(),
+        reps: options.reps,
+        pin_cpu: options.pin_cpu,
+        placements: options.placements.clone(),
+        workloads,
+        paths,
+        load_average_start,
+        load_average_end: sys::load_average(),
+        machine_cpu: cpu_end.delta(&cpu_start),
+        records,
+    })
+}
+
+fn set_placement(beds: &BTreeMap<Mode, Bed>, placement: Placement, pin_cpu: usize) {
+    let cpus = cpus_for(placement, pin_cpu);
+    for bed in beds.values() {
+        for pid in bed.agent_pids() {
+            let _ = sys::set_affinity_all_threads(pid, &cpus);
+        }
+        for server in bed.servers.values() {
+            let _ = sys::set_affinity_all_threads(server.0.id(), &cpus);
+        }
+    }
+    let _ = sys::set_affinity_all_threads(std::process::id(), &harness_cpus(placement, pin_cpu));
+}
+
+/// Where the harness itself runs: off the pinned CPU when pinning (it only
+/// waits, but it should not share the measured CPU).
+fn harness_cpus(placement: Placement, pin_cpu: usize) -> Vec<usize> {
+    let all: Vec<usize> = (0..sys::cpu_count()).collect();
+    match placement {
+        Placement::Pinned if all.len() > 1 => all.into_iter().filter(|&c| c != pin_cpu).collect(),
+        _ => all,
+    }
+}
+
+fn measure(
+    options: &Options,
+    bed: &Bed,
+    path: PathSpec,
+    workload: &Workload,
+    placement: Placement,
+    rep: usize,
+) -> Record {
+    let mut problems = Vec::new();
+    let cpus = cpus_for(placement, options.pin_cpu);
+    let target = path.target_pod();
+    // Place the path's processes: its agents (every thread) and its server.
+    for pid in bed.agent_pids() {
+        if let Err(e) = sys::set_affinity_all_threads(pid, &cpus) {
+            problems.push(format!("cannot place agent {pid}: {e}"));
+        }
+    }
+    if let Some(server) = bed.servers.get(target)
+        && let Err(e) = sys::set_affinity_all_threads(server.0.id(), &cpus)
+    {
+        problems.push(format!("cannot place the server: {e}"));
+    }
+    let _ = sys::set_affinity_all_threads(
+        std::process::id(),
+        &harness_cpus(placement, options.pin_cpu),
+    );
+
+    let client_node = "node-a";
+    let target_node = bed.pods[target].node().name().to_string();
+    let before_client = bed.agent_on(client_node).and_then(proxy_stats);
+    let before_server = bed.agent_on(&target_node).and_then(proxy_stats);
+
+    let port = if workload.kind == WorkloadKind::Stream {
+        SINK_PORT
+    } else {
+        ECHO_PORT
+    };
+    let addr = format!("{}:{port}", bed.pods[target].ip());
+    let report = match run_client(options, bed, workload, &addr, &cpus) {
+        Ok(report) => report,
+        Err(e) => ClientReport {
+            error: Some(format!("{e:#}")),
+            ..Default::default()
+        },
+    };
+    if !report.ok {
+        problems.push(format!(
+            "load generator: {}",
+            report.error.clone().unwrap_or_else(|| "failed".into())
+        ));
+    }
+    if report.bytes_sent == 0 || report.bytes_received == 0 {
+        problems.push("no bytes moved".into());
+    }
+
+    let proxy = if bed.mode == Mode::Direct {
+        None
+    } else {
+        Some(check_proxy(
+            bed,
+            path,
+            &report,
+            client_node,
+            &target_node,
+            before_client,
+            before_server,
+            &mut problems,
+        ))
+    };
+    let memory: Vec<(u64, u64)> = bed
+        .agent_pids()
+        .into_iter()
+        .filter_map(sys::process_memory_kib)
+        .collect();
+    Record {
+        path,
+        path_id: path.id(),
+        workload: workload.id.clone(),
+        placement,
+        rep,
+        verified: problems.is_empty(),
+        report,
+        proxy,
+        agent_rss_kib: memory.iter().map(|m| m.0).collect(),
+        agent_hwm_kib: memory.iter().map(|m| m.1).collect(),
+        load_average: sys::load_average(),
+        problems,
+    }
+}
+
+/// Waits (bounded) until the proxies' counters account for every connection
+/// and byte of the run; records what they saw either way.
+#[allow(clippy::too_many_arguments)]
+fn check_proxy(
+    bed: &Bed,
+    path: PathSpec,
+    report: &ClientReport,
+    client_node: &str,
+    target_node: &str,
+    before_client: Option<ProxyStats>,
+    before_server: Option<ProxyStats>,
+    problems: &mut Vec<String>,
+) -> ProxyCheck {
+    let (Some(before_client), Some(before_server)) = (before_client, before_server) else {
+        problems.push("cannot read the agents' proxy counters".into());
+        return ProxyCheck::default();
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut check = ProxyCheck::default();
+    // Bounded by the deadline (and a count, should the clock stall).
+    for _ in 0..200 {
+        let after_client = bed.agent_on(client_node).and_then(proxy_stats);
+        let after_server = bed.agent_on(target_node).and_then(proxy_stats);
+        if let (Some(a), Some(b)) = (after_client, after_server) {
+            let client_side = match path.dest {
+                Dest::Plain => a.outbound_passthrough.saturating_sub(before_client.outbound_passthrough),
+                Dest::Hbone => a.outbound_hbone.saturating_sub(before_client.outbound_hbone),
+            };
+            let server_side = match path.dest {
+                Dest::Plain => 0,
+                Dest::Hbone => b.inbound_hbone.saturating_sub(before_server.inbound_hbone),
+            };
+            let same_agent = client_node == target_node;
+            check = ProxyCheck {
+                client_side,
+                server_side,
+                bytes_out: a.bytes_out.saturating_sub(before_client.bytes_out),
+                bytes_in: a.bytes_in.saturating_sub(before_client.bytes_in),
+                refused: (a.refused.saturating_sub(before_client.refused))
+                    + if same_agent {
+                        0
+                    } else {
+                        b.refused.saturating_sub(before_server.refused)
+                    },
+                failed: (a.failed.saturating_sub(before_client.failed))
+                    + if same_agent {
+                        0
+                    } else {
+                        b.failed.saturating_sub(before_server.failed)
+                    },
+            };
+            let complete = check.client_side >= report.connections
+                && (path.dest == Dest::Plain || check.server_side >= report.connections)
+                && check.bytes_out >= report.bytes_sent
+                && check.bytes_in >= report.bytes_received;
+            if complete || Instant::now() >= deadline {
+                break;
+            }
+        } else if Instant::now() >= deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    if check.client_side < report.connections {
+        problems.push(format!(
+            "the client's proxy completed {} {} for {} connections: traffic went around it",
+            check.client_side,
+            match path.dest {
+                Dest::Plain => "passthrough connections",
+                Dest::Hbone => "HBONE streams",
+            },
+            report.connections
+        ));
+    }
+    if path.dest == Dest::Hbone && check.server_side < report.connections {
+        problems.push(format!(
+            "the destination's proxy completed {} inbound HBONE streams for {} connections",
+            check.server_side, report.connections
+        ));
+    }
+    if check.bytes_out < report.bytes_sent || check.bytes_in < report.bytes_received {
+        problems.push(format!(
+            "the proxy carried {}/{} bytes out/in, the load generator {}/{}",
+            check.bytes_out, check.bytes_in, report.bytes_sent, report.bytes_received
+        ));
+    }
+    if check.refused + check.failed > 0 {
+        problems.push(format!(
+            "the proxies refused {} and failed {} connections",
+            check.refused, check.failed
+        ));
+    }
+    check
+}
+
+fn run_client(
+    options: &Options,
+    bed: &Bed,
+    workload: &Workload,
+    addr: &str,
+    cpus: &[usize],
+) -> anyhow::Result<ClientReport> {
+    let kind = match workload.kind {
+        WorkloadKind::Rr => "rr",
+        WorkloadKind::Crr => "crr",
+        WorkloadKind::Stream => "stream",
+        WorkloadKind::Rate => "rate",
+    };
+    let watch: Vec<String> = bed.agent_pids().iter().map(u32::to_string).collect();
+    let cpu_list: Vec<String> = cpus.iter().map(usize::to_string).collect();
+    let mut cmd: Command = bed.pods[CLIENT].command(&options.bench_bin);
+    cmd.args([
+        "client",
+        "--workload",
+        kind,
+        "--addr",
+        addr,
+        "--seconds",
+        &workload.seconds.to_string(),
+        "--warmup",
+        &workload.warmup.to_string(),
+        "--size",
+        &workload.size.to_string(),
+        "--conns",
+        &workload.conns.to_string(),
+        "--rate",
+        &workload.rate.to_string(),
+        "--cpus",
+        &cpu_list.join(","),
+    ]);
+    if !watch.is_empty() {
+        cmd.args(["--watch", &watch.join(",")]);
+    }
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    bed.apps.place(&mut cmd);
+    let mut child = Owned(cmd.spawn().context("starting the load generator")?);
+    let stdout = child.0.stdout.take();
+    let stderr = child.0.stderr.take();
+    let out_reader = std::thread::spawn(move || read_all(stdout));
+    let err_reader = std::thread::spawn(move || read_all(stderr));
+    let bound = Duration::from_secs_f64(workload.seconds + workload.warmup + 45.0);
+    let start = Instant::now();
+    let mut status = None;
+    // Bounded by time (and a count, should the clock stall).
+    for _ in 0..((bound.as_millis() / 5) as usize + 10) {
+        if let Some(s) = child.0.try_wait()? {
+            status = Some(s);
+            break;
+        }
+        if start.elapsed() > bound {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let Some(status) = status else {
+        drop(child);
+        bail!("the load generator did not finish within {bound:?} and was killed");
+    };
+    let out = out_reader.join().unwrap_or_default();
+    let err = err_reader.join().unwrap_or_default();
+    let line = out.lines().last().unwrap_or("");
+    serde_json::from_str(line).with_context(|| {
+        format!("the load generator ({status}) printed {out:?}; stderr: {err}")
+    })
+}
+
+fn read_all(pipe: Option<impl Read>) -> String {
+    let mut text = String::new();
+    if let Some(mut pipe) = pipe {
+        let _ = pipe.read_to_string(&mut text);
+    }
+    text
+}

@@ -1,0 +1,99 @@
+//! The proxy's one hook for observers (metrics): told when a connection (or
+//! an HBONE stream) opens and when it closes, with who talked to whom and
+//! how many bytes went each way. The proxy knows nothing about what the
+//! observer does with it; the access log line is written either way.
+
+use std::{net::SocketAddr, time::Duration};
+
+use crate::state::WorkloadKey;
+
+/// Which path through the proxy a connection took.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// A local pod's connect, carried as HBONE to a mesh peer.
+    Outbound,
+    /// A local pod's connect to a destination outside the mesh, plain TCP.
+    Passthrough,
+    /// An HBONE stream from a peer to a local pod.
+    Inbound,
+    /// A plaintext connection from outside the mesh to a local pod.
+    InboundPlaintext,
+}
+
+impl Direction {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Direction::Outbound => "outbound",
+            Direction::Passthrough => "passthrough",
+            Direction::Inbound => "inbound",
+            Direction::InboundPlaintext => "inbound_plaintext",
+        }
+    }
+
+    /// Whether the local pod is the connection's source (else its target).
+    pub fn local_is_source(self) -> bool {
+        matches!(self, Direction::Outbound | Direction::Passthrough)
+    }
+
+    /// Whether the bytes crossed the network inside mutual TLS.
+    pub fn mutual_tls(self) -> bool {
+        matches!(self, Direction::Outbound | Direction::Inbound)
+    }
+
+    pub(crate) fn from_log(direction: &str) -> Self {
+        match direction {
+            "outbound" => Direction::Outbound,
+            "passthrough" => Direction::Passthrough,
+            "inbound" => Direction::Inbound,
+            _ => Direction::InboundPlaintext,
+        }
+    }
+}
+
+/// How a connection ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ConnectionOutcome {
+    Success,
+    /// Refused before any byte moved (bad input, policy, unknown target).
+    Refused,
+    /// Failed after being accepted (upstream unreachable, reset).
+    Failed,
+}
+
+/// One connection, as the proxy knows it.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnectionInfo<'a> {
+    pub direction: Direction,
+    /// The local pod this proxy serves the connection for: the source of
+    /// outbound and passthrough connections, the target of inbound ones
+    /// (unknown when an inbound stream was refused before its target was).
+    pub pod: Option<&'a WorkloadKey>,
+    pub src_addr: SocketAddr,
+    /// SPIFFE identity of the source: the local pod's (outbound), the peer
+    /// certificate's (inbound HBONE), none for plaintext.
+    pub src_identity: Option<&'a str>,
+    pub dst_addr: SocketAddr,
+    /// SPIFFE identity of the target: the one the proxy checked (outbound
+    /// HBONE) or the local pod's (inbound).
+    pub dst_identity: Option<&'a str>,
+}
+
+/// What is known once a connection closed.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnectionClose {
+    /// Bytes from the connection's initiator to its target (the request).
+    pub bytes_to_target: u64,
+    /// Bytes from the target back to the initiator (the response).
+    pub bytes_from_target: u64,
+    pub duration: Duration,
+    pub outcome: ConnectionOutcome,
+}
+
+/// Told about every connection the proxy handles. Every `closed` is
+/// preceded by one `opened` for the same connection (a connection refused
+/// early gets both at close). Called on the proxy's tasks: keep it cheap
+/// and never block.
+pub trait ConnectionObserver: Send + Sync {
+    fn opened(&self, connection: &ConnectionInfo<'_>);
+    fn closed(&self, connection: &ConnectionInfo<'_>, close: &ConnectionClose);
+}
