@@ -26,7 +26,7 @@ use clap::Parser;
 use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
 use shunt::admin::{NodeStatus, PodState, PodStatus};
 use shunt_testbed::{
-    NETNS_DIR, Pod, Topology,
+    Cgroup, NETNS_DIR, Pod, Topology,
     agent::{ADMIN_ADDR, Agent, WorkloadSpec, workloads_yaml},
 };
 
@@ -189,6 +189,14 @@ fn demo(shunt: &Path, duration: Duration) -> anyhow::Result<()> {
     };
     let mut traffic = None;
     let mut tc_before = None;
+    // The demo's own threads play the pods' applications, so the demo
+    // process joins a cgroup below the agent's cgroup root, as a pod's
+    // containers sit below a node's: the socket programs then see its
+    // connects (and act on those made from enrolled pods only). The
+    // topology moves it back when dropped.
+    let apps = Cgroup::create(&topo, "apps").context("cannot create the apps cgroup")?;
+    apps.add_pid(std::process::id())
+        .context("cannot join the apps cgroup")?;
     if problems.is_empty() && interrupted().is_none() {
         print_intro(&topo, &agent, &pods, shunt, duration);
         match Traffic::start(&pods, duration) {
@@ -413,19 +421,19 @@ fn flow_specs(pods: &Pods) -> Vec<FlowSpec> {
     vec![
         FlowSpec {
             name: format!("{CLIENT} -> {SERVER}"),
-            kind: "mesh -> mesh",
+            kind: "mesh -> mesh: connect4 -> proxy :15001 -> HBONE (mTLS, HTTP/2 CONNECT) -> :15008 -> app",
             from: pods.client.clone(),
             to: to(&pods.server),
         },
         FlowSpec {
             name: format!("{OUTSIDER} -> {SERVER}"),
-            kind: "outside the mesh -> mesh",
+            kind: "outside the mesh -> mesh: TC sk_assign -> proxy :15006 -> app",
             from: pods.outsider.clone(),
             to: to(&pods.server),
         },
         FlowSpec {
             name: format!("{CLIENT} -> {OUTSIDER}"),
-            kind: "mesh -> outside the mesh",
+            kind: "mesh -> outside the mesh: connect4 -> proxy :15001 -> plain TCP from the pod's IP",
             from: pods.client.clone(),
             to: to(&pods.outsider),
         },
@@ -761,6 +769,20 @@ fn check_counters(status: Option<&NodeStatus>, expect_activity: bool, problems: 
                 if let Some(hook) = pod.hooks.iter().find(|h| !h.present) {
                     problems.push(format!("pod {name}: hook {} is missing", hook.name));
                 }
+            }
+        }
+    }
+    // Each flow took its path through the proxy.
+    if expect_activity {
+        let proxy = status.proxy.clone().unwrap_or_default();
+        for (path, count) in [
+            ("HBONE out (client -> server)", proxy.outbound_hbone),
+            ("HBONE in (client -> server)", proxy.inbound_hbone),
+            ("plaintext in (outsider -> server)", proxy.inbound_plaintext),
+            ("passthrough (client -> outsider)", proxy.outbound_passthrough),
+        ] {
+            if count == 0 {
+                problems.push(format!("no connection went through the proxy's {path}"));
             }
         }
     }
