@@ -45,35 +45,16 @@ pub fn shunt_connect4(ctx: SockAddrContext) -> i32 {
     if u32::from_be(dst) >> 24 == 127 || is_proxy_socket(addr) || excluded(&config, dst, port) {
         return ALLOW;
     }
-    let Some(stats) = counters(slot) else {
-        return ALLOW;
-    };
-    if !proxy_listening_v4(&ctx) {
-        stats.outbound_fail_closed += 1;
-        debug!(
-            &ctx,
-            "pod slot {}: no outbound listener; connect refused", slot
-        );
-        return REJECT;
-    }
     let original = OriginalDst {
         addr: [dst, 0, 0, 0],
         port,
         family: AF_INET,
     };
-    // SAFETY: the helper only reads the socket behind the context.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
-    if ORIGINAL_DST_BY_COOKIE
-        .insert(&cookie, &original, 0)
-        .is_err()
-    {
-        // Without a record the proxy could not forward it: refuse.
-        stats.outbound_fail_closed += 1;
+    if !claim(&ctx, slot, proxy_listening_v4(&ctx), &original) {
         return REJECT;
     }
     addr.user_ip4 = LOOPBACK_V4.to_be();
     addr.user_port = u32::from(PORT_OUTBOUND.to_be());
-    stats.outbound_redirected += 1;
     ALLOW
 }
 
@@ -110,9 +91,6 @@ pub fn shunt_connect6(ctx: SockAddrContext) -> i32 {
     if v4_mapped && excluded(&config, dst[3], port) || !v4_mapped && port_excluded(&config, port) {
         return ALLOW;
     }
-    let Some(stats) = counters(slot) else {
-        return ALLOW;
-    };
     let proxy = if v4_mapped {
         [0, 0, 0xffffu32.to_be(), LOOPBACK_V4.to_be()]
     } else {
@@ -125,32 +103,41 @@ pub fn shunt_connect6(ctx: SockAddrContext) -> i32 {
     } else {
         proxy_listening_v6(&ctx, proxy)
     };
-    if !listening {
-        stats.outbound_fail_closed += 1;
-        debug!(
-            &ctx,
-            "pod slot {}: no outbound listener (v6); connect refused", slot
-        );
-        return REJECT;
-    }
     let original = OriginalDst {
         addr: dst,
         port,
         family: AF_INET6,
     };
-    // SAFETY: the helper only reads the socket behind the context.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
-    if ORIGINAL_DST_BY_COOKIE
-        .insert(&cookie, &original, 0)
-        .is_err()
-    {
-        stats.outbound_fail_closed += 1;
+    if !claim(&ctx, slot, listening, &original) {
         return REJECT;
     }
     addr.user_ip6 = proxy;
     addr.user_port = u32::from(PORT_OUTBOUND.to_be());
-    stats.outbound_redirected += 1;
     ALLOW
+}
+
+/// Takes the connect for the proxy: records where it was going and counts
+/// it. False (the connect must be refused, and is counted as failed
+/// closed) when no proxy listens or the record cannot be kept, since the
+/// proxy could not forward it.
+#[inline(always)]
+fn claim(ctx: &SockAddrContext, slot: u32, listening: bool, original: &OriginalDst) -> bool {
+    let Some(stats) = counters(slot) else {
+        return false;
+    };
+    if !listening {
+        stats.outbound_fail_closed += 1;
+        debug!(ctx, "pod slot {}: no outbound listener; connect refused", slot);
+        return false;
+    }
+    // SAFETY: the helper only reads the socket behind the context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
+    if ORIGINAL_DST_BY_COOKIE.insert(&cookie, original, 0).is_err() {
+        stats.outbound_fail_closed += 1;
+        return false;
+    }
+    stats.outbound_redirected += 1;
+    true
 }
 
 /// The enrolled pod owning the connecting socket's netns, with its settings.

@@ -895,6 +895,8 @@ async fn shunt_agent_binary_without_workloads_watches_kubernetes() {
         .arg(h.topo.cgroup_root().expect("topology cgroup"))
         .arg("--admin-addr")
         .arg(admin.to_string())
+        .arg("--ca-dir")
+        .arg(h.dir.path().join("ca"))
         .env("NODE_NAME", NODE)
         .env("KUBECONFIG", &kubeconfig)
         .env_remove("KUBERNETES_SERVICE_HOST")
