@@ -8,6 +8,7 @@
 
 use std::{
     net::SocketAddr,
+    path::PathBuf,
     sync::{
         Arc,
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -58,18 +59,107 @@ pub struct ClientArgs {
     pub rate: f64,
     /// Pin this process to these CPUs (None: leave the affinity alone).
     pub cpus: Option<Vec<usize>>,
-    /// Processes whose CPU time is measured over the load window (the agents).
-    pub watch: Vec<u32>,
+    /// The cgroup of the load generator and servers (its CPU is measured).
+    pub apps_cgroup: Option<PathBuf>,
+    /// The cgroup holding the path's agents.
+    pub agents_cgroup: Option<PathBuf>,
 }
 
 /// CPU over the load window.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Cost {
-    /// Whole machine, in clock ticks.
+    /// Whole machine (`/proc/stat`), in clock ticks: includes whatever else
+    /// runs on the machine.
     pub machine: CpuTimes,
-    /// utime+stime of each watched process, in clock ticks.
-    pub watched_ticks: Vec<(u32, u64)>,
+    /// Only the CPUs the path was placed on, in clock ticks.
+    pub placed: CpuTimes,
+    /// CPU of the apps cgroup (the load generator and the servers), µs, from
+    /// its `cpu.stat` (includes softirq work done in their context).
+    pub apps_usec: u64,
+    /// CPU of the agents' cgroup, µs.
+    pub agents_usec: u64,
+    /// CPU of the `ksoftirqd` threads (softirq work deferred off the
+    /// processes), in clock ticks.
+    pub ksoftirqd_ticks: u64,
     pub clock_ticks: u64,
+}
+
+impl Cost {
+    /// CPU the path itself used, seconds: its processes (agents, client,
+    /// server) plus deferred softirq work.
+    pub fn path_seconds(&self) -> f64 {
+        (self.apps_usec + self.agents_usec) as f64 / 1e6
+            + self.ksoftirqd_ticks as f64 / self.clock_ticks.max(1) as f64
+    }
+
+    pub fn agent_seconds(&self) -> f64 {
+        self.agents_usec as f64 / 1e6
+    }
+}
+
+struct Snapshot {
+    machine: Option<CpuTimes>,
+    placed: Option<CpuTimes>,
+    apps_usec: Option<u64>,
+    agents_usec: Option<u64>,
+    ksoftirqd: u64,
+}
+
+struct Watch {
+    cpus: Vec<usize>,
+    apps_cgroup: Option<PathBuf>,
+    agents_cgroup: Option<PathBuf>,
+    ksoftirqd: Vec<u32>,
+}
+
+impl Watch {
+    fn new(args: &ClientArgs) -> Watch {
+        Watch {
+            cpus: args
+                .cpus
+                .clone()
+                .unwrap_or_else(|| (0..sys::cpu_count()).collect()),
+            apps_cgroup: args.apps_cgroup.clone(),
+            agents_cgroup: args.agents_cgroup.clone(),
+            ksoftirqd: sys::ksoftirqd_pids(),
+        }
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        Snapshot {
+            machine: sys::parse_proc_stat(&stat),
+            placed: sys::parse_proc_stat_cpus(&stat, &self.cpus),
+            apps_usec: self.apps_cgroup.as_deref().and_then(sys::cgroup_usage_usec),
+            agents_usec: self.agents_cgroup.as_deref().and_then(sys::cgroup_usage_usec),
+            ksoftirqd: self
+                .ksoftirqd
+                .iter()
+                .filter_map(|&pid| sys::process_cpu_ticks(pid))
+                .sum(),
+        }
+    }
+}
+
+impl Snapshot {
+    fn cost_since(&self, earlier: &Snapshot) -> Cost {
+        let delta = |a: Option<CpuTimes>, b: Option<CpuTimes>| match (a, b) {
+            (Some(now), Some(then)) => now.delta(&then),
+            _ => CpuTimes::default(),
+        };
+        let usec = |a: Option<u64>, b: Option<u64>| match (a, b) {
+            (Some(now), Some(then)) => now.saturating_sub(then),
+            _ => 0,
+        };
+        Cost {
+            machine: delta(self.machine, earlier.machine),
+            placed: delta(self.placed, earlier.placed),
+            apps_usec: usec(self.apps_usec, earlier.apps_usec),
+            agents_usec: usec(self.agents_usec, earlier.agents_usec),
+            ksoftirqd_ticks: self.ksoftirqd.saturating_sub(earlier.ksoftirqd),
+            clock_ticks: sys::clock_ticks(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -102,43 +192,6 @@ pub struct ClientReport {
 pub fn new_histogram() -> Histogram<u64> {
     // 1 ns .. 100 s, 3 significant digits.
     Histogram::new_with_bounds(1, 100_000_000_000, 3).expect("valid histogram bounds")
-}
-
-struct Snapshot {
-    machine: Option<CpuTimes>,
-    watched: Vec<(u32, Option<u64>)>,
-}
-
-impl Snapshot {
-    fn take(watch: &[u32]) -> Snapshot {
-        Snapshot {
-            machine: CpuTimes::read(),
-            watched: watch
-                .iter()
-                .map(|&pid| (pid, sys::process_cpu_ticks(pid)))
-                .collect(),
-        }
-    }
-
-    fn cost_since(&self, earlier: &Snapshot) -> Cost {
-        let machine = match (self.machine, earlier.machine) {
-            (Some(now), Some(then)) => now.delta(&then),
-            _ => CpuTimes::default(),
-        };
-        let watched_ticks = self
-            .watched
-            .iter()
-            .zip(&earlier.watched)
-            .map(|((pid, now), (_, then))| {
-                (*pid, now.unwrap_or(0).saturating_sub(then.unwrap_or(0)))
-            })
-            .collect();
-        Cost {
-            machine,
-            watched_ticks,
-            clock_ticks: sys::clock_ticks(),
-        }
-    }
 }
 
 /// Samples kernel TCP memory on its own thread until dropped.
@@ -316,7 +369,8 @@ async fn request_response(args: &ClientArgs) -> anyhow::Result<Measured> {
     let mut hist = new_histogram();
     let mut intact = true;
     let mut txns = 0u64;
-    let before = Snapshot::take(&args.watch);
+    let watch = Watch::new(args);
+    let before = watch.snapshot();
     let start = Instant::now();
     let end = start + Duration::from_secs_f64(args.seconds);
     let mut now = start;
@@ -333,7 +387,7 @@ async fn request_response(args: &ClientArgs) -> anyhow::Result<Measured> {
         }
     }
     let elapsed = start.elapsed();
-    let after = Snapshot::take(&args.watch);
+    let after = watch.snapshot();
     Ok(Measured {
         txns,
         connections: 1,
@@ -380,7 +434,8 @@ async fn connect_request_response(args: &ClientArgs) -> anyhow::Result<Measured>
     let mut hist = new_histogram();
     let mut intact = true;
     let mut txns = 0u64;
-    let before = Snapshot::take(&args.watch);
+    let watch = Watch::new(args);
+    let before = watch.snapshot();
     let start = Instant::now();
     let end = start + Duration::from_secs_f64(args.seconds);
     let mut now = start;
@@ -399,7 +454,7 @@ async fn connect_request_response(args: &ClientArgs) -> anyhow::Result<Measured>
         }
     }
     let elapsed = start.elapsed();
-    let after = Snapshot::take(&args.watch);
+    let after = watch.snapshot();
     Ok(Measured {
         txns,
         connections: k,
@@ -415,7 +470,8 @@ async fn connect_request_response(args: &ClientArgs) -> anyhow::Result<Measured>
 async fn stream(args: &ClientArgs) -> anyhow::Result<Measured> {
     let pattern = Pattern::new();
     let mut stream = connect(args.addr).await?;
-    let before = Snapshot::take(&args.watch);
+    let watch = Watch::new(args);
+    let before = watch.snapshot();
     let start = Instant::now();
     let end = start + Duration::from_secs_f64(args.seconds);
     let mut sent = 0u64;
@@ -437,7 +493,7 @@ async fn stream(args: &ClientArgs) -> anyhow::Result<Measured> {
         .await
         .context("reading the sink's count")?;
     let elapsed = start.elapsed();
-    let after = Snapshot::take(&args.watch);
+    let after = watch.snapshot();
     let mut count = [0u8; 8];
     count.copy_from_slice(&reply[..8]);
     let received = u64::from_le_bytes(count);
@@ -474,7 +530,8 @@ async fn fixed_rate(args: &ClientArgs) -> anyhow::Result<Measured> {
             }
         }
     }
-    let before = Snapshot::take(&args.watch);
+    let watch = Watch::new(args);
+    let before = watch.snapshot();
     let start = tokio::time::Instant::now() + Duration::from_millis(5);
     let end = start + Duration::from_secs_f64(args.seconds);
     let mut tasks = Vec::with_capacity(conns);
@@ -519,7 +576,7 @@ async fn fixed_rate(args: &ClientArgs) -> anyhow::Result<Measured> {
         let _ = hist.add(&h);
     }
     let elapsed = start.elapsed();
-    let after = Snapshot::take(&args.watch);
+    let after = watch.snapshot();
     let bytes = (txns + 3 * conns as u64) * size as u64;
     Ok(Measured {
         txns,

@@ -319,9 +319,13 @@ struct Bed {
     mode: Mode,
     servers: BTreeMap<&'static str, Owned>,
     agents: Vec<(String, Agent)>,
+    /// The agents' processes, moved here (outside the cgroup root their
+    /// programs attach to) so their CPU is measured from `cpu.stat`.
+    agents_cgroup: Option<AgentsCgroup>,
     apps: Cgroup,
     pods: BTreeMap<&'static str, Pod>,
-    topo: Topology,
+    /// Owns the namespaces (dropped last).
+    _topo: Topology,
 }
 
 const MESH_PODS: &[(&str, &str, bool)] = &[
@@ -388,13 +392,24 @@ impl Bed {
                 agents.push((node_name.to_string(), agent));
             }
         }
+        let agents_cgroup = if agents.is_empty() {
+            None
+        } else {
+            let cgroup = AgentsCgroup::create(&topo)?;
+            for (_, agent) in &agents {
+                let pid = agent.pid().ok_or_else(|| anyhow!("an agent has no pid"))?;
+                cgroup.add_pid(pid)?;
+            }
+            Some(cgroup)
+        };
         let mut bed = Bed {
             mode,
             servers: BTreeMap::new(),
             agents,
+            agents_cgroup,
             apps,
             pods,
-            topo,
+            _topo: topo,
         };
         for &(_, name, _) in layout {
             if name != CLIENT {
@@ -452,6 +467,48 @@ impl Bed {
                 eprintln!("shunt-bench: stopping the agent on {node}: {e}");
             }
         }
+    }
+}
+
+/// `<cgroup2>/shunt-test/<prefix>-agents/agents`: a sibling of the
+/// topology's cgroup root, never below it. Removed when dropped (the agents
+/// it holds are moved back where they came from, if still running).
+struct AgentsCgroup {
+    cgroup: Option<Cgroup>,
+    parent: PathBuf,
+}
+
+impl AgentsCgroup {
+    fn create(topo: &Topology) -> anyhow::Result<AgentsCgroup> {
+        let prefix = format!("{}-agents", topo.prefix());
+        let cgroup = Cgroup::create(prefix.as_str(), "agents")?;
+        let parent = cgroup
+            .path()
+            .parent()
+            .ok_or_else(|| anyhow!("agents cgroup has no parent"))?
+            .to_path_buf();
+        Ok(AgentsCgroup {
+            cgroup: Some(cgroup),
+            parent,
+        })
+    }
+
+    fn add_pid(&self, pid: u32) -> anyhow::Result<()> {
+        if let Some(cgroup) = &self.cgroup {
+            cgroup.add_pid(pid)?;
+        }
+        Ok(())
+    }
+
+    fn path(&self) -> Option<&Path> {
+        self.cgroup.as_ref().map(Cgroup::path)
+    }
+}
+
+impl Drop for AgentsCgroup {
+    fn drop(&mut self) {
+        drop(self.cgroup.take());
+        let _ = std::fs::remove_dir(&self.parent);
     }
 }
 
@@ -822,7 +879,6 @@ fn run_client(
         WorkloadKind::Stream => "stream",
         WorkloadKind::Rate => "rate",
     };
-    let watch: Vec<String> = bed.agent_pids().iter().map(u32::to_string).collect();
     let cpu_list: Vec<String> = cpus.iter().map(usize::to_string).collect();
     let mut cmd: Command = bed.pods[CLIENT].command(&options.bench_bin);
     cmd.args([
@@ -844,8 +900,9 @@ fn run_client(
         "--cpus",
         &cpu_list.join(","),
     ]);
-    if !watch.is_empty() {
-        cmd.args(["--watch", &watch.join(",")]);
+    cmd.arg("--apps-cgroup").arg(bed.apps.path());
+    if let Some(path) = bed.agents_cgroup.as_ref().and_then(AgentsCgroup::path) {
+        cmd.arg("--agents-cgroup").arg(path);
     }
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())

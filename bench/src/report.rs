@@ -21,15 +21,20 @@ pub struct Metrics {
     pub p90: Option<f64>,
     pub p99: Option<f64>,
     pub p999: Option<f64>,
-    /// Whole-machine busy CPU per transaction, µs (stream: CPU-seconds per GB).
+    /// CPU of the path (agents, client, server, ksoftirqd) per transaction,
+    /// µs (stream: CPU-seconds per GB).
     pub cpu_per_txn: f64,
     /// The agents' CPU per transaction, µs (stream: CPU-seconds per GB).
     pub agent_per_txn: f64,
-    /// Cores busy during the run, split.
+    /// Cores the path used (CPU-seconds per second).
+    pub cores_path: f64,
+    pub cores_agent: f64,
+    /// The whole machine's busy cores over the run, split (`/proc/stat`).
     pub cores_user: f64,
     pub cores_system: f64,
     pub cores_softirq: f64,
-    pub cores_agent: f64,
+    /// Busy cores of the machine not spent by the path: other work.
+    pub cores_background: f64,
     /// Share of CPU time stolen by the hypervisor, %.
     pub steal_pct: f64,
     pub tcp_peak_mib: f64,
@@ -41,40 +46,38 @@ pub fn metrics(record: &Record, kind: WorkloadKind) -> Metrics {
     let elapsed = r.elapsed.max(1e-9);
     let hz = r.cost.clock_ticks.max(1) as f64;
     let m = &r.cost.machine;
-    let busy_s = m.busy() as f64 / hz;
-    let agent_s = r.cost.watched_ticks.iter().map(|(_, t)| *t).sum::<u64>() as f64 / hz;
+    let path_s = r.cost.path_seconds();
+    let agent_s = r.cost.agent_seconds();
     let (rate, per_unit, unit_scale) = match kind {
         // Gbit/s; cost per GB.
-        WorkloadKind::Stream => (
-            r.txns as f64 * 8.0 / elapsed / 1e9,
-            r.txns as f64 / 1e9,
-            1.0,
-        ),
+        WorkloadKind::Stream => (r.txns as f64 * 8.0 / elapsed / 1e9, r.txns as f64 / 1e9, 1.0),
         _ => (r.txns as f64 / elapsed, r.txns as f64, 1e6),
+    };
+    let per = |seconds: f64| {
+        if per_unit > 0.0 {
+            seconds / per_unit * unit_scale
+        } else {
+            0.0
+        }
     };
     let hist = histogram(&r.histogram);
     let pct = |q: f64| hist.as_ref().map(|h| h.value_at_quantile(q) as f64 / 1000.0);
     let page = crate::sys::page_size() as f64;
+    let machine_busy = m.busy() as f64 / hz / elapsed;
     Metrics {
         rate,
         p50: pct(0.50),
         p90: pct(0.90),
         p99: pct(0.99),
         p999: pct(0.999),
-        cpu_per_txn: if per_unit > 0.0 {
-            busy_s / per_unit * unit_scale
-        } else {
-            0.0
-        },
-        agent_per_txn: if per_unit > 0.0 {
-            agent_s / per_unit * unit_scale
-        } else {
-            0.0
-        },
+        cpu_per_txn: per(path_s),
+        agent_per_txn: per(agent_s),
+        cores_path: path_s / elapsed,
+        cores_agent: agent_s / elapsed,
         cores_user: (m.user + m.nice) as f64 / hz / elapsed,
         cores_system: (m.system + m.irq) as f64 / hz / elapsed,
         cores_softirq: m.softirq as f64 / hz / elapsed,
-        cores_agent: agent_s / elapsed,
+        cores_background: (machine_busy - path_s / elapsed).max(0.0),
         steal_pct: if m.total() > 0 {
             m.steal as f64 * 100.0 / m.total() as f64
         } else {
@@ -337,8 +340,14 @@ pub fn one_line(record: &Record, workload: &Workload) -> String {
         format!("FAILED: {}", record.problems.join("; "))
     };
     format!(
-        "{what}{lat} cpu {:.2}/{:.2}/{:.2} steal {:.0}% {status}",
-        m.cores_user, m.cores_system, m.cores_softirq, m.steal_pct
+        "{what}{lat} | path {:.2} cores (agents {:.2}), machine usr/sys/sirq {:.2}/{:.2}/{:.2}, other {:.2}, steal {:.0}% | {status}",
+        m.cores_path,
+        m.cores_agent,
+        m.cores_user,
+        m.cores_system,
+        m.cores_softirq,
+        m.cores_background,
+        m.steal_pct
     )
 }
 
@@ -586,7 +595,7 @@ pub fn iptables_vs_direct_table(index: &Index, placement: Placement) -> String {
 /// CPU per transaction, memory.
 pub fn cost_table(index: &Index, placement: Placement) -> String {
     let mut md = String::new();
-    md.push_str("| path | RR 1 B: cores usr / sys / softirq (agent) | CPU µs per RR 1 B (agent) | CPU µs per connection (agent) | CPU s per GB streamed (agent) | steal % | agent RSS MiB (peak) | kernel TCP mem peak MiB (stream) |\n");
+    md.push_str("| path | CPU µs per RR 1 B (agents) | CPU µs per connection (agents) | CPU s per GB streamed (agents) | during RR 1 B: path cores · machine usr / sys / softirq · other work | steal % | agent RSS MiB (peak) | kernel TCP mem peak MiB (stream) |\n");
     md.push_str("|---|--:|--:|--:|--:|--:|--:|--:|\n");
     for &path in &index.results.paths {
         let recs = |w: &str| index.records(placement, w, path);
@@ -605,11 +614,12 @@ pub fn cost_table(index: &Index, placement: Placement) -> String {
                 .unwrap_or_else(|| "–".into())
         };
         let cores = format!(
-            "{} / {} / {} ({})",
+            "{} · {} / {} / {} · {}",
+            fmt(med("rr1", |m| m.cores_path), 2),
             fmt(med("rr1", |m| m.cores_user), 2),
             fmt(med("rr1", |m| m.cores_system), 2),
             fmt(med("rr1", |m| m.cores_softirq), 2),
-            fmt(med("rr1", |m| m.cores_agent), 2),
+            fmt(med("rr1", |m| m.cores_background), 2),
         );
         let per = |w: &str, digits: usize| {
             format!(
@@ -648,7 +658,7 @@ pub fn cost_table(index: &Index, placement: Placement) -> String {
             .fold(None, |acc: Option<f64>, x| Some(acc.map_or(x, |a| a.max(x))));
         let _ = writeln!(
             md,
-            "| {} | {cores} | {} | {} | {} | {} | {memory} | {} |",
+            "| {} | {} | {} | {} | {cores} | {} | {memory} | {} |",
             path_label(&path),
             per("rr1", 1),
             per("crr", 1),
@@ -781,16 +791,16 @@ pub fn markdown(results: &RunResults, svg_name: &str) -> String {
         };
         let _ = writeln!(md, "## {title}\n");
         md.push_str(&headline_table(&index, placement));
-        md.push_str("\nMedians over repetitions; ±x% = half the min–max range. Latencies are per transaction. The fixed-rate p99.9 pools every repetition's histogram. CPU per RR counts the whole machine's user+system+irq+softirq time (kernel work of eBPF and of the TCP stack included) over the run, divided by transactions.\n\n");
+        md.push_str("\nMedians over repetitions; ±x% = half the min–max range. Latencies are per transaction. The fixed-rate p99.9 pools every repetition's histogram. CPU per RR is the path's CPU (its processes, kernel work in their context — eBPF programs, TCP stack, softirq — included, plus ksoftirqd) over the run divided by transactions; see Cost.\n\n");
         let _ = writeln!(md, "### Targets ({})\n", placement.name());
         md.push_str(&targets_table(&index, placement));
         md.push_str("\nRatios are paired within each repetition (both paths measured in the same pass) and summarized as median (min–max).\n\n");
         md.push_str(&iptables_vs_direct_table(&index, placement));
         let _ = writeln!(md, "\n### Cost ({})\n", placement.name());
         md.push_str(&cost_table(&index, placement));
-        md.push_str("\nCores = CPU-seconds per second of the run, of the machine's ");
+        md.push_str("\nPath CPU = the cgroup `cpu.stat` usage of the path's processes (both agents of its topology, the load generator, the servers; softirq work done in their context included, as this kernel has no IRQ time accounting) plus the `ksoftirqd` threads. Cores = CPU-seconds per second of the run, of the machine's ");
         let _ = write!(md, "{}", m.cpus);
-        md.push_str(" (usr includes nice; sys includes irq). Agent = both agents of the path's topology (the client's node and the destination's), from /proc/PID/stat.\n\n");
+        md.push_str("; machine usr / sys / softirq is `/proc/stat` for the whole machine (usr includes nice, sys includes irq), and other work = machine busy − path, i.e. what else ran on the shared machine meanwhile.\n\n");
         let _ = writeln!(md, "<details><summary>Every workload, {} placement</summary>\n", placement.name());
         md.push_str(&detail_tables(&index, placement));
         md.push_str("\n</details>\n\n");

@@ -110,11 +110,11 @@ pub fn chart(results: &RunResults) -> String {
     let mut svg = String::new();
     let _ = writeln!(
         svg,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{height:.0}" viewBox="0 0 {width:.0} {height:.0}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif" font-size="11">"#
+        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{height:.0}" viewBox="0 0 {width:.0} {height:.0}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif" font-size="11">"##
     );
     let _ = writeln!(
         svg,
-        r#"<rect width="100%" height="100%" fill="white"/><text x="10" y="22" font-size="15" font-weight="bold">shunt: latency and throughput per path ({}{}, commit {}, median of {} repetition(s))</text>"#,
+        r##"<rect width="100%" height="100%" fill="white"/><text x="10" y="22" font-size="15" font-weight="bold">shunt: latency and throughput per path ({}{}, commit {}, median of {} repetition(s))</text>"##,
         escape(&results.machine.kernel),
         if results.quick { ", QUICK smoke run" } else { "" },
         escape(&results.machine.commit),
@@ -122,14 +122,14 @@ pub fn chart(results: &RunResults) -> String {
     );
     let _ = writeln!(
         svg,
-        r#"<text x="10" y="40" fill="#444">Latency panels: log scale, µs (p99.9 pooled over repetitions). eBPF+proxy = splice off. Colours of path names: direct grey, iptables orange, eBPF blue.</text>"#
+        r##"<text x="10" y="40" fill="#444">Latency panels: log scale, µs (p99.9 pooled over repetitions). eBPF+proxy = splice off. Colours of path names: direct grey, iptables orange, eBPF blue.</text>"##
     );
     // Legend.
     let mut lx = 10.0;
     for (name, color) in ["p50", "p90", "p99", "p99.9"].iter().zip(PCT_COLORS) {
         let _ = writeln!(
             svg,
-            r#"<rect x="{lx}" y="50" width="12" height="8" fill="{color}"/><text x="{}" y="58">{name}</text>"#,
+            r##"<rect x="{lx}" y="50" width="12" height="8" fill="{color}"/><text x="{}" y="58">{name}</text>"##,
             lx + 16.0
         );
         lx += 60.0;
@@ -137,7 +137,7 @@ pub fn chart(results: &RunResults) -> String {
     for (name, color) in [("RR 1 B req/s", "#1f77b4"), ("conn/s", "#ff7f0e"), ("stream Gbit/s", "#2ca02c")] {
         let _ = writeln!(
             svg,
-            r#"<rect x="{lx}" y="50" width="12" height="8" fill="{color}"/><text x="{}" y="58">{name}</text>"#,
+            r##"<rect x="{lx}" y="50" width="12" height="8" fill="{color}"/><text x="{}" y="58">{name}</text>"##,
             lx + 16.0
         );
         lx += 110.0;
@@ -151,7 +151,7 @@ pub fn chart(results: &RunResults) -> String {
         };
         let _ = writeln!(
             svg,
-            r#"<text x="10" y="{}" font-size="13" font-weight="bold">{}</text>"#,
+            r##"<text x="10" y="{}" font-size="13" font-weight="bold">{}</text>"##,
             y0 + 14.0,
             escape(&title)
         );
@@ -190,7 +190,7 @@ pub fn chart(results: &RunResults) -> String {
             let y = plot_top + i as f64 * (4.0 * BAR_H + ROW_GAP) + 2.0 * BAR_H + 4.0;
             let _ = writeln!(
                 svg,
-                r#"<text x="{}" y="{y:.1}" text-anchor="end" fill="{}">{}</text>"#,
+                r##"<text x="{}" y="{y:.1}" text-anchor="end" fill="{}">{}</text>"##,
                 LABEL_W - 8.0,
                 mode_color(path.mode),
                 escape(&path_label(path))
@@ -209,7 +209,7 @@ pub fn chart(results: &RunResults) -> String {
 fn draw_panel(svg: &mut String, panel: &Panel, x0: f64, title_y: f64, top: f64, rows: usize) {
     let _ = writeln!(
         svg,
-        r#"<text x="{x0}" y="{title_y:.1}" font-weight="bold">{}</text>"#,
+        r##"<text x="{x0}" y="{title_y:.1}" font-weight="bold">{}</text>"##,
         escape(&panel.title)
     );
     let values: Vec<f64> = panel
@@ -275,7 +275,7 @@ fn draw_panel(svg: &mut String, panel: &Panel, x0: f64, title_y: f64, top: f64, 
             let w = scale(*v);
             let _ = writeln!(
                 svg,
-                r#"<rect x="{x0}" y="{y:.1}" width="{w:.1}" height="{:.1}" fill="{}"><title>{}: {}</title></rect>"#,
+                r##"<rect x="{x0}" y="{y:.1}" width="{w:.1}" height="{:.1}" fill="{}"><title>{}: {}</title></rect>"##,
                 bar_h - 0.5,
                 series.color,
                 series.name,

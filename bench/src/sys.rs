@@ -48,7 +48,41 @@ impl CpuTimes {
 }
 
 pub fn parse_proc_stat(text: &str) -> Option<CpuTimes> {
-    let line = text.lines().find(|l| l.starts_with("cpu "))?;
+    parse_cpu_line(text.lines().find(|l| l.starts_with("cpu "))?)
+}
+
+/// The sum of the `cpuN` lines of `/proc/stat` for the given CPUs.
+pub fn parse_proc_stat_cpus(text: &str, cpus: &[usize]) -> Option<CpuTimes> {
+    let mut sum = CpuTimes::default();
+    let mut found = 0;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("cpu") else {
+            continue;
+        };
+        let Some(n) = rest
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse::<usize>().ok())
+        else {
+            continue;
+        };
+        if cpus.contains(&n) {
+            let t = parse_cpu_line(line)?;
+            sum.user += t.user;
+            sum.nice += t.nice;
+            sum.system += t.system;
+            sum.idle += t.idle;
+            sum.iowait += t.iowait;
+            sum.irq += t.irq;
+            sum.softirq += t.softirq;
+            sum.steal += t.steal;
+            found += 1;
+        }
+    }
+    (found > 0).then_some(sum)
+}
+
+fn parse_cpu_line(line: &str) -> Option<CpuTimes> {
     let v: Vec<u64> = line
         .split_whitespace()
         .skip(1)
@@ -90,6 +124,34 @@ fn online_cpus() -> usize {
     // SAFETY: sysconf has no preconditions.
     let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
     if n > 0 { n as usize } else { 1 }
+}
+
+/// `usage_usec` of a cgroup v2 dir's `cpu.stat` (every process that ever
+/// ran in it, threads that exited included).
+pub fn cgroup_usage_usec(dir: &Path) -> Option<u64> {
+    let text = fs::read_to_string(dir.join("cpu.stat")).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("usage_usec "))?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// PIDs of the per-CPU `ksoftirqd/N` kernel threads.
+pub fn ksoftirqd_pids() -> Vec<u32> {
+    let Ok(entries) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        // Kernel threads start early: a bound on the scan.
+        .filter(|&pid| pid < 4096)
+        .filter(|pid| {
+            fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.starts_with("ksoftirqd/"))
+        })
+        .collect()
 }
 
 /// utime + stime of a process (all its threads), in clock ticks.
@@ -272,6 +334,12 @@ mod tests {
         assert_eq!(t.softirq, 6);
         assert_eq!(t.steal, 7);
         assert_eq!(t.busy(), 10 + 1 + 20 + 5 + 6);
+        let text = "cpu  9 9 9 9\ncpu0 1 0 2 10 0 0 3 1\ncpu1 4 0 5 20 0 0 6 2\n";
+        let one = parse_proc_stat_cpus(text, &[1]).unwrap();
+        assert_eq!((one.user, one.softirq, one.steal), (4, 6, 2));
+        let both = parse_proc_stat_cpus(text, &[0, 1]).unwrap();
+        assert_eq!(both.system, 7);
+        assert!(parse_proc_stat_cpus(text, &[5]).is_none());
     }
 
     #[test]

@@ -169,9 +169,7 @@ async fn blocking<T: Send + 'static>(
         })
 }
 
-async fn status(
-    State(state): State<AdminState>,
-) -> Result<Json<NodeStatus>, (StatusCode, String)> {
+async fn status(State(state): State<AdminState>) -> Result<Json<NodeStatus>, (StatusCode, String)> {
     blocking("status", move || lock(&state.agent).status()).await
 }
 
@@ -234,10 +232,7 @@ async fn config_dump(
     blocking("config_dump", move || {
         let agent = lock(&state.agent);
         let td = agent.trust_domain().clone();
-        let states: BTreeMap<_, _> = agent
-            .pods()
-            .map(|(w, s)| (w.key(), s.clone()))
-            .collect();
+        let states: BTreeMap<_, _> = agent.pods().map(|(w, s)| (w.key(), s.clone())).collect();
         let dump = |w: &crate::state::Workload| WorkloadDump {
             namespace: w.namespace.clone(),
             name: w.name.clone(),
@@ -271,7 +266,12 @@ async fn config_dump(
                             identity: id.to_string(),
                         })
                         .collect(),
-                    handle.proxy.pods().iter().map(ToString::to_string).collect(),
+                    handle
+                        .proxy
+                        .pods()
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect(),
                 )
             }
             None => (Vec::new(), Vec::new()),
@@ -375,12 +375,20 @@ async fn logging(
                 filter: Some(filter),
             }))
         }
-        Err(e @ crate::logging::SetFilterError::Invalid { .. }) => {
-            Err((StatusCode::BAD_REQUEST, format!("{e}
-")))
-        }
-        Err(e) => Err((StatusCode::INTERNAL_SERVER_ERROR, format!("{e}
-"))),
+        Err(e @ crate::logging::SetFilterError::Invalid { .. }) => Err((
+            StatusCode::BAD_REQUEST,
+            format!(
+                "{e}
+"
+            ),
+        )),
+        Err(e) => Err((
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!(
+                "{e}
+"
+            ),
+        )),
     }
 }
 

@@ -12,7 +12,7 @@ use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},
     sync::{Arc, Mutex, MutexGuard, RwLock},
-    time::{Duration, SystemTime},
+    time::{Duration, Instant, SystemTime},
 };
 
 use tokio::signal::unix::{SignalKind, signal};
@@ -48,6 +48,12 @@ pub enum AgentError {
         addr: std::net::SocketAddr,
         source: std::io::Error,
     },
+    #[error("{what} endpoint on {addr}: {source}")]
+    Serve {
+        what: &'static str,
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
     #[error("cannot install signal handlers: {0}")]
     Signals(std::io::Error),
     #[error("identity: {0}")]
@@ -77,6 +83,10 @@ pub struct NodeAgent {
     capture: Capture,
     /// Every pod of this node, with what happened to it.
     pods: BTreeMap<WorkloadKey, (Workload, PodState)>,
+    /// Whether the pod source has handed over a complete list (readiness).
+    synced: bool,
+    /// Enrolment latency and repairs are recorded here.
+    metrics: crate::metrics::Metrics,
 }
 
 impl NodeAgent {
@@ -93,7 +103,15 @@ impl NodeAgent {
             proxy: None,
             capture,
             pods: BTreeMap::new(),
+            synced: false,
+            metrics: crate::metrics::Metrics::default(),
         }
+    }
+
+    /// Records enrolment latency and repairs into `metrics`.
+    pub fn with_metrics(mut self, metrics: crate::metrics::Metrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Hands the pods' traffic to `proxy` from now on.
@@ -146,6 +164,7 @@ impl NodeAgent {
             self.stop_serving(&key);
         }
         self.pods = next;
+        self.synced = true;
     }
 
     /// Starts the proxy's listeners for the pod (if a proxy runs and does
@@ -198,6 +217,14 @@ impl NodeAgent {
             warn!("pod opts into the mesh but its network namespace is not known yet");
             return PodState::Pending("network namespace not known yet".into());
         };
+        let was_enrolled = self.is_enrolled(key);
+        if was_enrolled
+            && let Ok(crate::redirect::Verification::Missing(_)) = self.redirector.verify(key)
+        {
+            // The enrol below repairs it (and logs what was missing).
+            self.metrics.repaired();
+        }
+        let started = Instant::now();
         let proxy_problem = self.serve(key, workload, netns);
         let target = PodTarget {
             key: key.clone(),
@@ -206,7 +233,12 @@ impl NodeAgent {
         };
         match self.redirector.enrol(&target) {
             Ok(()) => match proxy_problem {
-                None => PodState::Enrolled,
+                None => {
+                    if !was_enrolled {
+                        self.metrics.enrolled(started.elapsed());
+                    }
+                    PodState::Enrolled
+                }
                 Some(problem) => PodState::Error(format!(
                     "enrolled, but the proxy cannot serve it (traffic fails closed): {problem}"
                 )),
@@ -282,6 +314,10 @@ impl NodeAgent {
                     netns_cookie: kernel.as_ref().map(|k| k.netns_cookie),
                     hooks: kernel.as_ref().map(|k| k.hooks.clone()).unwrap_or_default(),
                     counters: kernel.map(|k| k.counters.into()),
+                    certificate: self.proxy.as_ref().and_then(|h| {
+                        let id = workload.identity(&self.trust_domain);
+                        h.proxy.identities().current(&id).as_deref().map(Into::into)
+                    }),
                 }
             })
             .collect();
@@ -292,6 +328,35 @@ impl NodeAgent {
             proxy: self.proxy.as_ref().map(|h| h.proxy.stats()),
             pods,
         }
+    }
+}
+
+/// Read access for the observability endpoints (admin, metrics, readiness).
+impl NodeAgent {
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    pub fn trust_domain(&self) -> &TrustDomain {
+        &self.trust_domain
+    }
+
+    pub fn redirector(&self) -> &dyn Redirector {
+        self.redirector.as_ref()
+    }
+
+    pub fn proxy(&self) -> Option<&ProxyHandle> {
+        self.proxy.as_ref()
+    }
+
+    /// Whether the pod source has handed over a complete list.
+    pub fn synced(&self) -> bool {
+        self.synced
+    }
+
+    /// This node's pods as of the last reconcile, with what became of them.
+    pub fn pods(&self) -> impl Iterator<Item = (&Workload, &PodState)> {
+        self.pods.values().map(|(w, s)| (w, s))
     }
 }
 
@@ -371,13 +436,18 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         }
         (OnOff::Off, _) => None,
     };
+    let metrics = crate::metrics::Metrics::new();
     let mut node_agent = NodeAgent::new(
         args.node_name.clone(),
         trust_domain,
         redirector,
         args.capture.into(),
-    );
+    )
+    .with_metrics(metrics.clone());
     if let Some(proxy) = &proxy {
+        proxy
+            .proxy
+            .set_observer(metrics.connection_observer(proxy.workloads.clone()));
         node_agent = node_agent.with_proxy(proxy.clone());
     }
     let agent: SharedAgent = Arc::new(Mutex::new(node_agent));
@@ -387,8 +457,13 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             addr: args.admin_addr,
             source,
         })?;
-    tokio::spawn(admin::serve(listener, agent.clone()).instrument(info_span!("admin")));
+    let admin_state = admin::AdminState {
+        agent: agent.clone(),
+        bpf_pin_dir: args.bpf_pin_dir.clone(),
+    };
+    tokio::spawn(admin::serve(listener, admin_state).instrument(info_span!("admin")));
     info!(addr = %args.admin_addr, "admin API listening");
+    serve_observability(&args, &agent, &metrics).await?;
 
     let mut sigterm = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
     let mut sigint = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
@@ -403,6 +478,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
                 KubeOptions::new(args.node_name.clone()),
                 Arc::new(ProcScanResolver::default()),
             );
+            metrics.watch_kube(source.stats());
             tokio::select! {
                 _ = sigterm.recv() => info!("SIGTERM: unenrolling every pod"),
                 _ = sigint.recv() => info!("SIGINT: unenrolling every pod"),
@@ -441,6 +517,27 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         }
     }
     shutdown(agent, proxy, args.drain_seconds).await
+}
+
+/// Binds `/metrics` (--metrics-addr) and `/healthz/ready`
+/// (--readiness-addr) and serves them in the background.
+async fn serve_observability(
+    args: &AgentArgs,
+    agent: &SharedAgent,
+    metrics: &crate::metrics::Metrics,
+) -> Result<(), AgentError> {
+    let bind = |what: &'static str, addr: std::net::SocketAddr| async move {
+        tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| AgentError::Serve { what, addr, source })
+    };
+    let listener = bind("metrics", args.metrics_addr).await?;
+    let serve = crate::metrics::serve(listener, agent.clone(), metrics.clone());
+    tokio::spawn(serve.instrument(info_span!("metrics")));
+    let listener = bind("readiness", args.readiness_addr).await?;
+    tokio::spawn(crate::health::serve(listener, agent.clone()).instrument(info_span!("readiness")));
+    info!(metrics = %args.metrics_addr, readiness = %args.readiness_addr, "metrics and readiness endpoints listening");
+    Ok(())
 }
 
 /// The identity manager (with its CA) and the proxy on top of it.

@@ -66,18 +66,75 @@ pub fn inspect(pin_dir: &Path) -> PinReport {
     pins.sort();
     let mut program_names: Option<HashMap<u32, String>> = None;
     for pin in pins {
-        match MapInfo::from_pin(&pin) {
-            Ok(info) => report.maps.push(map_report(pin, &info)),
-            Err(map_error) => match link_report(&pin, &mut program_names) {
-                Ok(link) => report.links.push(link),
-                Err(link_error) => report.unreadable.push(Unreadable {
-                    error: format!("not a map ({map_error}), not a link ({link_error})"),
-                    pin,
-                }),
-            },
+        // Info about an object is read by fd whatever its kind: the kind
+        // must be known first, or a link's info is read as a map's.
+        let read = match object_kind(&pin) {
+            Ok(Kind::Map) => MapInfo::from_pin(&pin)
+                .map(|info| report.maps.push(map_report(pin.clone(), &info)))
+                .map_err(|e| e.to_string()),
+            Ok(Kind::Link) => {
+                link_report(&pin, &mut program_names).map(|link| report.links.push(link))
+            }
+            Ok(Kind::Other(kind)) => Err(format!("a pinned {kind}")),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(error) = read {
+            report.unreadable.push(Unreadable { pin, error });
         }
     }
     report
+}
+
+enum Kind {
+    Map,
+    Link,
+    Other(String),
+}
+
+/// Opens the pin (`BPF_OBJ_GET`) and tells the object's kind from its
+/// anonymous inode (`anon_inode:bpf-map`, `anon_inode:bpf-link`, ...).
+fn object_kind(pin: &Path) -> std::io::Result<Kind> {
+    use std::os::{fd::FromRawFd as _, unix::ffi::OsStrExt as _};
+    #[repr(C)]
+    struct ObjGetAttr {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+        path_fd: i32,
+        /// Explicit: the kernel rejects non-zero bytes past what it knows.
+        _pad: u32,
+    }
+    const BPF_OBJ_GET: libc::c_long = 7;
+    let path = std::ffi::CString::new(pin.as_os_str().as_bytes())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let attr = ObjGetAttr {
+        pathname: path.as_ptr() as u64,
+        bpf_fd: 0,
+        file_flags: 0,
+        path_fd: 0,
+        _pad: 0,
+    };
+    // SAFETY: `attr` names a NUL-terminated path that outlives the call.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET,
+            &attr as *const ObjGetAttr,
+            std::mem::size_of::<ObjGetAttr>(),
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this fd to us; we own it.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+    let target = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
+    let target = target.to_string_lossy();
+    Ok(match target.trim_start_matches("anon_inode:") {
+        "bpf-map" => Kind::Map,
+        "bpf-link" | "bpf_link" => Kind::Link,
+        other => Kind::Other(other.to_string()),
+    })
 }
 
 fn collect(dir: &Path, depth: usize, out: &mut Vec<PathBuf>) {
@@ -98,12 +155,13 @@ fn map_report(pin: PathBuf, info: &MapInfo) -> MapReport {
     let map_type = info.map_type();
     let countable = matches!(
         map_type,
-        Ok(MapType::HashMap
-            | MapType::LruHashMap
-            | MapType::PerCpuHashMap
-            | MapType::PerCpuLruHashMap
+        Ok(MapType::Hash
+            | MapType::LruHash
+            | MapType::PerCpuHash
+            | MapType::LruPerCpuHash
             | MapType::LpmTrie
-            | MapType::SockHash)
+            | MapType::SockHash
+            | MapType::HashOfMaps)
     );
     let entries = if countable {
         info.fd()

@@ -67,7 +67,9 @@ impl Readiness {
             .filter(|(w, _)| w.wants_mesh() && w.netns.is_some())
             .filter_map(|(w, state)| match state {
                 PodState::Enrolled => None,
-                PodState::Pending(why) | PodState::Error(why) => Some(format!("{}: {why}", w.key())),
+                PodState::Pending(why) | PodState::Error(why) => {
+                    Some(format!("{}: {why}", w.key()))
+                }
                 PodState::NotInMesh => Some(format!("{}: not enrolled", w.key())),
             })
             .collect();
@@ -130,7 +132,11 @@ impl Readiness {
 
     /// `ready` or `not ready`, then one line per check.
     pub fn render(&self) -> String {
-        let mut out = String::from(if self.ready() { "ready\n" } else { "not ready\n" });
+        let mut out = String::from(if self.ready() {
+            "ready\n"
+        } else {
+            "not ready\n"
+        });
         for c in &self.checks {
             let _ = writeln!(
                 out,

@@ -7,11 +7,14 @@
 
 pub mod admin;
 pub mod agent;
+pub mod bpf_debug;
 pub mod cli;
 pub mod control;
 pub mod error;
+pub mod health;
 pub mod identity;
 pub mod logging;
+pub mod metrics;
 pub mod netns;
 pub mod proxy;
 pub mod redirect;

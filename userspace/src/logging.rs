@@ -96,8 +96,8 @@ pub fn set_filter(filter: Option<&str>) -> Result<String, SetFilterError> {
 
 /// The most verbose level `filter` lets through, for the `log` crate.
 fn log_max_level(filter: &EnvFilter) -> log::LevelFilter {
-    use tracing_subscriber::{Layer as _, filter::LevelFilter};
-    match filter.max_level_hint() {
+    use tracing_subscriber::{Layer, filter::LevelFilter};
+    match <EnvFilter as Layer<Registry>>::max_level_hint(filter) {
         Some(LevelFilter::OFF) => log::LevelFilter::Off,
         Some(LevelFilter::ERROR) => log::LevelFilter::Error,
         Some(LevelFilter::WARN) => log::LevelFilter::Warn,

@@ -38,10 +38,7 @@ use crate::{
     agent::{NodeAgent, SharedAgent, lock},
     control::kube::SourceStats,
     health::Readiness,
-    proxy::{
-        ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, Direction,
-        ProxyStats,
-    },
+    proxy::{ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, ProxyStats},
     redirect::EnrolledPod,
     state::{Workload, WorkloadStore},
 };
@@ -661,7 +658,10 @@ mod tests {
     use std::net::{IpAddr, SocketAddr};
 
     use super::*;
-    use crate::state::{DataplaneMode, WorkloadKey};
+    use crate::{
+        proxy::Direction,
+        state::{DataplaneMode, WorkloadKey},
+    };
 
     fn workload(name: &str, ip: &str, node: &str) -> Workload {
         Workload {
@@ -825,8 +825,14 @@ mod tests {
             synced: true,
             ready: true,
         };
+        let kube = Arc::new(SourceStats::default());
+        kube.watch_errors
+            .store(2, std::sync::atomic::Ordering::Relaxed);
+        metrics.watch_kube(kube);
         let text = metrics.encode(Some(&snapshot));
         for line in [
+            "shunt_kube_watch_errors_total 2",
+            "shunt_kube_annotation_patches_total{result=\"failure\"} 0",
             "# TYPE shunt_enrolment_duration_seconds histogram",
             "shunt_enrolment_duration_seconds_count 1",
             "shunt_redirection_repairs_total 1",
@@ -838,7 +844,10 @@ mod tests {
             "shunt_pod_source_synced 1",
             "shunt_ready 1",
         ] {
-            assert!(text.lines().any(|l| l == line), "{line:?} missing in\n{text}");
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line:?} missing in\n{text}"
+            );
         }
         assert_eq!(text.matches("# EOF").count(), 1);
     }

@@ -61,6 +61,11 @@ pub fn run(args: &StatusArgs) -> Result<(), StatusError> {
 
 /// The human view: one line per pod of the node.
 pub fn render_table(status: &NodeStatus) -> String {
+    render_table_at(status, std::time::SystemTime::now())
+}
+
+/// [`render_table`] with certificate lifetimes counted from `now`.
+pub fn render_table_at(status: &NodeStatus, now: std::time::SystemTime) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -86,48 +91,69 @@ pub fn render_table(status: &NodeStatus) -> String {
             p.bytes_in
         );
     }
-    let header = [
+    const HEADER: [&str; 14] = [
         "POD",
         "IP",
         "STATE",
+        "MODE",
         "HOOKS",
         "PKTS IN",
         "BYTES IN",
         "PKTS OUT",
         "BYTES OUT",
+        "REDIRECTED OUT/IN",
+        "FAIL-CLOSED OUT/IN",
+        "SPLICED",
         "IDENTITY",
+        "CERT EXPIRES",
     ];
-    let mut rows: Vec<[String; 9]> = Vec::new();
+    /// Columns right-aligned (numbers).
+    const NUMERIC: std::ops::Range<usize> = 5..12;
+    let mut rows: Vec<[String; 14]> = Vec::new();
     for pod in &status.pods {
+        let enrolled = pod.state == PodState::Enrolled;
         let state = match &pod.state {
             PodState::Enrolled => "enrolled".to_string(),
             PodState::NotInMesh => "not in mesh".to_string(),
             PodState::Pending(reason) => format!("pending: {reason}"),
             PodState::Error(reason) => format!("error: {reason}"),
         };
+        let mode = if enrolled || pod.counters.is_some() {
+            status.mode.clone()
+        } else {
+            "-".to_string()
+        };
         let hooks = if pod.hooks.is_empty() {
             "-".to_string()
         } else {
-            pod.hooks
+            let present = pod.hooks.iter().filter(|h| h.present).count();
+            let missing: Vec<&str> = pod
+                .hooks
                 .iter()
-                .map(|h| {
-                    if h.present {
-                        h.name.clone()
-                    } else {
-                        format!("{} (MISSING)", h.name)
-                    }
-                })
-                .collect::<Vec<_>>()
-                .join(", ")
+                .filter(|h| !h.present)
+                .map(|h| h.name.as_str())
+                .collect();
+            if missing.is_empty() {
+                format!("{present}/{}", pod.hooks.len())
+            } else {
+                format!(
+                    "{present}/{} MISSING: {}",
+                    pod.hooks.len(),
+                    missing.join(", ")
+                )
+            }
         };
-        let (pi, bi, po, bo) = match pod.counters {
-            Some(c) => (
+        let counters: [String; 7] = match pod.counters {
+            Some(c) => [
                 c.packets_in.to_string(),
                 c.bytes_in.to_string(),
                 c.packets_out.to_string(),
                 c.bytes_out.to_string(),
-            ),
-            None => ("-".into(), "-".into(), "-".into(), "-".into()),
+                format!("{}/{}", c.outbound_redirected, c.inbound_redirected),
+                format!("{}/{}", c.outbound_fail_closed, c.inbound_fail_closed),
+                c.spliced_bytes.to_string(),
+            ],
+            None => std::array::from_fn(|_| "-".to_string()),
         };
         let ips = pod
             .ips
@@ -135,19 +161,29 @@ pub fn render_table(status: &NodeStatus) -> String {
             .map(ToString::to_string)
             .collect::<Vec<_>>()
             .join(",");
+        let expires = match &pod.certificate {
+            Some(cert) => lifetime(crate::admin::seconds_until(cert.not_after, now)),
+            None => "-".to_string(),
+        };
+        let [pi, bi, po, bo, redirected, fail_closed, spliced] = counters;
         rows.push([
             format!("{}/{}", pod.namespace, pod.name),
             ips,
             state,
+            mode,
             hooks,
             pi,
             bi,
             po,
             bo,
+            redirected,
+            fail_closed,
+            spliced,
             pod.identity.clone(),
+            expires,
         ]);
     }
-    let mut widths = header.map(str::len);
+    let mut widths = HEADER.map(str::len);
     for row in &rows {
         for (w, cell) in widths.iter_mut().zip(row) {
             *w = (*w).max(cell.len());
@@ -156,8 +192,7 @@ pub fn render_table(status: &NodeStatus) -> String {
     let mut line = |cells: &[String]| {
         let mut text = String::new();
         for (i, (cell, w)) in cells.iter().zip(widths).enumerate() {
-            // Counters right-aligned, text left-aligned.
-            if (4..8).contains(&i) {
+            if NUMERIC.contains(&i) {
                 let _ = write!(text, "{cell:>w$}  ");
             } else {
                 let _ = write!(text, "{cell:<w$}  ");
@@ -165,9 +200,128 @@ pub fn render_table(status: &NodeStatus) -> String {
         }
         let _ = writeln!(out, "{}", text.trim_end());
     };
-    line(&header.map(String::from));
+    line(&HEADER.map(String::from));
     for row in &rows {
         line(row);
     }
     out
+}
+
+/// `in 23h59m`, `in 4m10s`, or `EXPIRED 5m ago`.
+fn lifetime(seconds: i64) -> String {
+    let span = |s: u64| {
+        let (d, h, m, sec) = (s / 86400, s / 3600 % 24, s / 60 % 60, s % 60);
+        if d > 0 {
+            format!("{d}d{h}h")
+        } else if h > 0 {
+            format!("{h}h{m}m")
+        } else {
+            format!("{m}m{sec}s")
+        }
+    };
+    if seconds >= 0 {
+        format!("in {}", span(seconds as u64))
+    } else {
+        format!("EXPIRED {} ago", span(seconds.unsigned_abs()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, UNIX_EPOCH};
+
+    use super::*;
+    use crate::admin::{CertificateStatus, Counters, PodStatus};
+
+    #[test]
+    fn table_shows_every_column_per_pod() {
+        let now = UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let status = NodeStatus {
+            node: "node-a".into(),
+            mode: "ebpf".into(),
+            trust_domain: "cluster.local".into(),
+            proxy: None,
+            pods: vec![
+                PodStatus {
+                    namespace: "default".into(),
+                    name: "client".into(),
+                    ips: vec!["198.18.1.2".parse().unwrap()],
+                    service_account: "sleep".into(),
+                    identity: "spiffe://cluster.local/ns/default/sa/sleep".into(),
+                    dataplane_mode: "ambient".into(),
+                    state: PodState::Enrolled,
+                    netns: None,
+                    netns_cookie: Some(1),
+                    hooks: vec![
+                        crate::redirect::Hook {
+                            name: "tc ingress".into(),
+                            attachment: String::new(),
+                            present: true,
+                        },
+                        crate::redirect::Hook {
+                            name: "tc egress".into(),
+                            attachment: String::new(),
+                            present: false,
+                        },
+                    ],
+                    counters: Some(Counters {
+                        packets_in: 12,
+                        outbound_redirected: 3,
+                        inbound_fail_closed: 1,
+                        ..Default::default()
+                    }),
+                    certificate: Some(CertificateStatus {
+                        not_before: 0,
+                        not_after: 1_000_000 + 2 * 3600 + 60,
+                    }),
+                },
+                PodStatus {
+                    namespace: "default".into(),
+                    name: "outsider".into(),
+                    ips: vec!["198.18.1.3".parse().unwrap()],
+                    service_account: "default".into(),
+                    identity: "spiffe://cluster.local/ns/default/sa/default".into(),
+                    dataplane_mode: "none".into(),
+                    state: PodState::NotInMesh,
+                    netns: None,
+                    netns_cookie: None,
+                    hooks: vec![],
+                    counters: None,
+                    certificate: None,
+                },
+            ],
+        };
+        let table = render_table_at(&status, now);
+        let lines: Vec<&str> = table.lines().collect();
+        assert!(lines[1].starts_with("POD "), "{table}");
+        for column in [
+            "MODE",
+            "HOOKS",
+            "IDENTITY",
+            "CERT EXPIRES",
+            "REDIRECTED OUT/IN",
+        ] {
+            assert!(lines[1].contains(column), "{table}");
+        }
+        let client = lines[2];
+        for cell in [
+            "default/client",
+            "198.18.1.2",
+            "enrolled",
+            " ebpf ",
+            "1/2 MISSING: tc egress",
+            " 12 ",
+            "3/0",
+            "0/1",
+            "spiffe://cluster.local/ns/default/sa/sleep",
+            "in 2h1m",
+        ] {
+            assert!(client.contains(cell), "{cell:?} not in {client:?}");
+        }
+        let outsider = lines[3];
+        assert!(outsider.contains("not in mesh"), "{outsider}");
+        assert!(outsider.trim_end().ends_with('-'), "{outsider}");
+        assert_eq!(lifetime(-300), "EXPIRED 5m0s ago");
+        assert_eq!(lifetime(90_000), "in 1d1h");
+    }
 }

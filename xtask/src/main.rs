@@ -1,6 +1,8 @@
 //! shunt's developer tasks. `cargo xtask --help` lists them.
 
+mod bench;
 mod demo;
+mod run;
 mod setup;
 mod test;
 mod util;
@@ -28,6 +30,14 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Run setup, then every test, the kernel tests included (needs root).
     Test(test::TestArgs),
+    /// Run setup, then the benchmark: direct vs iptables+proxy vs
+    /// eBPF+proxy, every path and workload, interleaved (needs root). Writes
+    /// bench/results/latest.md and latest.svg (quick.* with --quick).
+    Bench(bench::BenchArgs),
+    /// shunt on a local kind cluster: builds the image, deploys deploy/ and
+    /// a sample client and server, and shows their traffic going through
+    /// HBONE. Needs docker, kind and kubectl. `--delete` removes it all.
+    Run(run::RunArgs),
     /// cargo fmt --check and cargo clippy with warnings denied.
     Lint,
 }
@@ -44,6 +54,12 @@ fn main() -> anyhow::Result<()> {
             setup::run()?;
             test::run(args)
         }
+        Command::Bench(args) => {
+            setup::run()?;
+            bench::run(args)
+        }
+        // No setup: the image builds its own toolchain.
+        Command::Run(args) => run::run(args),
         Command::Lint => test::lint(),
     }
 }

@@ -1,0 +1,253 @@
+//! `shunt-bench run | client | server`: see the crate docs.
+
+use std::{
+    path::{Path, PathBuf},
+    process::ExitCode,
+};
+
+use anyhow::{Context as _, bail};
+use clap::{Args, Parser, Subcommand};
+use shunt_bench::{
+    client::{self, ClientArgs, WorkloadKind},
+    harness::{self, Placement},
+    report, server, svg, sys,
+};
+
+#[derive(Parser)]
+#[command(
+    name = "shunt-bench",
+    about = "Benchmarks shunt: direct vs iptables+proxy vs eBPF+proxy, in network namespaces"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Build the topologies, start the agents, run every workload over every
+    /// path and write the report (needs root).
+    Run(RunArgs),
+    /// The load generator (started by `run` inside the client pod).
+    Client(ClientCli),
+    /// The server (started by `run` inside each server pod).
+    Server(ServerCli),
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// One short repetition of everything (about a minute): proves the
+    /// harness works; its numbers are not measurements.
+    #[arg(long)]
+    quick: bool,
+    /// Repetitions (default 5, or 1 with --quick).
+    #[arg(long)]
+    reps: Option<usize>,
+    /// Placements to run: pinned (all on one CPU), scheduler, or both.
+    #[arg(long, value_delimiter = ',', default_value = "pinned,scheduler")]
+    placements: Vec<String>,
+    /// The CPU everything is pinned to in the pinned placement (default:
+    /// the last one).
+    #[arg(long)]
+    pin_cpu: Option<usize>,
+    /// Only these paths (e.g. `direct/same,ebpf/cross/hbone`).
+    #[arg(long, value_delimiter = ',')]
+    paths: Vec<String>,
+    /// Only these workloads (rr1, rr1k, crr, stream, rate).
+    #[arg(long, value_delimiter = ',')]
+    workloads: Vec<String>,
+    /// Where the reports go (default: bench/results of this workspace).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Report name: `<out>/<name>.md`, `.svg`, `raw/<name>.json` (default
+    /// `latest`, or `quick` with --quick).
+    #[arg(long)]
+    name: Option<String>,
+    /// The shunt binary (default: $SHUNT_BIN, else target/release/shunt,
+    /// else target/debug/shunt).
+    #[arg(long)]
+    shunt: Option<PathBuf>,
+    /// The agents' log filter (RUST_LOG). The default is the agent's own
+    /// default, access log included.
+    #[arg(long, default_value = "info")]
+    agent_log: String,
+}
+
+#[derive(Args)]
+struct ClientCli {
+    #[arg(long, value_enum)]
+    workload: WorkloadKind,
+    #[arg(long)]
+    addr: std::net::SocketAddr,
+    #[arg(long, default_value_t = 2.0)]
+    seconds: f64,
+    #[arg(long, default_value_t = 0.2)]
+    warmup: f64,
+    #[arg(long, default_value_t = 1)]
+    size: usize,
+    #[arg(long, default_value_t = 1)]
+    conns: usize,
+    #[arg(long, default_value_t = 1000.0)]
+    rate: f64,
+    /// Pin to these CPUs.
+    #[arg(long, value_delimiter = ',')]
+    cpus: Vec<usize>,
+    /// The cgroup v2 dir of the load generator and servers (CPU measured).
+    #[arg(long)]
+    apps_cgroup: Option<PathBuf>,
+    /// The cgroup v2 dir of the path's agents (CPU measured).
+    #[arg(long)]
+    agents_cgroup: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct ServerCli {
+    #[arg(long, default_value_t = harness::ECHO_PORT)]
+    echo_port: u16,
+    #[arg(long, default_value_t = harness::SINK_PORT)]
+    sink_port: u16,
+    #[arg(long, default_value_t = 4 * 3600)]
+    max_seconds: u64,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Client(c) => {
+            let report = client::run(ClientArgs {
+                workload: c.workload,
+                addr: c.addr,
+                seconds: c.seconds,
+                warmup: c.warmup,
+                size: c.size,
+                conns: c.conns,
+                rate: c.rate,
+                cpus: (!c.cpus.is_empty()).then_some(c.cpus),
+                apps_cgroup: c.apps_cgroup,
+                agents_cgroup: c.agents_cgroup,
+            });
+            let ok = report.ok;
+            match serde_json::to_string(&report) {
+                Ok(json) => println!("{json}"),
+                Err(e) => {
+                    eprintln!("shunt-bench client: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+            if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+        }
+        Command::Server(s) => match server::run(server::ServerArgs {
+            echo_port: s.echo_port,
+            sink_port: s.sink_port,
+            max_seconds: s.max_seconds,
+        }) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("shunt-bench server: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Run(args) => match run(args) {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::FAILURE,
+            Err(e) => {
+                eprintln!("shunt-bench: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+fn shunt_binary(args: &RunArgs, workspace: &Path) -> anyhow::Result<PathBuf> {
+    let candidates = [
+        args.shunt.clone(),
+        std::env::var_os("SHUNT_BIN").map(PathBuf::from),
+        Some(workspace.join("target/release/shunt")),
+        Some(workspace.join("target/debug/shunt")),
+    ];
+    for candidate in candidates.into_iter().flatten() {
+        if candidate.exists() {
+            return candidate
+                .canonicalize()
+                .with_context(|| format!("resolving {}", candidate.display()));
+        }
+    }
+    bail!("no shunt binary: build it with `cargo build --release -p shunt` or pass --shunt")
+}
+
+/// Runs the benchmark and writes the reports; false if any measurement
+/// failed its checks.
+fn run(args: RunArgs) -> anyhow::Result<bool> {
+    let workspace = workspace_root();
+    let shunt = shunt_binary(&args, &workspace)?;
+    let mut placements = Vec::new();
+    for p in &args.placements {
+        placements.push(match p.as_str() {
+            "pinned" => Placement::Pinned,
+            "scheduler" => Placement::Scheduler,
+            other => bail!("unknown placement {other:?} (pinned, scheduler)"),
+        });
+    }
+    // The agents run through a wrapper that fixes their log filter (the
+    // testbed's harness asks for debug logs, which are not what users run).
+    let scratch = std::env::temp_dir().join(format!("shunt-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch)?;
+    let wrapper = scratch.join("shunt");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nRUST_LOG='{}' exec '{}' \"$@\"\n",
+            args.agent_log.replace('\'', ""),
+            shunt.display()
+        ),
+    )?;
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755))?;
+    }
+    // SAFETY: no other thread exists yet.
+    unsafe { std::env::set_var("SHUNT_BIN", &wrapper) };
+
+    let options = harness::Options {
+        quick: args.quick,
+        reps: args.reps.unwrap_or(if args.quick { 1 } else { 5 }).max(1),
+        placements,
+        pin_cpu: args.pin_cpu.unwrap_or(sys::cpu_count().saturating_sub(1)),
+        only_paths: args.paths.clone(),
+        only_workloads: args.workloads.clone(),
+        bench_bin: std::env::current_exe()?,
+        workspace: workspace.clone(),
+    };
+    let result = harness::run(&options);
+    let _ = std::fs::remove_dir_all(&scratch);
+    let mut results = result?;
+    results.shunt_binary = shunt.display().to_string();
+    let name = args
+        .name
+        .clone()
+        .unwrap_or_else(|| if args.quick { "quick" } else { "latest" }.to_string());
+    results.name = name.clone();
+    let out = args.out.clone().unwrap_or_else(|| workspace.join("bench/results"));
+    std::fs::create_dir_all(out.join("raw"))?;
+    let svg_name = format!("{name}.svg");
+    std::fs::write(out.join(&svg_name), svg::chart(&results))?;
+    std::fs::write(out.join(format!("{name}.md")), report::markdown(&results, &svg_name))?;
+    std::fs::write(
+        out.join("raw").join(format!("{name}.json")),
+        serde_json::to_string(&results)?,
+    )?;
+    let failed = results.records.iter().filter(|r| !r.verified).count();
+    eprintln!(
+        "shunt-bench: {} measurements, {failed} failed; report in {}",
+        results.records.len(),
+        out.join(format!("{name}.md")).display()
+    );
+    Ok(failed == 0)
+}
