@@ -387,3 +387,71 @@ fn agent_refuses_a_bad_workloads_file_naming_file_entry_and_field() {
         "the agent touched the kernel before validating its input"
     );
 }
+
+#[test]
+fn the_verifier_repairs_a_pod_whose_programs_were_removed() {
+    let (topo, pods) = topology("verifier", &["client"]);
+    let client = &pods[0];
+    let node = topo.node("node-a").expect("node");
+    let yaml = workloads_yaml(&[WorkloadSpec::for_pod(client, true)]);
+    let mut agent = Agent::start(&topo, node, &yaml, &["--verify-interval", "1"]).expect("agent");
+    agent
+        .wait_for("client enrolled", TIMEOUT, |s| is_enrolled(s, client))
+        .expect("enrolled");
+    // Someone removes shunt's filter by hand.
+    let out = client
+        .command("tc")
+        .args(["filter", "del", "dev", "eth0", "ingress", "pref", "49"])
+        .output()
+        .expect("tc filter del");
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(shunt_filters(client).len(), 1);
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    while shunt_filters(client).len() < 2 && std::time::Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(
+        shunt_filters(client).len(),
+        2,
+        "not repaired:\n{}",
+        agent.logs()
+    );
+    assert!(
+        agent.logs().contains("not fully redirected; repairing"),
+        "{}",
+        agent.logs()
+    );
+}
+
+#[test]
+fn on_exit_keep_leaves_pods_enrolled_for_the_next_agent() {
+    let (topo, pods) = topology("keep", &["client"]);
+    let client = &pods[0];
+    let node = topo.node("node-a").expect("node");
+    let yaml = workloads_yaml(&[WorkloadSpec::for_pod(client, true)]);
+    let mut agent = Agent::start(&topo, node, &yaml, &["--on-exit", "keep"]).expect("agent");
+    agent
+        .wait_for("client enrolled", TIMEOUT, |s| is_enrolled(s, client))
+        .expect("enrolled");
+    let entries = inspect::enrolled_entries(agent.pin_dir()).expect("map");
+    let exit = agent.stop().expect("stop");
+    assert!(exit.success(), "{}", agent.logs());
+    assert_eq!(
+        shunt_filters(client).len(),
+        2,
+        "SIGTERM with keep removed the filters"
+    );
+    assert_eq!(
+        inspect::enrolled_entries(agent.pin_dir()).expect("map"),
+        entries
+    );
+    agent.restart(&["--on-exit", "keep"]).expect("restart");
+    agent
+        .wait_for("client enrolled again", TIMEOUT, |s| is_enrolled(s, client))
+        .expect("re-enrolled");
+    assert_eq!(
+        inspect::enrolled_entries(agent.pin_dir()).expect("map"),
+        entries
+    );
+    assert_eq!(shunt_filters(client).len(), 2);
+}

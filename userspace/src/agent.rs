@@ -20,7 +20,7 @@ use tracing::{Instrument as _, error, info, info_span, warn};
 
 use crate::{
     admin::{self, NodeStatus, PodState, PodStatus},
-    cli::{AgentArgs, OnOff, ProxyKind},
+    cli::{AgentArgs, OnExit, OnOff, ProxyKind},
     control::local,
     proxy::{PodNet, Proxy},
     redirect::{
@@ -371,7 +371,8 @@ pub fn lock(agent: &SharedAgent) -> MutexGuard<'_, NodeAgent> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// `shunt agent`: runs until SIGINT or SIGTERM, then unenrols every pod.
+/// `shunt agent`: runs until SIGINT or SIGTERM, then stops as `--on-exit`
+/// says.
 pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     let source = match args.workloads.clone() {
         Some(path) => {
@@ -480,14 +481,15 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             );
             metrics.watch_kube(source.stats());
             tokio::select! {
-                _ = sigterm.recv() => info!("SIGTERM: unenrolling every pod"),
-                _ = sigint.recv() => info!("SIGINT: unenrolling every pod"),
-                _ = source.run(agent.clone()) => error!("the Kubernetes source stopped; unenrolling every pod"),
+                _ = sigterm.recv() => info!("SIGTERM: stopping"),
+                _ = sigint.recv() => info!("SIGINT: stopping"),
+                _ = source.run(agent.clone()) => error!("the Kubernetes source stopped; stopping"),
             }
-            return shutdown(agent, proxy, args.drain_seconds).await;
+            return shutdown(agent, proxy, &args).await;
         }
     };
     let mut seen = file_stamp(&workloads_path);
+    let mut current = initial.clone();
     apply(&agent, initial).await;
     // Every pod the source knows is enrolled now: anything else pinned is a
     // previous agent's leftover.
@@ -495,10 +497,15 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     let _ = tokio::task::spawn_blocking(move || lock(&agent_for_cleanup).remove_stale()).await;
     let mut tick = tokio::time::interval(Duration::from_secs(args.reload_interval.max(1)));
     tick.tick().await;
+    // The verifier re-applies the same workloads: reconcile checks every
+    // enrolled pod and repairs (and counts) what someone removed.
+    let mut verify = tokio::time::interval(Duration::from_secs(args.verify_interval.max(1)));
+    verify.tick().await;
     loop {
         tokio::select! {
-            _ = sigterm.recv() => { info!("SIGTERM: unenrolling every pod"); break; }
-            _ = sigint.recv() => { info!("SIGINT: unenrolling every pod"); break; }
+            _ = sigterm.recv() => { info!("SIGTERM: stopping"); break; }
+            _ = sigint.recv() => { info!("SIGINT: stopping"); break; }
+            _ = verify.tick() => apply(&agent, current.clone()).await,
             _ = tick.tick() => {
                 let stamp = file_stamp(&workloads_path);
                 if stamp == seen {
@@ -508,6 +515,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
                 match local::load(&workloads_path, &args.node_name) {
                     Ok(workloads) => {
                         info!(file = %workloads_path.display(), "workloads file changed; reconciling");
+                        current = workloads.clone();
                         apply(&agent, workloads).await;
                     }
                     // Keep what is enrolled: a bad edit must lose nothing.
@@ -516,7 +524,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             }
         }
     }
-    shutdown(agent, proxy, args.drain_seconds).await
+    shutdown(agent, proxy, &args).await
 }
 
 /// Binds `/metrics` (--metrics-addr) and `/healthz/ready`
@@ -581,17 +589,29 @@ enum PodSource {
     Kube(::kube::Client),
 }
 
-/// Unenrols every pod (no new connection is captured), lets the proxy's
-/// connections in flight finish within the grace period, and reports the
-/// agent stopped.
+/// With `--on-exit unenrol`, unenrols every pod (no new connection is
+/// captured); with `keep`, leaves redirection to the next agent. Then lets
+/// the proxy's connections in flight finish within the grace period, and
+/// reports the agent stopped.
 async fn shutdown(
     agent: SharedAgent,
     proxy: Option<ProxyHandle>,
-    drain_seconds: u64,
+    args: &AgentArgs,
 ) -> Result<(), AgentError> {
-    let _ = tokio::task::spawn_blocking(move || lock(&agent).unenrol_all()).await;
+    match args.on_exit {
+        OnExit::Unenrol => {
+            info!("unenrolling every pod");
+            let _ = tokio::task::spawn_blocking(move || lock(&agent).unenrol_all()).await;
+        }
+        OnExit::Keep => info!(
+            "leaving every pod enrolled for the next agent (--on-exit keep); pods without a proxy fail closed until it starts"
+        ),
+    }
     if let Some(handle) = proxy {
-        let cut = handle.proxy.drain(Duration::from_secs(drain_seconds)).await;
+        let cut = handle
+            .proxy
+            .drain(Duration::from_secs(args.drain_seconds))
+            .await;
         if cut > 0 {
             warn!(
                 connections = cut,

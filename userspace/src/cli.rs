@@ -24,7 +24,8 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Run the node agent: enrol this node's mesh pods and keep them enrolled
-    /// until SIGINT/SIGTERM, which unenrols them cleanly.
+    /// until SIGINT/SIGTERM (which unenrols them cleanly, or leaves them to
+    /// the next agent with --on-exit keep).
     Agent(Box<AgentArgs>),
     /// Show the pods a running agent knows about: enrolment, hooks, counters.
     Status(StatusArgs),
@@ -75,6 +76,18 @@ pub struct AgentArgs {
     /// SHUNT_ORIG_DST map; shunt only redirects).
     #[arg(long, value_enum, default_value_t = ProxyKind::Builtin)]
     pub proxy: ProxyKind,
+
+    /// What SIGINT/SIGTERM does to the pods: `unenrol` takes every pod out of
+    /// the mesh cleanly (nothing left behind); `keep` leaves redirection in
+    /// place for the next agent (a DaemonSet rolling update: no pod flaps,
+    /// pods fail closed until the new agent's proxy listens).
+    #[arg(long, value_enum, default_value_t = OnExit::Unenrol)]
+    pub on_exit: OnExit,
+
+    /// How often every enrolled pod is checked (programs or rules present,
+    /// proxy listening) and repaired, in seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10)]
+    pub verify_interval: u64,
 
     /// How long in-flight connections may finish after SIGTERM, in seconds.
     #[arg(long, value_name = "SECONDS", default_value_t = 5)]
@@ -159,6 +172,12 @@ pub struct LogArgs {
     /// overrides it). Kernel-side messages come from the `shunt_ebpf` target.
     #[arg(long, value_name = "FILTER", default_value = "info")]
     pub log_level: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OnExit {
+    Unenrol,
+    Keep,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
