@@ -70,6 +70,9 @@ pub struct ProxyHandle {
     pub runtime: tokio::runtime::Handle,
     /// Every workload the source knows, for the proxy's destination lookups.
     pub workloads: Arc<RwLock<WorkloadStore>>,
+    /// The store is fed by cluster-wide discovery (Kubernetes), not by the
+    /// node's reconcile, which only sees this node's pods.
+    pub cluster_discovery: bool,
 }
 
 /// What the agent knows and owns for its node.
@@ -124,7 +127,7 @@ impl NodeAgent {
     /// knows; only this node's are acted on).
     pub fn reconcile(&mut self, trust_domain: TrustDomain, workloads: Vec<Workload>) {
         self.trust_domain = trust_domain;
-        if let Some(handle) = &self.proxy {
+        if let Some(handle) = self.proxy.as_ref().filter(|h| !h.cluster_discovery) {
             let changes = handle
                 .workloads
                 .write()
@@ -473,6 +476,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         PodSource::File { path, initial } => (path, initial),
         PodSource::Kube(client) => {
             use crate::control::kube::{KubeOptions, KubeSource, ProcScanResolver};
+            let client_for_discovery = client.clone();
             // Pods' netns are found through /proc (the agent runs with hostPID).
             let source = KubeSource::new(
                 client,
@@ -480,6 +484,26 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
                 Arc::new(ProcScanResolver::default()),
             );
             metrics.watch_kube(source.stats());
+            // The proxy must know every pod of the cluster (who a peer IP
+            // is, which identity it speaks), not only this node's.
+            if let Some(handle) = &proxy {
+                let discovery = crate::control::kube::ClusterWorkloads::new(client_for_discovery.clone());
+                let mut snapshots = discovery.subscribe();
+                tokio::spawn(discovery.run().instrument(info_span!("discovery")));
+                let store = handle.workloads.clone();
+                tokio::spawn(async move {
+                    while snapshots.changed().await.is_ok() {
+                        let snapshot = snapshots.borrow_and_update().clone();
+                        let changes = store
+                            .write()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .replace_all(snapshot.iter().cloned());
+                        if !changes.is_empty() {
+                            info!(workloads = snapshot.len(), added = changes.added.len(), removed = changes.removed.len(), "cluster workloads updated");
+                        }
+                    }
+                });
+            }
             tokio::select! {
                 _ = sigterm.recv() => info!("SIGTERM: stopping"),
                 _ = sigint.recv() => info!("SIGINT: stopping"),
@@ -575,6 +599,7 @@ async fn start_proxy(
         proxy,
         runtime: tokio::runtime::Handle::current(),
         workloads,
+        cluster_discovery: args.workloads.is_none(),
     })
 }
 

@@ -1370,7 +1370,10 @@ fn api_verbs(source: &str) -> BTreeSet<&'static str> {
 fn api_calls_in_code() -> BTreeSet<(String, String, String)> {
     let mut found = BTreeSet::new();
     for (path, source) in rust_sources("userspace/src") {
-        let code = source.split("#[cfg(test)]").next().unwrap_or_default();
+        // The file's test module (always last) makes no calls of the agent.
+        let code = source
+            .find("#[cfg(test)]\nmod ")
+            .map_or(source.as_str(), |at| &source[..at]);
         if !code.contains("kube::") && !code.contains("Api::") && !code.contains("Api<") {
             continue;
         }
