@@ -394,7 +394,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     };
     let trust_domain = match &source {
         PodSource::File { initial, .. } => initial.trust_domain.clone(),
-        PodSource::Kube(_) => TrustDomain::default(),
+        PodSource::Kube(_) => args.trust_domain.clone(),
     };
     check_cgroup_root(args.cgroup_root.as_deref())?;
 

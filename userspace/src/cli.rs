@@ -46,6 +46,11 @@ pub struct AgentArgs {
     #[arg(long, value_name = "FILE")]
     pub workloads: Option<PathBuf>,
 
+    /// The SPIFFE trust domain of the mesh's identities, when pods come from
+    /// Kubernetes (a workloads file names its own `trustDomain`).
+    #[arg(long, value_name = "DOMAIN", default_value = "cluster.local")]
+    pub trust_domain: crate::state::TrustDomain,
+
     /// How to redirect pod traffic: `ebpf` (programs in each pod's netns),
     /// `iptables` (rules in each pod's netns), or `auto` (eBPF when the
     /// kernel has every hook it needs).
