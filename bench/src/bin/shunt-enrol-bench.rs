@@ -1,0 +1,209 @@
+//! What redirection itself costs, apart from the proxy: the time to enrol
+//! (and unenrol) a pod in each mode, and the connect latency an outbound
+//! redirect adds. Run as root:
+//!
+//! `cargo run --release -p shunt-bench --bin shunt-enrol-bench -- --pods 100 --connects 2000`
+//!
+//! Connect latency is measured by a child process (this binary again, in
+//! `connect-loop` mode) that runs inside the client pod's netns and in a
+//! cgroup below the redirector's cgroup root, as a pod's application would;
+//! it connects to a listener that accepts and closes. "direct" goes to the
+//! listener's own address with the pod not enrolled; "ebpf" goes to the same
+//! address with the pod enrolled (connect4 rewrites it to 127.0.0.1:15001,
+//! where a second listener stands in for the proxy); "iptables" the same
+//! through nat OUTPUT REDIRECT.
+
+use std::{
+    net::{SocketAddr, TcpListener, TcpStream},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+use clap::Parser;
+use shunt::{
+    redirect::{
+        Capture, PodTarget, Redirector,
+        ebpf::{EbpfOptions, EbpfRedirector},
+        iptables::{IptablesOptions, IptablesRedirector},
+    },
+    state::WorkloadKey,
+};
+use shunt_testbed::{Cgroup, Pod, Topology, agent::PinDir, require_root};
+
+#[derive(Parser)]
+struct Args {
+    /// Pods to enrol and unenrol per mode.
+    #[arg(long, default_value_t = 100)]
+    pods: usize,
+    /// Connects per path for the latency figure.
+    #[arg(long, default_value_t = 2000)]
+    connects: usize,
+    /// Internal: run the connect loop (inside a pod) and print latencies.
+    #[arg(long, hide = true, num_args = 2, value_names = ["ADDR", "N"])]
+    connect_loop: Option<Vec<String>>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if let Some(loop_args) = &args.connect_loop {
+        return connect_loop(loop_args);
+    }
+    require_root()?;
+    let mut topo = Topology::new("enrolbench")?;
+    topo.add_node("node-a")?;
+    let pods: Vec<Pod> = (0..args.pods.clamp(2, 200))
+        .map(|i| topo.add_pod("node-a", &format!("p{i}")))
+        .collect::<Result<_, _>>()?;
+    let apps = Cgroup::create(&topo, "apps")?;
+    let pin = PinDir::new(&topo, "bench");
+
+    println!("enrolment time per pod ({} pods):", pods.len());
+    let mut options = EbpfOptions::new(pin.path());
+    options.cgroup_root = Some(topo.cgroup_root()?);
+    let mut ebpf = EbpfRedirector::load(&options).context("loading the eBPF redirector")?;
+    let (enrol, unenrol) = enrol_all(&mut ebpf, &pods)?;
+    println!("  ebpf      enrol {}   unenrol {}", summary(&enrol), summary(&unenrol));
+    let mut iptables = IptablesRedirector::new(IptablesOptions::new("bench"))?;
+    let (enrol, unenrol) = enrol_all(&mut iptables, &pods)?;
+    println!("  iptables  enrol {}   unenrol {}", summary(&enrol), summary(&unenrol));
+
+    // Connect latency: the client is pods[0], the destination pods[1].
+    let (client, server) = (&pods[0], &pods[1]);
+    let target = SocketAddr::from((server.ip(), 8080));
+    let _server = Acceptor::start(server.listen_tcp(target)?);
+    let _proxy = Acceptor::start(client.listen_tcp("127.0.0.1:15001".parse()?)?);
+    println!("connect() latency, {} connects per path (accept and close):", args.connects);
+    let direct = measure(&apps, client, target, args.connects)?;
+    println!("  direct    {}", summary(&direct));
+    ebpf.enrol(&pod_target(client))?;
+    let redirected = measure(&apps, client, target, args.connects)?;
+    ebpf.unenrol(&key(client))?;
+    println!("  ebpf      {}", summary(&redirected));
+    iptables.enrol(&pod_target(client))?;
+    let nat = measure(&apps, client, target, args.connects)?;
+    iptables.unenrol(&key(client))?;
+    println!("  iptables  {}", summary(&nat));
+    Ok(())
+}
+
+fn key(pod: &Pod) -> WorkloadKey {
+    WorkloadKey::new("bench", pod.name())
+}
+
+fn pod_target(pod: &Pod) -> PodTarget {
+    PodTarget {
+        key: key(pod),
+        netns: pod.netns_path(),
+        capture: Capture::all(),
+    }
+}
+
+/// Enrols then unenrols every pod, timing each call.
+fn enrol_all(
+    redirector: &mut dyn Redirector,
+    pods: &[Pod],
+) -> anyhow::Result<(Vec<Duration>, Vec<Duration>)> {
+    let mut enrol = Vec::with_capacity(pods.len());
+    for pod in pods {
+        let start = Instant::now();
+        redirector.enrol(&pod_target(pod))?;
+        enrol.push(start.elapsed());
+    }
+    let mut unenrol = Vec::with_capacity(pods.len());
+    for pod in pods {
+        let start = Instant::now();
+        redirector.unenrol(&key(pod))?;
+        unenrol.push(start.elapsed());
+    }
+    Ok((enrol, unenrol))
+}
+
+/// Runs the connect loop in `pod`, in the apps cgroup; returns latencies.
+fn measure(apps: &Cgroup, pod: &Pod, target: SocketAddr, n: usize) -> anyhow::Result<Vec<Duration>> {
+    let mut cmd = pod.command(std::env::current_exe()?);
+    cmd.arg("--connect-loop").arg(target.to_string()).arg(n.to_string());
+    apps.place(&mut cmd);
+    let out = cmd.output().context("running the connect loop")?;
+    if !out.status.success() {
+        bail!("connect loop failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.trim().parse::<u64>().ok())
+        .map(Duration::from_nanos)
+        .collect())
+}
+
+/// The child: `n` connects, one line of nanoseconds each.
+fn connect_loop(args: &[String]) -> anyhow::Result<()> {
+    let target: SocketAddr = args[0].parse()?;
+    let n: usize = args[1].parse()?;
+    let mut lines = String::new();
+    for _ in 0..n.min(100_000) {
+        let start = Instant::now();
+        let stream = TcpStream::connect_timeout(&target, Duration::from_secs(5))?;
+        let elapsed = start.elapsed();
+        drop(stream);
+        lines.push_str(&format!("{}\n", elapsed.as_nanos()));
+    }
+    print!("{lines}");
+    Ok(())
+}
+
+/// Accepts and closes connections until dropped.
+struct Acceptor {
+    stop: Arc<AtomicBool>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl Acceptor {
+    fn start(listener: TcpListener) -> Acceptor {
+        let stop = Arc::new(AtomicBool::new(false));
+        let _ = listener.set_nonblocking(true);
+        let thread = {
+            let stop = stop.clone();
+            thread::spawn(move || {
+                let start = Instant::now();
+                while !stop.load(Ordering::Relaxed) && start.elapsed() < Duration::from_secs(600) {
+                    match listener.accept() {
+                        Ok((stream, _)) => drop(stream),
+                        Err(_) => thread::sleep(Duration::from_micros(200)),
+                    }
+                }
+            })
+        };
+        Acceptor {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Acceptor {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn summary(samples: &[Duration]) -> String {
+    let mut sorted: Vec<Duration> = samples.to_vec();
+    sorted.sort();
+    let at = |q: f64| sorted[((sorted.len() as f64 - 1.0) * q).round() as usize];
+    if sorted.is_empty() {
+        return "no samples".into();
+    }
+    format!(
+        "p50 {:>9.1?}  p99 {:>9.1?}  max {:>9.1?}",
+        at(0.5),
+        at(0.99),
+        at(1.0)
+    )
+}
