@@ -43,6 +43,7 @@
 //! them inside a cgroup.
 
 pub mod agent;
+pub mod apps;
 mod cgroup;
 mod cmd;
 mod error;

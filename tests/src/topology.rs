@@ -356,6 +356,17 @@ impl Topology {
         Ok(dir)
     }
 
+    /// A topology with one node, `node-a`, and `pods` on it, in order.
+    pub fn single_node(test_name: &str, pods: &[&str]) -> Result<(Topology, Vec<Pod>)> {
+        let mut topology = Topology::new(test_name)?;
+        topology.add_node("node-a")?;
+        let pods = pods
+            .iter()
+            .map(|name| topology.add_pod("node-a", name))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((topology, pods))
+    }
+
     /// Adds node number `nodes().count() + 1`, wires it to the fabric, and
     /// routes between it and every existing node.
     pub fn add_node(&mut self, name: &str) -> Result<Node> {

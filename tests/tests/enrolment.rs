@@ -23,13 +23,7 @@ const TIMEOUT: Duration = Duration::from_secs(20);
 
 fn topology(test: &str, pods: &[&str]) -> (Topology, Vec<Pod>) {
     require_root().expect("kernel tests need root");
-    let mut topo = Topology::new(test).expect("topology");
-    topo.add_node("node-a").expect("node");
-    let pods = pods
-        .iter()
-        .map(|name| topo.add_pod("node-a", name).expect("pod"))
-        .collect();
-    (topo, pods)
+    Topology::single_node(test, pods).expect("topology")
 }
 
 fn pod_status<'a>(status: &'a NodeStatus, pod: &Pod) -> &'a PodStatus {

@@ -48,13 +48,7 @@ const APP_PORT: u16 = 8080;
 
 fn topology(test: &str, pods: &[&str]) -> (Topology, Vec<Pod>) {
     require_root().expect("kernel tests need root");
-    let mut topo = Topology::new(test).expect("topology");
-    topo.add_node("node-a").expect("node");
-    let pods = pods
-        .iter()
-        .map(|name| topo.add_pod("node-a", name).expect("pod"))
-        .collect();
-    (topo, pods)
+    Topology::single_node(test, pods).expect("topology")
 }
 
 /// An owner unique to this topology, so that tests running in parallel (and
@@ -774,7 +768,14 @@ fn agent_binary_in_iptables_mode_enrols_reports_and_cleans_up() {
         node,
         &yaml,
         // The test's listener stands in for the proxy.
-        &["--redirect", "iptables", "--capture", "on", "--proxy", "external"],
+        &[
+            "--redirect",
+            "iptables",
+            "--capture",
+            "on",
+            "--proxy",
+            "external",
+        ],
     )
     .expect("agent");
     let status = agent

@@ -2,99 +2,19 @@
 //! per node, sharing a trust root), real redirection, real HBONE between
 //! them, real application processes. Nothing stands in for anything.
 
-use std::{
-    io::{Read, Write},
-    net::{IpAddr, SocketAddr, TcpListener, TcpStream},
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
-    },
-    thread,
-    time::{Duration, Instant},
-};
+use std::{net::IpAddr, time::Duration};
 
 use serde_json::Value;
 use shunt::admin::{NodeStatus, PodState};
 use shunt_testbed::{
-    Cgroup, Pod, Topology,
+    Cgroup, Topology,
     agent::{Agent, WorkloadSpec, workloads_yaml},
+    apps::{EchoServer, TestApp},
     require_root,
 };
 
 const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
 const TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Echoes every connection; records each peer address.
-struct Echo {
-    peers: Arc<Mutex<Vec<SocketAddr>>>,
-    stop: Arc<AtomicBool>,
-    thread: Option<thread::JoinHandle<()>>,
-}
-
-impl Echo {
-    fn start(pod: &Pod, port: u16) -> Echo {
-        let listener: TcpListener = pod
-            .listen_tcp(SocketAddr::from((pod.ip(), port)))
-            .expect("listen");
-        listener.set_nonblocking(true).expect("nonblocking");
-        let peers = Arc::new(Mutex::new(Vec::new()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let (peers, stop) = (peers.clone(), stop.clone());
-            thread::spawn(move || {
-                let start = Instant::now();
-                while !stop.load(Ordering::Relaxed) && start.elapsed() < Duration::from_secs(300) {
-                    match listener.accept() {
-                        Ok((stream, peer)) => {
-                            peers.lock().expect("lock").push(peer);
-                            thread::spawn(move || echo(stream));
-                        }
-                        Err(_) => thread::sleep(Duration::from_millis(5)),
-                    }
-                }
-            })
-        };
-        Echo {
-            peers,
-            stop,
-            thread: Some(thread),
-        }
-    }
-
-    fn peers(&self) -> Vec<SocketAddr> {
-        self.peers.lock().expect("lock").clone()
-    }
-}
-
-impl Drop for Echo {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
-
-fn echo(mut stream: TcpStream) {
-    let _ = stream.set_nonblocking(false);
-    let _ = stream.set_read_timeout(Some(TIMEOUT));
-    let mut buf = [0u8; 64 * 1024];
-    while let Ok(n) = stream.read(&mut buf) {
-        if n == 0 || stream.write_all(&buf[..n]).is_err() {
-            break;
-        }
-    }
-}
-
-fn app(apps: &Cgroup, pod: &Pod, args: &[&str]) -> Value {
-    let mut cmd = pod.command(TESTAPP);
-    cmd.args(args);
-    apps.place(&mut cmd);
-    let out = cmd.output().expect("run testapp");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(stdout.lines().last().unwrap_or("{}"))
-        .unwrap_or_else(|e| panic!("testapp printed {stdout:?}: {e}"))
-}
 
 fn all_enrolled(status: &NodeStatus) -> bool {
     status
@@ -123,6 +43,7 @@ fn mesh_end_to_end(mode: &str) {
     let server = topo.add_pod("node-b", "server").expect("pod");
     let outsider = topo.add_pod("node-b", "outsider").expect("pod");
     let apps = Cgroup::create(&topo, "apps").expect("cgroup");
+    let apps = TestApp::new(TESTAPP, &apps);
     let yaml = workloads_yaml(&[
         WorkloadSpec::for_pod(&client, true),
         WorkloadSpec::for_pod(&neighbour, true),
@@ -140,17 +61,13 @@ fn mesh_end_to_end(mode: &str) {
             .expect("enrolled");
         assert_eq!(status.mode, mode);
     }
-    let server_app = Echo::start(&server, 8080);
-    let neighbour_app = Echo::start(&neighbour, 8080);
-    let outsider_app = Echo::start(&outsider, 8080);
+    let server_app = EchoServer::on(&server, 8080).expect("echo");
+    let neighbour_app = EchoServer::on(&neighbour, 8080).expect("echo");
+    let outsider_app = EchoServer::on(&outsider, 8080).expect("echo");
 
     // Cross-node, mesh to mesh: HBONE from node-a's proxy to node-b's.
     let to_server = format!("{}:8080", server.ip());
-    let report = app(
-        &apps,
-        &client,
-        &["connect", &to_server, "--send", "1048576"],
-    );
+    let report = apps.run(&client, &["connect", &to_server, "--send", "1048576"]);
     assert_eq!(
         report["intact"],
         Value::Bool(true),
@@ -163,22 +80,14 @@ fn mesh_end_to_end(mode: &str) {
 
     // Same node, mesh to mesh: still HBONE, through the inbound checks.
     let to_neighbour = format!("{}:8080", neighbour.ip());
-    let report = app(
-        &apps,
-        &client,
-        &["connect", &to_neighbour, "--send", "65536"],
-    );
+    let report = apps.run(&client, &["connect", &to_neighbour, "--send", "65536"]);
     assert_eq!(report["intact"], Value::Bool(true), "{report}");
     assert!(proxy_stat(&agent_a, |p| p.inbound_hbone) >= 1);
     assert_eq!(neighbour_app.peers().len(), 1);
 
     // Mesh to a pod outside the mesh: plain TCP from the client's own IP.
     let to_outsider = format!("{}:8080", outsider.ip());
-    let report = app(
-        &apps,
-        &client,
-        &["connect", &to_outsider, "--send", "65536"],
-    );
+    let report = apps.run(&client, &["connect", &to_outsider, "--send", "65536"]);
     assert_eq!(report["intact"], Value::Bool(true), "{report}");
     assert!(proxy_stat(&agent_a, |p| p.outbound_passthrough) >= 1);
     let peers = outsider_app.peers();
@@ -190,11 +99,7 @@ fn mesh_end_to_end(mode: &str) {
     );
 
     // From outside the mesh to a mesh pod: inbound plaintext through 15006.
-    let report = app(
-        &apps,
-        &outsider,
-        &["connect", &to_server, "--send", "65536"],
-    );
+    let report = apps.run(&outsider, &["connect", &to_server, "--send", "65536"]);
     assert_eq!(report["intact"], Value::Bool(true), "{report}");
     assert!(proxy_stat(&agent_b, |p| p.inbound_plaintext) >= 1);
     assert_eq!(server_app.peers().len(), 2);

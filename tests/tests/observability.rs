@@ -7,11 +7,7 @@
 use std::{
     collections::BTreeMap,
     io::{Read, Write},
-    net::{SocketAddr, TcpListener, TcpStream},
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
+    net::SocketAddr,
     thread,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
@@ -19,8 +15,9 @@ use std::{
 use serde_json::Value;
 use shunt::admin::{NodeStatus, PodState};
 use shunt_testbed::{
-    Cgroup, Node, Pod, Topology,
+    Cgroup, Node, Topology,
     agent::{Agent, WorkloadSpec, shunt_binary, workloads_yaml},
+    apps::{EchoServer, TestApp},
     require_root,
 };
 
@@ -360,69 +357,6 @@ fn all_enrolled(status: &NodeStatus) -> bool {
 // ---------------------------------------------------------------------------
 // An echo server in a pod and the test application.
 
-struct Echo {
-    stop: Arc<AtomicBool>,
-    thread: Option<thread::JoinHandle<()>>,
-}
-
-impl Echo {
-    fn start(pod: &Pod, port: u16) -> Echo {
-        let listener: TcpListener = pod
-            .listen_tcp(SocketAddr::from((pod.ip(), port)))
-            .expect("listen");
-        listener.set_nonblocking(true).expect("nonblocking");
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let stop = stop.clone();
-            thread::spawn(move || {
-                let start = Instant::now();
-                while !stop.load(Ordering::Relaxed) && start.elapsed() < Duration::from_secs(300) {
-                    match listener.accept() {
-                        Ok((stream, _)) => {
-                            thread::spawn(move || echo(stream));
-                        }
-                        Err(_) => thread::sleep(Duration::from_millis(5)),
-                    }
-                }
-            })
-        };
-        Echo {
-            stop,
-            thread: Some(thread),
-        }
-    }
-}
-
-impl Drop for Echo {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
-
-fn echo(mut stream: TcpStream) {
-    let _ = stream.set_nonblocking(false);
-    let _ = stream.set_read_timeout(Some(TIMEOUT));
-    let mut buf = [0u8; 64 * 1024];
-    while let Ok(n) = stream.read(&mut buf) {
-        if n == 0 || stream.write_all(&buf[..n]).is_err() {
-            break;
-        }
-    }
-}
-
-fn app(apps: &Cgroup, pod: &Pod, args: &[&str]) -> Value {
-    let mut cmd = pod.command(TESTAPP);
-    cmd.args(args);
-    apps.place(&mut cmd);
-    let out = cmd.output().expect("run testapp");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(stdout.lines().last().unwrap_or("{}"))
-        .unwrap_or_else(|e| panic!("testapp printed {stdout:?}: {e}"))
-}
-
 fn now_unix() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -446,6 +380,7 @@ fn a_mesh_connection_moves_istio_tcp_metrics_on_both_nodes() {
     let client = topo.add_pod("node-a", "client").expect("pod");
     let server = topo.add_pod("node-b", "server").expect("pod");
     let apps = Cgroup::create(&topo, "apps").expect("cgroup");
+    let apps = TestApp::new(TESTAPP, &apps);
     let yaml = workloads_yaml(&[
         WorkloadSpec::for_pod(&client, true),
         WorkloadSpec::for_pod(&server, true),
@@ -460,7 +395,7 @@ fn a_mesh_connection_moves_istio_tcp_metrics_on_both_nodes() {
             .wait_for("mesh pods enrolled", TIMEOUT, all_enrolled)
             .expect("enrolled");
     }
-    let _server_app = Echo::start(&server, 8080);
+    let _server_app = EchoServer::on(&server, 8080).expect("echo");
 
     let client_id = "spiffe://cluster.local/ns/default/sa/sa-client";
     let server_id = "spiffe://cluster.local/ns/default/sa/sa-server";
@@ -487,8 +422,7 @@ fn a_mesh_connection_moves_istio_tcp_metrics_on_both_nodes() {
 
     const SENT: usize = 300_000;
     let to_server = format!("{}:8080", server.ip());
-    let report = app(
-        &apps,
+    let report = apps.run(
         &client,
         &["connect", &to_server, "--send", &SENT.to_string()],
     );

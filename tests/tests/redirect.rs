@@ -5,14 +5,10 @@
 //! cgroup root, as a pod's containers are below a node's.
 
 use std::{
-    io::{Read, Write},
-    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream},
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
-    },
+    net::{Ipv4Addr, TcpListener},
+    sync::Arc,
     thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use serde_json::Value;
@@ -27,6 +23,7 @@ use shunt_common::PodCounters;
 use shunt_testbed::{
     Cgroup, Pod, Topology,
     agent::{Agent, PinDir, WorkloadSpec, workloads_yaml},
+    apps::{EchoServer, TestApp, ok},
     inspect, require_root,
 };
 
@@ -42,12 +39,7 @@ struct Bed {
 
 fn bed(test: &str, pods: &[&str]) -> Bed {
     require_root().expect("kernel tests need root");
-    let mut topo = Topology::new(test).expect("topology");
-    topo.add_node("node-a").expect("node");
-    let pods = pods
-        .iter()
-        .map(|name| topo.add_pod("node-a", name).expect("pod"))
-        .collect();
+    let (topo, pods) = Topology::single_node(test, pods).expect("topology");
     let apps = Cgroup::create(&topo, "apps").expect("cgroup");
     let pin = PinDir::new(&topo, "redirect");
     Bed {
@@ -71,13 +63,7 @@ impl Bed {
     /// Runs `shunt-testapp ARGS` as a process in `pod`'s netns and in the
     /// apps cgroup; returns its JSON report.
     fn app(&self, pod: &Pod, args: &[&str]) -> Value {
-        let mut cmd = pod.command(TESTAPP);
-        cmd.args(args);
-        self.apps.place(&mut cmd);
-        let out = cmd.output().expect("run testapp");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let line = stdout.lines().last().unwrap_or("{}");
-        serde_json::from_str(line).unwrap_or_else(|e| panic!("testapp printed {stdout:?}: {e}"))
+        TestApp::new(TESTAPP, &self.apps).run(pod, args)
     }
 }
 
@@ -98,89 +84,8 @@ fn counters(redirector: &EbpfRedirector, pod: &Pod) -> PodCounters {
         .unwrap_or_else(|| panic!("pod {} not enrolled", pod.name()))
 }
 
-/// What a listener accepted.
-#[derive(Clone, Debug)]
-struct Accepted {
-    local: SocketAddr,
-    peer: SocketAddr,
-    original: Option<SocketAddr>,
-}
-
-/// A listener that echoes every connection and records it; with a resolver,
-/// it also records each connection's original destination (as the proxy
-/// will). Stops on drop.
-struct EchoServer {
-    accepted: Arc<Mutex<Vec<Accepted>>>,
-    stop: Arc<AtomicBool>,
-    thread: Option<thread::JoinHandle<()>>,
-}
-
-impl EchoServer {
-    fn start(listener: TcpListener, resolver: Option<Arc<dyn OriginalDst>>) -> EchoServer {
-        listener.set_nonblocking(true).expect("nonblocking");
-        let accepted = Arc::new(Mutex::new(Vec::new()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let accepted = accepted.clone();
-            let stop = stop.clone();
-            thread::spawn(move || {
-                let start = Instant::now();
-                while !stop.load(Ordering::Relaxed) && start.elapsed() < Duration::from_secs(120) {
-                    match listener.accept() {
-                        Ok((stream, peer)) => {
-                            let original =
-                                resolver.as_ref().and_then(|r| r.original_dst(&stream).ok());
-                            let local = stream.local_addr().expect("local addr");
-                            accepted.lock().expect("lock").push(Accepted {
-                                local,
-                                peer,
-                                original,
-                            });
-                            thread::spawn(move || echo(stream));
-                        }
-                        Err(_) => thread::sleep(Duration::from_millis(5)),
-                    }
-                }
-            })
-        };
-        EchoServer {
-            accepted,
-            stop,
-            thread: Some(thread),
-        }
-    }
-
-    fn accepted(&self) -> Vec<Accepted> {
-        self.accepted.lock().expect("lock").clone()
-    }
-}
-
-impl Drop for EchoServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
-
-fn echo(mut stream: TcpStream) {
-    let _ = stream.set_nonblocking(false);
-    let _ = stream.set_read_timeout(Some(TIMEOUT));
-    let mut buf = [0u8; 16 * 1024];
-    while let Ok(n) = stream.read(&mut buf) {
-        if n == 0 || stream.write_all(&buf[..n]).is_err() {
-            break;
-        }
-    }
-}
-
 fn listen(pod: &Pod, addr: &str) -> TcpListener {
     pod.listen_tcp(addr.parse().expect("addr")).expect("listen")
-}
-
-fn ok(report: &Value) -> bool {
-    report["ok"] == Value::Bool(true) && report["intact"] != Value::Bool(false)
 }
 
 #[test]

@@ -779,7 +779,10 @@ fn check_counters(status: Option<&NodeStatus>, expect_activity: bool, problems: 
             ("HBONE out (client -> server)", proxy.outbound_hbone),
             ("HBONE in (client -> server)", proxy.inbound_hbone),
             ("plaintext in (outsider -> server)", proxy.inbound_plaintext),
-            ("passthrough (client -> outsider)", proxy.outbound_passthrough),
+            (
+                "passthrough (client -> outsider)",
+                proxy.outbound_passthrough,
+            ),
         ] {
             if count == 0 {
                 problems.push(format!("no connection went through the proxy's {path}"));

@@ -1,0 +1,166 @@
+//! Applications for kernel tests: an echo server that records what it
+//! accepted, and `shunt-testapp` runs as pod processes in a cgroup (so the
+//! socket programs see them as they see a pod's containers).
+
+use std::{
+    io::{Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream},
+    path::PathBuf,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+use shunt::redirect::OriginalDst;
+
+use crate::{Cgroup, Pod};
+
+/// How long an echo connection may sit idle, and the server's whole life.
+const IDLE: Duration = Duration::from_secs(30);
+const LIFETIME: Duration = Duration::from_secs(300);
+
+/// What an [`EchoServer`] accepted.
+#[derive(Clone, Debug)]
+pub struct Accepted {
+    pub local: SocketAddr,
+    pub peer: SocketAddr,
+    /// The connection's original destination, when the server was given a
+    /// resolver (as the proxy has one).
+    pub original: Option<SocketAddr>,
+}
+
+/// A listener that echoes every connection (a thread each) and records it.
+/// Stops on drop.
+pub struct EchoServer {
+    accepted: Arc<Mutex<Vec<Accepted>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl EchoServer {
+    /// Serves `listener` (bind it inside a pod with [`Pod::listen_tcp`]).
+    pub fn start(listener: TcpListener, resolver: Option<Arc<dyn OriginalDst>>) -> EchoServer {
+        let accepted = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        // A non-blocking accept loop notices `stop` without a wake-up
+        // connection.
+        let nonblocking = listener.set_nonblocking(true).is_ok();
+        let thread = {
+            let (accepted, stop) = (accepted.clone(), stop.clone());
+            thread::spawn(move || {
+                let start = Instant::now();
+                while nonblocking && !stop.load(Ordering::Relaxed) && start.elapsed() < LIFETIME {
+                    match listener.accept() {
+                        Ok((stream, peer)) => {
+                            let original =
+                                resolver.as_ref().and_then(|r| r.original_dst(&stream).ok());
+                            if let Ok(local) = stream.local_addr() {
+                                lock(&accepted).push(Accepted {
+                                    local,
+                                    peer,
+                                    original,
+                                });
+                            }
+                            thread::spawn(move || echo(stream));
+                        }
+                        Err(_) => thread::sleep(Duration::from_millis(5)),
+                    }
+                }
+            })
+        };
+        EchoServer {
+            accepted,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// An echo server on `pod`'s IP and `port`.
+    pub fn on(pod: &Pod, port: u16) -> crate::Result<EchoServer> {
+        let listener = pod.listen_tcp(SocketAddr::from((pod.ip(), port)))?;
+        Ok(Self::start(listener, None))
+    }
+
+    pub fn accepted(&self) -> Vec<Accepted> {
+        lock(&self.accepted).clone()
+    }
+
+    pub fn peers(&self) -> Vec<SocketAddr> {
+        self.accepted().into_iter().map(|a| a.peer).collect()
+    }
+}
+
+impl Drop for EchoServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn echo(mut stream: TcpStream) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_read_timeout(Some(IDLE));
+    let mut buf = [0u8; 64 * 1024];
+    while let Ok(n) = stream.read(&mut buf) {
+        if n == 0 || stream.write_all(&buf[..n]).is_err() {
+            break;
+        }
+    }
+}
+
+/// `shunt-testapp` (tests/src/bin) run as a pod's application: inside the
+/// pod's netns and in `cgroup`.
+pub struct TestApp<'a> {
+    binary: PathBuf,
+    cgroup: &'a Cgroup,
+}
+
+impl<'a> TestApp<'a> {
+    /// `binary` is `env!("CARGO_BIN_EXE_shunt-testapp")` in this crate's
+    /// tests.
+    pub fn new(binary: impl Into<PathBuf>, cgroup: &'a Cgroup) -> Self {
+        Self {
+            binary: binary.into(),
+            cgroup,
+        }
+    }
+
+    /// Runs `shunt-testapp ARGS` in `pod` and returns its JSON report (a
+    /// report with `"ok": false` when it could not even start).
+    pub fn run(&self, pod: &Pod, args: &[&str]) -> Value {
+        let mut cmd = pod.command(&self.binary);
+        cmd.args(args);
+        self.cgroup.place(&mut cmd);
+        let out = match cmd.output() {
+            Ok(out) => out,
+            Err(e) => return serde_json::json!({"ok": false, "error": e.to_string()}),
+        };
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        serde_json::from_str(stdout.lines().last().unwrap_or("")).unwrap_or_else(|e| {
+            serde_json::json!({"ok": false, "error": format!("testapp printed {stdout:?}: {e}")})
+        })
+    }
+
+    /// A `std::process::Command` for a long-running testapp (e.g. `hold`).
+    pub fn command(&self, pod: &Pod, args: &[&str]) -> std::process::Command {
+        let mut cmd = pod.command(&self.binary);
+        cmd.args(args);
+        self.cgroup.place(&mut cmd);
+        cmd
+    }
+}
+
+/// True when a testapp report says the exchange worked and the echo matched.
+pub fn ok(report: &Value) -> bool {
+    report["ok"] == Value::Bool(true) && report["intact"] != Value::Bool(false)
+}
