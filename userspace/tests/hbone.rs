@@ -69,11 +69,10 @@ async fn cross_node_and_same_node_streams_carry_bytes() {
     assert_eq!(a.bytes_in, 36);
 }
 
-/// 256 MiB (the issue asks for 1 GiB; 256 MiB keeps CI time sane in debug
-/// builds) through two proxies, hashed on arrival.
+/// 1 GiB through two proxies, hashed on arrival.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_transfer_arrives_intact() {
-    const TOTAL: usize = 256 * 1024 * 1024;
+    const TOTAL: usize = 1024 * 1024 * 1024;
     let m = mesh("hbone-large").await;
     m.hash_server("server-b", 9000);
     let mut s = m
@@ -86,11 +85,11 @@ async fn large_transfer_arrives_intact() {
     let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
     let mut sent = 0;
     while sent < TOTAL {
-        for b in chunk.iter_mut() {
+        for word in chunk.chunks_exact_mut(8) {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            *b = x as u8;
+            word.copy_from_slice(&x.to_le_bytes());
         }
         expected.update(&chunk);
         tokio::time::timeout(Duration::from_secs(60), s.write_all(&chunk))
@@ -112,8 +111,8 @@ async fn large_transfer_arrives_intact() {
         "hash matches on arrival"
     );
     eprintln!(
-        "256 MiB through two proxies in {elapsed:?} ({:.0} MiB/s, debug build)",
-        256.0 / elapsed.as_secs_f64()
+        "1 GiB through two proxies in {elapsed:?} ({:.0} MiB/s, debug build)",
+        1024.0 / elapsed.as_secs_f64()
     );
     let a = m.nodes["node-a"].proxy.stats();
     assert_eq!(a.bytes_out, TOTAL as u64);
