@@ -881,9 +881,14 @@ async fn shunt_agent_binary_without_workloads_watches_kubernetes() {
     let h = Harness::new("kube-binary", &["web"]).await;
     let _process = h.pod_process("shop", "web").await;
     let kubeconfig = h.server.write_kubeconfig(h.dir.path());
-    let admin = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free loopback port");
+    // This agent runs in the test's own netns: every port it serves goes on
+    // a free loopback port, never on the node-wide defaults.
+    let free_port = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free loopback port")
+    };
+    let (admin, metrics, readiness) = (free_port(), free_port(), free_port());
     let log_path = h.dir.path().join("agent.log");
     let log = std::fs::File::create(&log_path).expect("log file");
     let child = std::process::Command::new(env!("CARGO_BIN_EXE_shunt"))
@@ -895,6 +900,10 @@ async fn shunt_agent_binary_without_workloads_watches_kubernetes() {
         .arg(h.topo.cgroup_root().expect("topology cgroup"))
         .arg("--admin-addr")
         .arg(admin.to_string())
+        .arg("--metrics-addr")
+        .arg(metrics.to_string())
+        .arg("--readiness-addr")
+        .arg(readiness.to_string())
         .arg("--ca-dir")
         .arg(h.dir.path().join("ca"))
         .env("NODE_NAME", NODE)
