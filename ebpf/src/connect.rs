@@ -127,7 +127,10 @@ fn claim(ctx: &SockAddrContext, slot: u32, listening: bool, original: &OriginalD
     };
     if !listening {
         stats.outbound_fail_closed += 1;
-        debug!(ctx, "pod slot {}: no outbound listener; connect refused", slot);
+        debug!(
+            ctx,
+            "pod slot {}: no outbound listener; connect refused", slot
+        );
         return false;
     }
     // SAFETY: the helper only reads the socket behind the context.

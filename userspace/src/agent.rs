@@ -487,7 +487,8 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             // The proxy must know every pod of the cluster (who a peer IP
             // is, which identity it speaks), not only this node's.
             if let Some(handle) = &proxy {
-                let discovery = crate::control::kube::ClusterWorkloads::new(client_for_discovery.clone());
+                let discovery =
+                    crate::control::kube::ClusterWorkloads::new(client_for_discovery.clone());
                 let mut snapshots = discovery.subscribe();
                 tokio::spawn(discovery.run().instrument(info_span!("discovery")));
                 let store = handle.workloads.clone();
@@ -499,7 +500,12 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
                             .unwrap_or_else(|p| p.into_inner())
                             .replace_all(snapshot.iter().cloned());
                         if !changes.is_empty() {
-                            info!(workloads = snapshot.len(), added = changes.added.len(), removed = changes.removed.len(), "cluster workloads updated");
+                            info!(
+                                workloads = snapshot.len(),
+                                added = changes.added.len(),
+                                removed = changes.removed.len(),
+                                "cluster workloads updated"
+                            );
                         }
                     }
                 });

@@ -67,17 +67,28 @@ fn main() -> anyhow::Result<()> {
     options.cgroup_root = Some(topo.cgroup_root()?);
     let mut ebpf = EbpfRedirector::load(&options).context("loading the eBPF redirector")?;
     let (enrol, unenrol) = enrol_all(&mut ebpf, &pods)?;
-    println!("  ebpf      enrol {}   unenrol {}", summary(&enrol), summary(&unenrol));
+    println!(
+        "  ebpf      enrol {}   unenrol {}",
+        summary(&enrol),
+        summary(&unenrol)
+    );
     let mut iptables = IptablesRedirector::new(IptablesOptions::new("bench"))?;
     let (enrol, unenrol) = enrol_all(&mut iptables, &pods)?;
-    println!("  iptables  enrol {}   unenrol {}", summary(&enrol), summary(&unenrol));
+    println!(
+        "  iptables  enrol {}   unenrol {}",
+        summary(&enrol),
+        summary(&unenrol)
+    );
 
     // Connect latency: the client is pods[0], the destination pods[1].
     let (client, server) = (&pods[0], &pods[1]);
     let target = SocketAddr::from((server.ip(), 8080));
     let _server = Acceptor::start(server.listen_tcp(target)?);
     let _proxy = Acceptor::start(client.listen_tcp("127.0.0.1:15001".parse()?)?);
-    println!("connect() latency, {} connects per path (accept and close):", args.connects);
+    println!(
+        "connect() latency, {} connects per path (accept and close):",
+        args.connects
+    );
     let direct = measure(&apps, client, target, args.connects)?;
     println!("  direct    {}", summary(&direct));
     ebpf.enrol(&pod_target(client))?;
@@ -124,13 +135,23 @@ fn enrol_all(
 }
 
 /// Runs the connect loop in `pod`, in the apps cgroup; returns latencies.
-fn measure(apps: &Cgroup, pod: &Pod, target: SocketAddr, n: usize) -> anyhow::Result<Vec<Duration>> {
+fn measure(
+    apps: &Cgroup,
+    pod: &Pod,
+    target: SocketAddr,
+    n: usize,
+) -> anyhow::Result<Vec<Duration>> {
     let mut cmd = pod.command(std::env::current_exe()?);
-    cmd.arg("--connect-loop").arg(target.to_string()).arg(n.to_string());
+    cmd.arg("--connect-loop")
+        .arg(target.to_string())
+        .arg(n.to_string());
     apps.place(&mut cmd);
     let out = cmd.output().context("running the connect loop")?;
     if !out.status.success() {
-        bail!("connect loop failed: {}", String::from_utf8_lossy(&out.stderr));
+        bail!(
+            "connect loop failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     Ok(String::from_utf8_lossy(&out.stdout)
         .lines()
