@@ -104,6 +104,7 @@ pub struct Agent {
     pin_dir: PathBuf,
     cgroup_root: PathBuf,
     ca_dir: PathBuf,
+    env: Vec<(String, String)>,
 }
 
 impl Agent {
@@ -114,6 +115,18 @@ impl Agent {
         node: &Node,
         yaml: &str,
         extra_args: &[&str],
+    ) -> Result<Agent> {
+        Self::start_with_env(topology, node, yaml, extra_args, &[])
+    }
+
+    /// [`Agent::start`] with extra environment variables for the agent
+    /// process (e.g. fault injection), kept for restarts.
+    pub fn start_with_env(
+        topology: &Topology,
+        node: &Node,
+        yaml: &str,
+        extra_args: &[&str],
+        env: &[(&str, &str)],
     ) -> Result<Agent> {
         sweep_stale_pins();
         let dir = std::env::temp_dir().join(format!("{}-{}", topology.prefix(), node.name()));
@@ -131,6 +144,10 @@ impl Agent {
             pin_dir,
             cgroup_root,
             ca_dir,
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
         };
         agent.write_workloads(yaml)?;
         agent.spawn(extra_args)?;
@@ -171,6 +188,7 @@ impl Agent {
             .args(["--reload-interval", "1"])
             .args(extra_args)
             .env("RUST_LOG", "info,shunt=debug,shunt_ebpf=debug")
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err);

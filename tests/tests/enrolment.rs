@@ -449,3 +449,28 @@ fn on_exit_keep_leaves_pods_enrolled_for_the_next_agent() {
     );
     assert_eq!(shunt_filters(client).len(), 2);
 }
+
+#[test]
+fn redirect_auto_falls_back_to_iptables_when_a_kernel_feature_is_missing() {
+    let (topo, pods) = topology("autofallback", &["client"]);
+    let client = &pods[0];
+    let node = topo.node("node-a").expect("node");
+    let yaml = workloads_yaml(&[WorkloadSpec::for_pod(client, true)]);
+    // The probe is told to report sk_assign missing (fault injection).
+    let env = [(shunt::redirect::probe::PRETEND_MISSING_ENV, "bpf_sk_assign")];
+    let mut agent =
+        Agent::start_with_env(&topo, node, &yaml, &["--redirect", "auto"], &env).expect("agent");
+    let status = agent
+        .wait_for("client enrolled", TIMEOUT, |s| is_enrolled(s, client))
+        .expect("enrolled");
+    assert_eq!(status.mode, "iptables");
+    assert!(
+        shunt_filters(client).is_empty(),
+        "eBPF programs were attached"
+    );
+    let logs = agent.logs();
+    assert!(
+        logs.contains("falls back to iptables") && logs.contains("bpf_sk_assign"),
+        "the fallback is not explained in the log:\n{logs}"
+    );
+}

@@ -9,6 +9,10 @@ use aya::{
 };
 use serde::Serialize;
 
+/// Environment variable naming features the probe reports missing (for
+/// tests of the fallback; never set in production).
+pub const PRETEND_MISSING_ENV: &str = "SHUNT_PROBE_PRETEND_MISSING";
+
 /// One kernel feature and whether this kernel has it.
 #[derive(Clone, Debug, Serialize)]
 pub struct Feature {
@@ -27,8 +31,21 @@ pub struct Probe {
 impl Probe {
     /// Probes every program type, helper and map type the eBPF mode uses.
     pub fn run() -> Probe {
+        // Fault injection: names (comma-separated) of features to report
+        // missing, so the iptables fallback of `--redirect auto` can be
+        // exercised on a kernel that has everything.
+        let pretend_missing = std::env::var(PRETEND_MISSING_ENV).unwrap_or_default();
+        let pretend_missing: Vec<&str> = pretend_missing
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .collect();
         let mut features = Vec::new();
-        let mut check = |name, result: Result<bool, String>| {
+        let mut check = |name: &'static str, result: Result<bool, String>| {
+            let result = match pretend_missing.iter().any(|m| name.contains(m)) {
+                true => Ok(false),
+                false => result,
+            };
             features.push(match result {
                 Ok(available) => Feature {
                     name,
