@@ -206,10 +206,7 @@ impl ServerCertVerifier for SpiffeServerVerifier {
         _cert: &CertificateDer<'_>,
         _dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, TlsError> {
-        // TLS 1.2 is never negotiated (TLS 1.3-only configs).
-        Err(TlsError::PeerIncompatible(
-            rustls::PeerIncompatible::Tls12NotOffered,
-        ))
+        tls12_refused()
     }
 
     fn verify_tls13_signature(
@@ -218,18 +215,11 @@ impl ServerCertVerifier for SpiffeServerVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, TlsError> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &provider().signature_verification_algorithms,
-        )
+        verify_tls13(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        provider()
-            .signature_verification_algorithms
-            .supported_schemes()
+        supported_schemes()
     }
 }
 
@@ -278,9 +268,7 @@ impl ClientCertVerifier for SpiffeClientVerifier {
         _cert: &CertificateDer<'_>,
         _dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, TlsError> {
-        Err(TlsError::PeerIncompatible(
-            rustls::PeerIncompatible::Tls12NotOffered,
-        ))
+        tls12_refused()
     }
 
     fn verify_tls13_signature(
@@ -289,18 +277,11 @@ impl ClientCertVerifier for SpiffeClientVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, TlsError> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &provider().signature_verification_algorithms,
-        )
+        verify_tls13(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        provider()
-            .signature_verification_algorithms
-            .supported_schemes()
+        supported_schemes()
     }
 }
 
@@ -374,6 +355,34 @@ impl rustls::client::ResolvesClientCert for FixedCert {
     fn has_certs(&self) -> bool {
         true
     }
+}
+
+// Signature checks shared by both verifiers.
+
+/// TLS 1.2 is never negotiated (TLS 1.3-only configs).
+fn tls12_refused() -> Result<HandshakeSignatureValid, TlsError> {
+    Err(TlsError::PeerIncompatible(
+        rustls::PeerIncompatible::Tls12NotOffered,
+    ))
+}
+
+fn verify_tls13(
+    message: &[u8],
+    cert: &CertificateDer<'_>,
+    dss: &DigitallySignedStruct,
+) -> Result<HandshakeSignatureValid, TlsError> {
+    rustls::crypto::verify_tls13_signature(
+        message,
+        cert,
+        dss,
+        &provider().signature_verification_algorithms,
+    )
+}
+
+fn supported_schemes() -> Vec<SignatureScheme> {
+    provider()
+        .signature_verification_algorithms
+        .supported_schemes()
 }
 
 #[cfg(test)]
