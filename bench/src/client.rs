@@ -131,7 +131,10 @@ impl Watch {
             machine: sys::parse_proc_stat(&stat),
             placed: sys::parse_proc_stat_cpus(&stat, &self.cpus),
             apps_usec: self.apps_cgroup.as_deref().and_then(sys::cgroup_usage_usec),
-            agents_usec: self.agents_cgroup.as_deref().and_then(sys::cgroup_usage_usec),
+            agents_usec: self
+                .agents_cgroup
+                .as_deref()
+                .and_then(sys::cgroup_usage_usec),
             ksoftirqd: self
                 .ksoftirqd
                 .iter()
@@ -345,7 +348,10 @@ async fn exchange(
     buf: &mut [u8],
 ) -> anyhow::Result<bool> {
     let request = pattern.at(request_offset(k), size);
-    stream.write_all(request).await.context("sending a request")?;
+    stream
+        .write_all(request)
+        .await
+        .context("sending a request")?;
     stream
         .read_exact(&mut buf[..size])
         .await
@@ -549,8 +555,14 @@ async fn fixed_rate(args: &ClientArgs) -> anyhow::Result<Measured> {
             while next < end && k < MAX_TXNS {
                 tokio::time::sleep_until(next).await;
                 let sent_at = Instant::now();
-                let ok = exchange(&mut stream, &pattern, (i as u64) << 32 | (k + 3), size, &mut buf)
-                    .await?;
+                let ok = exchange(
+                    &mut stream,
+                    &pattern,
+                    (i as u64) << 32 | (k + 3),
+                    size,
+                    &mut buf,
+                )
+                .await?;
                 let latency = sent_at.elapsed().as_nanos() as u64;
                 // Open loop: a response slower than the send interval held up
                 // the requests behind it; record those as the load would

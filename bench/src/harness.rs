@@ -129,9 +129,7 @@ impl PathSpec {
         match (self.locality, self.mode, self.dest) {
             (Locality::Same, Mode::Direct, _) | (Locality::Same, _, Dest::Plain) => "same-plain",
             (Locality::Same, _, Dest::Hbone) => "same-mesh",
-            (Locality::Cross, Mode::Direct, _) | (Locality::Cross, _, Dest::Plain) => {
-                "cross-plain"
-            }
+            (Locality::Cross, Mode::Direct, _) | (Locality::Cross, _, Dest::Plain) => "cross-plain",
             (Locality::Cross, _, Dest::Hbone) => "cross-mesh",
         }
     }
@@ -246,6 +244,9 @@ pub struct Options {
     /// This binary (run again as client and server inside the pods).
     pub bench_bin: PathBuf,
     pub workspace: PathBuf,
+    /// Where to keep the agents' logs when a measurement fails (they go
+    /// with the topology otherwise).
+    pub logs_dir: Option<PathBuf>,
 }
 
 /// The agents' proxy counters around one measurement.
@@ -301,6 +302,9 @@ pub struct RunResults {
     /// Whole-machine CPU over the whole run (ticks), for steal and load.
     pub machine_cpu: sys::CpuTimes,
     pub records: Vec<Record>,
+    /// What the operator noted about the run (`shunt-bench render --note`).
+    #[serde(default)]
+    pub notes: Vec<String>,
 }
 
 /// A child process killed (by its PID, which we own) when dropped.
@@ -376,12 +380,13 @@ impl Bed {
                     &yaml,
                     &["--redirect", mode.name(), "--drain-seconds", "1"],
                 )?;
-                let status = agent.wait_for("mesh pods enrolled", Duration::from_secs(60), |s| {
-                    s.pods
-                        .iter()
-                        .filter(|p| p.dataplane_mode == "ambient")
-                        .all(|p| p.state == PodState::Enrolled)
-                })?;
+                let status =
+                    agent.wait_for("mesh pods enrolled", Duration::from_secs(60), |s| {
+                        s.pods
+                            .iter()
+                            .filter(|p| p.dataplane_mode == "ambient")
+                            .all(|p| p.state == PodState::Enrolled)
+                    })?;
                 if status.mode != mode.name() {
                     bail!(
                         "agent on {node_name} runs in {} mode, not {}",
@@ -552,7 +557,10 @@ pub fn run(options: &Options) -> anyhow::Result<RunResults> {
         .unwrap_or(0);
     let ncpu = sys::cpu_count();
     if options.pin_cpu >= ncpu {
-        bail!("--pin-cpu {} but the machine has {ncpu} CPUs", options.pin_cpu);
+        bail!(
+            "--pin-cpu {} but the machine has {ncpu} CPUs",
+            options.pin_cpu
+        );
     }
     let machine = Machine::probe(&options.workspace);
     let shunt_binary = shunt_testbed::agent::shunt_binary()?;
@@ -569,7 +577,7 @@ pub fn run(options: &Options) -> anyhow::Result<RunResults> {
         bail!("nothing to run: no workload or no path matches the filters");
     }
     eprintln!(
-        "shunt-bench: {} paths × {} workloads × {} placements × {} repetitions; agent {}",
+        "shunt-bench: {} paths × {} workloads × {} placements × {} repetitions; agent {} (log wrapper)",
         paths.len(),
         workloads.len(),
         options.placements.len(),
@@ -612,8 +620,8 @@ pub fn run(options: &Options) -> anyhow::Result<RunResults> {
                     let bed = &beds[&path.mode];
                     let record = measure(options, bed, path, workload, placement, rep);
                     let done = records.len() + 1;
-                    let eta = measuring.elapsed().as_secs_f64() / done as f64
-                        * (total - done) as f64;
+                    let eta =
+                        measuring.elapsed().as_secs_f64() / done as f64 * (total - done) as f64;
                     eprintln!(
                         "[{done}/{total} rep {} {} {}] {:<20} {}{}",
                         rep + 1,
@@ -634,6 +642,11 @@ pub fn run(options: &Options) -> anyhow::Result<RunResults> {
     }
     // Leave every process unpinned.
     set_placement(&beds, Placement::Scheduler, options.pin_cpu);
+    if records.iter().any(|r| !r.verified)
+        && let Some(dir) = &options.logs_dir
+    {
+        keep_agent_logs(&beds, dir);
+    }
     let cpu_end = sys::CpuTimes::read().unwrap_or_default();
     for bed in beds.values_mut() {
         bed.stop_agents();
@@ -655,7 +668,28 @@ pub fn run(options: &Options) -> anyhow::Result<RunResults> {
         load_average_end: sys::load_average(),
         machine_cpu: cpu_end.delta(&cpu_start),
         records,
+        notes: Vec::new(),
     })
+}
+
+/// Copies every agent's log to `dir` (`<mode>-<node>.log`).
+fn keep_agent_logs(beds: &BTreeMap<Mode, Bed>, dir: &Path) {
+    if let Err(e) = std::fs::create_dir_all(dir) {
+        eprintln!(
+            "shunt-bench: cannot keep agent logs in {}: {e}",
+            dir.display()
+        );
+        return;
+    }
+    for bed in beds.values() {
+        for (node, agent) in &bed.agents {
+            let file = dir.join(format!("{}-{node}.log", bed.mode.name()));
+            match std::fs::write(&file, agent.logs()) {
+                Ok(()) => eprintln!("shunt-bench: agent log kept in {}", file.display()),
+                Err(e) => eprintln!("shunt-bench: cannot write {}: {e}", file.display()),
+            }
+        }
+    }
 }
 
 fn set_placement(beds: &BTreeMap<Mode, Bed>, placement: Placement, pin_cpu: usize) {
@@ -796,8 +830,12 @@ fn check_proxy(
         let after_server = bed.agent_on(target_node).and_then(proxy_stats);
         if let (Some(a), Some(b)) = (after_client, after_server) {
             let client_side = match path.dest {
-                Dest::Plain => a.outbound_passthrough.saturating_sub(before_client.outbound_passthrough),
-                Dest::Hbone => a.outbound_hbone.saturating_sub(before_client.outbound_hbone),
+                Dest::Plain => a
+                    .outbound_passthrough
+                    .saturating_sub(before_client.outbound_passthrough),
+                Dest::Hbone => a
+                    .outbound_hbone
+                    .saturating_sub(before_client.outbound_hbone),
             };
             let server_side = match path.dest {
                 Dest::Plain => 0,
@@ -934,9 +972,8 @@ fn run_client(
     let out = out_reader.join().unwrap_or_default();
     let err = err_reader.join().unwrap_or_default();
     let line = out.lines().last().unwrap_or("");
-    serde_json::from_str(line).with_context(|| {
-        format!("the load generator ({status}) printed {out:?}; stderr: {err}")
-    })
+    serde_json::from_str(line)
+        .with_context(|| format!("the load generator ({status}) printed {out:?}; stderr: {err}"))
 }
 
 fn read_all(pipe: Option<impl Read>) -> String {

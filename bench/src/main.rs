@@ -32,6 +32,23 @@ enum Command {
     Client(ClientCli),
     /// The server (started by `run` inside each server pod).
     Server(ServerCli),
+    /// Write the Markdown report and the chart again from a run's raw JSON.
+    Render(RenderArgs),
+}
+
+#[derive(Args)]
+struct RenderArgs {
+    /// A `raw/<name>.json` written by `run`.
+    json: PathBuf,
+    /// Where the reports go (default: the JSON's parent's parent).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Print the README's Benchmarks tables instead of writing the reports.
+    #[arg(long)]
+    readme: bool,
+    /// Add a note about the run (kept in the JSON, shown in the report).
+    #[arg(long)]
+    note: Vec<String>,
 }
 
 #[derive(Args)]
@@ -56,7 +73,8 @@ struct RunArgs {
     /// Only these workloads (rr1, rr1k, crr, stream, rate).
     #[arg(long, value_delimiter = ',')]
     workloads: Vec<String>,
-    /// Where the reports go (default: bench/results of this workspace).
+    /// Where the reports go (default: bench/results of this workspace, or
+    /// bench/results/raw/quick with --quick, which git ignores).
     #[arg(long)]
     out: Option<PathBuf>,
     /// Report name: `<out>/<name>.md`, `.svg`, `raw/<name>.json` (default
@@ -134,7 +152,11 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             }
-            if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+            if ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
         }
         Command::Server(s) => match server::run(server::ServerArgs {
             echo_port: s.echo_port,
@@ -144,6 +166,13 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("shunt-bench server: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Render(args) => match render(args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("shunt-bench: {e:#}");
                 ExitCode::FAILURE
             }
         },
@@ -182,6 +211,43 @@ fn shunt_binary(args: &RunArgs, workspace: &Path) -> anyhow::Result<PathBuf> {
     bail!("no shunt binary: build it with `cargo build --release -p shunt` or pass --shunt")
 }
 
+fn write_reports(results: &harness::RunResults, out: &Path) -> anyhow::Result<()> {
+    let svg_name = format!("{}.svg", results.name);
+    std::fs::write(out.join(&svg_name), svg::chart(results))?;
+    std::fs::write(
+        out.join(format!("{}.md", results.name)),
+        report::markdown(results, &svg_name),
+    )?;
+    Ok(())
+}
+
+fn render(args: RenderArgs) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(&args.json)
+        .with_context(|| format!("reading {}", args.json.display()))?;
+    let mut results: harness::RunResults = serde_json::from_str(&text)?;
+    if !args.note.is_empty() {
+        results.notes.extend(args.note.iter().cloned());
+        std::fs::write(&args.json, serde_json::to_string(&results)?)?;
+    }
+    if args.readme {
+        print!(
+            "{}",
+            report::readme_section(&results, &format!("bench/results/{}.md", results.name))
+        );
+        return Ok(());
+    }
+    let out = match args.out {
+        Some(out) => out,
+        None => args
+            .json
+            .parent()
+            .and_then(Path::parent)
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from(".")),
+    };
+    write_reports(&results, &out)
+}
+
 /// Runs the benchmark and writes the reports; false if any measurement
 /// failed its checks.
 fn run(args: RunArgs) -> anyhow::Result<bool> {
@@ -215,6 +281,17 @@ fn run(args: RunArgs) -> anyhow::Result<bool> {
     // SAFETY: no other thread exists yet.
     unsafe { std::env::set_var("SHUNT_BIN", &wrapper) };
 
+    let name = args
+        .name
+        .clone()
+        .unwrap_or_else(|| if args.quick { "quick" } else { "latest" }.to_string());
+    let out = args.out.clone().unwrap_or_else(|| {
+        if args.quick {
+            workspace.join("bench/results/raw/quick")
+        } else {
+            workspace.join("bench/results")
+        }
+    });
     let options = harness::Options {
         quick: args.quick,
         reps: args.reps.unwrap_or(if args.quick { 1 } else { 5 }).max(1),
@@ -224,25 +301,19 @@ fn run(args: RunArgs) -> anyhow::Result<bool> {
         only_workloads: args.workloads.clone(),
         bench_bin: std::env::current_exe()?,
         workspace: workspace.clone(),
+        logs_dir: Some(out.join("raw").join(format!("{name}-agent-logs"))),
     };
     let result = harness::run(&options);
     let _ = std::fs::remove_dir_all(&scratch);
     let mut results = result?;
     results.shunt_binary = shunt.display().to_string();
-    let name = args
-        .name
-        .clone()
-        .unwrap_or_else(|| if args.quick { "quick" } else { "latest" }.to_string());
     results.name = name.clone();
-    let out = args.out.clone().unwrap_or_else(|| workspace.join("bench/results"));
     std::fs::create_dir_all(out.join("raw"))?;
-    let svg_name = format!("{name}.svg");
-    std::fs::write(out.join(&svg_name), svg::chart(&results))?;
-    std::fs::write(out.join(format!("{name}.md")), report::markdown(&results, &svg_name))?;
     std::fs::write(
         out.join("raw").join(format!("{name}.json")),
         serde_json::to_string(&results)?,
     )?;
+    write_reports(&results, &out)?;
     let failed = results.records.iter().filter(|r| !r.verified).count();
     eprintln!(
         "shunt-bench: {} measurements, {failed} failed; report in {}",

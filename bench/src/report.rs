@@ -50,7 +50,11 @@ pub fn metrics(record: &Record, kind: WorkloadKind) -> Metrics {
     let agent_s = r.cost.agent_seconds();
     let (rate, per_unit, unit_scale) = match kind {
         // Gbit/s; cost per GB.
-        WorkloadKind::Stream => (r.txns as f64 * 8.0 / elapsed / 1e9, r.txns as f64 / 1e9, 1.0),
+        WorkloadKind::Stream => (
+            r.txns as f64 * 8.0 / elapsed / 1e9,
+            r.txns as f64 / 1e9,
+            1.0,
+        ),
         _ => (r.txns as f64 / elapsed, r.txns as f64, 1e6),
     };
     let per = |seconds: f64| {
@@ -61,7 +65,10 @@ pub fn metrics(record: &Record, kind: WorkloadKind) -> Metrics {
         }
     };
     let hist = histogram(&r.histogram);
-    let pct = |q: f64| hist.as_ref().map(|h| h.value_at_quantile(q) as f64 / 1000.0);
+    let pct = |q: f64| {
+        hist.as_ref()
+            .map(|h| h.value_at_quantile(q) as f64 / 1000.0)
+    };
     let page = crate::sys::page_size() as f64;
     let machine_busy = m.busy() as f64 / hz / elapsed;
     Metrics {
@@ -312,12 +319,7 @@ fn plain(s: Option<Stat>) -> String {
 fn range(s: Option<Stat>) -> String {
     match s {
         None => "–".into(),
-        Some(s) if s.n > 1 => format!(
-            "{} ({}–{})",
-            human(s.median),
-            human(s.min),
-            human(s.max)
-        ),
+        Some(s) if s.n > 1 => format!("{} ({}–{})", human(s.median), human(s.min), human(s.max)),
         Some(s) => human(s.median),
     }
 }
@@ -332,7 +334,13 @@ pub fn one_line(record: &Record, workload: &Workload) -> String {
     };
     let lat = m
         .p50
-        .map(|p| format!(" p50 {} µs p99 {} µs", human(p), human(m.p99.unwrap_or(0.0))))
+        .map(|p| {
+            format!(
+                " p50 {} µs p99 {} µs",
+                human(p),
+                human(m.p99.unwrap_or(0.0))
+            )
+        })
         .unwrap_or_default();
     let status = if record.verified {
         "ok".to_string()
@@ -501,7 +509,7 @@ fn ratio_cell(cell: &Option<(Stat, bool)>) -> String {
 /// The headline table for one placement: one row per path.
 pub fn headline_table(index: &Index, placement: Placement) -> String {
     let mut md = String::new();
-    md.push_str("| path | RR 1 B req/s | RR 1 B p50 µs | RR 1 B p99 µs | RR 1 KiB req/s | conn/s | stream Gbit/s | 1000 req/s p50 / p99 / p99.9 µs | CPU µs per RR (machine / agent) |\n");
+    md.push_str("| path | RR 1 B req/s | RR 1 B p50 µs | RR 1 B p99 µs | RR 1 KiB req/s | conn/s | stream Gbit/s | 1000 req/s p50 / p99 / p99.9 µs | CPU µs per RR (path / agents) |\n");
     md.push_str("|---|--:|--:|--:|--:|--:|--:|--:|--:|\n");
     for &path in &index.results.paths {
         let s = |w: &str, pick: Pick| index.stat(placement, w, path, pick);
@@ -599,7 +607,12 @@ pub fn cost_table(index: &Index, placement: Placement) -> String {
     md.push_str("|---|--:|--:|--:|--:|--:|--:|--:|\n");
     for &path in &index.results.paths {
         let recs = |w: &str| index.records(placement, w, path);
-        let kind = |w: &str| index.workload(w).map(|w| w.kind).unwrap_or(WorkloadKind::Rr);
+        let kind = |w: &str| {
+            index
+                .workload(w)
+                .map(|w| w.kind)
+                .unwrap_or(WorkloadKind::Rr)
+        };
         let med = |w: &str, f: fn(&Metrics) -> f64| -> Option<f64> {
             let k = kind(w);
             let v: Vec<f64> = recs(w)
@@ -649,13 +662,17 @@ pub fn cost_table(index: &Index, placement: Placement) -> String {
             .flat_map(|r| r.agent_hwm_kib.iter().copied())
             .max();
         let memory = match (rss, hwm) {
-            (Some(rss), Some(hwm)) => format!("{:.1} ({:.1})", rss as f64 / 1024.0, hwm as f64 / 1024.0),
+            (Some(rss), Some(hwm)) => {
+                format!("{:.1} ({:.1})", rss as f64 / 1024.0, hwm as f64 / 1024.0)
+            }
             _ => "no agent".into(),
         };
         let tcp = recs("stream")
             .iter()
             .map(|r| metrics(r, WorkloadKind::Stream).tcp_peak_mib)
-            .fold(None, |acc: Option<f64>, x| Some(acc.map_or(x, |a| a.max(x))));
+            .fold(None, |acc: Option<f64>, x| {
+                Some(acc.map_or(x, |a| a.max(x)))
+            });
         let _ = writeln!(
             md,
             "| {} | {} | {} | {} | {cores} | {} | {memory} | {} |",
@@ -679,17 +696,21 @@ pub fn detail_tables(index: &Index, placement: Placement) -> String {
             WorkloadKind::Crr => "conn/s",
             _ => "req/s",
         };
-        let _ = writeln!(md, "\n**{}** ({}, {} s per run)\n", w.title, w.id, w.seconds);
+        let _ = writeln!(
+            md,
+            "\n**{}** ({}, {} s per run)\n",
+            w.title, w.id, w.seconds
+        );
         if w.kind == WorkloadKind::Stream {
             let _ = writeln!(
                 md,
-                "| path | {unit} median (min–max) | CPU s/GB (agent) | cores usr / sys / softirq | verified |"
+                "| path | {unit} median (min–max) | CPU s/GB (agents) | path cores · machine usr / sys / softirq · other | verified |"
             );
             md.push_str("|---|--:|--:|--:|--:|\n");
         } else {
             let _ = writeln!(
                 md,
-                "| path | {unit} median (min–max) | p50 µs | p90 µs | p99 µs | p99.9 µs (pooled) | CPU µs/txn (agent) | cores usr / sys / softirq | verified |"
+                "| path | {unit} median (min–max) | p50 µs | p90 µs | p99 µs | p99.9 µs (pooled) | CPU µs/txn (agents) | path cores · machine usr / sys / softirq · other | verified |"
             );
             md.push_str("|---|--:|--:|--:|--:|--:|--:|--:|--:|\n");
         }
@@ -708,10 +729,12 @@ pub fn detail_tables(index: &Index, placement: Placement) -> String {
                     .unwrap_or_else(|| "–".into())
             };
             let cores = format!(
-                "{} / {} / {}",
+                "{} · {} / {} / {} · {}",
+                med(|m| m.cores_path),
                 med(|m| m.cores_user),
                 med(|m| m.cores_system),
-                med(|m| m.cores_softirq)
+                med(|m| m.cores_softirq),
+                med(|m| m.cores_background)
             );
             let cpu = format!("{} ({})", plain(s(pick_cpu)), plain(s(pick_agent)));
             if w.kind == WorkloadKind::Stream {
@@ -752,7 +775,11 @@ pub fn markdown(results: &RunResults, svg_name: &str) -> String {
     let _ = writeln!(
         md,
         "# shunt benchmark{}\n",
-        if results.quick { " (quick: 1 short repetition, a smoke test, not a measurement)" } else { "" }
+        if results.quick {
+            " (quick: 1 short repetition, a smoke test, not a measurement)"
+        } else {
+            ""
+        }
     );
     let failures: Vec<&Record> = results.records.iter().filter(|r| !r.verified).collect();
     let _ = writeln!(
@@ -779,6 +806,9 @@ pub fn markdown(results: &RunResults, svg_name: &str) -> String {
         results.load_average_end,
         results.machine_cpu.steal as f64 * 100.0 / total,
     );
+    for note in &results.notes {
+        let _ = writeln!(md, "Note: {note}\n");
+    }
     md.push_str("Paths: **direct** = no mesh, no agent (the physical limit); **iptables+proxy** and **eBPF+proxy** = the agent's redirection mode with its built-in proxy; **eBPF+proxy is splice off** (the sk_msg splice is not implemented yet). **passthrough** = destination pod outside the mesh (the client-side proxy forwards plain TCP); **HBONE** = destination in the mesh (mTLS HTTP/2 CONNECT between the two proxies; same node still goes through both proxy roles).\n\n");
     let _ = writeln!(md, "![latency and throughput per path]({svg_name})\n");
     for &placement in &results.placements {
@@ -787,7 +817,9 @@ pub fn markdown(results: &RunResults, svg_name: &str) -> String {
                 "All on one CPU (client, server and agents pinned to CPU {}): the clean per-path cost",
                 results.pin_cpu
             ),
-            Placement::Scheduler => "The scheduler's choice (every process free on every CPU)".to_string(),
+            Placement::Scheduler => {
+                "The scheduler's choice (every process free on every CPU)".to_string()
+            }
         };
         let _ = writeln!(md, "## {title}\n");
         md.push_str(&headline_table(&index, placement));
@@ -801,10 +833,15 @@ pub fn markdown(results: &RunResults, svg_name: &str) -> String {
         md.push_str("\nPath CPU = the cgroup `cpu.stat` usage of the path's processes (both agents of its topology, the load generator, the servers; softirq work done in their context included, as this kernel has no IRQ time accounting) plus the `ksoftirqd` threads. Cores = CPU-seconds per second of the run, of the machine's ");
         let _ = write!(md, "{}", m.cpus);
         md.push_str("; machine usr / sys / softirq is `/proc/stat` for the whole machine (usr includes nice, sys includes irq), and other work = machine busy − path, i.e. what else ran on the shared machine meanwhile.\n\n");
-        let _ = writeln!(md, "<details><summary>Every workload, {} placement</summary>\n", placement.name());
+        let _ = writeln!(
+            md,
+            "<details><summary>Every workload, {} placement</summary>\n",
+            placement.name()
+        );
         md.push_str(&detail_tables(&index, placement));
         md.push_str("\n</details>\n\n");
     }
+    md.push_str(&stalls(results));
     if !failures.is_empty() {
         md.push_str("## Failed measurements\n\n");
         for r in failures.iter().take(50) {
@@ -824,6 +861,85 @@ pub fn markdown(results: &RunResults, svg_name: &str) -> String {
     md
 }
 
+/// The Benchmarks section of the README: the pinned headline table and the
+/// targets in both placements, pointing at the full report.
+pub fn readme_section(results: &RunResults, report_path: &str) -> String {
+    let index = Index::new(results);
+    let m = &results.machine;
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "Latest full run ({}, commit `{}`, kernel {}, {} × {} ({}), {} repetitions, paths interleaved, load average {} at start; [full report]({report_path}) with the scheduler placement, cost, every percentile and the method):\n",
+        format_unix(results.started_unix),
+        m.commit,
+        m.kernel,
+        m.cpus,
+        m.cpu_model,
+        m.virtualization,
+        results.reps,
+        results.load_average_start,
+    );
+    if results.placements.contains(&Placement::Pinned) {
+        let _ = writeln!(
+            md,
+            "All processes of a path pinned to one CPU (the clean per-path cost), medians:\n"
+        );
+        md.push_str(&headline_table(&index, Placement::Pinned));
+    }
+    for &placement in &results.placements {
+        let _ = writeln!(
+            md,
+            "\nTargets, {} placement (eBPF+proxy, splice off; ratios paired per repetition, median (min–max)):\n",
+            placement.name()
+        );
+        md.push_str(&targets_table(&index, placement));
+    }
+    md
+}
+
+/// Measurements in which some transaction took over 100 ms: on an idle
+/// machine none does, so these show interference (the host, other work)
+/// rather than the path; they stay in the medians, which they barely move,
+/// but they widen the spreads.
+fn stalls(results: &RunResults) -> String {
+    let mut lines = Vec::new();
+    for r in &results.records {
+        let slow: Vec<(u64, u64)> = r
+            .report
+            .histogram
+            .iter()
+            .copied()
+            .filter(|(v, _)| *v > 100_000_000)
+            .collect();
+        if slow.is_empty() {
+            continue;
+        }
+        let count: u64 = slow.iter().map(|(_, c)| c).sum();
+        let max = slow.iter().map(|(v, _)| *v).max().unwrap_or(0);
+        lines.push(format!(
+            "- {} {} {} rep {}: {count} transaction(s) over 100 ms, the longest {:.0} ms",
+            r.placement.name(),
+            r.workload,
+            r.path_id,
+            r.rep + 1,
+            max as f64 / 1e6
+        ));
+    }
+    if lines.is_empty() {
+        return String::new();
+    }
+    let mut md = String::from(
+        "## Stalls\n\nMeasurements in which some transaction took over 100 ms. Nothing on these paths should (an idle machine shows none); when they hit direct paths too, at the same moment, they are the shared machine's, not the path's. They are kept in the medians (which they barely move) and show in the spreads.\n\n",
+    );
+    let shown = lines.len().min(30);
+    md.push_str(&lines[..shown].join("\n"));
+    if lines.len() > shown {
+        let _ = write!(md, "\n- … and {} more", lines.len() - shown);
+    }
+    md.push_str("\n\n");
+    md
+}
+
 fn method(results: &RunResults) -> String {
     let mut md = String::from("## Method\n\n");
     md.push_str("- Three topologies side by side in network namespaces (198.18.0.0/15 only), each two nodes joined by a fabric bridge: one without any agent (direct), one with an agent per node in `--redirect iptables`, one in `--redirect ebpf`, all the real `shunt agent` binary at its default log level (info, access log included). Client pod on node-a; server pods in and out of the mesh on node-a (same node) and node-b (cross node).\n");
@@ -832,12 +948,17 @@ fn method(results: &RunResults) -> String {
     let names: Vec<String> = results
         .workloads
         .iter()
-        .map(|w| format!("`{}` {} ({} s, {} s warm-up)", w.id, w.title, w.seconds, w.warmup))
+        .map(|w| {
+            format!(
+                "`{}` {} ({} s, {} s warm-up)",
+                w.id, w.title, w.seconds, w.warmup
+            )
+        })
         .collect();
     md.push_str(&names.join("; "));
     md.push_str(". Request/response and connection workloads keep one transaction in flight; a new-connection transaction is connect, 1 B request, response, half-close, server close. The fixed-rate workload is open loop and corrects for coordinated omission (HdrHistogram `record_correct`).\n");
     md.push_str("- Verification on every measurement: every response is compared byte for byte with its request; the stream sink checks every byte against a period-251 pattern and returns its count, which must equal what was sent; the agents' proxy counters must account for every connection (passthrough connections, or HBONE streams on both proxies) and every byte, with nothing refused or failed, so no path can silently bypass its proxy. Peak kernel TCP memory (`/proc/net/sockstat`, machine-wide) is sampled every 25 ms.\n");
-    md.push_str("- Cost: `/proc/stat` deltas over exactly the load window (user/system/softirq/steal), the agents' utime+stime from `/proc/PID/stat`, their VmRSS/VmHWM after each run.\n");
+    md.push_str("- Cost, read by the load generator over exactly its load window: the path's CPU from cgroup v2 `cpu.stat` (the apps cgroup: load generator and servers; a cgroup the agents are moved into, beside — never below — the cgroup root their programs attach to) plus the `ksoftirqd` threads; the whole machine's and the placed CPUs' `/proc/stat` (user/system/softirq/steal); the agents' VmRSS/VmHWM after each run. When a measurement fails its checks, the agents' logs are kept next to the raw JSON.\n");
     md.push_str("- Order: for each repetition, placement and workload, every path once, in an order rotated between workloads and repetitions. Pinned placement: `sched_setaffinity` on every thread of the client, the server and both agents (softirq work of veth follows the sending CPU); the harness itself moves to the other CPU.\n");
     md.push_str("- Pod sysctls on every path: `tcp_tw_reuse=1`, `ip_local_port_range=10000 65000` (connection churn must not run out of ports).\n");
     md

@@ -10,9 +10,10 @@ use crate::{
     report::{Index, Pick, human, path_label, pick_p50, pick_p90, pick_p99, pick_rate},
 };
 
-const LABEL_W: f64 = 230.0;
-const PANEL_W: f64 = 250.0;
-const PANEL_GAP: f64 = 20.0;
+const LABEL_W: f64 = 275.0;
+const PANEL_W: f64 = 215.0;
+const PANEL_GAP: f64 = 40.0;
+const PANELS: f64 = 5.0;
 const BAR_H: f64 = 5.0;
 const ROW_GAP: f64 = 8.0;
 const TOP: f64 = 70.0;
@@ -85,6 +86,18 @@ fn latency_panel(index: &Index, placement: Placement, workload: &str, title: &st
     }
 }
 
+fn rate_panel(title: &str, color: &'static str, values: Vec<Option<f64>>) -> Panel {
+    Panel {
+        title: title.into(),
+        log: false,
+        series: vec![Series {
+            name: "median",
+            color,
+            values,
+        }],
+    }
+}
+
 fn rate_series(
     index: &Index,
     placement: Placement,
@@ -105,7 +118,7 @@ pub fn chart(results: &RunResults) -> String {
     let index = Index::new(results);
     let paths = &results.paths;
     let row_h = paths.len() as f64 * (4.0 * BAR_H + ROW_GAP) + 40.0;
-    let width = LABEL_W + 4.0 * (PANEL_W + PANEL_GAP) + 10.0;
+    let width = LABEL_W + PANELS * (PANEL_W + PANEL_GAP) + 10.0;
     let height = TOP + results.placements.len() as f64 * (row_h + 50.0) + 20.0;
     let mut svg = String::new();
     let _ = writeln!(
@@ -116,7 +129,11 @@ pub fn chart(results: &RunResults) -> String {
         svg,
         r##"<rect width="100%" height="100%" fill="white"/><text x="10" y="22" font-size="15" font-weight="bold">shunt: latency and throughput per path ({}{}, commit {}, median of {} repetition(s))</text>"##,
         escape(&results.machine.kernel),
-        if results.quick { ", QUICK smoke run" } else { "" },
+        if results.quick {
+            ", QUICK smoke run"
+        } else {
+            ""
+        },
         escape(&results.machine.commit),
         results.reps
     );
@@ -134,14 +151,7 @@ pub fn chart(results: &RunResults) -> String {
         );
         lx += 60.0;
     }
-    for (name, color) in [("RR 1 B req/s", "#1f77b4"), ("conn/s", "#ff7f0e"), ("stream Gbit/s", "#2ca02c")] {
-        let _ = writeln!(
-            svg,
-            r##"<rect x="{lx}" y="50" width="12" height="8" fill="{color}"/><text x="{}" y="58">{name}</text>"##,
-            lx + 16.0
-        );
-        lx += 110.0;
-    }
+    let _ = lx;
 
     let mut y0 = TOP;
     for &placement in &results.placements {
@@ -155,34 +165,29 @@ pub fn chart(results: &RunResults) -> String {
             y0 + 14.0,
             escape(&title)
         );
-        let panels = vec![
+        let panels = [
             latency_panel(&index, placement, "rr1", "RR 1 B latency (µs)"),
-            latency_panel(&index, placement, "rate", "1000 req/s × 16 conns latency (µs)"),
-            Panel {
-                title: "RR 1 B req/s and conn/s".into(),
-                log: false,
-                series: vec![
-                    Series {
-                        name: "RR 1 B req/s",
-                        color: "#1f77b4",
-                        values: rate_series(&index, placement, paths, "rr1"),
-                    },
-                    Series {
-                        name: "conn/s",
-                        color: "#ff7f0e",
-                        values: rate_series(&index, placement, paths, "crr"),
-                    },
-                ],
-            },
-            Panel {
-                title: "stream Gbit/s".into(),
-                log: false,
-                series: vec![Series {
-                    name: "stream Gbit/s",
-                    color: "#2ca02c",
-                    values: rate_series(&index, placement, paths, "stream"),
-                }],
-            },
+            latency_panel(
+                &index,
+                placement,
+                "rate",
+                "1000 req/s × 16 conns latency (µs)",
+            ),
+            rate_panel(
+                "RR 1 B req/s",
+                "#1f77b4",
+                rate_series(&index, placement, paths, "rr1"),
+            ),
+            rate_panel(
+                "new connections/s",
+                "#ff7f0e",
+                rate_series(&index, placement, paths, "crr"),
+            ),
+            rate_panel(
+                "stream Gbit/s",
+                "#2ca02c",
+                rate_series(&index, placement, paths, "stream"),
+            ),
         ];
         let plot_top = y0 + 36.0;
         // Path labels.
@@ -244,7 +249,7 @@ fn draw_panel(svg: &mut String, panel: &Panel, x0: f64, title_y: f64, top: f64, 
                 svg,
                 "<line x1=\"{x:.1}\" y1=\"{top:.1}\" x2=\"{x:.1}\" y2=\"{bottom:.1}\" stroke=\"#dddddd\"/><text x=\"{x:.1}\" y=\"{:.1}\" text-anchor=\"middle\" fill=\"#666666\">{}</text>",
                 bottom + 12.0,
-                human(t)
+                tick(t)
             );
             t *= 10.0;
         }
@@ -258,7 +263,7 @@ fn draw_panel(svg: &mut String, panel: &Panel, x0: f64, title_y: f64, top: f64, 
                 svg,
                 "<line x1=\"{x:.1}\" y1=\"{top:.1}\" x2=\"{x:.1}\" y2=\"{bottom:.1}\" stroke=\"#dddddd\"/><text x=\"{x:.1}\" y=\"{:.1}\" text-anchor=\"middle\" fill=\"#666666\">{}</text>",
                 bottom + 12.0,
-                human(t)
+                tick(t)
             );
         }
         Box::new(move |v: f64| (v / hi * PANEL_W).max(1.0))
@@ -295,6 +300,21 @@ fn draw_panel(svg: &mut String, panel: &Panel, x0: f64, title_y: f64, top: f64, 
                 human(*v)
             );
         }
+    }
+}
+
+/// Axis labels: 1, 10, 100, 1k, 2.5k, 25k, 1M.
+fn tick(v: f64) -> String {
+    let trim = |x: f64| {
+        let s = format!("{x:.1}");
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    };
+    if v >= 1e6 {
+        format!("{}M", trim(v / 1e6))
+    } else if v >= 1e3 {
+        format!("{}k", trim(v / 1e3))
+    } else {
+        trim(v)
     }
 }
 

@@ -276,18 +276,24 @@ impl Machine {
         let kernel = fs::read_to_string("/proc/sys/kernel/osrelease")
             .map(|s| s.trim().to_string())
             .unwrap_or_default();
-        let virtualization = command_line("systemd-detect-virt", &[], workspace)
+        let vm = command_line("systemd-detect-virt", &["--vm"], workspace)
+            .filter(|v| v != "none")
             .unwrap_or_else(|| {
                 if cpuinfo.contains(" hypervisor") {
-                    "vm".into()
+                    "a".into()
                 } else {
-                    "unknown".into()
+                    "no".into()
                 }
             });
+        let virtualization = match command_line("systemd-detect-virt", &["--container"], workspace)
+            .filter(|c| c != "none")
+        {
+            Some(container) => format!("{vm} VM, in a {container} container"),
+            None => format!("{vm} VM"),
+        };
         let mut commit = command_line("git", &["rev-parse", "--short=12", "HEAD"], workspace)
             .unwrap_or_else(|| "unknown".into());
-        if command_line("git", &["status", "--porcelain"], workspace)
-            .is_some_and(|s| !s.is_empty())
+        if command_line("git", &["status", "--porcelain"], workspace).is_some_and(|s| !s.is_empty())
         {
             commit.push_str("+uncommitted");
         }
@@ -344,7 +350,8 @@ mod tests {
 
     #[test]
     fn parses_sockstat() {
-        let text = "sockets: used 200\nTCP: inuse 5 orphan 0 tw 3 alloc 9 mem 42\nUDP: inuse 1 mem 2\n";
+        let text =
+            "sockets: used 200\nTCP: inuse 5 orphan 0 tw 3 alloc 9 mem 42\nUDP: inuse 1 mem 2\n";
         assert_eq!(parse_sockstat_tcp_mem(text), Some(42));
     }
 }

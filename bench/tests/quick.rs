@@ -12,7 +12,8 @@ use shunt_testbed::require_root;
 fn quick_run_moves_verified_bytes_on_every_path() {
     require_root().expect("the benchmark needs root");
     let shunt = shunt_testbed::agent::shunt_binary().expect("shunt binary");
-    let out: PathBuf = std::env::temp_dir().join(format!("shunt-bench-quick-{}", std::process::id()));
+    let out: PathBuf =
+        std::env::temp_dir().join(format!("shunt-bench-quick-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     let output = Command::new(env!("CARGO_BIN_EXE_shunt-bench"))
         .args(["run", "--quick", "--name", "quick"])

@@ -13,7 +13,8 @@ use crate::util;
 #[derive(Args)]
 pub struct BenchArgs {
     /// One short repetition of every path and workload (about a minute): a
-    /// smoke test of the harness, not a measurement. Writes quick.md.
+    /// smoke test of the harness, not a measurement. Writes
+    /// bench/results/raw/quick/quick.md (ignored by git).
     #[arg(long)]
     quick: bool,
     /// Repetitions (default 5; 1 with --quick).

@@ -32,7 +32,7 @@ enum Command {
     Test(test::TestArgs),
     /// Run setup, then the benchmark: direct vs iptables+proxy vs
     /// eBPF+proxy, every path and workload, interleaved (needs root). Writes
-    /// bench/results/latest.md and latest.svg (quick.* with --quick).
+    /// bench/results/latest.md and latest.svg.
     Bench(bench::BenchArgs),
     /// shunt on a local kind cluster: builds the image, deploys deploy/ and
     /// a sample client and server, and shows their traffic going through
