@@ -56,18 +56,10 @@ async fn serve_connection(
         Err(_) => return,
     };
     let mut log = AccessLog {
-        direction: "inbound",
-        src_addr: peer,
-        src_identity: None,
-        dst_addr: arrival,
         dst_identity: Some(pod.identity.as_str()),
         started,
-        bytes_sent: 0,
-        bytes_received: 0,
-        outcome: Outcome::Refused,
-        reason: None,
         pod: Some(&pod.key),
-        opened: false,
+        ..AccessLog::new("inbound", peer, arrival)
     };
     // The certificate is the arrival IP's workload's: the listener is bound
     // on that pod's IP, so it is this listener's pod.
@@ -189,18 +181,8 @@ async fn serve_stream(
     mut respond: SendResponse<Bytes>,
 ) {
     let mut log = AccessLog {
-        direction: "inbound",
-        src_addr: peer,
         src_identity: peer_identity.as_deref(),
-        dst_addr: arrival,
-        dst_identity: None,
-        started: Instant::now(),
-        bytes_sent: 0,
-        bytes_received: 0,
-        outcome: Outcome::Refused,
-        reason: None,
-        pod: None,
-        opened: false,
+        ..AccessLog::new("inbound", peer, arrival)
     };
     let mut refuse = |status: StatusCode, reason: String, log: &mut AccessLog<'_>| {
         let response = Response::builder()

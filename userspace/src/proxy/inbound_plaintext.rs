@@ -6,7 +6,7 @@
 //! was going). Delivered to the application from inside the pod's netns;
 //! counted and logged. A policy hook goes here later.
 
-use std::{net::SocketAddr, sync::Arc, time::Instant};
+use std::{net::SocketAddr, sync::Arc};
 
 use shunt_common::PORT_INBOUND_PLAINTEXT;
 use tokio::net::TcpStream;
@@ -26,18 +26,9 @@ pub(super) async fn serve(
 
 async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, tcp: TcpStream, peer: SocketAddr) {
     let mut log = AccessLog {
-        direction: "inbound_plaintext",
-        src_addr: peer,
-        src_identity: None,
-        dst_addr: peer,
         dst_identity: Some(pod.identity.as_str()),
-        started: Instant::now(),
-        bytes_sent: 0,
-        bytes_received: 0,
-        outcome: Outcome::Refused,
-        reason: None,
         pod: Some(&pod.key),
-        opened: false,
+        ..AccessLog::new("inbound_plaintext", peer, peer)
     };
     let (mut client, dst) = match destination(&shared, tcp) {
         Ok(pair) => pair,

@@ -604,6 +604,25 @@ pub(crate) struct AccessLog<'a> {
 }
 
 impl<'a> AccessLog<'a> {
+    /// A connection from `src` to `dst` that has moved nothing yet and is
+    /// refused unless the handler says otherwise.
+    pub fn new(direction: &'static str, src_addr: SocketAddr, dst_addr: SocketAddr) -> Self {
+        Self {
+            direction,
+            src_addr,
+            src_identity: None,
+            dst_addr,
+            dst_identity: None,
+            started: Instant::now(),
+            bytes_sent: 0,
+            bytes_received: 0,
+            outcome: Outcome::Refused,
+            reason: None,
+            pod: None,
+            opened: false,
+        }
+    }
+
     fn info(&self) -> ConnectionInfo<'a> {
         ConnectionInfo {
             direction: observe::Direction::from_log(self.direction),

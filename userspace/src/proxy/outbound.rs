@@ -71,18 +71,10 @@ pub(super) async fn serve(
 async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream, peer: SocketAddr) {
     let started = Instant::now();
     let mut log = AccessLog {
-        direction: "outbound",
-        src_addr: peer,
         src_identity: Some(pod.identity.as_str()),
-        dst_addr: peer,
-        dst_identity: None,
         started,
-        bytes_sent: 0,
-        bytes_received: 0,
-        outcome: Outcome::Refused,
-        reason: None,
         pod: Some(&pod.key),
-        opened: false,
+        ..AccessLog::new("outbound", peer, peer)
     };
     let (mut app, dst) = match original_dst(&shared, stream) {
         Ok(pair) => pair,
