@@ -267,7 +267,7 @@ impl NodeAgent {
     }
 
     /// Unenrols every pod (agent shutdown). The proxy keeps serving what is
-    /// in flight; see [`shutdown`].
+    /// in flight (the agent's shutdown drains it).
     pub fn unenrol_all(&mut self) {
         for pod in self.redirector.list() {
             let _span = info_span!("pod", pod = %pod.key).entered();

@@ -2,8 +2,10 @@
 //!
 //! Data flows one way through the modules: a pod source (`control/`) says
 //! which pods exist → the agent (`agent.rs`) reconciles this node's pods →
-//! `redirect/` enrols each in the kernel → (later) `proxy/` carries the
-//! traffic to its peer. `admin.rs` and `status.rs` only read.
+//! `proxy/` starts serving each (listeners in its netns, identities from
+//! `identity/`) → `redirect/` enrols it in the kernel, so its traffic
+//! reaches those listeners → the proxy carries it to its peer over HBONE.
+//! `admin.rs`, `status.rs`, `metrics.rs` and `health.rs` only read.
 
 pub mod admin;
 pub mod agent;

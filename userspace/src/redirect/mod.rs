@@ -2,8 +2,9 @@
 //!
 //! A [`Redirector`] enrols a pod (attaches what it needs inside the pod's
 //! network namespace), verifies it is still in place, reports counters, and
-//! unenrols it leaving nothing behind. The eBPF mode lives in [`ebpf`]; the
-//! iptables mode will implement the same trait.
+//! unenrols it leaving nothing behind. The eBPF mode lives in [`ebpf`], the
+//! iptables mode in [`iptables`]; `--redirect auto` picks eBPF when the
+//! kernel [`probe`] finds every hook it needs.
 
 pub mod ebpf;
 pub mod iptables;

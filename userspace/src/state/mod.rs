@@ -1,7 +1,7 @@
 //! What the agent knows about workloads (pods) in the mesh.
 //!
 //! These types are the agent's own model, independent of the source that
-//! produced them (the local workloads file today, the Kubernetes watch next),
+//! produced them (the local workloads file or the Kubernetes watch),
 //! so that reconciling, enrolment and the proxy never see a source's format.
 
 mod store;
