@@ -280,14 +280,7 @@ async fn config_dump(
             .redirector()
             .list()
             .into_iter()
-            .map(|p| EnrolledDump {
-                namespace: p.key.namespace.clone(),
-                name: p.key.name.clone(),
-                netns: p.netns,
-                netns_cookie: p.netns_cookie,
-                mode: p.mode.to_string(),
-                hooks: p.hooks,
-            })
+            .map(EnrolledDump::from)
             .collect();
         ConfigDump {
             node: agent.node().to_string(),
@@ -302,6 +295,19 @@ async fn config_dump(
         }
     })
     .await
+}
+
+impl From<crate::redirect::EnrolledPod> for EnrolledDump {
+    fn from(p: crate::redirect::EnrolledPod) -> Self {
+        Self {
+            namespace: p.key.namespace.clone(),
+            name: p.key.name.clone(),
+            netns: p.netns,
+            netns_cookie: p.netns_cookie,
+            mode: p.mode.to_string(),
+            hooks: p.hooks,
+        }
+    }
 }
 
 /// `GET /debug/bpf`: the kernel objects behind redirection.
@@ -325,14 +331,7 @@ async fn debug_bpf(
             .redirector()
             .list()
             .into_iter()
-            .map(|p| EnrolledDump {
-                namespace: p.key.namespace.clone(),
-                name: p.key.name.clone(),
-                netns: p.netns,
-                netns_cookie: p.netns_cookie,
-                mode: p.mode.to_string(),
-                hooks: p.hooks,
-            })
+            .map(EnrolledDump::from)
             .collect();
         DebugBpf {
             mode: mode.to_string(),
