@@ -88,11 +88,5 @@ fn destination(shared: &Shared, tcp: TcpStream) -> Result<(TcpStream, SocketAddr
     if local.port() != PORT_INBOUND_PLAINTEXT {
         return Ok((tcp, local));
     }
-    let std = tcp
-        .into_std()
-        .map_err(|e| format!("cannot inspect the connection: {e}"))?;
-    let dst = shared.original_dst.original_dst(&std);
-    let tcp = TcpStream::from_std(std).map_err(|e| format!("cannot resume the connection: {e}"))?;
-    dst.map(|d| (tcp, d))
-        .map_err(|e| format!("no original destination: {e}"))
+    shared.original_dst_of(tcp)
 }

@@ -211,6 +211,23 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Asks the redirector where a redirected connection was going. The
+    /// trait takes a std socket; the round trip through std only
+    /// re-registers the fd with the reactor.
+    pub fn original_dst_of(
+        &self,
+        stream: tokio::net::TcpStream,
+    ) -> Result<(tokio::net::TcpStream, std::net::SocketAddr), String> {
+        let std = stream
+            .into_std()
+            .map_err(|e| format!("cannot inspect the connection: {e}"))?;
+        let dst = self.original_dst.original_dst(&std);
+        let stream = tokio::net::TcpStream::from_std(std)
+            .map_err(|e| format!("cannot resume the connection: {e}"))?;
+        dst.map(|dst| (stream, dst))
+            .map_err(|e| format!("no original destination: {e}"))
+    }
+
     /// The local (enrolled on this proxy) pod owning `ip`.
     pub fn local_pod(&self, ip: IpAddr) -> Option<Arc<PodState>> {
         self.pods_by_ip

@@ -76,7 +76,7 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
         pod: Some(&pod.key),
         ..AccessLog::new("outbound", peer, peer)
     };
-    let (mut app, dst) = match original_dst(&shared, stream) {
+    let (mut app, dst) = match shared.original_dst_of(stream) {
         Ok(pair) => pair,
         Err(reason) => {
             log.reason = Some(reason);
@@ -135,22 +135,6 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
             log.reason = Some(e.to_string());
             log.emit(&shared);
         }
-    }
-}
-
-/// Asks the redirector where the application was connecting to. The trait
-/// takes a std socket; the round trip through std only re-registers the fd
-/// with the reactor.
-fn original_dst(shared: &Shared, stream: TcpStream) -> Result<(TcpStream, SocketAddr), String> {
-    let std = stream
-        .into_std()
-        .map_err(|e| format!("cannot inspect the connection: {e}"))?;
-    let dst = shared.original_dst.original_dst(&std);
-    let stream =
-        TcpStream::from_std(std).map_err(|e| format!("cannot resume the connection: {e}"))?;
-    match dst {
-        Ok(dst) => Ok((stream, dst)),
-        Err(e) => Err(format!("no original destination: {e}")),
     }
 }
 
