@@ -79,6 +79,8 @@ pub mod globals {
     pub const POD_SLOT: &str = "POD_SLOT";
     /// `u8`: the most verbose aya-log level the programs emit.
     pub const LOG_LEVEL: &str = "AYA_LOG_LEVEL";
+    /// `u8`: non-zero to log connection starts (debug level) from TC egress.
+    pub const LOG_CONNECTIONS: &str = "LOG_CONNECTIONS";
 }
 
 /// aya-log's ring buffer, pinned so that every pod's instance of the

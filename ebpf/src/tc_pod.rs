@@ -30,6 +30,12 @@ use crate::maps::{CONFIG, POD_CONFIG, counters};
 #[unsafe(no_mangle)]
 static POD_SLOT: Global<u32> = Global::new(u32::MAX);
 
+/// Non-zero when the agent logs kernel debug lines: only then does egress
+/// parse headers to log connection starts (nothing extra per packet
+/// otherwise).
+#[unsafe(no_mangle)]
+static LOG_CONNECTIONS: Global<u8> = Global::new(0);
+
 const ETH_HDR_LEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86dd;
@@ -77,7 +83,8 @@ pub fn shunt_tc_egress(ctx: TcContext) -> i32 {
     };
     stats.packets_out += 1;
     stats.bytes_out += u64::from(ctx.len());
-    if let Some(packet) = parse_tcp(&ctx)
+    if LOG_CONNECTIONS.load() != 0
+        && let Some(packet) = parse_tcp(&ctx)
         && packet.flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN
     {
         debug!(

@@ -587,9 +587,12 @@ fn loader<'a>(pin_dir: &Path, slot: &'a u32, log_level: &'a u8) -> EbpfLoader<'a
     for name in maps::ALL.into_iter().chain([shunt_common::LOG_MAP]) {
         loader.map_pin_path(name, pin_dir.join(name));
     }
+    // aya-log level 4 is debug: only then are connection starts logged.
+    let log_connections: &'static u8 = if *log_level >= 4 { &1 } else { &0 };
     loader
         .override_global(globals::POD_SLOT, slot, true)
-        .override_global(globals::LOG_LEVEL, log_level, true);
+        .override_global(globals::LOG_LEVEL, log_level, true)
+        .override_global(globals::LOG_CONNECTIONS, log_connections, true);
     loader
 }
 
