@@ -240,7 +240,7 @@ async fn serve_stream(
         }
         Err(e) => {
             h2s.reset(h2::Reason::CANCEL);
-            let _ = socket2::SockRef::from(&upstream).set_linger(Some(std::time::Duration::ZERO));
+            super::reset(&upstream);
             log.outcome = Outcome::Failed;
             log.reason = Some(e.to_string());
         }

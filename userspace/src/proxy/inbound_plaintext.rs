@@ -59,7 +59,7 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, tcp: TcpStream, pe
         Err(e) => {
             log.outcome = Outcome::Failed;
             log.reason = Some(format!("application at {dst}: {e}"));
-            let _ = socket2::SockRef::from(&client).set_linger(Some(std::time::Duration::ZERO));
+            super::reset(&client);
             log.emit(&shared);
             return;
         }

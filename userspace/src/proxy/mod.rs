@@ -744,3 +744,9 @@ where
 {
     tokio::io::copy_bidirectional_with_sizes(a, b, buffer, buffer).await
 }
+
+/// Makes `stream` close with RST, so the other side sees a failure rather
+/// than a clean EOF.
+pub(crate) fn reset(stream: &tokio::net::TcpStream) {
+    let _ = socket2::SockRef::from(stream).set_linger(Some(Duration::ZERO));
+}

@@ -25,6 +25,7 @@ use super::{
     AccessLog, Outcome, PROXY_PORTS, PodState, Shared, copy_both,
     h2::H2Stream,
     pool::{PoolKey, StreamGuard},
+    reset,
 };
 
 /// Why an outbound HBONE stream could not be set up.
@@ -136,11 +137,6 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
             log.emit(&shared);
         }
     }
-}
-
-/// Closes with RST so the application sees a failure, not a clean EOF.
-fn reset(stream: &TcpStream) {
-    let _ = socket2::SockRef::from(stream).set_linger(Some(Duration::ZERO));
 }
 
 async fn passthrough(

@@ -196,10 +196,12 @@ impl Mesh {
                     .as_socket()
                     .ok_or_else(|| std::io::Error::other("no addr"))?;
                 odst.insert(local, dst);
-                s.connect_timeout(
-                    &SocketAddr::from(([127, 0, 0, 1], 15001)).into(),
-                    Duration::from_secs(5),
-                )?;
+                // A blocking connect (bounded by SO_SNDTIMEO) succeeds once
+                // the handshake completes; connect_timeout polls and then
+                // reads SO_ERROR, which may already hold the reset of a
+                // proxy that refused the connection in the meantime.
+                s.set_write_timeout(Some(Duration::from_secs(5)))?;
+                s.connect(&SocketAddr::from(([127, 0, 0, 1], 15001)).into())?;
                 s.set_nonblocking(true)?;
                 Ok(s.into())
             })
@@ -229,7 +231,9 @@ impl Mesh {
                     .as_socket()
                     .ok_or_else(|| std::io::Error::other("no addr"))?;
                 odst.insert(local, dst);
-                s.connect_timeout(&to.into(), Duration::from_secs(5))?;
+                // Blocking, bounded by SO_SNDTIMEO (see `connect_via_proxy`).
+                s.set_write_timeout(Some(Duration::from_secs(5)))?;
+                s.connect(&to.into())?;
                 s.set_nonblocking(true)?;
                 Ok(s.into())
             })
