@@ -323,8 +323,10 @@ struct Bed {
     mode: Mode,
     servers: BTreeMap<&'static str, Owned>,
     agents: Vec<(String, Agent)>,
-    /// The agents' processes, moved here (outside the cgroup root their
-    /// programs attach to) so their CPU is measured from `cpu.stat`.
+    /// The agents' processes, moved here (below the cgroup root their
+    /// programs attach to, a sibling of the apps' cgroup, as on a real node
+    /// where the root is the whole hierarchy) so their CPU is measured from
+    /// `cpu.stat`.
     agents_cgroup: Option<AgentsCgroup>,
     apps: Cgroup,
     pods: BTreeMap<&'static str, Pod>,
@@ -475,26 +477,18 @@ impl Bed {
     }
 }
 
-/// `<cgroup2>/shunt-test/<prefix>-agents/agents`: a sibling of the
-/// topology's cgroup root, never below it. Removed when dropped (the agents
-/// it holds are moved back where they came from, if still running).
+/// `<topology's cgroup root>/agents`. The agents must stay below the root:
+/// the sockets their proxies accept are then seen by the socket programs
+/// (the splice needs both ends). Removed when dropped (the agents it holds
+/// are moved back where they came from, if still running).
 struct AgentsCgroup {
     cgroup: Option<Cgroup>,
-    parent: PathBuf,
 }
 
 impl AgentsCgroup {
     fn create(topo: &Topology) -> anyhow::Result<AgentsCgroup> {
-        let prefix = format!("{}-agents", topo.prefix());
-        let cgroup = Cgroup::create(prefix.as_str(), "agents")?;
-        let parent = cgroup
-            .path()
-            .parent()
-            .ok_or_else(|| anyhow!("agents cgroup has no parent"))?
-            .to_path_buf();
         Ok(AgentsCgroup {
-            cgroup: Some(cgroup),
-            parent,
+            cgroup: Some(Cgroup::create(topo, "agents")?),
         })
     }
 
@@ -507,13 +501,6 @@ impl AgentsCgroup {
 
     fn path(&self) -> Option<&Path> {
         self.cgroup.as_ref().map(Cgroup::path)
-    }
-}
-
-impl Drop for AgentsCgroup {
-    fn drop(&mut self) {
-        drop(self.cgroup.take());
-        let _ = std::fs::remove_dir(&self.parent);
     }
 }
 

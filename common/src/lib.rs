@@ -38,6 +38,10 @@ pub const MAX_EXCLUDED_CIDRS: usize = 4;
 /// right after accept; old ones are evicted, never leak).
 pub const MAX_ORIGINAL_DSTS: u32 = 65536;
 
+/// Connection ends tracked for splicing at once (LRU: an evicted flow
+/// simply stops splicing, see `SpliceFlow`).
+pub const MAX_SPLICE_SOCKETS: u32 = 65536;
+
 /// Names of the maps, as they appear in the ELF object and under the pin dir.
 pub mod maps {
     /// `HashMap<u64 netns cookie, PodSlot>`: which network namespaces are
@@ -61,8 +65,18 @@ pub mod maps {
     /// never heard of. Userspace only (bpffs holds no plain files).
     pub const POD_RECORDS: &str = "SHUNT_POD_RECORDS";
 
+    /// `SockHash<SpliceKey>`: both ends of every app ⇄ proxy loopback
+    /// connection being spliced; the sk_msg program is attached to it.
+    pub const SPLICE_SOCKS: &str = "SHUNT_SPLICE_SOCKS";
+    /// `LruHashMap<SpliceKey, SpliceFlow>`: per receiving socket, the bytes
+    /// spliced into it and the bytes it has read (the splice's backlog).
+    pub const SPLICE_FLOWS: &str = "SHUNT_SPLICE_FLOWS";
+    /// `LruHashMap<u64 socket address, SpliceKey>`: how the receive hook,
+    /// which only has the kernel's socket pointer, finds its flow.
+    pub const SPLICE_KEYS: &str = "SHUNT_SPLICE_KEYS";
+
     /// Every map the agent pins (and every pod's program instance shares).
-    pub const ALL: [&str; 7] = [
+    pub const ALL: [&str; 10] = [
         ENROLLED,
         POD_COUNTERS,
         POD_CONFIG,
@@ -70,6 +84,9 @@ pub mod maps {
         ORIGINAL_DST_BY_COOKIE,
         ORIGINAL_DST,
         POD_RECORDS,
+        SPLICE_SOCKS,
+        SPLICE_FLOWS,
+        SPLICE_KEYS,
     ];
 }
 
@@ -99,6 +116,13 @@ pub mod programs {
     pub const CONNECT6: &str = "shunt_connect6";
     /// `sockops` on the cgroup root.
     pub const SOCKOPS: &str = "shunt_sockops";
+    /// `sk_msg` verdict on [`super::maps::SPLICE_SOCKS`].
+    pub const SPLICE_MSG: &str = "shunt_splice_msg";
+    /// Raw tracepoint on `sock_recv_length`: counts bytes read by spliced
+    /// sockets.
+    pub const SPLICE_RECV: &str = "shunt_splice_recv";
+    /// The tracepoint [`SPLICE_RECV`] attaches to (Linux 6.3+).
+    pub const SPLICE_RECV_TARGET: &str = "sock_recv_length";
 }
 
 /// Value of the enrolment map.
@@ -155,7 +179,75 @@ impl Cidr4 {
 pub struct GlobalConfig {
     /// Health-probe source whose traffic is never steered (network order).
     pub probe_source_v4: u32,
+    /// [`GlobalConfig::SPLICE`].
     pub flags: u32,
+    /// Most bytes spliced into a socket and not yet read by it before that
+    /// direction of the connection falls back to the TCP stack for good.
+    pub splice_backlog: u32,
+    /// Reserved (zero).
+    pub reserved: u32,
+}
+
+impl GlobalConfig {
+    /// New app ⇄ proxy connections are spliced (sockops joins them to
+    /// [`maps::SPLICE_SOCKS`]).
+    pub const SPLICE: u32 = 1;
+}
+
+/// Default of [`GlobalConfig::splice_backlog`]: 1 MiB, about what the TCP
+/// stack itself lets a loopback connection buffer before the sender blocks.
+pub const DEFAULT_SPLICE_BACKLOG: u32 = 1 << 20;
+
+/// One end of an app ⇄ proxy connection inside a pod's netns: the key of
+/// the splice maps. Addresses in network order (IPv4 in `[0]`; a
+/// v4-mapped IPv6 address is keyed as IPv4, as its peer sees it), ports in
+/// host order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SpliceKey {
+    pub netns_cookie: u64,
+    pub local_addr: [u32; 4],
+    pub remote_addr: [u32; 4],
+    pub local_port: u32,
+    pub remote_port: u32,
+    /// `AF_INET` (2) or `AF_INET6` (10).
+    pub family: u32,
+    /// Reserved (zero), so the key has no padding.
+    pub reserved: u32,
+}
+
+impl SpliceKey {
+    /// The key of the other end of the same connection.
+    pub fn peer(&self) -> SpliceKey {
+        SpliceKey {
+            netns_cookie: self.netns_cookie,
+            local_addr: self.remote_addr,
+            remote_addr: self.local_addr,
+            local_port: self.remote_port,
+            remote_port: self.local_port,
+            family: self.family,
+            reserved: 0,
+        }
+    }
+}
+
+/// The splice state of one direction of a connection, kept for its
+/// receiving end. `spliced` is written only by the sender's sk_msg program
+/// (under the sender's socket lock) and `consumed` only by the receive hook
+/// (under the receiver's), so neither needs atomics.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpliceFlow {
+    /// Bytes redirected into the receiver's queue.
+    pub spliced: u64,
+    /// Bytes the receiver has read from that queue.
+    pub consumed: u64,
+    /// The pod's slot (for its counters).
+    pub slot: u32,
+    /// Non-zero once this direction fell back to the TCP stack. Never
+    /// cleared: after bytes took the TCP path, splicing again could let
+    /// later bytes overtake them.
+    pub fallen_back: u32,
 }
 
 /// Where an application's connection was going before connect() was
@@ -223,6 +315,9 @@ pub struct PodCounters {
     pub inbound_fail_closed: u64,
     /// Payload bytes moved between app and proxy sockets by sk_msg.
     pub spliced_bytes: u64,
+    /// Connection directions that stopped splicing (reader too far behind,
+    /// or the peer socket not spliceable) and use the TCP stack instead.
+    pub splice_fallbacks: u64,
 }
 
 impl PodCounters {
@@ -237,6 +332,7 @@ impl PodCounters {
         self.outbound_fail_closed += other.outbound_fail_closed;
         self.inbound_fail_closed += other.inbound_fail_closed;
         self.spliced_bytes += other.spliced_bytes;
+        self.splice_fallbacks += other.splice_fallbacks;
     }
 }
 
@@ -253,6 +349,8 @@ mod user {
     unsafe impl aya::Pod for super::OriginalDst {}
     unsafe impl aya::Pod for super::SockKey {}
     unsafe impl aya::Pod for super::PodRecord {}
+    unsafe impl aya::Pod for super::SpliceKey {}
+    unsafe impl aya::Pod for super::SpliceFlow {}
 }
 
 #[cfg(test)]
@@ -262,7 +360,10 @@ mod tests {
     #[test]
     fn layouts_have_no_padding() {
         assert_eq!(core::mem::size_of::<PodSlot>(), 8);
-        assert_eq!(core::mem::size_of::<PodCounters>(), 9 * 8);
+        assert_eq!(core::mem::size_of::<PodCounters>(), 10 * 8);
+        assert_eq!(core::mem::size_of::<GlobalConfig>(), 16);
+        assert_eq!(core::mem::size_of::<SpliceKey>(), 56);
+        assert_eq!(core::mem::size_of::<SpliceFlow>(), 24);
         assert_eq!(core::mem::size_of::<Cidr4>(), 8);
         assert_eq!(
             core::mem::size_of::<PodConfig>(),

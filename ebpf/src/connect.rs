@@ -135,7 +135,7 @@ fn claim(ctx: &SockAddrContext, slot: u32, listening: bool, original: &OriginalD
     }
     // SAFETY: the helper only reads the socket behind the context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
-    if ORIGINAL_DST_BY_COOKIE.insert(&cookie, original, 0).is_err() {
+    if ORIGINAL_DST_BY_COOKIE.insert(cookie, original, 0).is_err() {
         stats.outbound_fail_closed += 1;
         return false;
     }
@@ -149,7 +149,7 @@ fn pod_of(ctx: &SockAddrContext) -> Option<(u32, PodConfig)> {
     // SAFETY: the helper only reads the socket's netns.
     let netns = unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) };
     // SAFETY: plain values copied out of the maps.
-    let pod = unsafe { ENROLLED.get(&netns) }.copied()?;
+    let pod = unsafe { ENROLLED.get(netns) }.copied()?;
     let config = POD_CONFIG.get(pod.slot).copied()?;
     Some((pod.slot, config))
 }

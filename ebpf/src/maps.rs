@@ -4,11 +4,11 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, SockHash},
 };
 use shunt_common::{
-    GlobalConfig, MAX_ORIGINAL_DSTS, MAX_PODS, OriginalDst, PodConfig, PodCounters, PodRecord,
-    PodSlot, SockKey,
+    GlobalConfig, MAX_ORIGINAL_DSTS, MAX_PODS, MAX_SPLICE_SOCKETS, OriginalDst, PodConfig,
+    PodCounters, PodRecord, PodSlot, SockKey, SpliceFlow, SpliceKey,
 };
 
 /// netns cookie → slot: which namespaces are enrolled.
@@ -43,6 +43,27 @@ pub static ORIGINAL_DST: LruHashMap<SockKey, OriginalDst> =
 /// agent, kept in bpffs. No program reads it.
 #[map(name = "SHUNT_POD_RECORDS")]
 pub static POD_RECORDS: HashMap<u64, PodRecord> = HashMap::with_max_entries(MAX_PODS, 0);
+
+/// Both ends of the app ⇄ proxy connections being spliced; the sk_msg
+/// program runs on every send of a socket in here.
+#[map(name = "SHUNT_SPLICE_SOCKS")]
+pub static SPLICE_SOCKS: SockHash<SpliceKey> = SockHash::with_max_entries(MAX_SPLICE_SOCKETS, 0);
+
+/// Receiving end → its direction's splice backlog (see `SpliceFlow`).
+#[map(name = "SHUNT_SPLICE_FLOWS")]
+pub static SPLICE_FLOWS: LruHashMap<SpliceKey, SpliceFlow> =
+    LruHashMap::with_max_entries(MAX_SPLICE_SOCKETS, 0);
+
+/// Socket (kernel address) → its splice key, for the receive hook.
+#[map(name = "SHUNT_SPLICE_KEYS")]
+pub static SPLICE_KEYS: LruHashMap<u64, SpliceKey> =
+    LruHashMap::with_max_entries(MAX_SPLICE_SOCKETS, 0);
+
+/// The agent-wide settings.
+#[inline(always)]
+pub fn global_config() -> Option<GlobalConfig> {
+    CONFIG.get(0).copied()
+}
 
 /// The counters of `slot` on this CPU, if the slot is valid.
 #[inline(always)]

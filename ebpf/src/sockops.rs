@@ -1,34 +1,59 @@
-//! `sockops` on the cgroup root: once a redirected connection is established
-//! its local address and port are known, so the original destination that
-//! `connect4/6` recorded by socket cookie is re-keyed by (netns, local
-//! address, local port) — the peer address the proxy sees on accept.
+//! `sockops` on the cgroup root, at the two moments a TCP connection
+//! becomes established:
+//!
+//! - the application's end of a connect that `connect4/6` redirected (the
+//!   active side): its local address and port are now known, so the original
+//!   destination recorded by socket cookie is re-keyed by (netns, local
+//!   address, local port) — the peer address the proxy sees on accept — and
+//!   the connection starts splicing (`splice.rs`);
+//! - the proxy's end of such a connection (the passive side): it joins the
+//!   splice;
+//!
+//! and when a spliced socket closes (its splice state is dropped).
 
 use aya_ebpf::{
-    bindings::BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB,
+    bindings::{
+        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB,
+        BPF_SOCK_OPS_STATE_CB,
+    },
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie},
     macros::sock_ops,
     programs::SockOpsContext,
 };
 use shunt_common::SockKey;
 
-use crate::maps::{ORIGINAL_DST, ORIGINAL_DST_BY_COOKIE};
+use crate::{
+    maps::{ORIGINAL_DST, ORIGINAL_DST_BY_COOKIE},
+    splice,
+};
 
 const AF_INET: u32 = 2;
 const AF_INET6: u32 = 10;
 
-/// Hook: `sockops` on the cgroup root. Matches the active side of a TCP
+/// Hook: `sockops` on the cgroup root. Matches (1) the active side of a TCP
 /// connection becoming established whose socket cookie has a recorded
-/// original destination; moves that record to `SHUNT_ORIG_DST`. Miss path
+/// original destination: moves that record to `SHUNT_ORIG_DST` and starts
+/// the connection's splice; (2) the passive side of one whose splice was
+/// started: joins it; (3) a spliced socket closing: forgets it. Miss path
 /// (any other op or socket): nothing, returns 1.
 #[sock_ops]
 pub fn shunt_sockops(ctx: SockOpsContext) -> u32 {
-    if ctx.op() != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB {
-        return 1;
+    match ctx.op() {
+        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => {}
+        BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB => {
+            splice::join_proxy_end(&ctx);
+            return 1;
+        }
+        BPF_SOCK_OPS_STATE_CB => {
+            splice::leave_on_close(&ctx);
+            return 1;
+        }
+        _ => return 1,
     }
-    // SAFETY: the helpers only read the socket behind the context.
+    // SAFETY: the helper only reads the socket behind the context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
     // SAFETY: plain value copied out of the map.
-    let Some(original) = (unsafe { ORIGINAL_DST_BY_COOKIE.get(&cookie) }).copied() else {
+    let Some(original) = (unsafe { ORIGINAL_DST_BY_COOKIE.get(cookie) }).copied() else {
         return 1;
     };
     // SAFETY: as above.
@@ -51,7 +76,8 @@ pub fn shunt_sockops(ctx: SockOpsContext) -> u32 {
         port: ctx.local_port(),
         family,
     };
-    let _ = ORIGINAL_DST.insert(&key, &original, 0);
-    let _ = ORIGINAL_DST_BY_COOKIE.remove(&cookie);
+    let _ = ORIGINAL_DST.insert(key, original, 0);
+    let _ = ORIGINAL_DST_BY_COOKIE.remove(cookie);
+    splice::join_application_end(&ctx, netns_cookie);
     1
 }

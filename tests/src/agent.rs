@@ -18,7 +18,7 @@ use nix::{
 };
 use shunt::admin::NodeStatus;
 
-use crate::{Node, Pod, Result, TestbedError, Topology};
+use crate::{Cgroup, Node, Pod, Result, TestbedError, Topology};
 
 /// Where the agent's admin API listens (in its node's netns).
 pub const ADMIN_ADDR: &str = "127.0.0.1:15000";
@@ -103,9 +103,16 @@ pub struct Agent {
     dir: PathBuf,
     pin_dir: PathBuf,
     cgroup_root: PathBuf,
+    /// The agent's own cgroup, below `cgroup_root` as on a real node (where
+    /// the root is the whole hierarchy): the sockets its proxy accepts are
+    /// then seen by the socket programs, which splice them.
+    cgroup: Cgroup,
     ca_dir: PathBuf,
     env: Vec<(String, String)>,
 }
+
+/// Makes agent cgroup names unique within a topology.
+static AGENT_SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 impl Agent {
     /// Starts the agent for `node` on a workloads file with `yaml`, and waits
@@ -136,6 +143,8 @@ impl Agent {
         // The socket programs attach to the topology's own cgroup, never to
         // the machine's root.
         let cgroup_root = topology.cgroup_root()?;
+        let seq = AGENT_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let cgroup = Cgroup::create(topology, &format!("agent-{}-{seq}", node.name()))?;
         let ca_dir = std::env::temp_dir().join(format!("{}-ca", topology.prefix()));
         let mut agent = Agent {
             child: None,
@@ -143,6 +152,7 @@ impl Agent {
             dir,
             pin_dir,
             cgroup_root,
+            cgroup,
             ca_dir,
             env: env
                 .iter()
@@ -174,6 +184,7 @@ impl Agent {
             .map_err(|e| TestbedError::io("opening the agent log", e))?;
         let binary = shunt_binary()?;
         let mut cmd = self.node.command(&binary);
+        self.cgroup.place(&mut cmd);
         cmd.arg("agent")
             .args(["--node-name", self.node.name()])
             .arg("--workloads")

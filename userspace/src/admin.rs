@@ -113,6 +113,10 @@ pub struct Counters {
     /// Payload bytes moved between app and proxy sockets by sk_msg.
     #[serde(default)]
     pub spliced_bytes: u64,
+    /// Connection directions that stopped splicing (reader too far behind,
+    /// or no peer to splice into) and went on over the TCP stack.
+    #[serde(default)]
+    pub splice_fallbacks: u64,
 }
 
 impl From<shunt_common::PodCounters> for Counters {
@@ -127,6 +131,7 @@ impl From<shunt_common::PodCounters> for Counters {
             outbound_fail_closed: c.outbound_fail_closed,
             inbound_fail_closed: c.inbound_fail_closed,
             spliced_bytes: c.spliced_bytes,
+            splice_fallbacks: c.splice_fallbacks,
         }
     }
 }

@@ -412,6 +412,8 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
                 pin_dir: args.bpf_pin_dir.clone(),
                 cgroup_root: args.cgroup_root.clone(),
                 probe_source: args.probe_source,
+                splice: args.splice,
+                splice_backlog: args.splice_backlog,
             };
             match EbpfRedirector::load(&options) {
                 Ok(mut ebpf) => {

@@ -4,7 +4,7 @@ use std::{net::SocketAddr, path::PathBuf};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::redirect::RedirectMode;
+use crate::redirect::{RedirectMode, ebpf::SpliceMode};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -63,7 +63,9 @@ pub struct AgentArgs {
     pub bpf_pin_dir: PathBuf,
 
     /// cgroup v2 directory where socket-level programs attach; pods'
-    /// processes live below it. Default: the cgroup v2 mount root.
+    /// processes live below it, and so must the agent itself for its end of
+    /// app ⇄ proxy connections to be spliced. Default: the cgroup v2 mount
+    /// root.
     #[arg(long, value_name = "PATH")]
     pub cgroup_root: Option<PathBuf>,
 
@@ -81,6 +83,23 @@ pub struct AgentArgs {
     /// SHUNT_ORIG_DST map; shunt only redirects).
     #[arg(long, value_enum, default_value_t = ProxyKind::Builtin)]
     pub proxy: ProxyKind,
+
+    /// eBPF mode: move payload between each application and the proxy
+    /// inside its pod with sk_msg, skipping the loopback TCP stack (needs
+    /// sk_msg and the sock_recv_length tracepoint, Linux 6.3+). Bounded: a
+    /// direction whose reader falls more than --splice-backlog bytes behind
+    /// returns to the TCP stack for the rest of the connection. Off by
+    /// default: an application that blocks in read() on a spliced socket
+    /// can get EAGAIN when woken without data (the kernel's sockmap read
+    /// path, e.g. after shutdown(SHUT_WR) from another thread); event-loop
+    /// applications (non-blocking sockets) are unaffected.
+    #[arg(long, value_name = "on|off", default_value_t = SpliceMode::Off)]
+    pub splice: SpliceMode,
+
+    /// With --splice: the most bytes one direction of a connection may have
+    /// spliced but not yet read before it falls back to the TCP stack.
+    #[arg(long, value_name = "BYTES", default_value_t = shunt_common::DEFAULT_SPLICE_BACKLOG)]
+    pub splice_backlog: u32,
 
     /// What SIGINT/SIGTERM does to the pods: `unenrol` takes every pod out of
     /// the mesh cleanly (nothing left behind); `keep` leaves redirection in

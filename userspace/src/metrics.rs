@@ -449,6 +449,7 @@ impl Snapshot {
         let redirected = Family::<PodDirection, Counter>::default();
         let fail_closed = Family::<PodDirection, Counter>::default();
         let spliced = Family::<PodLabels, Counter>::default();
+        let splice_fallbacks = Family::<PodLabels, Counter>::default();
         for pod in &self.enrolled {
             let c = &pod.counters;
             let at = |direction: &str| PodDirection {
@@ -472,12 +473,14 @@ impl Snapshot {
             fail_closed
                 .get_or_create(&at("out"))
                 .inc_by(c.outbound_fail_closed);
-            spliced
-                .get_or_create(&PodLabels {
-                    namespace: pod.key.namespace.clone(),
-                    pod: pod.key.name.clone(),
-                })
-                .inc_by(c.spliced_bytes);
+            let labels = PodLabels {
+                namespace: pod.key.namespace.clone(),
+                pod: pod.key.name.clone(),
+            };
+            spliced.get_or_create(&labels).inc_by(c.spliced_bytes);
+            splice_fallbacks
+                .get_or_create(&labels)
+                .inc_by(c.splice_fallbacks);
         }
         registry.register(
             "pod_packets",
@@ -503,6 +506,11 @@ impl Snapshot {
             "pod_spliced_bytes",
             "Payload bytes moved between app and proxy sockets by sk_msg",
             spliced,
+        );
+        registry.register(
+            "pod_splice_fallbacks",
+            "Connection directions that stopped splicing (reader more than --splice-backlog behind, or no peer socket to splice into) and went on over the TCP stack",
+            splice_fallbacks,
         );
 
         let expiry = Family::<IdentityLabels, Gauge>::default();

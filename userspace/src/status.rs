@@ -103,7 +103,7 @@ pub fn render_table_at(status: &NodeStatus, now: std::time::SystemTime) -> Strin
         "BYTES OUT",
         "REDIRECTED OUT/IN",
         "FAIL-CLOSED OUT/IN",
-        "SPLICED",
+        "SPLICED/FALLBACKS",
         "IDENTITY",
         "CERT EXPIRES",
     ];
@@ -151,7 +151,7 @@ pub fn render_table_at(status: &NodeStatus, now: std::time::SystemTime) -> Strin
                 c.bytes_out.to_string(),
                 format!("{}/{}", c.outbound_redirected, c.inbound_redirected),
                 format!("{}/{}", c.outbound_fail_closed, c.inbound_fail_closed),
-                c.spliced_bytes.to_string(),
+                format!("{}/{}", c.spliced_bytes, c.splice_fallbacks),
             ],
             None => std::array::from_fn(|_| "-".to_string()),
         };

@@ -3,7 +3,12 @@
 //! connects somewhere, sends a pattern, reads the echo back and prints one
 //! JSON line describing what happened.
 //!
-//! `shunt-testapp connect ADDR [--send N] [--mark M] [--timeout-ms T]`
+//! `shunt-testapp connect ADDR [--send N] [--mark M] [--timeout-ms T] [--slow-read-ms D] [--poll]`
+//! (the echo is checked as it arrives; `--slow-read-ms` pauses D ms after
+//! each MiB read, a reader that falls behind; the report includes the
+//! socket's `tcp_info` byte counts, which stay 0 for spliced payload;
+//! `--poll` runs the transfer on one thread with a non-blocking socket
+//! instead of blocking reader and writer threads)
 //! `shunt-testapp hold ADDR --seconds S` (one connection, a 1 KiB echo every
 //! 50 ms for S seconds: a long-lived flow across agent restarts)
 //!
@@ -40,6 +45,11 @@ fn option(args: &[String], name: &str) -> Option<String> {
         .cloned()
 }
 
+/// `error`, saying where it happened.
+fn at(error: std::io::Error, what: &str) -> std::io::Error {
+    std::io::Error::new(error.kind(), format!("{what}: {error}"))
+}
+
 fn bad(message: &str) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidInput, message.to_string())
 }
@@ -70,20 +80,18 @@ fn run(args: &[String]) -> std::io::Result<String> {
             let n: usize = option(args, "--send")
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(1024);
-            let payload: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
-            let mut writer = stream.try_clone()?;
-            let sender = std::thread::spawn(move || -> std::io::Result<()> {
-                writer.write_all(&payload)?;
-                writer.shutdown(std::net::Shutdown::Write)
-            });
-            let mut back = Vec::new();
-            stream.read_to_end(&mut back)?;
-            sender.join().map_err(|_| bad("sender panicked"))??;
-            let intact =
-                back.len() == n && back.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8);
+            let slow_read = option(args, "--slow-read-ms")
+                .and_then(|v| v.parse().ok())
+                .map(Duration::from_millis);
+            let (received, intact) = if args.iter().any(|a| a == "--poll") {
+                transfer_polling(&stream, n, slow_read)?
+            } else {
+                transfer_threaded(&stream, n, slow_read)?
+            };
+            let intact = intact && received == n;
+            let (bytes_sent, bytes_received) = tcp_bytes(&stream)?;
             Ok(format!(
-                "{{\"ok\":true,\"local\":\"{local}\",\"peer\":\"{peer}\",\"sent\":{n},\"received\":{},\"intact\":{intact}}}",
-                back.len()
+                "{{\"ok\":true,\"local\":\"{local}\",\"peer\":\"{peer}\",\"sent\":{n},\"received\":{received},\"intact\":{intact},\"tcp_bytes_sent\":{bytes_sent},\"tcp_bytes_received\":{bytes_received}}}"
             ))
         }
         "hold" => {
@@ -110,6 +118,186 @@ fn run(args: &[String]) -> std::io::Result<String> {
         }
         other => Err(bad(&format!("unknown mode {other}"))),
     }
+}
+
+/// The byte at `offset` of the pattern every transfer sends.
+fn pattern(offset: usize) -> u8 {
+    (offset % 251) as u8
+}
+
+/// Checks arriving echo bytes against the pattern, pausing once per MiB
+/// if the reader is to be slow.
+struct EchoCheck {
+    received: usize,
+    intact: bool,
+    slow_read: Option<Duration>,
+    next_pause: usize,
+}
+
+impl EchoCheck {
+    fn new(slow_read: Option<Duration>) -> Self {
+        Self {
+            received: 0,
+            intact: true,
+            slow_read,
+            next_pause: 1 << 20,
+        }
+    }
+
+    fn arrived(&mut self, bytes: &[u8]) {
+        let at = self.received;
+        self.intact &= bytes.iter().enumerate().all(|(i, b)| *b == pattern(at + i));
+        self.received += bytes.len();
+        if let Some(pause) = self.slow_read
+            && self.received >= self.next_pause
+        {
+            std::thread::sleep(pause);
+            self.next_pause += 1 << 20;
+        }
+    }
+}
+
+/// Fills `chunk` with the pattern from `offset`; returns how much of it to send.
+fn fill(chunk: &mut [u8], offset: usize, total: usize) -> usize {
+    let len = chunk.len().min(total - offset);
+    for (i, b) in chunk[..len].iter_mut().enumerate() {
+        *b = pattern(offset + i);
+    }
+    len
+}
+
+/// Blocking sockets, a writer thread and a reader: how simple clients work.
+fn transfer_threaded(
+    stream: &TcpStream,
+    n: usize,
+    slow_read: Option<Duration>,
+) -> std::io::Result<(usize, bool)> {
+    let mut writer = stream.try_clone()?;
+    let sender = std::thread::spawn(move || -> std::io::Result<()> {
+        // 64 KiB pieces: a 1 GiB payload need not be in memory at once.
+        let mut chunk = vec![0u8; 65536];
+        let mut offset = 0usize;
+        while offset < n {
+            let len = fill(&mut chunk, offset, n);
+            writer
+                .write_all(&chunk[..len])
+                .map_err(|e| at(e, &format!("write at byte {offset}")))?;
+            offset += len;
+        }
+        writer.shutdown(std::net::Shutdown::Write)
+    });
+    let mut reader = stream;
+    let mut buf = vec![0u8; 65536];
+    let mut check = EchoCheck::new(slow_read);
+    loop {
+        let got = reader
+            .read(&mut buf)
+            .map_err(|e| at(e, &format!("read at byte {}", check.received)))?;
+        if got == 0 {
+            break;
+        }
+        check.arrived(&buf[..got]);
+    }
+    sender.join().map_err(|_| bad("sender panicked"))??;
+    Ok((check.received, check.intact))
+}
+
+/// One thread, a non-blocking socket and poll(2): how event-loop servers
+/// and runtimes (Go, tokio, Netty, nginx, Envoy) work.
+fn transfer_polling(
+    stream: &TcpStream,
+    n: usize,
+    slow_read: Option<Duration>,
+) -> std::io::Result<(usize, bool)> {
+    stream.set_nonblocking(true)?;
+    let mut chunk = vec![0u8; 65536];
+    let mut pending = 0..0;
+    let mut offset = 0usize;
+    let mut shut = false;
+    let mut buf = vec![0u8; 65536];
+    let mut check = EchoCheck::new(slow_read);
+    let mut io = stream;
+    loop {
+        let mut events = libc::POLLIN;
+        if !shut {
+            events |= libc::POLLOUT;
+        }
+        let mut fd = libc::pollfd {
+            fd: stream.as_raw_fd(),
+            events,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let ready = unsafe { libc::poll(&mut fd, 1, 60_000) };
+        if ready < 0 {
+            return Err(at(std::io::Error::last_os_error(), "poll"));
+        }
+        if ready == 0 {
+            return Err(at(std::io::ErrorKind::TimedOut.into(), "poll"));
+        }
+        if !shut && fd.revents & libc::POLLOUT != 0 {
+            if pending.is_empty() && offset < n {
+                pending = 0..fill(&mut chunk, offset, n);
+            }
+            if !pending.is_empty() {
+                match io.write(&chunk[pending.clone()]) {
+                    Ok(written) => {
+                        pending.start += written;
+                        offset += written;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(at(e, &format!("write at byte {offset}"))),
+                }
+            }
+            if offset == n && pending.is_empty() {
+                stream.shutdown(std::net::Shutdown::Write)?;
+                shut = true;
+            }
+        }
+        if fd.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
+            match io.read(&mut buf) {
+                Ok(0) => break,
+                Ok(got) => check.arrived(&buf[..got]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(at(e, &format!("read at byte {}", check.received))),
+            }
+        }
+    }
+    Ok((check.received, check.intact))
+}
+
+/// `tcpi_bytes_sent` and `tcpi_bytes_received` of the socket: what went
+/// through the TCP stack (payload moved by sk_msg is in neither).
+fn tcp_bytes(stream: &TcpStream) -> std::io::Result<(u64, u64)> {
+    // Offsets in `struct tcp_info` (linux/tcp.h), stable since Linux 4.19.
+    const BYTES_RECEIVED: usize = 128;
+    const BYTES_SENT: usize = 200;
+    let mut info = [0u8; 256];
+    let mut len = info.len() as libc::socklen_t;
+    // SAFETY: the kernel writes at most `len` bytes into `info`.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            info.as_mut_ptr().cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if (len as usize) < BYTES_SENT + 8 {
+        return Err(bad(
+            "tcp_info too short for tcpi_bytes_sent (kernel < 4.19)",
+        ));
+    }
+    let read = |at: usize| {
+        let mut bytes = [0u8; 8];
+        bytes.copy_from_slice(&info[at..at + 8]);
+        u64::from_ne_bytes(bytes)
+    };
+    Ok((read(BYTES_SENT), read(BYTES_RECEIVED)))
 }
 
 fn connect(addr: SocketAddr, mark: Option<u32>, timeout: Duration) -> std::io::Result<TcpStream> {

@@ -18,6 +18,7 @@
 
 mod cgroup;
 mod original_dst;
+mod splice;
 mod tc;
 
 use std::{
@@ -36,9 +37,10 @@ use aya::{
 pub use cgroup::cgroup2_mount;
 pub use original_dst::EbpfOriginalDst;
 use shunt_common::{
-    Cidr4, GlobalConfig, MAX_EXCLUDED_CIDRS, MAX_EXCLUDED_PORTS, MAX_PODS, PodConfig, PodCounters,
-    PodRecord, PodSlot, globals, maps,
+    Cidr4, DEFAULT_SPLICE_BACKLOG, GlobalConfig, MAX_EXCLUDED_CIDRS, MAX_EXCLUDED_PORTS, MAX_PODS,
+    PodConfig, PodCounters, PodRecord, PodSlot, globals, maps,
 };
+pub use splice::SpliceMode;
 pub use tc::{TC_HANDLE, TC_PRIORITY};
 use tracing::{info, warn};
 
@@ -91,6 +93,11 @@ pub struct EbpfOptions {
     pub cgroup_root: Option<PathBuf>,
     /// Health-probe source address whose inbound traffic is never steered.
     pub probe_source: std::net::Ipv4Addr,
+    /// Whether app ⇄ proxy payload is spliced.
+    pub splice: SpliceMode,
+    /// Most bytes spliced into a socket but not yet read before that
+    /// direction falls back to the TCP stack.
+    pub splice_backlog: u32,
 }
 
 impl EbpfOptions {
@@ -99,6 +106,8 @@ impl EbpfOptions {
             pin_dir: pin_dir.into(),
             cgroup_root: None,
             probe_source: shunt_common::DEFAULT_PROBE_SOURCE_V4.into(),
+            splice: SpliceMode::default(),
+            splice_backlog: DEFAULT_SPLICE_BACKLOG,
         }
     }
 }
@@ -127,6 +136,8 @@ pub struct EbpfRedirector {
     original_dst: Arc<EbpfOriginalDst>,
     /// aya-log level baked into every pod's programs.
     log_level: u8,
+    /// Whether new app ⇄ proxy connections are spliced.
+    splice: bool,
 }
 
 impl EbpfRedirector {
@@ -152,13 +163,23 @@ impl EbpfRedirector {
         let config_map: Array<MapData, PodConfig> = take_map(&mut ebpf, maps::POD_CONFIG)?;
         let records_map: BpfHashMap<MapData, u64, PodRecord> =
             take_map(&mut ebpf, maps::POD_RECORDS)?;
+        cgroup::attach_or_adopt(&mut ebpf, &cgroup_root, pin_dir)?;
+        let splice = match options.splice {
+            SpliceMode::Off => false,
+            SpliceMode::On => {
+                splice::attach_or_adopt(&mut ebpf, pin_dir)?;
+                true
+            }
+        };
         let mut global: Array<MapData, GlobalConfig> = take_map(&mut ebpf, maps::CONFIG)?;
         global
             .set(
                 0,
                 GlobalConfig {
                     probe_source_v4: u32::from_ne_bytes(options.probe_source.octets()),
-                    flags: 0,
+                    flags: if splice { GlobalConfig::SPLICE } else { 0 },
+                    splice_backlog: options.splice_backlog,
+                    reserved: 0,
                 },
                 0,
             )
@@ -166,7 +187,11 @@ impl EbpfRedirector {
                 name: maps::CONFIG,
                 detail: e.to_string(),
             })?;
-        cgroup::attach_or_adopt(&mut ebpf, &cgroup_root, pin_dir)?;
+        info!(
+            splice,
+            backlog_bytes = options.splice_backlog,
+            "app ⇄ proxy splice"
+        );
         let original_dst = Arc::new(EbpfOriginalDst::open(pin_dir)?);
         let stale = enrolled_map.keys().count();
         if stale > 0 {
@@ -186,7 +211,13 @@ impl EbpfRedirector {
             cgroup_root,
             original_dst,
             log_level,
+            splice,
         })
+    }
+
+    /// Whether new app ⇄ proxy connections are spliced.
+    pub fn splice(&self) -> bool {
+        self.splice
     }
 
     /// The agent's instance of the object, e.g. to forward aya-log records
@@ -431,6 +462,7 @@ impl Redirector for EbpfRedirector {
 
     fn list(&self) -> Vec<EnrolledPod> {
         let sockets = cgroup::present(&self.pin_dir);
+        let splice_present = self.splice && splice::present(&self.pin_dir);
         self.pods
             .iter()
             .map(|(key, enrolment)| {
@@ -457,6 +489,19 @@ impl Redirector for EbpfRedirector {
                         attachment: format!("{name}: BPF link on cgroup {}", self.cgroup_root.display()),
                         present,
                     }));
+                    if self.splice {
+                        hooks.push(Hook {
+                            name: "splice".to_string(),
+                            attachment: format!(
+                                "{}: sk_msg on map {}; {}: raw tracepoint {}",
+                                shunt_common::programs::SPLICE_MSG,
+                                maps::SPLICE_SOCKS,
+                                shunt_common::programs::SPLICE_RECV,
+                                shunt_common::programs::SPLICE_RECV_TARGET
+                            ),
+                            present: splice_present,
+                        });
+                    }
                 }
                 EnrolledPod {
                     key: key.clone(),

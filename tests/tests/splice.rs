@@ -1,0 +1,244 @@
+//! Splice on the real kernel: payload between an application and the proxy
+//! inside its pod moves by sk_msg, skipping the TCP stack, and stays bounded
+//! when a reader falls behind (`ebpf/src/splice.rs`). The application is the
+//! real testapp in a pod, the proxy the real agent's; the far end is an echo
+//! server outside the mesh (passthrough), so every byte crosses the splice
+//! twice, once each way.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    thread,
+    time::Duration,
+};
+
+use serde_json::Value;
+use shunt::admin::{Counters, NodeStatus, PodState};
+use shunt_testbed::{
+    Cgroup, Pod, Topology,
+    agent::{Agent, WorkloadSpec, workloads_yaml},
+    apps::{EchoServer, TestApp, ok},
+    require_root,
+};
+
+const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
+const TIMEOUT: Duration = Duration::from_secs(30);
+const GIB: u64 = 1 << 30;
+
+/// A node with a mesh client and a non-mesh echo server, and an agent with
+/// `splice_args`.
+struct Node {
+    agent: Agent,
+    client: Pod,
+    _echo: EchoServer,
+    to_server: String,
+    // Last: the namespaces go after everything in them.
+    apps_cgroup: Cgroup,
+    _topology: Topology,
+}
+
+fn node(test: &str, splice_args: &[&str]) -> Node {
+    require_root().expect("kernel tests need root");
+    let (topology, pods) = Topology::single_node(test, &["client", "server"]).expect("topology");
+    let (client, server) = (pods[0].clone(), pods[1].clone());
+    let yaml = workloads_yaml(&[
+        WorkloadSpec::for_pod(&client, true),
+        WorkloadSpec::for_pod(&server, false),
+    ]);
+    let node = topology.node("node-a").expect("node").clone();
+    let mut args = vec!["--redirect", "ebpf"];
+    args.extend_from_slice(splice_args);
+    let mut agent = Agent::start(&topology, &node, &yaml, &args).expect("agent");
+    agent
+        .wait_for("the client enrolled", TIMEOUT, |s| enrolled(s, &client))
+        .expect("enrolled");
+    let echo = EchoServer::on(&server, 8080).expect("echo");
+    let apps_cgroup = Cgroup::create(&topology, "apps").expect("cgroup");
+    Node {
+        agent,
+        to_server: format!("{}:8080", server.ip()),
+        client,
+        _echo: echo,
+        apps_cgroup,
+        _topology: topology,
+    }
+}
+
+impl Node {
+    /// Runs the testapp in the client pod.
+    fn run(&self, args: &[&str]) -> Value {
+        TestApp::new(TESTAPP, &self.apps_cgroup).run(&self.client, args)
+    }
+}
+
+fn enrolled(status: &NodeStatus, pod: &Pod) -> bool {
+    status
+        .pods
+        .iter()
+        .any(|p| p.name == pod.name() && p.state == PodState::Enrolled)
+}
+
+fn counters(node: &Node) -> Counters {
+    let status = node.agent.status().expect("status");
+    status
+        .pods
+        .iter()
+        .find(|p| p.name == node.client.name())
+        .and_then(|p| p.counters)
+        .expect("client counters")
+}
+
+fn as_u64(report: &Value, field: &str) -> u64 {
+    report[field]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no {field} in {report}"))
+}
+
+#[test]
+fn spliced_payload_skips_the_tcp_stack_and_unspliced_does_not() {
+    // Below the backlog bound in total, so neither direction can fall back
+    // however the threads are scheduled.
+    let payload = 512 << 10;
+    let send = payload.to_string();
+
+    let on = node("splice-on", &["--splice", "on"]);
+    let report = on.run(&["connect", &on.to_server, "--send", &send, "--poll"]);
+    assert!(ok(&report), "{report}\n{}", on.agent.logs());
+    // The app's socket sent nothing through TCP: sk_msg moved every byte.
+    assert_eq!(as_u64(&report, "tcp_bytes_sent"), 0, "{report}");
+    // ... and received at most the proxy's FIN (which counts as one byte).
+    assert!(as_u64(&report, "tcp_bytes_received") <= 1, "{report}");
+    let c = counters(&on);
+    assert!(
+        c.spliced_bytes >= 2 * payload,
+        "both directions spliced: {c:?}"
+    );
+    assert_eq!(c.splice_fallbacks, 0, "{c:?}");
+    drop(on);
+
+    let off = node("splice-off", &["--splice", "off"]);
+    let report = off.run(&["connect", &off.to_server, "--send", &send, "--poll"]);
+    assert!(ok(&report), "{report}\n{}", off.agent.logs());
+    assert!(as_u64(&report, "tcp_bytes_sent") >= payload, "{report}");
+    assert!(as_u64(&report, "tcp_bytes_received") >= payload, "{report}");
+    assert_eq!(counters(&off).spliced_bytes, 0);
+}
+
+/// `TCP: ... mem N` of /proc/net/sockstat: pages the whole kernel has
+/// allocated for TCP.
+fn tcp_mem_pages() -> u64 {
+    let sockstat = std::fs::read_to_string("/proc/net/sockstat").expect("sockstat");
+    sockstat
+        .lines()
+        .find(|l| l.starts_with("TCP:"))
+        .and_then(|l| {
+            let fields: Vec<&str> = l.split_whitespace().collect();
+            let at = fields.iter().position(|f| *f == "mem")?;
+            fields.get(at + 1)?.parse().ok()
+        })
+        .expect("TCP mem in /proc/net/sockstat")
+}
+
+/// Runs a 1 GiB echo through the node with a reader that falls behind,
+/// sampling kernel TCP memory meanwhile; returns the report and the peak
+/// growth over the level before, in pages.
+fn transfer_gib(node: &Node) -> (Value, u64) {
+    let baseline = tcp_mem_pages();
+    let peak = Arc::new(AtomicU64::new(baseline));
+    let done = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let (peak, done) = (peak.clone(), done.clone());
+        thread::spawn(move || {
+            // Bounded: the transfer has its own timeout; 20 min at most.
+            for _ in 0..240_000 {
+                if done.load(Ordering::Relaxed) {
+                    break;
+                }
+                peak.fetch_max(tcp_mem_pages(), Ordering::Relaxed);
+                thread::sleep(Duration::from_millis(5));
+            }
+        })
+    };
+    let send = GIB.to_string();
+    let report = node.run(&[
+        "connect",
+        &node.to_server,
+        "--send",
+        &send,
+        "--slow-read-ms",
+        "2",
+        "--timeout-ms",
+        "60000",
+        // Event-loop style: see `--splice` in `shunt agent --help`.
+        "--poll",
+    ]);
+    done.store(true, Ordering::Relaxed);
+    sampler.join().expect("sampler");
+    (
+        report,
+        peak.load(Ordering::Relaxed).saturating_sub(baseline),
+    )
+}
+
+#[test]
+fn a_gib_through_a_slow_reader_stays_bounded_with_splice_on() {
+    let off = node("splice-gib-off", &["--splice", "off"]);
+    let (report_off, peak_off) = transfer_gib(&off);
+    assert!(ok(&report_off), "{report_off}\n{}", off.agent.logs());
+    drop(off);
+
+    let on = node("splice-gib-on", &["--splice", "on"]);
+    let (report_on, peak_on) = transfer_gib(&on);
+    // Complete, in order (the testapp checks the pattern byte by byte) and
+    // no write failed (ENOMEM would end the run with ok: false).
+    assert!(ok(&report_on), "{report_on}\n{}", on.agent.logs());
+    assert_eq!(as_u64(&report_on, "received"), GIB, "{report_on}");
+    let c = counters(&on);
+    assert!(c.spliced_bytes > 0, "{c:?}");
+    assert!(
+        c.splice_fallbacks >= 1,
+        "the slow reader must have tripped the backlog bound: {c:?}"
+    );
+    eprintln!(
+        "peak kernel TCP memory growth: splice off {peak_off} pages, splice on {peak_on} pages; {c:?}"
+    );
+    assert!(
+        peak_on <= 2 * peak_off.max(256),
+        "splice on peaked at {peak_on} pages of TCP memory, splice off at {peak_off}"
+    );
+}
+
+#[test]
+fn splicing_survives_a_kill_9_and_restart_of_the_agent() {
+    let args = ["--redirect", "ebpf", "--splice", "on"];
+    let mut on = node("splice-restart", &args[2..]);
+    let send = (64 << 10).to_string();
+    let connect = ["connect", &on.to_server, "--send", &send, "--poll"];
+    let before = on.run(&connect);
+    assert!(ok(&before), "{before}");
+    assert_eq!(as_u64(&before, "tcp_bytes_sent"), 0, "{before}");
+
+    on.agent.kill().expect("kill -9");
+    on.agent.restart(&args).expect("restart");
+    let client = on.client.clone();
+    on.agent
+        .wait_for("the client enrolled again", TIMEOUT, |s| {
+            enrolled(s, &client)
+        })
+        .expect("enrolled");
+    // The new agent adopted the pinned receive hook and the splice map
+    // with its program: new connections are spliced as before.
+    assert!(
+        on.agent
+            .logs()
+            .contains("splice receive hook already attached by a previous agent"),
+        "{}",
+        on.agent.logs()
+    );
+    let after = on.run(&connect);
+    assert!(ok(&after), "{after}\n{}", on.agent.logs());
+    assert_eq!(as_u64(&after, "tcp_bytes_sent"), 0, "{after}");
+    assert!(counters(&on).spliced_bytes >= 2 * (64 << 10));
+}

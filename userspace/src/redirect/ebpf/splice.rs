@@ -1,0 +1,124 @@
+//! The splice programs (`ebpf/src/splice.rs` explains the datapath and its
+//! bound): the `sk_msg` verdict attached to the pinned `SHUNT_SPLICE_SOCKS`
+//! map, and the receive hook on the `sock_recv_length` raw tracepoint
+//! through a BPF link pinned under `<pin dir>/links/`. Both outlive the agent: the map keeps its
+//! program and the link its pin, so spliced connections survive a restart.
+
+use std::{fmt, path::Path, str::FromStr};
+
+use aya::{
+    Ebpf,
+    maps::{MapData, SockHash},
+    programs::{RawTracePoint, SkMsg, links::FdLink, links::PinnedLink},
+};
+use shunt_common::{SpliceKey, maps, programs};
+use tracing::info;
+
+use super::{LoadError, cgroup::links_dir};
+
+/// `--splice`: whether app ⇄ proxy payload skips the TCP stack.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SpliceMode {
+    /// On; the agent fails to start where the kernel cannot.
+    On,
+    /// Off: every byte takes the TCP stack. The default, because a spliced
+    /// socket reads through the kernel's sockmap path, where a blocking
+    /// `read()` woken without data (e.g. by `shutdown(SHUT_WR)` from
+    /// another thread) returns EAGAIN instead of waiting on (Linux 6.18).
+    #[default]
+    Off,
+}
+
+impl FromStr for SpliceMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "on" => Ok(Self::On),
+            "off" => Ok(Self::Off),
+            other => Err(format!("unknown splice mode {other:?}: expected on or off")),
+        }
+    }
+}
+
+impl fmt::Display for SpliceMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::On => "on",
+            Self::Off => "off",
+        })
+    }
+}
+
+/// The pin of the receive hook's link.
+fn recv_link_pin(pin_dir: &Path) -> std::path::PathBuf {
+    links_dir(pin_dir).join(programs::SPLICE_RECV)
+}
+
+/// Attaches the sk_msg verdict to the splice map (replacing a previous
+/// agent's: sockets already spliced keep the program they joined with) and
+/// the receive hook, unless a previous agent's pinned link is in place.
+pub fn attach_or_adopt(ebpf: &mut Ebpf, pin_dir: &Path) -> Result<(), LoadError> {
+    let map = ebpf.map(maps::SPLICE_SOCKS).ok_or(LoadError::Map {
+        name: maps::SPLICE_SOCKS,
+        detail: "not in the eBPF object".to_string(),
+    })?;
+    let socks: SockHash<&MapData, SpliceKey> =
+        SockHash::try_from(map).map_err(|e| LoadError::Map {
+            name: maps::SPLICE_SOCKS,
+            detail: e.to_string(),
+        })?;
+    let map_fd = socks.fd().try_clone().map_err(|e| LoadError::Map {
+        name: maps::SPLICE_SOCKS,
+        detail: format!("duplicating its descriptor: {e}"),
+    })?;
+    let name = programs::SPLICE_MSG;
+    let program_error = |source| LoadError::Program { name, source };
+    let program: &mut SkMsg = ebpf
+        .program_mut(name)
+        .ok_or(LoadError::Program {
+            name,
+            source: aya::programs::ProgramError::UnexpectedProgramType,
+        })?
+        .try_into()
+        .map_err(program_error)?;
+    program.load().map_err(program_error)?;
+    let id = program.attach(&map_fd).map_err(program_error)?;
+    let attachment = program.take_link(id).map_err(program_error)?;
+    // The attachment belongs to the pinned map from now on: dropping the
+    // handle would detach it, and a later agent must find it in place.
+    std::mem::forget(attachment);
+
+    let name = programs::SPLICE_RECV;
+    let pin = recv_link_pin(pin_dir);
+    if PinnedLink::from_pin(&pin).is_ok() {
+        info!(program = name, pin = %pin.display(), "splice receive hook already attached by a previous agent; keeping it");
+        return Ok(());
+    }
+    let _ = std::fs::remove_file(&pin);
+    let program_error = |source| LoadError::Program { name, source };
+    let program: &mut RawTracePoint = ebpf
+        .program_mut(name)
+        .ok_or(LoadError::Program {
+            name,
+            source: aya::programs::ProgramError::UnexpectedProgramType,
+        })?
+        .try_into()
+        .map_err(program_error)?;
+    program.load().map_err(program_error)?;
+    let id = program
+        .attach(programs::SPLICE_RECV_TARGET)
+        .map_err(program_error)?;
+    let link: FdLink = program.take_link(id).map_err(program_error)?.into();
+    link.pin(&pin).map_err(|e| LoadError::Link {
+        name,
+        detail: format!("pinning at {}: {e}", pin.display()),
+    })?;
+    info!(program = name, tracepoint = programs::SPLICE_RECV_TARGET, pin = %pin.display(), "splice receive hook attached");
+    Ok(())
+}
+
+/// Whether the receive hook's link is in place.
+pub fn present(pin_dir: &Path) -> bool {
+    PinnedLink::from_pin(recv_link_pin(pin_dir)).is_ok()
+}
