@@ -94,7 +94,10 @@ pub struct AgentArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = 10)]
     pub verify_interval: u64,
 
-    /// How long in-flight connections may finish after SIGTERM, in seconds.
+    /// After SIGTERM the agent stops accepting at once (a new agent started
+    /// beside it with the same --bpf-pin-dir takes the new connections: its
+    /// listeners share the ports through SO_REUSEPORT) and gives connections
+    /// in flight this many seconds to finish before cutting them.
     #[arg(long, value_name = "SECONDS", default_value_t = 5)]
     pub drain_seconds: u64,
 
