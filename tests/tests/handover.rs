@@ -87,9 +87,9 @@ impl Churn {
                     "--seconds",
                     CHURN_MAX_SECONDS,
                     "--workers",
-                    "2",
+                    "4",
                     "--interval-ms",
-                    "5",
+                    "1",
                     "--send",
                     "512",
                 ],
@@ -160,6 +160,16 @@ fn handover_without_failed_connections(mode: &str) {
     let mut old = Agent::start(&topo, &node, &yaml, &args).expect("old agent");
     old.wait_for("mesh pods enrolled", TIMEOUT, all_enrolled)
         .expect("enrolled");
+    // The proxy asked each mesh pod's kernel to hand a closing listener's
+    // queued connections to the other agent's listener (without it, this
+    // test's churn saw resets when the old agent closed its listeners).
+    for pod in [&client, &server] {
+        let migrate = pod
+            .run(|| std::fs::read_to_string("/proc/sys/net/ipv4/tcp_migrate_req"))
+            .expect("enter pod")
+            .expect("read tcp_migrate_req");
+        assert_eq!(migrate.trim(), "1", "tcp_migrate_req in {}", pod.name());
+    }
     let _echo = EchoServer::on(&server, 8080).expect("echo");
     let to_server = format!("{}:8080", server.ip());
     let stop_dir = std::env::temp_dir();
