@@ -232,10 +232,13 @@ impl Agent {
     /// `GET /healthz/ready` on the agent's readiness endpoint, from its
     /// node's netns: the status code and body.
     pub fn readiness(&self) -> Result<(u16, String)> {
-        let port = self.endpoints.readiness.port();
-        let addr = SocketAddr::from(([127, 0, 0, 1], port));
-        let stream = self.node.connect_tcp(addr, Duration::from_secs(5))?;
-        http_get(stream, "/healthz/ready").map_err(|e| TestbedError::io("GET /healthz/ready", e))
+        http(
+            &self.node,
+            "GET",
+            self.endpoints.readiness.port(),
+            "/healthz/ready",
+        )
+        .map_err(|e| TestbedError::io("GET /healthz/ready", e))
     }
 
     /// Starts the agent again (after [`Agent::kill`] or [`Agent::stop`]), on
@@ -429,11 +432,20 @@ impl Drop for Agent {
     }
 }
 
-/// A minimal HTTP/1.0 GET on `stream`: the status code and body.
-fn http_get(mut stream: std::net::TcpStream, path: &str) -> std::io::Result<(u16, String)> {
+/// Plain HTTP/1.0 (no chunking, the server closes at the end) to
+/// 127.0.0.1:`port` inside `node`'s netns, where an agent's endpoints
+/// listen: the status code and body.
+pub fn http(node: &Node, method: &str, port: u16, path: &str) -> std::io::Result<(u16, String)> {
     use std::io::Read as _;
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let mut stream = node
+        .connect_tcp(addr, Duration::from_secs(5))
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
     stream.set_read_timeout(Some(Duration::from_secs(20)))?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+    write!(
+        stream,
+        "{method} {path} HTTP/1.0\r\nHost: localhost\r\nContent-Length: 0\r\n\r\n"
+    )?;
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw)?;
     let text = String::from_utf8_lossy(&raw).into_owned();
@@ -446,6 +458,15 @@ fn http_get(mut stream: std::net::TcpStream, path: &str) -> std::io::Result<(u16
         .and_then(|c| c.parse().ok())
         .ok_or_else(|| std::io::Error::other(format!("bad status line in {head:?}")))?;
     Ok((code, body.to_string()))
+}
+
+/// Whether every pod of `status` that opts into the mesh is enrolled.
+pub fn mesh_pods_enrolled(status: &NodeStatus) -> bool {
+    status
+        .pods
+        .iter()
+        .filter(|p| p.dataplane_mode == "ambient")
+        .all(|p| p.state == shunt::admin::PodState::Enrolled)
 }
 
 /// Removes pin dirs of test agents whose topology is gone (a killed run

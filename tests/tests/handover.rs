@@ -16,13 +16,10 @@ use std::{
 };
 
 use serde_json::Value;
-use shunt::{
-    admin::{NodeStatus, PodState},
-    proxy::ProxyStats,
-};
+use shunt::proxy::ProxyStats;
 use shunt_testbed::{
     Cgroup, Topology,
-    agent::{Agent, Endpoints, WorkloadSpec, workloads_yaml},
+    agent::{Agent, Endpoints, WorkloadSpec, mesh_pods_enrolled, workloads_yaml},
     apps::{EchoServer, TestApp},
     require_root,
 };
@@ -32,14 +29,6 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 /// Upper bound of a churn run; the test normally stops it much sooner.
 const CHURN_MAX_SECONDS: &str = "120";
 
-fn all_enrolled(status: &NodeStatus) -> bool {
-    status
-        .pods
-        .iter()
-        .filter(|p| p.dataplane_mode == "ambient")
-        .all(|p| p.state == PodState::Enrolled)
-}
-
 fn stats(agent: &Agent) -> ProxyStats {
     agent
         .status()
@@ -48,21 +37,11 @@ fn stats(agent: &Agent) -> ProxyStats {
         .unwrap_or_default()
 }
 
-/// Polls `agent`'s proxy counters until `done` holds (bounded).
-fn wait_for_stats(agent: &Agent, what: &str, done: impl Fn(&ProxyStats) -> bool) -> ProxyStats {
-    let start = Instant::now();
-    loop {
-        let now = stats(agent);
-        if done(&now) {
-            return now;
-        }
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "timed out waiting for {what}; counters {now:?}; log:\n{}",
-            agent.logs()
-        );
-        thread::sleep(Duration::from_millis(100));
-    }
+/// Waits (bounded) until `agent`'s proxy counters satisfy `done`.
+fn wait_for_stats(agent: &mut Agent, what: &str, done: impl Fn(&ProxyStats) -> bool) {
+    agent
+        .wait_for(what, TIMEOUT, |s| s.proxy.as_ref().is_some_and(&done))
+        .expect("counters");
 }
 
 /// A `shunt-testapp churn` running in the background; killed (by its PID)
@@ -134,17 +113,20 @@ impl Drop for Churn {
 
 fn handover_without_failed_connections(mode: &str) {
     require_root().expect("kernel tests need root");
-    let mut topo = Topology::new(&format!("handover-{mode}")).expect("topology");
-    topo.add_node("node-a").expect("node");
-    let client = topo.add_pod("node-a", "client").expect("pod");
-    let server = topo.add_pod("node-a", "server").expect("pod");
-    let outsider = topo.add_pod("node-a", "outsider").expect("pod");
+    let (topo, pods) = Topology::single_node(
+        &format!("handover-{mode}"),
+        &["client", "server", "outsider"],
+    )
+    .expect("topology");
+    let [client, server, outsider] = &pods[..] else {
+        unreachable!("three pods asked for")
+    };
     let cgroup = Cgroup::create(&topo, "apps").expect("cgroup");
     let apps = TestApp::new(TESTAPP, &cgroup);
     let yaml = workloads_yaml(&[
-        WorkloadSpec::for_pod(&client, true),
-        WorkloadSpec::for_pod(&server, true),
-        WorkloadSpec::for_pod(&outsider, false),
+        WorkloadSpec::for_pod(client, true),
+        WorkloadSpec::for_pod(server, true),
+        WorkloadSpec::for_pod(outsider, false),
     ]);
     let node = topo.node("node-a").expect("node").clone();
     // Both agents verify (and would repair) every pod each second while
@@ -158,36 +140,36 @@ fn handover_without_failed_connections(mode: &str) {
         "1",
     ];
     let mut old = Agent::start(&topo, &node, &yaml, &args).expect("old agent");
-    old.wait_for("mesh pods enrolled", TIMEOUT, all_enrolled)
+    old.wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_enrolled)
         .expect("enrolled");
     // The proxy asked each mesh pod's kernel to hand a closing listener's
     // queued connections to the other agent's listener (without it, this
     // test's churn saw resets when the old agent closed its listeners).
-    for pod in [&client, &server] {
+    for pod in [client, server] {
         let migrate = pod
             .run(|| std::fs::read_to_string("/proc/sys/net/ipv4/tcp_migrate_req"))
             .expect("enter pod")
             .expect("read tcp_migrate_req");
         assert_eq!(migrate.trim(), "1", "tcp_migrate_req in {}", pod.name());
     }
-    let _echo = EchoServer::on(&server, 8080).expect("echo");
+    let _echo = EchoServer::on(server, 8080).expect("echo");
     let to_server = format!("{}:8080", server.ip());
     let stop_dir = std::env::temp_dir();
     let mesh = Churn::start(
         &apps,
-        &client,
+        client,
         &to_server,
         stop_dir.join(format!("{}-mesh.stop", topo.prefix())),
     );
     let plaintext = Churn::start(
         &apps,
-        &outsider,
+        outsider,
         &to_server,
         stop_dir.join(format!("{}-plaintext.stop", topo.prefix())),
     );
 
     // The old agent serves both paths.
-    wait_for_stats(&old, "the old agent to serve both paths", |s| {
+    wait_for_stats(&mut old, "the old agent to serve both paths", |s| {
         s.outbound_hbone >= 100 && s.inbound_plaintext >= 100
     });
 
@@ -195,8 +177,12 @@ fn handover_without_failed_connections(mode: &str) {
     let mut new = old
         .successor(Endpoints::with_ports(15100, 15120, 15121), &args)
         .expect("new agent");
-    new.wait_for("mesh pods enrolled by the new agent", TIMEOUT, all_enrolled)
-        .expect("enrolled");
+    new.wait_for(
+        "mesh pods enrolled by the new agent",
+        TIMEOUT,
+        mesh_pods_enrolled,
+    )
+    .expect("enrolled");
     let start = Instant::now();
     loop {
         match new.readiness() {
@@ -211,7 +197,7 @@ fn handover_without_failed_connections(mode: &str) {
     }
     // Both serve new connections while both run (the kernel spreads them
     // over both agents' listeners).
-    wait_for_stats(&new, "the new agent to serve both paths", |s| {
+    wait_for_stats(&mut new, "the new agent to serve both paths", |s| {
         s.outbound_hbone >= 20 && s.inbound_plaintext >= 20
     });
     let old_before = stats(&old);
@@ -229,7 +215,7 @@ fn handover_without_failed_connections(mode: &str) {
 
     // The new agent carries on alone.
     let after_exit = stats(&new);
-    wait_for_stats(&new, "the new agent to serve alone", |s| {
+    wait_for_stats(&mut new, "the new agent to serve alone", |s| {
         s.outbound_hbone >= after_exit.outbound_hbone + 300
             && s.inbound_plaintext >= after_exit.inbound_plaintext + 300
     });
@@ -252,7 +238,7 @@ fn handover_without_failed_connections(mode: &str) {
         );
     }
     let status = new.status().expect("status");
-    assert!(all_enrolled(&status), "{status:?}");
+    assert!(mesh_pods_enrolled(&status), "{status:?}");
     let final_stats = status.proxy.expect("proxy stats");
     assert_eq!(final_stats.failed, 0, "{final_stats:?}\n{}", new.logs());
     eprintln!(

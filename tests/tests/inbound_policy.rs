@@ -6,10 +6,9 @@
 use std::time::Duration;
 
 use serde_json::Value;
-use shunt::admin::{NodeStatus, PodState};
 use shunt_testbed::{
     Cgroup, Topology,
-    agent::{Agent, WorkloadSpec, workloads_yaml},
+    agent::{Agent, WorkloadSpec, mesh_pods_enrolled, workloads_yaml},
     apps::{EchoServer, TestApp, ok},
     require_root,
 };
@@ -17,38 +16,31 @@ use shunt_testbed::{
 const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
 const TIMEOUT: Duration = Duration::from_secs(30);
 
-fn all_enrolled(status: &NodeStatus) -> bool {
-    status
-        .pods
-        .iter()
-        .filter(|p| p.dataplane_mode == "ambient")
-        .all(|p| p.state == PodState::Enrolled)
-}
-
 fn deny_refuses_plaintext_and_counts_it(mode: &str) {
     require_root().expect("kernel tests need root");
-    let mut topo = Topology::new(&format!("policy-{mode}")).expect("topology");
-    topo.add_node("node-a").expect("node");
-    let client = topo.add_pod("node-a", "client").expect("pod");
-    let server = topo.add_pod("node-a", "server").expect("pod");
-    let outsider = topo.add_pod("node-a", "outsider").expect("pod");
+    let (topo, pods) =
+        Topology::single_node(&format!("policy-{mode}"), &["client", "server", "outsider"])
+            .expect("topology");
+    let [client, server, outsider] = &pods[..] else {
+        unreachable!("three pods asked for")
+    };
     let cgroup = Cgroup::create(&topo, "apps").expect("cgroup");
     let apps = TestApp::new(TESTAPP, &cgroup);
     let yaml = workloads_yaml(&[
-        WorkloadSpec::for_pod(&client, true),
-        WorkloadSpec::for_pod(&server, true),
-        WorkloadSpec::for_pod(&outsider, false),
+        WorkloadSpec::for_pod(client, true),
+        WorkloadSpec::for_pod(server, true),
+        WorkloadSpec::for_pod(outsider, false),
     ]);
     let node = topo.node("node-a").expect("node").clone();
     let args = ["--redirect", mode, "--inbound-plaintext", "deny"];
     let mut agent = Agent::start(&topo, &node, &yaml, &args).expect("agent");
     agent
-        .wait_for("mesh pods enrolled", TIMEOUT, all_enrolled)
+        .wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_enrolled)
         .expect("enrolled");
-    let echo = EchoServer::on(&server, 8080).expect("echo");
+    let echo = EchoServer::on(server, 8080).expect("echo");
     let to_server = format!("{}:8080", server.ip());
 
-    let report = apps.run(&outsider, &["connect", &to_server, "--send", "1024"]);
+    let report = apps.run(outsider, &["connect", &to_server, "--send", "1024"]);
     assert!(
         !ok(&report),
         "plaintext got through a deny policy: {report}"
@@ -75,7 +67,7 @@ fn deny_refuses_plaintext_and_counts_it(mode: &str) {
     );
 
     // Mesh traffic to the same pod is not plaintext: it still flows.
-    let report = apps.run(&client, &["connect", &to_server, "--send", "4096"]);
+    let report = apps.run(client, &["connect", &to_server, "--send", "4096"]);
     assert!(ok(&report), "{report}\n{}", agent.logs());
     assert_eq!(echo.accepted().len(), 1);
 
