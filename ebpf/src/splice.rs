@@ -130,9 +130,7 @@ pub fn join_application_end(ctx: &SockOpsContext, netns_cookie: u64) {
         slot: pod.slot,
         ..SpliceFlow::default()
     };
-    if SPLICE_FLOWS
-        .insert(key, flow, u64::from(BPF_ANY))
-        .is_err()
+    if SPLICE_FLOWS.insert(key, flow, u64::from(BPF_ANY)).is_err()
         || SPLICE_FLOWS
             .insert(key.peer(), flow, u64::from(BPF_ANY))
             .is_err()

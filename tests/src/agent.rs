@@ -96,6 +96,33 @@ pub fn workloads_yaml(workloads: &[WorkloadSpec]) -> String {
     yaml
 }
 
+/// Where an agent's admin, metrics and readiness endpoints listen (in its
+/// node's netns). Two agents of one node running at once (a handover) need
+/// different ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Endpoints {
+    pub admin: SocketAddr,
+    pub metrics: SocketAddr,
+    pub readiness: SocketAddr,
+}
+
+impl Endpoints {
+    /// The contract's ports: admin 127.0.0.1:15000, metrics 15020,
+    /// readiness 15021.
+    pub fn standard() -> Self {
+        Self::with_ports(15000, 15020, 15021)
+    }
+
+    /// Admin on loopback, metrics and readiness on every address.
+    pub fn with_ports(admin: u16, metrics: u16, readiness: u16) -> Self {
+        Self {
+            admin: SocketAddr::from(([127, 0, 0, 1], admin)),
+            metrics: SocketAddr::from(([0, 0, 0, 0], metrics)),
+            readiness: SocketAddr::from(([0, 0, 0, 0], readiness)),
+        }
+    }
+}
+
 /// A running `shunt agent` in a node's netns.
 pub struct Agent {
     child: Option<Child>,
@@ -109,6 +136,10 @@ pub struct Agent {
     cgroup: Cgroup,
     ca_dir: PathBuf,
     env: Vec<(String, String)>,
+    endpoints: Endpoints,
+    /// Whether dropping this agent removes the pin dir and CA dir it shares
+    /// with a successor (only the last agent of a handover does).
+    owns_shared: bool,
 }
 
 /// Makes agent cgroup names unique within a topology.
@@ -158,11 +189,74 @@ impl Agent {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            endpoints: Endpoints::standard(),
+            owns_shared: true,
         };
         agent.write_workloads(yaml)?;
         agent.spawn(extra_args)?;
         agent.wait_for("the admin API to answer", Duration::from_secs(20), |_| true)?;
         Ok(agent)
+    }
+
+    /// Starts a second agent for the same node while this one runs (a
+    /// handover): same workloads (a copy of the file), pin dir, cgroup root,
+    /// CA and environment; its own log and the given `endpoints`. Waits
+    /// (bounded) until its admin API answers. The successor takes over
+    /// removing the shared pin dir and CA dir, so this agent can be stopped
+    /// and dropped first.
+    pub fn successor(&mut self, endpoints: Endpoints, extra_args: &[&str]) -> Result<Agent> {
+        let yaml = fs::read_to_string(self.workloads_path())
+            .map_err(|e| TestbedError::io("reading the workloads file", e))?;
+        let dir = self.dir.with_file_name(format!(
+            "{}-successor-{}",
+            self.dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            endpoints.admin.port()
+        ));
+        fs::create_dir_all(&dir)
+            .map_err(|e| TestbedError::io(format!("creating {}", dir.display()), e))?;
+        let mut successor = Agent {
+            child: None,
+            node: self.node.clone(),
+            dir,
+            pin_dir: self.pin_dir.clone(),
+            cgroup_root: self.cgroup_root.clone(),
+            cgroup: Cgroup::create(
+                self.cgroup_root.as_path(),
+                &format!(
+                    "agent-{}-{}",
+                    self.node.name(),
+                    AGENT_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                ),
+            )?,
+            ca_dir: self.ca_dir.clone(),
+            env: self.env.clone(),
+            endpoints,
+            owns_shared: self.owns_shared,
+        };
+        self.owns_shared = false;
+        successor.write_workloads(&yaml)?;
+        successor.spawn(extra_args)?;
+        successor.wait_for("the admin API to answer", Duration::from_secs(20), |_| true)?;
+        Ok(successor)
+    }
+
+    pub fn endpoints(&self) -> Endpoints {
+        self.endpoints
+    }
+
+    /// `GET /healthz/ready` on the agent's readiness endpoint, from its
+    /// node's netns: the status code and body.
+    pub fn readiness(&self) -> Result<(u16, String)> {
+        http(
+            &self.node,
+            "GET",
+            self.endpoints.readiness.port(),
+            "/healthz/ready",
+        )
+        .map_err(|e| TestbedError::io("GET /healthz/ready", e))
     }
 
     /// Starts the agent again (after [`Agent::kill`] or [`Agent::stop`]), on
@@ -197,6 +291,12 @@ impl Agent {
             .arg("--ca-dir")
             .arg(&self.ca_dir)
             .args(["--reload-interval", "1"])
+            .arg("--admin-addr")
+            .arg(self.endpoints.admin.to_string())
+            .arg("--metrics-addr")
+            .arg(self.endpoints.metrics.to_string())
+            .arg("--readiness-addr")
+            .arg(self.endpoints.readiness.to_string())
             .args(extra_args)
             .env("RUST_LOG", "info,shunt=debug,shunt_ebpf=debug")
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
@@ -253,9 +353,7 @@ impl Agent {
 
     /// The agent's view of its node, from its admin API.
     pub fn status(&self) -> Result<NodeStatus> {
-        let addr: SocketAddr = ADMIN_ADDR
-            .parse()
-            .map_err(|_| TestbedError::Invalid(format!("bad admin address {ADMIN_ADDR}")))?;
+        let addr = self.endpoints.admin;
         self.node
             .run(move || shunt::status::fetch(addr))?
             .map_err(|e| TestbedError::Invalid(e.to_string()))
@@ -336,6 +434,11 @@ impl Drop for Agent {
             let _ = child.kill();
             let _ = child.wait();
         }
+        let _ = fs::remove_dir_all(&self.dir);
+        if !self.owns_shared {
+            // A successor still uses them.
+            return;
+        }
         if let Err(e) = fs::remove_dir_all(&self.pin_dir)
             && e.kind() != std::io::ErrorKind::NotFound
         {
@@ -344,9 +447,45 @@ impl Drop for Agent {
                 self.pin_dir.display()
             ));
         }
-        let _ = fs::remove_dir_all(&self.dir);
         let _ = fs::remove_dir_all(&self.ca_dir);
     }
+}
+
+/// Plain HTTP/1.0 (no chunking, the server closes at the end) to
+/// 127.0.0.1:`port` inside `node`'s netns, where an agent's endpoints
+/// listen: the status code and body.
+pub fn http(node: &Node, method: &str, port: u16, path: &str) -> std::io::Result<(u16, String)> {
+    use std::io::Read as _;
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let mut stream = node
+        .connect_tcp(addr, Duration::from_secs(5))
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
+    stream.set_read_timeout(Some(Duration::from_secs(20)))?;
+    write!(
+        stream,
+        "{method} {path} HTTP/1.0\r\nHost: localhost\r\nContent-Length: 0\r\n\r\n"
+    )?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw)?;
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| std::io::Error::other(format!("no header end in {text:?}")))?;
+    let code = head
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("bad status line in {head:?}")))?;
+    Ok((code, body.to_string()))
+}
+
+/// Whether every pod of `status` that opts into the mesh is enrolled.
+pub fn mesh_pods_enrolled(status: &NodeStatus) -> bool {
+    status
+        .pods
+        .iter()
+        .filter(|p| p.dataplane_mode == "ambient")
+        .all(|p| p.state == shunt::admin::PodState::Enrolled)
 }
 
 /// Removes pin dirs of test agents whose topology is gone (a killed run

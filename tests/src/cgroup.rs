@@ -118,6 +118,13 @@ impl CgroupParent for str {
     }
 }
 
+/// An existing cgroup directory (e.g. an agent's `--cgroup-root`).
+impl CgroupParent for Path {
+    fn cgroup_parent_dir(&self) -> Result<PathBuf> {
+        Ok(self.to_path_buf())
+    }
+}
+
 impl CgroupParent for String {
     fn cgroup_parent_dir(&self) -> Result<PathBuf> {
         self.as_str().cgroup_parent_dir()

@@ -6,8 +6,6 @@
 
 use std::{
     collections::BTreeMap,
-    io::{Read, Write},
-    net::SocketAddr,
     thread,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
@@ -16,7 +14,7 @@ use serde_json::Value;
 use shunt::admin::{NodeStatus, PodState};
 use shunt_testbed::{
     Cgroup, Node, Topology,
-    agent::{Agent, WorkloadSpec, shunt_binary, workloads_yaml},
+    agent::{Agent, WorkloadSpec, http, shunt_binary, workloads_yaml},
     apps::{EchoServer, TestApp},
     require_root,
 };
@@ -299,30 +297,6 @@ fn the_strict_parser_rejects_malformed_expositions() {
 
 // ---------------------------------------------------------------------------
 // HTTP inside a node's netns (plain HTTP/1.0: no chunking, close at end).
-
-fn http(node: &Node, method: &str, port: u16, path: &str) -> std::io::Result<(u16, String)> {
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    let mut stream = node
-        .connect_tcp(addr, Duration::from_secs(5))
-        .map_err(|e| std::io::Error::other(e.to_string()))?;
-    stream.set_read_timeout(Some(Duration::from_secs(20)))?;
-    write!(
-        stream,
-        "{method} {path} HTTP/1.0\r\nHost: localhost\r\nContent-Length: 0\r\n\r\n"
-    )?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| std::io::Error::other(format!("no header end in {text:?}")))?;
-    let code = head
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| std::io::Error::other(format!("bad status line in {head:?}")))?;
-    Ok((code, body.to_string()))
-}
 
 fn get(node: &Node, port: u16, path: &str) -> (u16, String) {
     http(node, "GET", port, path).unwrap_or_else(|e| panic!("GET {path} on {port}: {e}"))

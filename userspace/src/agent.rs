@@ -598,11 +598,12 @@ async fn start_proxy(
     let workloads = Arc::new(RwLock::new(WorkloadStore::new()));
     let config = crate::proxy::ProxyConfig {
         trust_domain: trust_domain.clone(),
+        inbound_plaintext: args.inbound_plaintext,
         ..Default::default()
     };
     let proxy = Proxy::new(config, identities, workloads.clone(), original_dst)
         .map_err(AgentError::Proxy)?;
-    info!(ca = ?args.ca, ca_dir = %args.ca_dir.display(), "proxy ready: pods get listeners on 15001, 15006 and 15008 as they enrol");
+    info!(ca = ?args.ca, ca_dir = %args.ca_dir.display(), inbound_plaintext = %args.inbound_plaintext, "proxy ready: pods get listeners on 15001, 15006 and 15008 as they enrol");
     Ok(ProxyHandle {
         proxy,
         runtime: tokio::runtime::Handle::current(),

@@ -113,9 +113,19 @@ pub struct AgentArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = 10)]
     pub verify_interval: u64,
 
-    /// How long in-flight connections may finish after SIGTERM, in seconds.
+    /// After SIGTERM the agent stops accepting at once (a new agent started
+    /// beside it with the same --bpf-pin-dir takes the new connections: its
+    /// listeners share the ports through SO_REUSEPORT) and gives connections
+    /// in flight this many seconds to finish before cutting them.
     #[arg(long, value_name = "SECONDS", default_value_t = 5)]
     pub drain_seconds: u64,
+
+    /// What happens to plaintext connections from outside the mesh to an
+    /// enrolled pod (captured on 15006): `allow` delivers them to the
+    /// application, `deny` resets them. Either way each is counted and
+    /// logged. Mesh (HBONE) traffic is not affected.
+    #[arg(long, value_enum, value_name = "POLICY", default_value_t = crate::proxy::InboundPlaintextPolicy::Allow)]
+    pub inbound_plaintext: crate::proxy::InboundPlaintextPolicy,
 
     /// Health-probe source address (kubelet probes, as Istio's
     /// 169.254.7.127) whose inbound traffic always reaches the application.

@@ -11,6 +11,11 @@
 //! instead of blocking reader and writer threads)
 //! `shunt-testapp hold ADDR --seconds S` (one connection, a 1 KiB echo every
 //! 50 ms for S seconds: a long-lived flow across agent restarts)
+//! `shunt-testapp churn ADDR --stop-file PATH [--seconds S] [--workers W]
+//! [--interval-ms I] [--send N]` (W threads each opening a NEW connection
+//! every I ms, sending N bytes and checking the echo, until PATH exists or S
+//! seconds passed: connection churn across an agent handover; `"ok"` only
+//! when every connection worked)
 //!
 //! Exit 0 with `"ok":true`, or 1 with `"ok":false` and the error.
 
@@ -57,7 +62,7 @@ fn bad(message: &str) -> std::io::Error {
 fn run(args: &[String]) -> std::io::Result<String> {
     let mode = args
         .first()
-        .ok_or_else(|| bad("usage: connect|hold ADDR ..."))?;
+        .ok_or_else(|| bad("usage: connect|hold|churn ADDR ..."))?;
     let addr: SocketAddr = args
         .get(1)
         .ok_or_else(|| bad("missing address"))?
@@ -68,6 +73,9 @@ fn run(args: &[String]) -> std::io::Result<String> {
             .and_then(|v| v.parse().ok())
             .unwrap_or(5000),
     );
+    if mode == "churn" {
+        return churn(args, addr, timeout);
+    }
     let mark = option(args, "--mark")
         .map(|m| u32::from_str_radix(m.trim_start_matches("0x"), 16).unwrap_or(0));
     let mut stream = connect(addr, mark, timeout)?;
@@ -298,6 +306,86 @@ fn tcp_bytes(stream: &TcpStream) -> std::io::Result<(u64, u64)> {
         u64::from_ne_bytes(bytes)
     };
     Ok((read(BYTES_SENT), read(BYTES_RECEIVED)))
+}
+
+/// One connection of the churn: connect, send `payload`, half-close, read
+/// the echo to EOF and compare.
+fn exchange(addr: SocketAddr, payload: &[u8], timeout: Duration) -> std::io::Result<()> {
+    let mut stream = TcpStream::connect_timeout(&addr, timeout)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    // Small payloads fit the socket buffers: no sender thread needed.
+    stream.write_all(payload)?;
+    stream.shutdown(std::net::Shutdown::Write)?;
+    let mut back = Vec::with_capacity(payload.len());
+    stream.read_to_end(&mut back)?;
+    if back != payload {
+        return Err(bad(&format!(
+            "echo differs: sent {} bytes, got {}",
+            payload.len(),
+            back.len()
+        )));
+    }
+    Ok(())
+}
+
+fn churn(args: &[String], addr: SocketAddr, timeout: Duration) -> std::io::Result<String> {
+    let stop_file = option(args, "--stop-file").ok_or_else(|| bad("missing --stop-file"))?;
+    let number = |name: &str, default: u64| {
+        option(args, name)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(default)
+    };
+    let seconds = number("--seconds", 60);
+    let workers = number("--workers", 2).clamp(1, 16);
+    let interval = Duration::from_millis(number("--interval-ms", 5));
+    let size = number("--send", 512).min(64 * 1024) as usize;
+    let payload: std::sync::Arc<Vec<u8>> =
+        std::sync::Arc::new((0..size).map(|i| (i % 251) as u8).collect());
+    let start = Instant::now();
+    let threads: Vec<_> = (0..workers)
+        .map(|_| {
+            let (stop_file, payload) = (stop_file.clone(), payload.clone());
+            std::thread::spawn(move || {
+                let (mut ok, mut failed, mut errors) = (0u64, 0u64, Vec::<String>::new());
+                // Bounded by time, by count, and by the stop file.
+                while start.elapsed() < Duration::from_secs(seconds)
+                    && ok + failed < 1_000_000
+                    && !std::path::Path::new(&stop_file).exists()
+                {
+                    match exchange(addr, &payload, timeout) {
+                        Ok(()) => ok += 1,
+                        Err(e) => {
+                            failed += 1;
+                            if errors.len() < 5 {
+                                errors.push(format!(
+                                    "after {:?}: {e} ({:?})",
+                                    start.elapsed(),
+                                    e.kind()
+                                ));
+                            }
+                        }
+                    }
+                    std::thread::sleep(interval);
+                }
+                (ok, failed, errors)
+            })
+        })
+        .collect();
+    let (mut ok, mut failed, mut errors) = (0u64, 0u64, Vec::new());
+    for thread in threads {
+        let (o, f, e) = thread.join().map_err(|_| bad("worker panicked"))?;
+        ok += o;
+        failed += f;
+        errors.extend(e);
+    }
+    let errors: Vec<String> = errors.iter().map(|e| format!("{e:?}")).collect();
+    Ok(format!(
+        "{{\"ok\":{},\"succeeded\":{ok},\"failed\":{failed},\"seconds\":{:.1},\"errors\":[{}]}}",
+        failed == 0 && ok > 0,
+        start.elapsed().as_secs_f64(),
+        errors.join(",")
+    ))
 }
 
 fn connect(addr: SocketAddr, mark: Option<u32>, timeout: Duration) -> std::io::Result<TcpStream> {

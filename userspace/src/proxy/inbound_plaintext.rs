@@ -3,8 +3,9 @@
 //! TC program (`bpf_sk_assign`, which keeps the original destination as the
 //! socket's local address) or iptables REDIRECT (local port 15006; the
 //! redirector's [`OriginalDst`](crate::redirect::OriginalDst) knows where it
-//! was going). Delivered to the application from inside the pod's netns;
-//! counted and logged. A policy hook goes here later.
+//! was going). The [`InboundPlaintextPolicy`](super::InboundPlaintextPolicy)
+//! decides; allowed connections are delivered to the application from
+//! inside the pod's netns, denied ones reset. Both are counted and logged.
 
 use std::{net::SocketAddr, sync::Arc};
 
@@ -12,7 +13,9 @@ use shunt_common::PORT_INBOUND_PLAINTEXT;
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
-use super::{AccessLog, Outcome, PROXY_PORTS, PodState, Shared, copy_both};
+use super::{
+    AccessLog, Decision, Outcome, PROXY_PORTS, PlaintextConnection, PodState, Shared, copy_both,
+};
 
 pub(super) async fn serve(
     shared: Arc<Shared>,
@@ -47,6 +50,18 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, tcp: TcpStream, pe
     // Only this pod's own addresses: the listener must not relay elsewhere.
     if !pod.ips.contains(&dst.ip()) {
         log.reason = Some(format!("{} is not this pod's address", dst.ip()));
+        log.emit(&shared);
+        return;
+    }
+    let connection = PlaintextConnection {
+        pod: &pod.key,
+        src: peer,
+        dst,
+    };
+    if let Decision::Deny(reason) = shared.config.inbound_plaintext.decide(&connection) {
+        // A reset, so the client sees a refusal rather than an empty answer.
+        log.reason = Some(reason);
+        super::reset(&client);
         log.emit(&shared);
         return;
     }

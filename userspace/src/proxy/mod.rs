@@ -18,6 +18,7 @@ mod inbound;
 mod inbound_plaintext;
 mod observe;
 mod outbound;
+mod policy;
 mod pool;
 mod socket;
 
@@ -26,6 +27,7 @@ pub use inbound::NON_CONNECT_STATUS;
 pub use observe::{
     ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, Direction,
 };
+pub use policy::{Decision, InboundPlaintextPolicy, PlaintextConnection};
 pub use socket::PROXY_MARK;
 
 use std::{
@@ -70,6 +72,8 @@ pub struct ProxyConfig {
     pub connect_response_timeout: Duration,
     /// A pooled connection with no stream for this long is closed.
     pub pool_idle_timeout: Duration,
+    /// What happens to connections from outside the mesh to a pod.
+    pub inbound_plaintext: InboundPlaintextPolicy,
 }
 
 impl Default for ProxyConfig {
@@ -82,6 +86,7 @@ impl Default for ProxyConfig {
             handshake_timeout: Duration::from_secs(10),
             connect_response_timeout: Duration::from_secs(15),
             pool_idle_timeout: Duration::from_secs(60),
+            inbound_plaintext: InboundPlaintextPolicy::default(),
         }
     }
 }

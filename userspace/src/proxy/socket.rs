@@ -11,7 +11,10 @@ use std::{
     io,
     net::SocketAddr,
     path::{Path, PathBuf},
-    sync::mpsc,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        mpsc,
+    },
 };
 
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
@@ -25,6 +28,16 @@ pub use shunt_common::PROXY_MARK;
 
 /// Listen backlog: bursts of new connections must not be refused.
 const BACKLOG: i32 = 1024;
+
+/// The per-netns sysctl that makes a closing listener hand its queued
+/// connections (handshakes in progress and accepted-but-not-yet-accepted
+/// ones) to another listener of its `SO_REUSEPORT` group instead of
+/// resetting them (Linux 5.14+).
+const TCP_MIGRATE_REQ: &str = "/proc/sys/net/ipv4/tcp_migrate_req";
+
+/// Whether the "cannot migrate queued connections" warning was logged: it
+/// says the same for every pod, so once per agent is enough.
+static MIGRATE_WARNED: AtomicBool = AtomicBool::new(false);
 
 /// What kind of listener to open.
 #[derive(Clone, Copy, Debug)]
@@ -58,11 +71,12 @@ impl std::fmt::Debug for PodSockets {
 }
 
 impl PodSockets {
-    /// Starts the pod's socket thread inside the netns at `path`.
+    /// Starts the pod's socket thread inside the netns at `path`, and
+    /// enables `tcp_migrate_req` there (see [`enable_request_migration`]).
     pub fn start(path: &Path) -> io::Result<Self> {
         let netns = NetNs::open(path).map_err(io::Error::other)?;
         let (tx, rx) = mpsc::channel::<Request>();
-        let (ready_tx, ready_rx) = mpsc::channel::<io::Result<()>>();
+        let (ready_tx, ready_rx) = mpsc::channel::<io::Result<io::Result<()>>>();
         let name = format!(
             "shunt-ns-{}",
             path.file_name()
@@ -73,8 +87,11 @@ impl PodSockets {
             let entered = nix::sched::setns(&netns, nix::sched::CloneFlags::CLONE_NEWNET)
                 .map_err(io::Error::from);
             let ok = entered.is_ok();
+            // Before any listener exists, so that none of this agent's
+            // listeners can ever reset queued connections when it closes.
+            let started = entered.map(|()| enable_request_migration());
             // If the receiver is gone the caller has already given up.
-            let _ = ready_tx.send(entered);
+            let _ = ready_tx.send(started);
             if !ok {
                 return;
             }
@@ -90,9 +107,22 @@ impl PodSockets {
                 }
             }
         })?;
-        ready_rx
+        let migration = ready_rx
             .recv()
             .map_err(|_| io::Error::other("netns socket thread died"))??;
+        match migration {
+            Ok(()) => {
+                tracing::debug!(netns = %path.display(), "tcp_migrate_req on: a closing listener hands its queued connections to the other agent's")
+            }
+            Err(e) if !MIGRATE_WARNED.swap(true, Ordering::Relaxed) => tracing::warn!(
+                netns = %path.display(),
+                error = %e,
+                "cannot enable net.ipv4.tcp_migrate_req in pod network namespaces: during an agent handover, connections still queued on the old agent's listeners are reset when it stops (logged once)"
+            ),
+            Err(e) => {
+                tracing::debug!(netns = %path.display(), error = %e, "cannot enable net.ipv4.tcp_migrate_req")
+            }
+        }
         Ok(Self {
             netns: path.to_path_buf(),
             tx,
@@ -133,6 +163,23 @@ impl PodSockets {
         stream.set_nodelay(true)?;
         Ok(stream)
     }
+}
+
+/// Sets `net.ipv4.tcp_migrate_req=1` in the calling thread's netns: net
+/// sysctls under /proc/sys act on the netns of the task that opens them, so
+/// this must run on the thread that entered the pod's netns.
+///
+/// Why: two agents' listeners share each port during a handover
+/// (`SO_REUSEPORT`), and the kernel spreads new connections over both. When
+/// the old agent closes its listeners, connections that completed the
+/// handshake but were not yet accepted (and handshakes in progress) would
+/// be reset; with this sysctl the kernel moves them to the new agent's
+/// listener instead.
+fn enable_request_migration() -> io::Result<()> {
+    if std::fs::read_to_string(TCP_MIGRATE_REQ)?.trim() == "1" {
+        return Ok(());
+    }
+    std::fs::write(TCP_MIGRATE_REQ, "1")
 }
 
 fn gone() -> io::Error {

@@ -1,0 +1,263 @@
+//! Graceful restart: a new agent takes over a node from a running one with
+//! no failed new connection. The new agent starts beside the old (same pin
+//! dir, same workloads), adopts the pinned redirection, binds its pod
+//! listeners next to the old ones (`SO_REUSEPORT`) and becomes ready; the
+//! old one gets SIGTERM, stops accepting, drains and exits leaving
+//! redirection in place (`--on-exit keep`). Meanwhile applications open new
+//! connections continuously, through both the outbound/HBONE path (mesh
+//! client to mesh server) and the inbound plaintext path (a pod outside the
+//! mesh to the mesh server), and every single one must work.
+
+use std::{
+    path::PathBuf,
+    process::{Child, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+use shunt::proxy::ProxyStats;
+use shunt_testbed::{
+    Cgroup, Topology,
+    agent::{Agent, Endpoints, WorkloadSpec, mesh_pods_enrolled, workloads_yaml},
+    apps::{EchoServer, TestApp},
+    require_root,
+};
+
+const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
+const TIMEOUT: Duration = Duration::from_secs(30);
+/// Upper bound of a churn run; the test normally stops it much sooner.
+const CHURN_MAX_SECONDS: &str = "120";
+
+fn stats(agent: &Agent) -> ProxyStats {
+    agent
+        .status()
+        .ok()
+        .and_then(|s| s.proxy)
+        .unwrap_or_default()
+}
+
+/// Waits (bounded) until `agent`'s proxy counters satisfy `done`.
+fn wait_for_stats(agent: &mut Agent, what: &str, done: impl Fn(&ProxyStats) -> bool) {
+    agent
+        .wait_for(what, TIMEOUT, |s| s.proxy.as_ref().is_some_and(&done))
+        .expect("counters");
+}
+
+/// A `shunt-testapp churn` running in the background; killed (by its PID)
+/// if the test ends before it does.
+struct Churn {
+    child: Option<Child>,
+    stop_file: PathBuf,
+}
+
+impl Churn {
+    fn start(apps: &TestApp<'_>, pod: &shunt_testbed::Pod, to: &str, stop_file: PathBuf) -> Churn {
+        let _ = std::fs::remove_file(&stop_file);
+        let stop = stop_file.display().to_string();
+        let child = apps
+            .command(
+                pod,
+                &[
+                    "churn",
+                    to,
+                    "--stop-file",
+                    &stop,
+                    "--seconds",
+                    CHURN_MAX_SECONDS,
+                    "--workers",
+                    "4",
+                    "--interval-ms",
+                    "1",
+                    "--send",
+                    "512",
+                ],
+            )
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn churn");
+        Churn {
+            child: Some(child),
+            stop_file,
+        }
+    }
+
+    /// Signals the loop to stop (through its stop file) and returns its
+    /// report.
+    fn finish(mut self) -> Value {
+        std::fs::write(&self.stop_file, b"stop").expect("stop file");
+        let child = self.child.take().expect("running");
+        let out = child.wait_with_output().expect("churn output");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        serde_json::from_str(stdout.lines().last().unwrap_or("")).unwrap_or_else(|e| {
+            panic!(
+                "churn printed {stdout:?} ({e}); stderr {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+    }
+}
+
+impl Drop for Churn {
+    fn drop(&mut self) {
+        let _ = std::fs::write(&self.stop_file, b"stop");
+        if let Some(mut child) = self.child.take() {
+            // Our own child, by PID.
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_file(&self.stop_file);
+    }
+}
+
+fn handover_without_failed_connections(mode: &str) {
+    require_root().expect("kernel tests need root");
+    let (topo, pods) = Topology::single_node(
+        &format!("handover-{mode}"),
+        &["client", "server", "outsider"],
+    )
+    .expect("topology");
+    let [client, server, outsider] = &pods[..] else {
+        unreachable!("three pods asked for")
+    };
+    let cgroup = Cgroup::create(&topo, "apps").expect("cgroup");
+    let apps = TestApp::new(TESTAPP, &cgroup);
+    let yaml = workloads_yaml(&[
+        WorkloadSpec::for_pod(client, true),
+        WorkloadSpec::for_pod(server, true),
+        WorkloadSpec::for_pod(outsider, false),
+    ]);
+    let node = topo.node("node-a").expect("node").clone();
+    // Both agents verify (and would repair) every pod each second while
+    // they overlap: neither may see the other's state as drift.
+    let args = [
+        "--redirect",
+        mode,
+        "--on-exit",
+        "keep",
+        "--verify-interval",
+        "1",
+    ];
+    let mut old = Agent::start(&topo, &node, &yaml, &args).expect("old agent");
+    old.wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_enrolled)
+        .expect("enrolled");
+    // The proxy asked each mesh pod's kernel to hand a closing listener's
+    // queued connections to the other agent's listener (without it, this
+    // test's churn saw resets when the old agent closed its listeners).
+    for pod in [client, server] {
+        let migrate = pod
+            .run(|| std::fs::read_to_string("/proc/sys/net/ipv4/tcp_migrate_req"))
+            .expect("enter pod")
+            .expect("read tcp_migrate_req");
+        assert_eq!(migrate.trim(), "1", "tcp_migrate_req in {}", pod.name());
+    }
+    let _echo = EchoServer::on(server, 8080).expect("echo");
+    let to_server = format!("{}:8080", server.ip());
+    let stop_dir = std::env::temp_dir();
+    let mesh = Churn::start(
+        &apps,
+        client,
+        &to_server,
+        stop_dir.join(format!("{}-mesh.stop", topo.prefix())),
+    );
+    let plaintext = Churn::start(
+        &apps,
+        outsider,
+        &to_server,
+        stop_dir.join(format!("{}-plaintext.stop", topo.prefix())),
+    );
+
+    // The old agent serves both paths.
+    wait_for_stats(&mut old, "the old agent to serve both paths", |s| {
+        s.outbound_hbone >= 100 && s.inbound_plaintext >= 100
+    });
+
+    // The new agent starts beside it and becomes ready.
+    let mut new = old
+        .successor(Endpoints::with_ports(15100, 15120, 15121), &args)
+        .expect("new agent");
+    new.wait_for(
+        "mesh pods enrolled by the new agent",
+        TIMEOUT,
+        mesh_pods_enrolled,
+    )
+    .expect("enrolled");
+    let start = Instant::now();
+    loop {
+        match new.readiness() {
+            Ok((200, _)) => break,
+            last => assert!(
+                start.elapsed() < TIMEOUT,
+                "the new agent never became ready: {last:?}\n{}",
+                new.logs()
+            ),
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+    // Both serve new connections while both run (the kernel spreads them
+    // over both agents' listeners).
+    wait_for_stats(&mut new, "the new agent to serve both paths", |s| {
+        s.outbound_hbone >= 20 && s.inbound_plaintext >= 20
+    });
+    let old_before = stats(&old);
+    assert!(old_before.outbound_hbone > 0 && old_before.inbound_plaintext > 0);
+
+    // The old agent stops: drains, exits, leaves redirection in place.
+    let exit = old.stop().expect("old agent stops");
+    assert!(exit.success(), "{}", old.logs());
+    let old_logs = old.logs();
+    assert!(
+        old_logs.contains("leaving every pod enrolled for the next agent"),
+        "{old_logs}"
+    );
+    assert!(!old_logs.contains("pod unenrolled"), "{old_logs}");
+
+    // The new agent carries on alone.
+    let after_exit = stats(&new);
+    wait_for_stats(&mut new, "the new agent to serve alone", |s| {
+        s.outbound_hbone >= after_exit.outbound_hbone + 300
+            && s.inbound_plaintext >= after_exit.inbound_plaintext + 300
+    });
+    let mesh = mesh.finish();
+    let plaintext = plaintext.finish();
+    for (path, report) in [("mesh", &mesh), ("plaintext", &plaintext)] {
+        assert_eq!(
+            report["failed"],
+            Value::from(0),
+            "{path} connections failed during the handover: {report}\nold agent:\n{old_logs}\nnew agent:\n{}",
+            new.logs()
+        );
+        assert_eq!(report["ok"], Value::Bool(true), "{path}: {report}");
+    }
+    let new_logs = new.logs();
+    for (agent, logs) in [("old", &old_logs), ("new", &new_logs)] {
+        assert!(
+            !logs.contains("repairing") && !logs.contains("drifted"),
+            "the {agent} agent saw the other's redirection as damage:\n{logs}"
+        );
+    }
+    let status = new.status().expect("status");
+    assert!(mesh_pods_enrolled(&status), "{status:?}");
+    let final_stats = status.proxy.expect("proxy stats");
+    assert_eq!(final_stats.failed, 0, "{final_stats:?}\n{}", new.logs());
+    eprintln!(
+        "handover ({mode}): mesh {mesh}, plaintext {plaintext}; old agent served {} outbound and {} inbound plaintext, new agent {} and {}",
+        old_before.outbound_hbone,
+        old_before.inbound_plaintext,
+        final_stats.outbound_hbone,
+        final_stats.inbound_plaintext
+    );
+    let exit = new.stop().expect("new agent stops");
+    assert!(exit.success(), "{}", new.logs());
+}
+
+#[test]
+fn agent_handover_fails_no_new_connection_in_ebpf_mode() {
+    handover_without_failed_connections("ebpf");
+}
+
+#[test]
+fn agent_handover_fails_no_new_connection_in_iptables_mode() {
+    handover_without_failed_connections("iptables");
+}
