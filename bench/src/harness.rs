@@ -44,7 +44,10 @@ const CLIENT: &str = "client";
 pub enum Mode {
     Direct,
     Iptables,
+    /// eBPF redirection, splice off.
     Ebpf,
+    /// eBPF redirection with the sk_msg splice (`--splice on`).
+    EbpfSplice,
 }
 
 impl Mode {
@@ -53,7 +56,25 @@ impl Mode {
             Mode::Direct => "direct",
             Mode::Iptables => "iptables",
             Mode::Ebpf => "ebpf",
+            Mode::EbpfSplice => "ebpf-splice",
         }
+    }
+
+    /// The agent's `--redirect` mode (and what its status reports).
+    fn redirect(self) -> &'static str {
+        match self {
+            Mode::Direct => "none",
+            Mode::Iptables => "iptables",
+            Mode::Ebpf | Mode::EbpfSplice => "ebpf",
+        }
+    }
+
+    fn agent_args(self) -> Vec<&'static str> {
+        let mut args = vec!["--redirect", self.redirect(), "--drain-seconds", "1"];
+        if self == Mode::EbpfSplice {
+            args.extend(["--splice", "on"]);
+        }
+        args
     }
 }
 
@@ -92,7 +113,7 @@ impl PathSpec {
                 dest: Dest::Plain,
             });
         }
-        for mode in [Mode::Iptables, Mode::Ebpf] {
+        for mode in [Mode::Iptables, Mode::Ebpf, Mode::EbpfSplice] {
             for locality in [Locality::Same, Locality::Cross] {
                 for dest in [Dest::Plain, Dest::Hbone] {
                     paths.push(PathSpec {
@@ -261,6 +282,10 @@ pub struct ProxyCheck {
     pub bytes_in: u64,
     pub refused: u64,
     pub failed: u64,
+    /// Payload bytes spliced between the client and its proxy (kernel
+    /// counter of the client pod).
+    #[serde(default)]
+    pub spliced_bytes: u64,
 }
 
 /// One measurement: one workload over one path in one placement.
@@ -376,12 +401,7 @@ impl Bed {
                     .node(node_name)
                     .ok_or_else(|| anyhow!("no node {node_name}"))?
                     .clone();
-                let mut agent = Agent::start(
-                    &topo,
-                    &node,
-                    &yaml,
-                    &["--redirect", mode.name(), "--drain-seconds", "1"],
-                )?;
+                let mut agent = Agent::start(&topo, &node, &yaml, &mode.agent_args())?;
                 let status =
                     agent.wait_for("mesh pods enrolled", Duration::from_secs(60), |s| {
                         s.pods
@@ -389,11 +409,11 @@ impl Bed {
                             .filter(|p| p.dataplane_mode == "ambient")
                             .all(|p| p.state == PodState::Enrolled)
                     })?;
-                if status.mode != mode.name() {
+                if status.mode != mode.redirect() {
                     bail!(
                         "agent on {node_name} runs in {} mode, not {}",
                         status.mode,
-                        mode.name()
+                        mode.redirect()
                     );
                 }
                 agents.push((node_name.to_string(), agent));
@@ -525,6 +545,13 @@ fn tune_pod(pod: &Pod) -> anyhow::Result<()> {
 
 fn proxy_stats(agent: &Agent) -> Option<ProxyStats> {
     agent.status().ok().and_then(|s| s.proxy)
+}
+
+/// Payload bytes the kernel spliced between the client pod and its proxy.
+fn client_spliced_bytes(agent: &Agent) -> Option<u64> {
+    let status = agent.status().ok()?;
+    let client = status.pods.iter().find(|p| p.name == CLIENT)?;
+    Some(client.counters?.spliced_bytes)
 }
 
 fn cpus_for(placement: Placement, pin_cpu: usize) -> Vec<usize> {
@@ -733,6 +760,7 @@ fn measure(
     let target_node = bed.pods[target].node().name().to_string();
     let before_client = bed.agent_on(client_node).and_then(proxy_stats);
     let before_server = bed.agent_on(&target_node).and_then(proxy_stats);
+    let spliced_before = bed.agent_on(client_node).and_then(client_spliced_bytes);
 
     let port = if workload.kind == WorkloadKind::Stream {
         SINK_PORT
@@ -760,7 +788,7 @@ fn measure(
     let proxy = if bed.mode == Mode::Direct {
         None
     } else {
-        Some(check_proxy(
+        let mut check = check_proxy(
             bed,
             path,
             &report,
@@ -769,7 +797,20 @@ fn measure(
             before_client,
             before_server,
             &mut problems,
-        ))
+        );
+        let spliced_after = bed.agent_on(client_node).and_then(client_spliced_bytes);
+        check.spliced_bytes = spliced_after
+            .zip(spliced_before)
+            .map_or(0, |(after, before)| after.saturating_sub(before));
+        // Each path must be what it claims: spliced exactly when splice is on.
+        match (bed.mode == Mode::EbpfSplice, check.spliced_bytes) {
+            (true, 0) => problems.push("splice is on but no byte was spliced".into()),
+            (false, n) if n > 0 => {
+                problems.push(format!("splice is off but {n} bytes were spliced"))
+            }
+            _ => {}
+        }
+        Some(check)
     };
     let memory: Vec<(u64, u64)> = bed
         .agent_pids()
@@ -846,6 +887,7 @@ fn check_proxy(
                     } else {
                         b.failed.saturating_sub(before_server.failed)
                     },
+                spliced_bytes: 0,
             };
             let complete = check.client_side >= report.connections
                 && (path.dest == Dest::Plain || check.server_side >= report.connections)

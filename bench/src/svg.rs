@@ -41,6 +41,7 @@ fn mode_color(mode: Mode) -> &'static str {
         Mode::Direct => "#555555",
         Mode::Iptables => "#c05000",
         Mode::Ebpf => "#0057b8",
+        Mode::EbpfSplice => "#009e73",
     }
 }
 
@@ -139,7 +140,7 @@ pub fn chart(results: &RunResults) -> String {
     );
     let _ = writeln!(
         svg,
-        r##"<text x="10" y="40" fill="#444">Latency panels: log scale, µs (p99.9 pooled over repetitions). eBPF+proxy = splice off. Colours of path names: direct grey, iptables orange, eBPF blue.</text>"##
+        r##"<text x="10" y="40" fill="#444">Latency panels: log scale, µs (p99.9 pooled over repetitions). Colours of path names: direct grey, iptables orange, eBPF (splice off) blue, eBPF+splice green.</text>"##
     );
     // Legend.
     let mut lx = 10.0;
