@@ -100,8 +100,14 @@ impl CriError {
         match self {
             Self::Endpoint { .. } | Self::Timeout { .. } => true,
             // tonic reports transport failures (connect refused, no such
-            // socket, connection reset) as UNAVAILABLE.
-            Self::Call { code, .. } => *code == tonic::Code::Unavailable,
+            // socket, connection reset) as UNAVAILABLE; a runtime too busy to
+            // answer in its own deadline says nothing about the pod either.
+            Self::Call { code, .. } => {
+                matches!(
+                    code,
+                    tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
+                )
+            }
             Self::Sandbox { .. } => false,
         }
     }
@@ -171,8 +177,9 @@ impl CriResolver {
         };
         let endpoint = Endpoint::from_shared(format!("unix:{path}"))
             .map_err(|e| endpoint_err(e.to_string()))?
-            .connect_timeout(options.call_timeout)
-            .timeout(options.call_timeout);
+            // Calls are bounded by `call` itself (a tonic request timeout
+            // would come back as CANCELLED, indistinguishable from others).
+            .connect_timeout(options.call_timeout);
         // The lazy channel's worker is spawned on the current runtime.
         let channel = {
             let _entered = handle.enter();
