@@ -155,6 +155,21 @@ impl Agent {
     fn enrolled(&self, pod: &str, ns: &str) -> bool {
         self.state(pod, ns) == Some(PodState::Enrolled)
     }
+
+    /// The netns the agent's status reports for pod `name`.
+    async fn netns_of(&self, name: &str) -> Option<PathBuf> {
+        let agent = self.agent.clone();
+        let status = tokio::task::spawn_blocking(move || lock(&agent).status())
+            .await
+            .expect("status");
+        status
+            .pods
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("{name} in status"))
+            .netns
+            .clone()
+    }
 }
 
 struct Harness {
@@ -209,6 +224,19 @@ impl Harness {
     async fn start_agent(&self, options: impl FnOnce(&mut KubeOptions)) -> Agent {
         self.start_agent_with(Arc::new(self.resolver.clone()), options)
             .await
+    }
+
+    /// Starts an agent whose resolver asks the CRI on `socket`, then /proc
+    /// (the agent's own chain).
+    async fn start_agent_with_cri(&self, socket: &std::path::Path) -> Agent {
+        let cri = CriResolver::new(
+            socket,
+            tokio::runtime::Handle::current(),
+            CriOptions::default(),
+        )
+        .expect("CRI resolver");
+        let chain = ChainResolver::new(Some(cri), ProcScanResolver::default());
+        self.start_agent_with(Arc::new(chain), |_| {}).await
     }
 
     async fn start_agent_with(
@@ -852,19 +880,8 @@ async fn proc_scan_finds_a_real_pods_netns_by_its_uid() {
         agent.enrolled("web", "shop")
     })
     .await;
-    let status = {
-        let agent = agent.agent.clone();
-        tokio::task::spawn_blocking(move || lock(&agent).status())
-            .await
-            .expect("status")
-    };
-    let web = status
-        .pods
-        .iter()
-        .find(|p| p.name == "web")
-        .expect("web in status");
     assert_eq!(
-        web.netns,
+        agent.netns_of("web").await,
         Some(PathBuf::from(format!("/proc/{pid}/ns/net")))
     );
     assert!(
@@ -896,37 +913,12 @@ async fn cri_runtime_places_the_pod_end_to_end() {
     let mut object = pod("shop", "web", NODE, Some(&ip), json!({}));
     object["metadata"]["uid"] = json!(uid);
     h.server.apply(Kind::Pod, object);
-    let resolver = CriResolver::new(
-        cri.socket(),
-        tokio::runtime::Handle::current(),
-        CriOptions::default(),
-    )
-    .expect("CRI resolver");
-    let agent = h
-        .start_agent_with(
-            Arc::new(ChainResolver::new(
-                Some(resolver),
-                ProcScanResolver::default(),
-            )),
-            |_| {},
-        )
-        .await;
+    let agent = h.start_agent_with_cri(cri.socket()).await;
     wait_for("web enrolled through the CRI", TIMEOUT, || {
         agent.enrolled("web", "shop")
     })
     .await;
-    let status = {
-        let agent = agent.agent.clone();
-        tokio::task::spawn_blocking(move || lock(&agent).status())
-            .await
-            .expect("status")
-    };
-    let web = status
-        .pods
-        .iter()
-        .find(|p| p.name == "web")
-        .expect("web in status");
-    assert_eq!(web.netns, Some(h.pod("web").netns_path()));
+    assert_eq!(agent.netns_of("web").await, Some(h.pod("web").netns_path()));
     assert!(h.tc_attached("web"));
     assert!(
         !log_lines_with(&["shop/web", "found by the container runtime"]).is_empty(),
@@ -945,38 +937,13 @@ async fn dead_cri_socket_falls_back_to_the_proc_scan() {
     let h = Harness::new("kube-cri-dead", &["web"]).await;
     let socket = h.dir.path().join("dead-cri.sock");
     let process = h.pod_process("shop", "web").await;
-    let resolver = CriResolver::new(
-        &socket,
-        tokio::runtime::Handle::current(),
-        CriOptions::default(),
-    )
-    .expect("CRI resolver");
-    let agent = h
-        .start_agent_with(
-            Arc::new(ChainResolver::new(
-                Some(resolver),
-                ProcScanResolver::default(),
-            )),
-            |_| {},
-        )
-        .await;
+    let agent = h.start_agent_with_cri(&socket).await;
     wait_for("web enrolled through /proc", TIMEOUT, || {
         agent.enrolled("web", "shop")
     })
     .await;
-    let status = {
-        let agent = agent.agent.clone();
-        tokio::task::spawn_blocking(move || lock(&agent).status())
-            .await
-            .expect("status")
-    };
-    let web = status
-        .pods
-        .iter()
-        .find(|p| p.name == "web")
-        .expect("web in status");
     assert_eq!(
-        web.netns,
+        agent.netns_of("web").await,
         Some(PathBuf::from(format!("/proc/{}/ns/net", process.pid)))
     );
     let socket = socket.display().to_string();

@@ -312,19 +312,14 @@ fn is_ready_sandbox_of(sandbox: &PodSandbox, uid: &str) -> bool {
 }
 
 /// tonic's transport errors keep their cause in the source chain: a bare
-/// "transport error" would hide "No such file or directory".
+/// "transport error" would hide "No such file or directory". (The status's
+/// own Display adds details and metadata that say nothing here.)
 fn status_message(status: &tonic::Status) -> String {
-    let mut message = status.message().to_owned();
-    let mut source = std::error::Error::source(status);
-    while let Some(error) = source {
-        let text = error.to_string();
-        if !message.contains(&text) {
-            message.push_str(": ");
-            message.push_str(&text);
-        }
-        source = error.source();
+    let message = status.message();
+    match std::error::Error::source(status).map(crate::error::chain) {
+        Some(cause) if !message.contains(&cause) => format!("{message}: {cause}"),
+        _ => message.to_owned(),
     }
-    message
 }
 
 /// The parts of the verbose `info` document we read. Both containerd and
