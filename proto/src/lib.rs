@@ -3,6 +3,8 @@
 //!
 //! - [`istio::ca`]: Istio's certificate signing service
 //!   (`istio.v1.auth.IstioCertificateService`), used by `--ca istio`.
+//! - [`cri`]: the Kubernetes container runtime's `runtime.v1.RuntimeService`
+//!   (only the sandbox calls), used to find pods' network namespaces.
 
 pub mod istio {
     /// `istio.v1.auth`: the Istio CA's `CreateCertificate` call.
@@ -11,6 +13,13 @@ pub mod istio {
         #![allow(clippy::all, missing_docs)]
         tonic::include_proto!("istio.v1.auth");
     }
+}
+
+/// `runtime.v1`: the pod sandbox subset of the Kubernetes CRI.
+pub mod cri {
+    // Generated code: its docs come from the .proto comments.
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("runtime.v1");
 }
 
 #[cfg(test)]
@@ -41,5 +50,45 @@ mod tests {
     fn service_path_matches_istio() {
         use super::istio::ca::istio_certificate_service_server::SERVICE_NAME;
         assert_eq!(SERVICE_NAME, "istio.v1.auth.IstioCertificateService");
+    }
+
+    /// The field numbers are the CRI's: containerd and CRI-O must read what
+    /// we send.
+    #[test]
+    fn cri_wire_layout_matches_the_cri() {
+        use std::collections::HashMap;
+
+        use super::cri::{
+            ListPodSandboxRequest, PodSandboxFilter, PodSandboxState, PodSandboxStateValue,
+            PodSandboxStatusRequest,
+        };
+        let status = PodSandboxStatusRequest {
+            pod_sandbox_id: "s".into(),
+            verbose: true,
+        };
+        // pod_sandbox_id = 1 (length-delimited), verbose = 2 (varint).
+        assert_eq!(status.encode_to_vec(), [0x0a, 1, b's', 0x10, 1]);
+        let list = ListPodSandboxRequest {
+            filter: Some(PodSandboxFilter {
+                id: String::new(),
+                state: Some(PodSandboxStateValue {
+                    state: PodSandboxState::SandboxNotready as i32,
+                }),
+                label_selector: HashMap::from([("k".into(), "v".into())]),
+            }),
+        };
+        // filter = 1 { state = 2 { state = 1 }, label_selector = 3 {1: k, 2: v} }.
+        assert_eq!(
+            list.encode_to_vec(),
+            [
+                0x0a, 12, 0x12, 2, 0x08, 1, 0x1a, 6, 0x0a, 1, b'k', 0x12, 1, b'v'
+            ]
+        );
+    }
+
+    #[test]
+    fn cri_service_path_matches_the_cri() {
+        use super::cri::runtime_service_server::SERVICE_NAME;
+        assert_eq!(SERVICE_NAME, "runtime.v1.RuntimeService");
     }
 }

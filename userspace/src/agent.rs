@@ -20,7 +20,7 @@ use tracing::{Instrument as _, error, info, info_span, warn};
 
 use crate::{
     admin::{self, NodeStatus, PodState, PodStatus},
-    cli::{AgentArgs, OnExit, OnOff, ProxyKind},
+    cli::{AgentArgs, CriSocket, OnExit, OnOff, ProxyKind},
     control::local,
     proxy::{PodNet, Proxy},
     redirect::{
@@ -477,13 +477,12 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     let (workloads_path, initial) = match source {
         PodSource::File { path, initial } => (path, initial),
         PodSource::Kube(client) => {
-            use crate::control::kube::{KubeOptions, KubeSource, ProcScanResolver};
+            use crate::control::kube::{KubeOptions, KubeSource};
             let client_for_discovery = client.clone();
-            // Pods' netns are found through /proc (the agent runs with hostPID).
             let source = KubeSource::new(
                 client,
                 KubeOptions::new(args.node_name.clone()),
-                Arc::new(ProcScanResolver::default()),
+                Arc::new(netns_resolver(args.cri_socket.as_ref())),
             );
             metrics.watch_kube(source.stats());
             // The proxy must know every pod of the cluster (who a peer IP
@@ -672,6 +671,45 @@ async fn apply(agent: &SharedAgent, workloads: local::LocalWorkloads) {
 fn file_stamp(path: &Path) -> Option<(SystemTime, u64)> {
     let meta = std::fs::metadata(path).ok()?;
     Some((meta.modified().ok()?, meta.len()))
+}
+
+/// Pods' netns come from the container runtime when one is configured or
+/// found, else (and for whatever it cannot place) from /proc (the agent
+/// runs with hostPID).
+fn netns_resolver(socket: Option<&CriSocket>) -> crate::control::kube::ChainResolver {
+    use crate::control::kube::{ChainResolver, CriOptions, CriResolver, ProcScanResolver, cri};
+    let socket = match socket {
+        Some(CriSocket::None) => {
+            info!("--cri-socket none: pods' network namespaces are found through /proc");
+            None
+        }
+        Some(CriSocket::Path(path)) => {
+            if !path.exists() {
+                warn!(socket = %path.display(), "the --cri-socket does not exist (yet); until the runtime listens there, pods' network namespaces are found through /proc");
+            }
+            Some(path.clone())
+        }
+        None => {
+            let found = cri::detect_socket();
+            if found.is_none() {
+                info!(tried = ?cri::DEFAULT_SOCKETS, "no container runtime socket found: pods' network namespaces are found through /proc");
+            }
+            found
+        }
+    };
+    let cri = socket.and_then(|socket| {
+        match CriResolver::new(&socket, tokio::runtime::Handle::current(), CriOptions::default()) {
+            Ok(cri) => {
+                info!(socket = %socket.display(), "pods' network namespaces are asked of the container runtime (CRI), then /proc");
+                Some(cri)
+            }
+            Err(error) => {
+                warn!(%error, "pods' network namespaces are found through /proc");
+                None
+            }
+        }
+    });
+    ChainResolver::new(cri, ProcScanResolver::default())
 }
 
 fn check_cgroup_root(path: Option<&Path>) -> Result<(), AgentError> {

@@ -42,7 +42,8 @@ pub struct AgentArgs {
     /// Format: trustDomain and a list of workloads with name, namespace,
     /// serviceAccount, ips, node, netns and dataplaneMode. Without it, pods
     /// come from the Kubernetes API (in-cluster service account, else
-    /// KUBECONFIG or ~/.kube/config), their netns found through /proc.
+    /// KUBECONFIG or ~/.kube/config), their netns found through the
+    /// container runtime (--cri-socket) or, failing that, /proc.
     #[arg(long, value_name = "FILE")]
     pub workloads: Option<PathBuf>,
 
@@ -50,6 +51,16 @@ pub struct AgentArgs {
     /// Kubernetes (a workloads file names its own `trustDomain`).
     #[arg(long, value_name = "DOMAIN", default_value = "cluster.local")]
     pub trust_domain: crate::state::TrustDomain,
+
+    /// The container runtime's CRI socket, asked for each pod's network
+    /// namespace (the sandbox's pinned netns path) when pods come from
+    /// Kubernetes. Default: the first that exists of
+    /// /run/containerd/containerd.sock and /var/run/crio/crio.sock. `none`
+    /// asks no runtime. Pods the runtime cannot place (unreachable, no
+    /// answer within 2 s, a runtime other than containerd or CRI-O) are
+    /// found by scanning /proc/*/cgroup for the pod's UID (needs hostPID).
+    #[arg(long, value_name = "PATH|none")]
+    pub cri_socket: Option<CriSocket>,
 
     /// How to redirect pod traffic: `ebpf` (programs in each pod's netns),
     /// `iptables` (rules in each pod's netns), or `auto` (eBPF when the
@@ -206,6 +217,25 @@ pub struct LogArgs {
     /// overrides it). Kernel-side messages come from the `shunt_ebpf` target.
     #[arg(long, value_name = "FILTER", default_value = "info")]
     pub log_level: String,
+}
+
+/// `--cri-socket`: a socket path, or `none`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CriSocket {
+    None,
+    Path(PathBuf),
+}
+
+impl std::str::FromStr for CriSocket {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "" => Err("an empty path (use `none` to ask no container runtime)".into()),
+            "none" => Ok(Self::None),
+            path => Ok(Self::Path(PathBuf::from(path))),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -15,6 +15,8 @@
 // with modules of their own.
 #[path = "support/fake_apiserver.rs"]
 mod fake_apiserver;
+#[path = "support/fake_cri.rs"]
+mod fake_cri;
 
 use std::{
     collections::BTreeMap,
@@ -29,8 +31,8 @@ use shunt::{
     admin::PodState,
     agent::{NodeAgent, SharedAgent, lock},
     control::kube::{
-        ClusterWorkloads, KubeOptions, KubeSource, MapResolver, NetnsResolver, ProcScanResolver,
-        SourceStats, pod::REDIRECTION_ANNOTATION,
+        ChainResolver, ClusterWorkloads, CriOptions, CriResolver, KubeOptions, KubeSource,
+        MapResolver, NetnsResolver, ProcScanResolver, SourceStats, pod::REDIRECTION_ANNOTATION,
     },
     redirect::{
         Capture, EnrolledPod, OriginalDst, OriginalDstError, PodTarget, RedirectError,
@@ -153,6 +155,21 @@ impl Agent {
     fn enrolled(&self, pod: &str, ns: &str) -> bool {
         self.state(pod, ns) == Some(PodState::Enrolled)
     }
+
+    /// The netns the agent's status reports for pod `name`.
+    async fn netns_of(&self, name: &str) -> Option<PathBuf> {
+        let agent = self.agent.clone();
+        let status = tokio::task::spawn_blocking(move || lock(&agent).status())
+            .await
+            .expect("status");
+        status
+            .pods
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("{name} in status"))
+            .netns
+            .clone()
+    }
 }
 
 struct Harness {
@@ -207,6 +224,19 @@ impl Harness {
     async fn start_agent(&self, options: impl FnOnce(&mut KubeOptions)) -> Agent {
         self.start_agent_with(Arc::new(self.resolver.clone()), options)
             .await
+    }
+
+    /// Starts an agent whose resolver asks the CRI on `socket`, then /proc
+    /// (the agent's own chain).
+    async fn start_agent_with_cri(&self, socket: &std::path::Path) -> Agent {
+        let cri = CriResolver::new(
+            socket,
+            tokio::runtime::Handle::current(),
+            CriOptions::default(),
+        )
+        .expect("CRI resolver");
+        let chain = ChainResolver::new(Some(cri), ProcScanResolver::default());
+        self.start_agent_with(Arc::new(chain), |_| {}).await
     }
 
     async fn start_agent_with(
@@ -850,19 +880,8 @@ async fn proc_scan_finds_a_real_pods_netns_by_its_uid() {
         agent.enrolled("web", "shop")
     })
     .await;
-    let status = {
-        let agent = agent.agent.clone();
-        tokio::task::spawn_blocking(move || lock(&agent).status())
-            .await
-            .expect("status")
-    };
-    let web = status
-        .pods
-        .iter()
-        .find(|p| p.name == "web")
-        .expect("web in status");
     assert_eq!(
-        web.netns,
+        agent.netns_of("web").await,
         Some(PathBuf::from(format!("/proc/{pid}/ns/net")))
     );
     assert!(
@@ -871,6 +890,70 @@ async fn proc_scan_finds_a_real_pods_netns_by_its_uid() {
     );
     agent.stop(true).await;
     assert!(h.tc_detached("web"));
+}
+
+/// The agent's resolver with a container runtime: the pod (which has no
+/// process, so /proc cannot place it) is enrolled in the netns the
+/// runtime's READY sandbox names, found by the pod's UID.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cri_runtime_places_the_pod_end_to_end() {
+    let h = Harness::new("kube-cri", &["web"]).await;
+    let cri = fake_cri::FakeCri::start(&h.dir.path().join("cri.sock")).await;
+    let uid = format!("{:08x}-c41a-4000-8000-00000000e2e0", std::process::id());
+    cri.add(fake_cri::Sandbox::ready(
+        "sb-web",
+        &uid,
+        "shop",
+        "web",
+        &h.pod("web").netns_path(),
+    ));
+    h.server
+        .apply(Kind::Namespace, namespace("shop", ambient()));
+    let ip = h.pod("web").ip().to_string();
+    let mut object = pod("shop", "web", NODE, Some(&ip), json!({}));
+    object["metadata"]["uid"] = json!(uid);
+    h.server.apply(Kind::Pod, object);
+    let agent = h.start_agent_with_cri(cri.socket()).await;
+    wait_for("web enrolled through the CRI", TIMEOUT, || {
+        agent.enrolled("web", "shop")
+    })
+    .await;
+    assert_eq!(agent.netns_of("web").await, Some(h.pod("web").netns_path()));
+    assert!(h.tc_attached("web"));
+    assert!(
+        !log_lines_with(&["shop/web", "found by the container runtime"]).is_empty(),
+        "the source is logged with the pod"
+    );
+    let (lists, statuses) = cri.calls();
+    assert!(lists >= 1 && statuses >= 1);
+    agent.stop(true).await;
+    assert!(h.tc_detached("web"));
+}
+
+/// A CRI socket nobody listens on: the agent says so (once) and finds the
+/// pod's netns through /proc instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_cri_socket_falls_back_to_the_proc_scan() {
+    let h = Harness::new("kube-cri-dead", &["web"]).await;
+    let socket = h.dir.path().join("dead-cri.sock");
+    let process = h.pod_process("shop", "web").await;
+    let agent = h.start_agent_with_cri(&socket).await;
+    wait_for("web enrolled through /proc", TIMEOUT, || {
+        agent.enrolled("web", "shop")
+    })
+    .await;
+    assert_eq!(
+        agent.netns_of("web").await,
+        Some(PathBuf::from(format!("/proc/{}/ns/net", process.pid)))
+    );
+    let socket = socket.display().to_string();
+    assert_eq!(
+        log_lines_with(&["the container runtime is unreachable", &socket]).len(),
+        1,
+        "warned once"
+    );
+    assert!(!log_lines_with(&["shop/web", "found by scanning /proc"]).is_empty());
+    agent.stop(true).await;
 }
 
 /// The `shunt agent` binary without `--workloads` takes its pods from the

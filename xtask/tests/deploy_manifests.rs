@@ -97,6 +97,22 @@ fn rust_const(source: &str, name: &str) -> String {
     value.trim_matches('"').to_string()
 }
 
+/// The string literals of `const NAME: &[&str] = &[...];` in `source`.
+fn rust_str_array(source: &str, name: &str) -> Vec<String> {
+    let needle = format!("const {name}:");
+    let at = source
+        .find(&needle)
+        .unwrap_or_else(|| panic!("no `const {name}` in the source"));
+    let rest = &source[at..];
+    let start = rest.find('=').expect("array value");
+    let body = &rest[start..rest.find("];").expect("array end")];
+    body.split('"')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_owned)
+        .collect()
+}
+
 // ------------------------------------------------------- strict parsing
 
 /// Paths present in `original` but missing or different in `typed` (the
@@ -975,6 +991,38 @@ fn daemonset_gives_the_agent_what_it_needs() {
     // The container runtime's named netns, with later mounts propagated.
     let netns = host_mount(&spec, &agent, "/var/run/netns");
     assert_eq!(netns.mount_propagation.as_deref(), Some("HostToContainer"));
+
+    // The runtime sockets the agent auto-detects (no --cri-socket given)
+    // are where the host has them: each one's directory mounted at its own
+    // path, as a directory (a restarted runtime makes a new socket file).
+    assert!(
+        !args.contains_key("--cri-socket"),
+        "the agent auto-detects containerd or CRI-O"
+    );
+    let cri = read("userspace/src/control/kube/cri.rs");
+    let sockets = rust_str_array(&cri, "DEFAULT_SOCKETS");
+    assert!(
+        sockets.iter().any(|s| s.contains("containerd"))
+            && sockets.iter().any(|s| s.contains("crio")),
+        "{sockets:?}"
+    );
+    for socket in &sockets {
+        let dir = Path::new(socket)
+            .parent()
+            .and_then(Path::to_str)
+            .expect("socket directory");
+        let mount = host_mount(&spec, &agent, dir);
+        assert_eq!(mount.mount_path, dir, "{socket} seen at its own path");
+        assert_eq!(mount.read_only, Some(true), "{socket}: read-only is enough");
+        assert_eq!(
+            volume(&spec, &mount.name)
+                .host_path
+                .as_ref()
+                .and_then(|h| h.type_.as_deref()),
+            Some("DirectoryOrCreate"),
+            "{socket}: a node without this runtime still starts the agent"
+        );
+    }
 
     // The mesh's CA: the same Secret on every node (the one `cargo xtask
     // run` creates), at --ca-dir.

@@ -30,8 +30,8 @@
 //! - After the first reconcile, pinned state that a previous agent left for
 //!   pods no longer listed is removed (`NodeAgent::remove_stale`); pods
 //!   still listed are re-adopted in place, so a restart flaps nothing.
-//! - A pod's netns is found by a [`NetnsResolver`] (see [`netns`]), once per
-//!   pod UID, when the pod wants the mesh and has an IP.
+//! - A pod's netns is found by a [`NetnsResolver`] (see [`netns`] and
+//!   [`cri`]), once per pod UID, when the pod wants the mesh and has an IP.
 //! - After each reconcile, pods whose `ambient.istio.io/redirection`
 //!   annotation disagrees with their state are patched (see [`annotate`]).
 //!
@@ -47,6 +47,7 @@
 pub mod annotate;
 mod cache;
 mod cluster;
+pub mod cri;
 pub mod lenient;
 pub mod netns;
 pub mod pod;
@@ -70,6 +71,7 @@ use tokio::time::{Instant, MissedTickBehavior};
 use tracing::{Instrument as _, debug, error, info, info_span, warn};
 
 pub use cluster::ClusterWorkloads;
+pub use cri::{ChainResolver, CriOptions, CriResolver};
 pub use lenient::Lenient;
 pub use netns::{MapResolver, NetnsResolver, PodRef, ProcScanResolver};
 

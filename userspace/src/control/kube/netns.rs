@@ -10,7 +10,8 @@
 //! the sandbox's pause process, which lives as long as the pod).
 //!
 //! The container runtime's own netns path (e.g. containerd's
-//! `/var/run/netns/cni-…`) would need the CRI API; it is not used yet.
+//! `/var/run/netns/cni-…`), asked over the CRI API, is preferred when a
+//! runtime socket is available: see [`super::cri`].
 //!
 //! [`MapResolver`] is told the paths instead. It exists for tests and demos
 //! whose "pods" are bare network namespaces without processes; it is never
@@ -68,6 +69,11 @@ impl ProcScanResolver {
         Self {
             proc_root: proc_root.into(),
         }
+    }
+
+    /// Whether `path` is one this resolver hands out (under its `/proc`).
+    pub fn owns(&self, path: &Path) -> bool {
+        path.starts_with(&self.proc_root)
     }
 
     /// The (device, inode) of the host's netns (PID 1's): a process of a
