@@ -39,8 +39,9 @@
 //! they never stop the watch (see [`lenient`]).
 //!
 //! Cluster-wide workload discovery (every pod's IPs and identity, for the
-//! proxy) is [`ClusterWorkloads`]: a third watcher, on all pods, that keeps
-//! a [`crate::state::WorkloadStore`] up to date.
+//! proxy) is [`ClusterWorkloads`]: a third watcher, on all pods, plus
+//! watchers of Services and EndpointSlices ([`service`]), that keeps a
+//! [`crate::state::WorkloadStore`] of workloads and services up to date.
 //!
 //! [`NodeAgent::reconcile`]: crate::agent::NodeAgent::reconcile
 
@@ -50,6 +51,7 @@ mod cluster;
 pub mod lenient;
 pub mod netns;
 pub mod pod;
+pub mod service;
 
 use std::{
     collections::{BTreeMap, HashMap},
