@@ -844,6 +844,8 @@ workloads:
         // No pod on node-c, so no netns needs to exist on this machine.
         let loaded = load(&fixture, "node-c").expect("fixture is valid");
         assert_eq!(loaded.workloads.len(), 3);
+        assert_eq!(loaded.services.len(), 1);
+        assert_eq!(loaded.services[0].endpoints.len(), 2);
 
         let missing = Path::new("/nonexistent/shunt/workloads.yaml");
         let err = load(missing, "node-a")

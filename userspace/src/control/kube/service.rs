@@ -16,7 +16,7 @@
 use std::{
     collections::{BTreeMap, HashMap},
     net::IpAddr,
-    sync::{Arc, atomic::Ordering},
+    sync::Arc,
 };
 
 use ::kube::{
@@ -27,9 +27,9 @@ use futures::{StreamExt as _, stream::BoxStream};
 use k8s_openapi::api::core::v1::Service as KubeService;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use tracing::{debug, error, warn};
+use tracing::debug;
 
-use super::{SourceStats, Step, cache::ObjectCache, lenient::Lenient};
+use super::{SourceStats, Step, apply_event, cache::ObjectCache, lenient::Lenient};
 use crate::state::{Endpoint, Service, ServicePort, WorkloadKey};
 
 /// The label tying an EndpointSlice to its Service.
@@ -284,28 +284,14 @@ impl ServiceWatches {
     /// Waits for the next event of either watch and applies it.
     /// Cancel-safe: an event is applied as soon as it is received.
     pub(crate) async fn step(&mut self) -> Step {
-        let changed = tokio::select! {
-            event = self.service_events.next() => match event {
-                Some(Ok(event)) => self.services.apply(event, ServiceFacts::from_service),
-                Some(Err(error)) => { self.watch_error("services", &error); false }
-                None => { error!("the service watch ended"); return Step::Ended; }
-            },
-            event = self.slice_events.next() => match event {
-                Some(Ok(event)) => self.slices.apply(event, SliceFacts::from_slice),
-                Some(Err(error)) => { self.watch_error("endpointslices", &error); false }
-                None => { error!("the endpointslice watch ended"); return Step::Ended; }
-            },
-        };
-        if changed {
-            Step::Changed
-        } else {
-            Step::Unchanged
+        tokio::select! {
+            event = self.service_events.next() => {
+                apply_event("services", event, &mut self.services, ServiceFacts::from_service, &self.stats)
+            }
+            event = self.slice_events.next() => {
+                apply_event("endpointslices", event, &mut self.slices, SliceFacts::from_slice, &self.stats)
+            }
         }
-    }
-
-    fn watch_error(&self, what: &str, error: &watcher::Error) {
-        self.stats.watch_errors.fetch_add(1, Ordering::Relaxed);
-        warn!(watch = what, %error, "watch error; retrying after a backoff (known services are kept)");
     }
 }
 
