@@ -5,7 +5,11 @@
 //! endpoints — over HBONE to a mesh pod on another node, as plain TCP to a
 //! pod outside the mesh, or nowhere (RST) when the service has no endpoint.
 
-use std::{net::Ipv4Addr, time::Duration};
+use std::{
+    net::Ipv4Addr,
+    thread,
+    time::{Duration, Instant},
+};
 
 use serde_json::Value;
 use shunt::admin::{NodeStatus, PodState};
@@ -44,6 +48,29 @@ fn access_lines(logs: &str, direction: &str) -> Vec<Value> {
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter(|l| l["target"] == "shunt::access" && l["fields"]["direction"] == direction)
         .collect()
+}
+
+/// Waits (bounded) for an access-log line of `direction` that `matches`:
+/// the proxy writes it once both sides closed, which may be just after the
+/// client has its answer. Panics with the lines seen.
+fn wait_for_access_line(
+    agent: &Agent,
+    direction: &str,
+    what: &str,
+    matches: impl Fn(&Value) -> bool,
+) {
+    let start = Instant::now();
+    loop {
+        let lines = access_lines(&agent.logs(), direction);
+        if lines.iter().any(&matches) {
+            return;
+        }
+        assert!(
+            start.elapsed() < TIMEOUT,
+            "no {direction} access-log line: {what}; seen: {lines:?}"
+        );
+        thread::sleep(Duration::from_millis(100));
+    }
 }
 
 fn service_vips_end_to_end(mode: &str) {
@@ -102,22 +129,24 @@ fn service_vips_end_to_end(mode: &str) {
     );
     let client_id = "spiffe://cluster.local/ns/default/sa/sa-client";
     let to_server = format!("{}:8080", server.ip());
-    let inbound = access_lines(&agent_b.logs(), "inbound");
-    assert!(
-        inbound
-            .iter()
-            .any(|l| l["fields"]["src.identity"] == client_id
+    wait_for_access_line(
+        &agent_b,
+        "inbound",
+        "node-b's proxy saw an HBONE stream from the client to the endpoint",
+        |l| {
+            l["fields"]["src.identity"] == client_id
                 && l["fields"]["dst.addr"] == to_server.as_str()
-                && l["fields"]["result"] == "success"),
-        "node-b's proxy saw no HBONE stream from {client_id} to {to_server}: {inbound:?}"
+                && l["fields"]["result"] == "success"
+        },
     );
-    let outbound = access_lines(&agent_a.logs(), "outbound");
-    assert!(
-        outbound
-            .iter()
-            .any(|l| l["fields"]["dst.service"] == "default/web"
-                && l["fields"]["dst.addr"] == to_server.as_str()),
-        "node-a's access log names the service and the endpoint: {outbound:?}"
+    wait_for_access_line(
+        &agent_a,
+        "outbound",
+        "node-a's access log names the service and the endpoint",
+        |l| {
+            l["fields"]["dst.service"] == "default/web"
+                && l["fields"]["dst.addr"] == to_server.as_str()
+        },
     );
 
     // VIP → endpoint outside the mesh: plain TCP from the client's own IP
@@ -135,15 +164,18 @@ fn service_vips_end_to_end(mode: &str) {
     let peers = outsider_app.peers();
     assert_eq!(peers.len(), 1, "the endpoint got the connection");
     assert_eq!(peers[0].ip(), client.ip(), "passthrough keeps the pod's IP");
-    let passthrough = access_lines(&agent_a.logs(), "passthrough");
-    assert!(
-        passthrough
-            .iter()
-            .any(|l| l["fields"]["dst.service"] == "default/plain"),
-        "{passthrough:?}"
+    let to_outsider = format!("{outsider_ip}:8080");
+    wait_for_access_line(
+        &agent_a,
+        "passthrough",
+        "node-a's access log names the service and the endpoint",
+        |l| {
+            l["fields"]["dst.service"] == "default/plain"
+                && l["fields"]["dst.addr"] == to_outsider.as_str()
+        },
     );
 
-    // A VIP with no endpoint: refused, and the log names the service.
+    // A VIP with no endpoint: refused (RST), the log naming the service.
     let report = apps.run(
         &client,
         &[
@@ -154,12 +186,13 @@ fn service_vips_end_to_end(mode: &str) {
         ],
     );
     assert_ne!(report["intact"], Value::Bool(true), "{report}");
-    assert!(
-        agent_a.logs().contains("service has no ready endpoint")
-            && agent_a.logs().contains("default/empty"),
-        "{}",
-        agent_a.logs()
-    );
+    wait_for_access_line(&agent_a, "outbound", "the refusal names the service", |l| {
+        l["fields"]["dst.service"] == "default/empty"
+            && l["fields"]["result"] == "refused"
+            && l["fields"]["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("no ready endpoint"))
+    });
 
     for agent in [&mut agent_a, &mut agent_b] {
         let exit = agent.stop().expect("stop");

@@ -88,29 +88,10 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
             return;
         }
     };
-    let dst = match shared.workloads.service_at(dst) {
-        None => dst,
-        Some(service) => {
-            let n = shared.service_picks.fetch_add(1, Ordering::Relaxed);
-            log.dst_service = Some(service.key());
-            match service.pick(dst, n) {
-                Some((endpoint, target)) => {
-                    tracing::debug!(service = %service.key(), vip = %dst, endpoint = %target, pod = ?endpoint.pod, "service endpoint chosen");
-                    target
-                }
-                None => {
-                    tracing::warn!(service = %service.key(), vip = %dst, "service has no ready endpoint; connection refused");
-                    log.dst_addr = dst;
-                    log.reason = Some(format!(
-                        "service {} has no ready endpoint for {dst}",
-                        service.key()
-                    ));
-                    log.emit(&shared);
-                    reset(&app);
-                    return;
-                }
-            }
-        }
+    let Some(dst) = resolve_service(&shared, dst, &mut log) else {
+        log.emit(&shared);
+        reset(&app);
+        return;
     };
     log.dst_addr = dst;
     // Redirected to ourselves would loop forever.
@@ -162,6 +143,36 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
             log.outcome = Outcome::Failed;
             log.reason = Some(e.to_string());
             log.emit(&shared);
+        }
+    }
+}
+
+/// Where a connection to `dst` goes: `dst` itself, or, when it is a
+/// service's VIP and port, one of its ready endpoints in turn (named in the
+/// log). `None` when the service has no ready endpoint (the log says why).
+fn resolve_service(
+    shared: &Shared,
+    dst: SocketAddr,
+    log: &mut AccessLog<'_>,
+) -> Option<SocketAddr> {
+    let Some(service) = shared.workloads.service_at(dst) else {
+        return Some(dst);
+    };
+    let n = shared.service_picks.fetch_add(1, Ordering::Relaxed);
+    log.dst_service = Some(service.key());
+    match service.pick(dst, n) {
+        Some((endpoint, target)) => {
+            tracing::debug!(service = %service.key(), vip = %dst, endpoint = %target, pod = ?endpoint.pod, "service endpoint chosen");
+            Some(target)
+        }
+        None => {
+            tracing::warn!(service = %service.key(), vip = %dst, "service has no ready endpoint; connection refused");
+            log.dst_addr = dst;
+            log.reason = Some(format!(
+                "service {} has no ready endpoint for {dst}",
+                service.key()
+            ));
+            None
         }
     }
 }
