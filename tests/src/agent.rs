@@ -123,6 +123,39 @@ impl Endpoints {
     }
 }
 
+/// One entry of a workloads file's `services`: `vip:port` goes to each
+/// endpoint's `target_port`.
+#[derive(Clone, Debug)]
+pub struct ServiceSpec {
+    pub name: String,
+    pub namespace: String,
+    /// Assigned to no interface: connect4 (or iptables) captures it anyway.
+    pub vip: std::net::Ipv4Addr,
+    pub port: u16,
+    pub target_port: u16,
+    /// Pod names (of `namespace`) or IPs.
+    pub endpoints: Vec<String>,
+}
+
+/// The YAML of a workloads file's `services` section, to append to
+/// [`workloads_yaml`]'s.
+pub fn services_yaml(services: &[ServiceSpec]) -> String {
+    let mut yaml = String::from("services:\n");
+    for s in services {
+        let endpoints: Vec<String> = s.endpoints.iter().map(|e| format!("\"{e}\"")).collect();
+        yaml.push_str(&format!(
+            "  - name: {}\n    namespace: {}\n    clusterIPs: [\"{}\"]\n    ports: [{{port: {}, targetPort: {}}}]\n    endpoints: [{}]\n",
+            s.name,
+            s.namespace,
+            s.vip,
+            s.port,
+            s.target_port,
+            endpoints.join(", ")
+        ));
+    }
+    yaml
+}
+
 /// A running `shunt agent` in a node's netns.
 pub struct Agent {
     child: Option<Child>,

@@ -27,7 +27,7 @@ use crate::{
         Capture, PodTarget, RedirectMode, Redirector,
         ebpf::{EbpfOptions, EbpfRedirector, LoadError},
     },
-    state::{TrustDomain, Workload, WorkloadKey, WorkloadStore},
+    state::{Service, TrustDomain, Workload, WorkloadKey, WorkloadStore},
 };
 
 /// Errors that stop the agent from starting.
@@ -168,6 +168,22 @@ impl NodeAgent {
         }
         self.pods = next;
         self.synced = true;
+    }
+
+    /// Makes `services` every service the proxy knows (the workloads file's;
+    /// with Kubernetes, cluster discovery feeds the store instead).
+    pub fn set_services(&mut self, services: Vec<Service>) {
+        if let Some(handle) = self.proxy.as_ref().filter(|h| !h.cluster_discovery) {
+            let count = services.len();
+            let changed = handle
+                .workloads
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .replace_services(services);
+            if changed {
+                info!(services = count, "services updated");
+            }
+        }
     }
 
     /// Starts the proxy's listeners for the pod (if a proxy runs and does
@@ -383,6 +399,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             info!(
                 file = %path.display(),
                 workloads = initial.workloads.len(),
+                services = initial.services.len(),
                 node = %args.node_name,
                 "workloads file loaded"
             );
@@ -496,16 +513,20 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
                 tokio::spawn(async move {
                     while snapshots.changed().await.is_ok() {
                         let snapshot = snapshots.borrow_and_update().clone();
-                        let changes = store
-                            .write()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .replace_all(snapshot.iter().cloned());
+                        let mut store = store.write().unwrap_or_else(|p| p.into_inner());
+                        let changes = store.replace_all(snapshot.iter().cloned());
                         if !changes.is_empty() {
                             info!(
                                 workloads = snapshot.len(),
                                 added = changes.added.len(),
                                 removed = changes.removed.len(),
                                 "cluster workloads updated"
+                            );
+                        }
+                        if store.replace_services(snapshot.services().iter().cloned()) {
+                            info!(
+                                services = snapshot.services().len(),
+                                "cluster services updated"
                             );
                         }
                     }
@@ -659,7 +680,11 @@ async fn shutdown(
 async fn apply(agent: &SharedAgent, workloads: local::LocalWorkloads) {
     let agent = agent.clone();
     let result = tokio::task::spawn_blocking(move || {
-        lock(&agent).reconcile(workloads.trust_domain, workloads.workloads)
+        let mut agent = lock(&agent);
+        // Services first: a pod enrolled by this reconcile may connect to
+        // one at once.
+        agent.set_services(workloads.services);
+        agent.reconcile(workloads.trust_domain, workloads.workloads)
     })
     .await;
     if let Err(e) = result {

@@ -40,10 +40,13 @@ pub struct AgentArgs {
     /// Read workloads from this YAML file instead of the Kubernetes API (the
     /// embedded default, no cluster needed). Edits to the file are picked up.
     /// Format: trustDomain and a list of workloads with name, namespace,
-    /// serviceAccount, ips, node, netns and dataplaneMode. Without it, pods
-    /// come from the Kubernetes API (in-cluster service account, else
-    /// KUBECONFIG or ~/.kube/config), their netns found through the
-    /// container runtime (--cri-socket) or, failing that, /proc.
+    /// serviceAccount, ips, node, netns and dataplaneMode; optionally a list
+    /// of services with name, namespace, clusterIPs, ports (port, targetPort)
+    /// and endpoints (pod names of the service's namespace, or IPs), so that a
+    /// connection to clusterIP:port goes to one of the endpoints. Without it,
+    /// pods and services come from the Kubernetes API (in-cluster service
+    /// account, else KUBECONFIG or ~/.kube/config), pods' netns found through
+    /// the container runtime (--cri-socket) or, failing that, /proc.
     #[arg(long, value_name = "FILE")]
     pub workloads: Option<PathBuf>,
 

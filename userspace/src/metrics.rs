@@ -40,7 +40,7 @@ use crate::{
     health::Readiness,
     proxy::{ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, ProxyStats},
     redirect::EnrolledPod,
-    state::{Workload, WorkloadStore},
+    state::{Workload, WorkloadKey, WorkloadStore},
 };
 
 /// The content type of an OpenMetrics text exposition.
@@ -256,9 +256,15 @@ impl TcpObserver {
             source_app: src.workload,
             source_version: src.revision,
             source_cluster: src.cluster,
-            destination_service: UNKNOWN.into(),
-            destination_service_namespace: UNKNOWN.into(),
-            destination_service_name: UNKNOWN.into(),
+            destination_service: c
+                .dst_service
+                .map_or_else(|| UNKNOWN.into(), service_hostname),
+            destination_service_namespace: c
+                .dst_service
+                .map_or_else(|| UNKNOWN.into(), |s| s.namespace.clone()),
+            destination_service_name: c
+                .dst_service
+                .map_or_else(|| UNKNOWN.into(), |s| s.name.clone()),
             destination_workload: dst.workload.clone(),
             destination_canonical_service: dst.workload.clone(),
             destination_canonical_revision: dst.revision.clone(),
@@ -277,6 +283,12 @@ impl TcpObserver {
             .into(),
         }
     }
+}
+
+/// Istio's `destination_service`: the service's cluster DNS name (Istio's
+/// default cluster domain; the agent is not told another).
+fn service_hostname(service: &WorkloadKey) -> String {
+    format!("{}.{}.svc.cluster.local", service.name, service.namespace)
 }
 
 /// A workload's label values (`unknown` when not known).
@@ -704,6 +716,7 @@ mod tests {
         let metrics = Metrics::new();
         let observer = metrics.connection_observer(store());
         let client = WorkloadKey::new("default", "client");
+        let web = WorkloadKey::new("default", "web");
         let info = ConnectionInfo {
             direction: Direction::Outbound,
             pod: Some(&client),
@@ -711,6 +724,8 @@ mod tests {
             src_identity: Some("spiffe://cluster.local/ns/default/sa/sa-client"),
             dst_addr: "198.18.2.2:8080".parse().unwrap(),
             dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
+            // The client connected to the service web's VIP.
+            dst_service: Some(&web),
         };
         observer.opened(&info);
         let text = metrics.encode(None);
@@ -721,6 +736,9 @@ mod tests {
             "source_principal=\"spiffe://cluster.local/ns/default/sa/sa-client\"",
             "destination_workload=\"server\"",
             "destination_principal=\"spiffe://cluster.local/ns/default/sa/sa-server\"",
+            "destination_service=\"web.default.svc.cluster.local\"",
+            "destination_service_name=\"web\"",
+            "destination_service_namespace=\"default\"",
             "connection_security_policy=\"mutual_tls\"",
             "request_protocol=\"tcp\"",
         ];
@@ -770,6 +788,7 @@ mod tests {
             src_identity: None,
             dst_addr: "198.18.2.2:8080".parse().unwrap(),
             dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
+            dst_service: None,
         };
         // Refused before it was reported open: both at close.
         observer.closed(

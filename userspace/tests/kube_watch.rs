@@ -25,7 +25,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use fake_apiserver::{FakeApiServer, Kind, namespace, pod};
+use fake_apiserver::{FakeApiServer, Kind, endpoint_slice, namespace, pod, service};
 use serde_json::{Value, json};
 use shunt::{
     admin::PodState,
@@ -1264,5 +1264,117 @@ async fn cluster_workloads_track_every_pods_ip_and_identity() {
         snapshots.borrow().by_ip(ip("198.18.1.10")).is_none()
     })
     .await;
+    task.abort();
+}
+
+/// Service discovery: a Service and its EndpointSlice from the watch land in
+/// the store, looked up by VIP and port, the named target port resolved from
+/// the slice; a headless service and a malformed one are skipped without
+/// stopping the others; a relist after `410 Gone` picks up what changed; and
+/// deleting the slice, then the service, removes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_services_follow_services_and_endpointslices() {
+    init_logging();
+    let server = FakeApiServer::start().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    server.apply(Kind::Namespace, namespace("shop", ambient()));
+    server.apply(
+        Kind::Pod,
+        pod("shop", "web-0", "node-b", Some("198.18.2.10"), json!({})),
+    );
+    server.apply(Kind::Service, service("shop", "web", "198.19.100.1"));
+    server.apply(
+        Kind::EndpointSlice,
+        endpoint_slice(
+            "shop",
+            "web-abc",
+            "web",
+            8080,
+            &[
+                ("198.18.2.10", true, "web-0"),
+                ("198.18.2.11", false, "web-1"),
+            ],
+        ),
+    );
+    let mut headless = service("shop", "headless", "None");
+    headless["spec"]["clusterIPs"] = json!(["None"]);
+    server.apply(Kind::Service, headless);
+    let mut malformed = service("shop", "broken", "198.19.100.9");
+    malformed["spec"]["ports"] = json!("not a list");
+    server.apply(Kind::Service, malformed);
+
+    let discovery = ClusterWorkloads::new(server.client(dir.path()).await);
+    let mut snapshots = discovery.subscribe();
+    let task = tokio::spawn(discovery.run());
+    let addr = |s: &str| s.parse::<std::net::SocketAddr>().expect("addr");
+    wait_for("service web discovered", TIMEOUT, || {
+        snapshots
+            .borrow_and_update()
+            .services()
+            .by_addr(addr("198.19.100.1:80"))
+            .is_some()
+    })
+    .await;
+    {
+        let store = snapshots.borrow();
+        assert_eq!(store.services().len(), 1, "headless and malformed skipped");
+        let web = store
+            .services()
+            .by_addr(addr("198.19.100.1:80"))
+            .expect("web");
+        assert_eq!((web.namespace.as_str(), web.name.as_str()), ("shop", "web"));
+        let targets: Vec<_> = web
+            .ready_targets(addr("198.19.100.1:80"))
+            .into_iter()
+            .map(|(endpoint, target)| (target, endpoint.pod.as_ref().map(ToString::to_string)))
+            .collect();
+        assert_eq!(
+            targets,
+            [(addr("198.18.2.10:8080"), Some("shop/web-0".to_owned()))],
+            "the ready endpoint only, at the port the slice names"
+        );
+        assert_eq!(web.endpoints.len(), 2);
+        // The endpoint is a mesh workload: the proxy will use HBONE.
+        assert!(
+            store
+                .by_ip("198.18.2.10".parse().expect("ip"))
+                .is_some_and(|w| w.wants_mesh())
+        );
+    }
+
+    // The watch falls behind (410 on resume): the relist brings the change.
+    server.compact();
+    server.drop_watches();
+    server.update(Kind::EndpointSlice, "shop", "web-abc", |slice| {
+        slice["endpoints"][1]["conditions"]["ready"] = json!(true);
+    });
+    wait_for("second endpoint ready after the relist", TIMEOUT, || {
+        snapshots
+            .borrow_and_update()
+            .services()
+            .by_addr(addr("198.19.100.1:80"))
+            .is_some_and(|web| web.ready_targets(addr("198.19.100.1:80")).len() == 2)
+    })
+    .await;
+
+    server.delete(Kind::EndpointSlice, "shop", "web-abc");
+    wait_for("endpoints gone with their slice", TIMEOUT, || {
+        snapshots
+            .borrow_and_update()
+            .services()
+            .by_addr(addr("198.19.100.1:80"))
+            .is_some_and(|web| web.endpoints.is_empty())
+    })
+    .await;
+    server.delete(Kind::Service, "shop", "web");
+    wait_for("service gone", TIMEOUT, || {
+        snapshots.borrow_and_update().services().is_empty()
+    })
+    .await;
+    assert_eq!(
+        snapshots.borrow().len(),
+        1,
+        "the pod is still known: services and pods are separate"
+    );
     task.abort();
 }

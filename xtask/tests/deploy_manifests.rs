@@ -1317,6 +1317,9 @@ fn rolling_update_cannot_hang_and_replaces_one_node_at_a_time() {
 ///   (list, then watch) on pods (`Api::all`, with fieldSelector
 ///   spec.nodeName=NODE for `KubeSource`; without one for cluster.rs's
 ///   `ClusterWorkloads`) and on namespaces (`Api::all`);
+/// - userspace/src/control/kube/service.rs, `ServiceWatches::new`: kube-rs
+///   `watcher`s on services and on discovery.k8s.io endpointslices
+///   (`Api::all`), for service discovery;
 /// - userspace/src/control/kube/annotate.rs, `patch`: a JSON merge patch of
 ///   the `ambient.istio.io/redirection` annotation
 ///   (`Api::<Pod>::namespaced(..).patch`).
@@ -1326,6 +1329,8 @@ fn rolling_update_cannot_hang_and_replaces_one_node_at_a_time() {
 const AGENT_API_CALLS: &[(&str, &str, &[&str])] = &[
     ("", "pods", &["list", "watch", "patch"]),
     ("", "namespaces", &["list", "watch"]),
+    ("", "services", &["list", "watch"]),
+    ("discovery.k8s.io", "endpointslices", &["list", "watch"]),
 ];
 
 /// (group, resource) of a k8s-openapi type named in the agent's code.

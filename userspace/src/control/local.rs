@@ -11,9 +11,19 @@
 //!     node: node-a
 //!     netns: /var/run/netns/client # required for this node's ambient pods
 //!     dataplaneMode: ambient       # or none; optional, default none
+//! services:                        # optional
+//!   - name: web                    # service name (DNS-1123 label)
+//!     namespace: default
+//!     clusterIPs: ["198.19.100.1"] # the VIPs; no workload's IP
+//!     ports:
+//!       - port: 80                 # what clients connect to
+//!         targetPort: 8080         # optional, default: port
+//!     endpoints: [server, 198.18.2.3]  # pods of the namespace, or IPs
 //! ```
 //!
 //! `dataplaneMode` defaults to `none` because the mesh is opt-in, as in Istio.
+//! A service's endpoints are always ready; a pod name stands for each of its
+//! IPs, and an IP that no workload owns is a backend outside the mesh.
 //! One file can describe a whole (simulated) cluster: each agent enrols the
 //! pods of its own node and needs the others' IPs and identities as peers.
 //!
@@ -31,7 +41,9 @@ use std::{
 
 use serde::Deserialize;
 
-use crate::state::{DataplaneMode, TrustDomain, Workload, WorkloadKey};
+use crate::state::{
+    DataplaneMode, Endpoint, Service, ServicePort, TrustDomain, Workload, WorkloadKey,
+};
 
 /// The content of a valid workloads file.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -41,6 +53,8 @@ pub struct LocalWorkloads {
     pub trust_domain: TrustDomain,
     /// In file order, so `workloads[i]` in messages is `workloads[i]` here.
     pub workloads: Vec<Workload>,
+    /// In file order (`services[i]`); empty when the file has none.
+    pub services: Vec<Service>,
 }
 
 /// Why a workloads file cannot be used. Displays one line per problem, each
@@ -59,39 +73,45 @@ pub enum WorkloadsFileError {
 /// One thing wrong in a workloads file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Problem {
-    /// The entry of `workloads` concerned, if any.
+    /// The entry of `workloads` or `services` concerned, if any.
     pub entry: Option<Entry>,
     /// The field concerned as written in the file (`ips`, `ips[1]`,
-    /// `trustDomain`), if known.
+    /// `ports[0].port`, `trustDomain`), if known.
     pub field: Option<String>,
     pub message: String,
     /// 1-based line and column, when the YAML parser knows them.
     pub location: Option<(usize, usize)>,
 }
 
-/// An entry of `workloads`: its index, and `namespace/name` when the entry
-/// has both (valid or not: it is there to find the entry in the file).
+/// An entry of `workloads` or `services`: the list, its index, and
+/// `namespace/name` when the entry has both (valid or not: it is there to
+/// find the entry in the file).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Entry {
+    /// `workloads` or `services`.
+    pub list: &'static str,
     pub index: usize,
     pub label: Option<String>,
 }
 
+/// The file's lists of entries.
+const LISTS: [&str; 2] = ["workloads", "services"];
+
 impl Entry {
-    fn new(index: usize, namespace: Option<&str>, name: Option<&str>) -> Self {
+    fn new(list: &'static str, index: usize, namespace: Option<&str>, name: Option<&str>) -> Self {
         let label = match (namespace, name) {
             (Some(ns), Some(name)) if !ns.is_empty() && !name.is_empty() => {
                 Some(format!("{ns}/{name}"))
             }
             _ => None,
         };
-        Self { index, label }
+        Self { list, index, label }
     }
 }
 
 impl fmt::Display for Entry {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "workloads[{}]", self.index)?;
+        write!(f, "{}[{}]", self.list, self.index)?;
         match &self.label {
             Some(label) => write!(f, " ({label})"),
             None => Ok(()),
@@ -159,11 +179,13 @@ pub fn parse(path: &Path, text: &str) -> Result<LocalWorkloads, WorkloadsFileErr
         }
     };
     let workloads = check_entries(raw.workloads, &mut problems);
+    let services = check_services(raw.services, &workloads, &mut problems);
     if problems.is_empty() {
         Ok(LocalWorkloads {
             source: path.to_owned(),
             trust_domain,
             workloads,
+            services,
         })
     } else {
         Err(invalid(problems))
@@ -192,7 +214,7 @@ pub fn validate_for_node(local: &LocalWorkloads, node: &str) -> Result<(), Workl
                     Err(e) => format!("cannot access {}: {e} ({why})", netns.display()),
                 },
             };
-            let entry = Entry::new(index, Some(&w.namespace), Some(&w.name));
+            let entry = Entry::new("workloads", index, Some(&w.namespace), Some(&w.name));
             Some(Problem {
                 entry: Some(entry),
                 field: Some("netns".into()),
@@ -215,11 +237,13 @@ pub fn validate_for_node(local: &LocalWorkloads, node: &str) -> Result<(), Workl
 #[serde(
     deny_unknown_fields,
     rename_all = "camelCase",
-    expecting = "a mapping with `workloads` and optionally `trustDomain`"
+    expecting = "a mapping with `workloads` and optionally `trustDomain` and `services`"
 )]
 struct RawFile {
     trust_domain: Option<String>,
     workloads: Vec<RawWorkload>,
+    #[serde(default)]
+    services: Vec<RawService>,
 }
 
 /// Strings rather than parsed types, so that [`check_entries`] can report
@@ -238,6 +262,34 @@ struct RawWorkload {
     node: String,
     netns: Option<PathBuf>,
     dataplane_mode: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    rename_all = "camelCase",
+    expecting = "a service (a mapping)"
+)]
+struct RawService {
+    name: String,
+    namespace: String,
+    // Kubernetes' spelling, which `camelCase` would not produce.
+    #[serde(rename = "clusterIPs")]
+    cluster_ips: Vec<String>,
+    ports: Vec<RawServicePort>,
+    #[serde(default)]
+    endpoints: Vec<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    rename_all = "camelCase",
+    expecting = "a service port (a mapping with `port` and optionally `targetPort`)"
+)]
+struct RawServicePort {
+    port: u16,
+    target_port: Option<u16>,
 }
 
 /// Turns the error of parsing `text` as a [`RawFile`] into a problem naming
@@ -267,12 +319,18 @@ fn structure_problem(typed_error: &serde_yaml::Error, text: &str) -> Problem {
         Some((path, rest)) if is_path(path) => (path, rest),
         _ => ("", message.as_str()),
     };
-    let (index, mut field) = match path
-        .strip_prefix("workloads[")
-        .and_then(|rest| rest.split_once(']'))
-        .and_then(|(index, rest)| Some((index.parse::<usize>().ok()?, rest)))
-    {
-        Some((index, rest)) => (Some(index), rest.strip_prefix('.').map(str::to_owned)),
+    let in_list = LISTS.iter().find_map(|list| {
+        let (index, rest) = path
+            .strip_prefix(list)?
+            .strip_prefix('[')?
+            .split_once(']')?;
+        Some((*list, index.parse::<usize>().ok()?, rest))
+    });
+    let (index, mut field) = match in_list {
+        Some((list, index, rest)) => (
+            Some((list, index)),
+            rest.strip_prefix('.').map(str::to_owned),
+        ),
         None => (None, Some(path.to_owned()).filter(|p| !p.is_empty())),
     };
     if path.is_empty() && doc.is_none() {
@@ -283,13 +341,13 @@ fn structure_problem(typed_error: &serde_yaml::Error, text: &str) -> Problem {
             location,
         };
     }
-    let entry = index.map(|index| {
+    let entry = index.map(|(list, index)| {
         let item = doc
             .as_ref()
-            .and_then(|d| d.get("workloads"))
+            .and_then(|d| d.get(list))
             .and_then(|w| w.get(index));
         let get = |key| item.and_then(|i| i.get(key)).and_then(|v| v.as_str());
-        Entry::new(index, get("namespace"), get("name"))
+        Entry::new(list, index, get("namespace"), get("name"))
     });
 
     // Lift the field out of serde's own wording so every message has the
@@ -344,7 +402,7 @@ fn check_entries(raw: Vec<RawWorkload>, problems: &mut Vec<Problem>) -> Vec<Work
     let mut ip_owners: HashMap<IpAddr, Entry> = HashMap::new();
     let mut workloads = Vec::with_capacity(raw.len());
     for (index, raw) in raw.into_iter().enumerate() {
-        let entry = Entry::new(index, Some(&raw.namespace), Some(&raw.name));
+        let entry = Entry::new("workloads", index, Some(&raw.namespace), Some(&raw.name));
         let before = problems.len();
         let mut report = |field: &str, message: String| {
             problems.push(Problem {
@@ -435,6 +493,162 @@ fn check_entries(raw: Vec<RawWorkload>, problems: &mut Vec<Problem>) -> Vec<Work
         }
     }
     workloads
+}
+
+/// Checks the services against each other and the (valid) workloads; returns
+/// the services and adds a problem for each bad value.
+fn check_services(
+    raw: Vec<RawService>,
+    workloads: &[Workload],
+    problems: &mut Vec<Problem>,
+) -> Vec<Service> {
+    let workload_ips: HashMap<IpAddr, WorkloadKey> = workloads
+        .iter()
+        .flat_map(|w| w.ips.iter().map(move |ip| (*ip, w.key())))
+        .collect();
+    let by_key: HashMap<WorkloadKey, &Workload> = workloads.iter().map(|w| (w.key(), w)).collect();
+    let mut keys: HashMap<WorkloadKey, usize> = HashMap::new();
+    let mut addrs: HashMap<std::net::SocketAddr, Entry> = HashMap::new();
+    let mut services = Vec::with_capacity(raw.len());
+    for (index, raw) in raw.into_iter().enumerate() {
+        let entry = Entry::new("services", index, Some(&raw.namespace), Some(&raw.name));
+        let before = problems.len();
+        let mut report = |field: String, message: String| {
+            problems.push(Problem {
+                entry: Some(entry.clone()),
+                field: Some(field),
+                message,
+                location: None,
+            })
+        };
+        for (field, value) in [("name", &raw.name), ("namespace", &raw.namespace)] {
+            if let Some(message) = NameRule::Label.check(value) {
+                report(field.into(), message);
+            }
+        }
+        let key = WorkloadKey::new(&raw.namespace, &raw.name);
+        match keys.get(&key) {
+            Some(first) => report(
+                "name".into(),
+                format!("{key} is already defined by services[{first}]"),
+            ),
+            None => {
+                keys.insert(key.clone(), index);
+            }
+        }
+
+        if raw.cluster_ips.is_empty() {
+            report(
+                "clusterIPs".into(),
+                "must list at least one IP address".into(),
+            );
+        }
+        let mut vips = Vec::with_capacity(raw.cluster_ips.len());
+        for (i, text) in raw.cluster_ips.iter().enumerate() {
+            let field = format!("clusterIPs[{i}]");
+            match text.parse::<IpAddr>() {
+                Err(_) => report(field, format!("{text:?} is not an IP address")),
+                Ok(ip) => {
+                    if let Some(why) = unusable_pod_ip(ip) {
+                        report(field, format!("{ip} cannot be a service address ({why})"));
+                    } else if vips.contains(&ip) {
+                        report(field, format!("{ip} is listed twice"));
+                    } else if let Some(owner) = workload_ips.get(&ip) {
+                        report(field, format!("{ip} is the address of workload {owner}"));
+                    }
+                    vips.push(ip);
+                }
+            }
+        }
+
+        if raw.ports.is_empty() {
+            report("ports".into(), "must list at least one port".into());
+        }
+        let mut ports: Vec<ServicePort> = Vec::with_capacity(raw.ports.len());
+        for (i, p) in raw.ports.iter().enumerate() {
+            if p.port == 0 {
+                report(format!("ports[{i}].port"), "must not be 0".into());
+            } else if ports.iter().any(|known| known.port == p.port) {
+                report(
+                    format!("ports[{i}].port"),
+                    format!("{} is listed twice", p.port),
+                );
+            }
+            if p.target_port == Some(0) {
+                report(format!("ports[{i}].targetPort"), "must not be 0".into());
+            }
+            ports.push(ServicePort {
+                port: p.port,
+                target_port: Some(p.target_port.unwrap_or(p.port)),
+            });
+            for vip in &vips {
+                let addr = std::net::SocketAddr::new(*vip, p.port);
+                match addrs.get(&addr) {
+                    Some(owner) if *owner != entry => report(
+                        format!("ports[{i}].port"),
+                        format!("{addr} is already served by {owner}"),
+                    ),
+                    _ => {
+                        addrs.insert(addr, entry.clone());
+                    }
+                }
+            }
+        }
+
+        let mut endpoints: Vec<Endpoint> = Vec::new();
+        for (i, text) in raw.endpoints.iter().enumerate() {
+            let field = format!("endpoints[{i}]");
+            let found: Vec<Endpoint> = match text.parse::<IpAddr>() {
+                Ok(ip) => match unusable_pod_ip(ip) {
+                    Some(why) => {
+                        report(field, format!("{ip} cannot be an endpoint ({why})"));
+                        continue;
+                    }
+                    None => vec![Endpoint::new(ip, workload_ips.get(&ip).cloned())],
+                },
+                Err(_) => {
+                    let pod = WorkloadKey::new(&raw.namespace, text);
+                    match by_key.get(&pod) {
+                        Some(w) => w
+                            .ips
+                            .iter()
+                            .map(|ip| Endpoint::new(*ip, Some(pod.clone())))
+                            .collect(),
+                        None => {
+                            report(
+                                field,
+                                format!(
+                                    "no workload {pod} (an endpoint is the name of a pod in the service's namespace, or an IP address)"
+                                ),
+                            );
+                            continue;
+                        }
+                    }
+                }
+            };
+            for endpoint in found {
+                if endpoints.iter().any(|e| e.ip == endpoint.ip) {
+                    report(
+                        format!("endpoints[{i}]"),
+                        format!("{} is listed twice", endpoint.ip),
+                    );
+                } else {
+                    endpoints.push(endpoint);
+                }
+            }
+        }
+
+        if problems.len() == before {
+            services.push(Service {
+                name: raw.name,
+                namespace: raw.namespace,
+                vips,
+                ports,
+                endpoints,
+            });
+        }
+    }
+    services
 }
 
 /// Addresses that can never be a pod's own, and would confuse lookups by IP.
@@ -630,6 +844,8 @@ workloads:
         // No pod on node-c, so no netns needs to exist on this machine.
         let loaded = load(&fixture, "node-c").expect("fixture is valid");
         assert_eq!(loaded.workloads.len(), 3);
+        assert_eq!(loaded.services.len(), 1);
+        assert_eq!(loaded.services[0].endpoints.len(), 2);
 
         let missing = Path::new("/nonexistent/shunt/workloads.yaml");
         let err = load(missing, "node-a")
@@ -660,7 +876,7 @@ workloads:
                 "unknown top-level field",
                 format!("trustdomain: x\n{}", with_second(None, None)),
                 vec![
-                    "workloads.yaml: field `trustdomain`: unknown field; expected `trustDomain` or `workloads` (line 1, column 1)",
+                    "workloads.yaml: field `trustdomain`: unknown field; expected one of `trustDomain`, `workloads`, `services` (line 1, column 1)",
                 ],
             ),
             (
@@ -891,6 +1107,136 @@ workloads:
             "{err}"
         );
         validate_for_node(&parsed, "node-c").expect("nothing on node-c");
+    }
+
+    const SERVICES: &str = "\
+services:
+  - name: web
+    namespace: default
+    clusterIPs: [\"198.19.100.1\"]
+    ports:
+      - port: 80
+        targetPort: 8080
+      - port: 8443
+    endpoints: [server, 198.18.9.9, 198.18.2.3]
+";
+
+    #[test]
+    fn services_resolve_pods_and_ips() {
+        let parsed = parse(file(), &format!("{GOOD}{SERVICES}")).expect("good file");
+        let [web] = parsed.services.as_slice() else {
+            panic!("{:?}", parsed.services)
+        };
+        assert_eq!(web.key(), WorkloadKey::new("default", "web"));
+        let ip = |s: &str| s.parse::<IpAddr>().expect("test IP");
+        assert_eq!(web.vips, [ip("198.19.100.1")]);
+        assert_eq!(
+            web.ports,
+            [
+                ServicePort {
+                    port: 80,
+                    target_port: Some(8080)
+                },
+                ServicePort {
+                    port: 8443,
+                    target_port: Some(8443)
+                },
+            ]
+        );
+        let server = Some(WorkloadKey::new("default", "server"));
+        assert_eq!(
+            web.endpoints,
+            [
+                Endpoint::new(ip("198.18.2.2"), server.clone()),
+                Endpoint::new(ip("2001:db8::2"), server),
+                Endpoint::new(ip("198.18.9.9"), None),
+                // An IP of a workload of another namespace is that workload.
+                Endpoint::new(ip("198.18.2.3"), Some(WorkloadKey::new("data", "db"))),
+            ]
+        );
+        let none = parse(file(), GOOD).expect("services are optional");
+        assert!(none.services.is_empty());
+    }
+
+    #[test]
+    fn bad_services_get_messages_naming_file_entry_and_field() {
+        let s0 = "workloads.yaml: services[0] (default/web): ";
+        let cases: Vec<(&str, String, &str)> = vec![
+            (
+                "typo in a field",
+                SERVICES.replace("clusterIPs", "clusterIps"),
+                "field `clusterIps`: unknown field; expected one of `name`, `namespace`, `clusterIPs`",
+            ),
+            (
+                "typo in a port field",
+                SERVICES.replace("targetPort", "targetport"),
+                "field `ports[0].targetport`: unknown field; expected `port` or `targetPort`",
+            ),
+            (
+                "port out of range",
+                SERVICES.replace("port: 80\n", "port: 70000\n"),
+                "field `ports[0].port`: invalid value: integer `70000`, expected u16",
+            ),
+            (
+                "missing ports",
+                SERVICES.replace(
+                    "    ports:\n      - port: 80\n        targetPort: 8080\n      - port: 8443\n",
+                    "",
+                ),
+                "field `ports`: required, but missing",
+            ),
+            (
+                "bad VIP",
+                SERVICES.replace("198.19.100.1", "198.19.100.300"),
+                "field `clusterIPs[0]`: \"198.19.100.300\" is not an IP address",
+            ),
+            (
+                "VIP of a workload",
+                SERVICES.replace("198.19.100.1", "198.18.2.2"),
+                "field `clusterIPs[0]`: 198.18.2.2 is the address of workload default/server",
+            ),
+            (
+                "unknown pod",
+                SERVICES.replace("[server,", "[sever,"),
+                "field `endpoints[0]`: no workload default/sever (an endpoint is the name of a pod",
+            ),
+            (
+                "endpoint twice",
+                SERVICES.replace("198.18.9.9", "198.18.2.2"),
+                "field `endpoints[1]`: 198.18.2.2 is listed twice",
+            ),
+            (
+                "port twice",
+                SERVICES.replace("port: 8443", "port: 80"),
+                "field `ports[1].port`: 80 is listed twice",
+            ),
+            (
+                "target port 0",
+                SERVICES.replace("targetPort: 8080", "targetPort: 0"),
+                "field `ports[0].targetPort`: must not be 0",
+            ),
+            (
+                "VIP and port of another service",
+                SERVICES.to_owned()
+                    + &SERVICES
+                        .replace("services:\n", "")
+                        .replace("name: web", "name: web2")
+                        .replace("      - port: 8443\n", ""),
+                "workloads.yaml: services[1] (default/web2): field `ports[0].port`: 198.19.100.1:80 is already served by services[0] (default/web)",
+            ),
+        ];
+        for (case, services, fragment) in cases {
+            let message = error(&format!("{GOOD}{services}"));
+            assert!(message.starts_with("workloads.yaml: "), "{case}: {message}");
+            assert_eq!(message.lines().count(), 1, "{case}: {message}");
+            assert!(
+                message.contains(fragment),
+                "{case}: {message:?} lacks {fragment:?}"
+            );
+            if !fragment.starts_with("workloads.yaml") {
+                assert!(message.starts_with(s0), "{case}: {message}");
+            }
+        }
     }
 
     #[test]

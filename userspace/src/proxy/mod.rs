@@ -36,7 +36,7 @@ use std::{
     path::PathBuf,
     sync::{
         Arc, OnceLock, RwLock,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -47,7 +47,7 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use crate::{
     identity::IdentityManager,
     redirect::OriginalDst,
-    state::{SpiffeId, TrustDomain, Workload, WorkloadKey, WorkloadStore},
+    state::{Service, SpiffeId, TrustDomain, Workload, WorkloadKey, WorkloadStore},
     tls::TrustRoots,
 };
 
@@ -92,9 +92,12 @@ impl Default for ProxyConfig {
 }
 
 /// Where the proxy learns which workload owns an IP (for the destination's
-/// identity and whether it is in the mesh).
+/// identity and whether it is in the mesh), and which service a VIP is.
 pub trait WorkloadLookup: Send + Sync {
     fn workload_by_ip(&self, ip: IpAddr) -> Option<Workload>;
+
+    /// The service whose cluster IP and port `dst` is.
+    fn service_at(&self, dst: SocketAddr) -> Option<Arc<Service>>;
 }
 
 impl WorkloadLookup for RwLock<WorkloadStore> {
@@ -102,6 +105,14 @@ impl WorkloadLookup for RwLock<WorkloadStore> {
         self.read()
             .unwrap_or_else(|p| p.into_inner())
             .by_ip(ip)
+            .cloned()
+    }
+
+    fn service_at(&self, dst: SocketAddr) -> Option<Arc<Service>> {
+        self.read()
+            .unwrap_or_else(|p| p.into_inner())
+            .services()
+            .by_addr(dst)
             .cloned()
     }
 }
@@ -210,6 +221,10 @@ pub(crate) struct Shared {
     /// Cancelled when the drain grace period ends: everything stops.
     pub abort: CancellationToken,
     counters: Counters,
+    /// Connections to service VIPs so far: which endpoint the next one gets
+    /// (round robin; one counter for every service is enough to spread the
+    /// load, and costs no per-service state).
+    service_picks: AtomicUsize,
     /// Told about every connection (metrics); set once, see
     /// [`Proxy::set_observer`].
     observer: OnceLock<Arc<dyn ConnectionObserver>>,
@@ -289,6 +304,7 @@ impl Proxy {
                 draining: CancellationToken::new(),
                 abort: CancellationToken::new(),
                 counters: Counters::default(),
+                service_picks: AtomicUsize::new(0),
                 observer: OnceLock::new(),
             }),
         })
@@ -613,6 +629,8 @@ pub(crate) struct AccessLog<'a> {
     pub src_identity: Option<&'a str>,
     pub dst_addr: SocketAddr,
     pub dst_identity: Option<&'a str>,
+    /// The service whose VIP the source connected to, when it did.
+    pub dst_service: Option<WorkloadKey>,
     pub started: Instant,
     /// Bytes from the connection's initiator to its target, and back.
     pub bytes_sent: u64,
@@ -635,6 +653,7 @@ impl<'a> AccessLog<'a> {
             src_identity: None,
             dst_addr,
             dst_identity: None,
+            dst_service: None,
             started: Instant::now(),
             bytes_sent: 0,
             bytes_received: 0,
@@ -645,7 +664,7 @@ impl<'a> AccessLog<'a> {
         }
     }
 
-    fn info(&self) -> ConnectionInfo<'a> {
+    fn info(&self) -> ConnectionInfo<'_> {
         ConnectionInfo {
             direction: observe::Direction::from_log(self.direction),
             pod: self.pod,
@@ -653,6 +672,7 @@ impl<'a> AccessLog<'a> {
             src_identity: self.src_identity,
             dst_addr: self.dst_addr,
             dst_identity: self.dst_identity,
+            dst_service: self.dst_service.as_ref(),
         }
     }
 
@@ -710,6 +730,10 @@ impl<'a> AccessLog<'a> {
         let src_identity = self.src_identity.unwrap_or("-");
         let dst_identity = self.dst_identity.unwrap_or("-");
         let reason = self.reason.as_deref().unwrap_or("");
+        let dst_service = match &self.dst_service {
+            Some(key) => key.to_string(),
+            None => "-".to_owned(),
+        };
         macro_rules! line {
             ($level:ident) => {
                 tracing::$level!(
@@ -719,6 +743,7 @@ impl<'a> AccessLog<'a> {
                     src.identity = src_identity,
                     dst.addr = %self.dst_addr,
                     dst.identity = dst_identity,
+                    dst.service = %dst_service,
                     bytes_sent = self.bytes_sent,
                     bytes_received = self.bytes_received,
                     duration_ms,

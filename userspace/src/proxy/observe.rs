@@ -76,6 +76,10 @@ pub struct ConnectionInfo<'a> {
     /// SPIFFE identity of the target: the one the proxy checked (outbound
     /// HBONE) or the local pod's (inbound).
     pub dst_identity: Option<&'a str>,
+    /// The service (`namespace/name`) whose VIP the source connected to;
+    /// `dst_addr` is then the endpoint chosen (outbound and passthrough
+    /// only: the destination's proxy sees the endpoint address).
+    pub dst_service: Option<&'a WorkloadKey>,
 }
 
 /// What is known once a connection closed.

@@ -1,15 +1,18 @@
 //! Outbound (127.0.0.1:15001 in the pod's netns): what a pod's application
 //! connects to, after redirection.
 //!
-//! The original destination decides the path: a mesh workload gets HBONE to
-//! its IP:15008 (presenting the source pod's identity, accepting only the
-//! destination's), anything else plain TCP from the pod's own netns.
-//! Same-node destinations take the HBONE path too, so the inbound checks
-//! apply to them as well.
+//! The original destination decides the path. A service's VIP and port is
+//! first resolved to one of its ready endpoints (round robin), at the
+//! endpoint's target port; a VIP with no ready endpoint is refused (RST),
+//! as there is nowhere to send it. Then a mesh workload gets HBONE to its
+//! IP:15008 (presenting the source pod's identity, accepting only the
+//! destination's, `:authority` the endpoint's IP and port), anything else
+//! plain TCP from the pod's own netns. Same-node destinations take the HBONE
+//! path too, so the inbound checks apply to them as well.
 
 use std::{
     net::SocketAddr,
-    sync::Arc,
+    sync::{Arc, atomic::Ordering},
     time::{Duration, Instant},
 };
 
@@ -85,6 +88,11 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
             return;
         }
     };
+    let Some(dst) = resolve_service(&shared, dst, &mut log) else {
+        log.emit(&shared);
+        reset(&app);
+        return;
+    };
     log.dst_addr = dst;
     // Redirected to ourselves would loop forever.
     if dst.ip().is_loopback() && PROXY_PORTS.contains(&dst.port()) {
@@ -135,6 +143,36 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
             log.outcome = Outcome::Failed;
             log.reason = Some(e.to_string());
             log.emit(&shared);
+        }
+    }
+}
+
+/// Where a connection to `dst` goes: `dst` itself, or, when it is a
+/// service's VIP and port, one of its ready endpoints in turn (named in the
+/// log). `None` when the service has no ready endpoint (the log says why).
+fn resolve_service(
+    shared: &Shared,
+    dst: SocketAddr,
+    log: &mut AccessLog<'_>,
+) -> Option<SocketAddr> {
+    let Some(service) = shared.workloads.service_at(dst) else {
+        return Some(dst);
+    };
+    let n = shared.service_picks.fetch_add(1, Ordering::Relaxed);
+    log.dst_service = Some(service.key());
+    match service.pick(dst, n) {
+        Some((endpoint, target)) => {
+            tracing::debug!(service = %service.key(), vip = %dst, endpoint = %target, pod = ?endpoint.pod, "service endpoint chosen");
+            Some(target)
+        }
+        None => {
+            tracing::warn!(service = %service.key(), vip = %dst, "service has no ready endpoint; connection refused");
+            log.dst_addr = dst;
+            log.reason = Some(format!(
+                "service {} has no ready endpoint for {dst}",
+                service.key()
+            ));
+            None
         }
     }
 }

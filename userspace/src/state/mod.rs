@@ -1,11 +1,13 @@
-//! What the agent knows about workloads (pods) in the mesh.
+//! What the agent knows about workloads (pods) and services in the mesh.
 //!
 //! These types are the agent's own model, independent of the source that
 //! produced them (the local workloads file or the Kubernetes watch),
 //! so that reconciling, enrolment and the proxy never see a source's format.
 
+mod service;
 mod store;
 
+pub use service::{Endpoint, Service, ServicePort, ServiceStore};
 pub use store::{WorkloadChanges, WorkloadStore};
 
 use std::{fmt, net::IpAddr, path::PathBuf, str::FromStr};

@@ -1,20 +1,23 @@
-//! The set of known workloads, indexed for the lookups the agent makes.
+//! The set of known workloads and services, indexed for the lookups the
+//! agent makes.
 
 use std::{
     collections::{BTreeMap, HashMap},
     net::IpAddr,
 };
 
-use super::{Workload, WorkloadKey};
+use super::{Service, ServiceStore, Workload, WorkloadKey};
 
-/// All known workloads, by key and by IP.
+/// All known workloads, by key and by IP, and the services they back.
 ///
-/// One owner (the reconcile loop) mutates it; readers elsewhere get snapshots
-/// or lookups through that owner, so there is no locking here.
-#[derive(Debug, Default)]
+/// One owner (the reconcile loop, or cluster discovery) mutates it; readers
+/// elsewhere get snapshots or lookups through that owner, so there is no
+/// locking here.
+#[derive(Clone, Debug, Default)]
 pub struct WorkloadStore {
     by_key: BTreeMap<WorkloadKey, Workload>,
     by_ip: HashMap<IpAddr, WorkloadKey>,
+    services: ServiceStore,
 }
 
 /// What [`WorkloadStore::replace_all`] changed, each list sorted by key.
@@ -90,6 +93,18 @@ impl WorkloadStore {
         self.by_key = next;
         self.by_ip = by_ip;
         changes
+    }
+
+    /// Makes `services` every service known (a full resync); returns whether
+    /// anything changed. Kept apart from [`WorkloadStore::replace_all`]:
+    /// sources list services and pods separately, and either may be late.
+    pub fn replace_services(&mut self, services: impl IntoIterator<Item = Service>) -> bool {
+        self.services.replace_all(services)
+    }
+
+    /// The services, looked up by `VIP:port` (see [`ServiceStore`]).
+    pub fn services(&self) -> &ServiceStore {
+        &self.services
     }
 
     pub fn get(&self, key: &WorkloadKey) -> Option<&Workload> {

@@ -2,7 +2,8 @@
 //! kube-rs' client and watcher speak it, to drive the agent's real
 //! Kubernetes source on loopback.
 //!
-//! - `GET /api/v1/{pods,namespaces}`: a JSON list with
+//! - `GET /api/v1/{pods,namespaces,services}` and
+//!   `GET /apis/discovery.k8s.io/v1/endpointslices`: a JSON list with
 //!   `metadata.resourceVersion`; `limit` and `continue` paginate (a continue
 //!   token from before a change answers HTTP 410 Expired, as a real server
 //!   does once the snapshot is gone); `fieldSelector` (`a.b=v`, `a.b!=v`,
@@ -56,6 +57,8 @@ type Chunk = Result<Frame<Bytes>, io::Error>;
 pub enum Kind {
     Pod,
     Namespace,
+    Service,
+    EndpointSlice,
 }
 
 impl Kind {
@@ -63,6 +66,15 @@ impl Kind {
         match self {
             Kind::Pod => "Pod",
             Kind::Namespace => "Namespace",
+            Kind::Service => "Service",
+            Kind::EndpointSlice => "EndpointSlice",
+        }
+    }
+
+    fn api_version(self) -> &'static str {
+        match self {
+            Kind::EndpointSlice => "discovery.k8s.io/v1",
+            _ => "v1",
         }
     }
 }
@@ -244,7 +256,7 @@ impl FakeApiServer {
             .to_owned();
         let key = (kind, namespace, name);
         let before = inner.objects.get(&key).cloned();
-        object["apiVersion"] = json!("v1");
+        object["apiVersion"] = json!(kind.api_version());
         object["kind"] = json!(kind.kind());
         if object["metadata"]["uid"].is_null() {
             object["metadata"]["uid"] = match &before {
@@ -533,6 +545,10 @@ async fn handle(inner: &Arc<Mutex<Inner>>, req: Request<Incoming>) -> Response<B
         (&Method::GET, ["api", "v1", "namespaces"]) => {
             list_or_watch(inner, Kind::Namespace, &query)
         }
+        (&Method::GET, ["api", "v1", "services"]) => list_or_watch(inner, Kind::Service, &query),
+        (&Method::GET, ["apis", "discovery.k8s.io", "v1", "endpointslices"]) => {
+            list_or_watch(inner, Kind::EndpointSlice, &query)
+        }
         (&Method::PATCH, ["api", "v1", "namespaces", ns, "pods", name]) => {
             let body = match req.into_body().collect().await {
                 Ok(body) => body.to_bytes(),
@@ -612,7 +628,7 @@ fn list_or_watch(
     }
     json_response(
         StatusCode::OK,
-        &json!({"apiVersion": "v1", "kind": format!("{}List", kind.kind()),
+        &json!({"apiVersion": kind.api_version(), "kind": format!("{}List", kind.kind()),
                 "metadata": metadata, "items": page}),
     )
 }
@@ -776,4 +792,39 @@ pub fn pod(namespace: &str, name: &str, node: &str, ip: Option<&str>, labels: Va
 /// A namespace with `labels`.
 pub fn namespace(name: &str, labels: Value) -> Value {
     json!({"metadata": {"name": name, "labels": labels}})
+}
+
+/// A `ClusterIP` service with `vip`, whose port 80 goes to the endpoints'
+/// port named `http` (resolved by the EndpointSlice).
+pub fn service(namespace: &str, name: &str, vip: &str) -> Value {
+    json!({
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"type": "ClusterIP", "clusterIP": vip, "clusterIPs": [vip],
+                 "ports": [{"name": "web", "port": 80, "protocol": "TCP", "targetPort": "http"}]}
+    })
+}
+
+/// An EndpointSlice of `service`: each `(ip, ready, pod)` is one endpoint
+/// listening on `port` for the service port `web`.
+pub fn endpoint_slice(
+    namespace: &str,
+    name: &str,
+    service: &str,
+    port: u16,
+    endpoints: &[(&str, bool, &str)],
+) -> Value {
+    let endpoints: Vec<Value> = endpoints
+        .iter()
+        .map(|(ip, ready, pod)| {
+            json!({"addresses": [ip], "conditions": {"ready": ready},
+                   "targetRef": {"kind": "Pod", "namespace": namespace, "name": pod}})
+        })
+        .collect();
+    json!({
+        "metadata": {"name": name, "namespace": namespace,
+                     "labels": {"kubernetes.io/service-name": service}},
+        "addressType": "IPv4",
+        "ports": [{"name": "web", "port": port, "protocol": "TCP"}],
+        "endpoints": endpoints
+    })
 }

@@ -39,8 +39,9 @@
 //! they never stop the watch (see [`lenient`]).
 //!
 //! Cluster-wide workload discovery (every pod's IPs and identity, for the
-//! proxy) is [`ClusterWorkloads`]: a third watcher, on all pods, that keeps
-//! a [`crate::state::WorkloadStore`] up to date.
+//! proxy) is [`ClusterWorkloads`]: a third watcher, on all pods, plus
+//! watchers of Services and EndpointSlices ([`service`]), that keeps a
+//! [`crate::state::WorkloadStore`] of workloads and services up to date.
 //!
 //! [`NodeAgent::reconcile`]: crate::agent::NodeAgent::reconcile
 
@@ -51,6 +52,7 @@ pub mod cri;
 pub mod lenient;
 pub mod netns;
 pub mod pod;
+pub mod service;
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -448,30 +450,49 @@ impl Watches {
     /// Waits for the next event of either watch and applies it.
     /// Cancel-safe: an event is applied as soon as it is received.
     pub(crate) async fn step(&mut self) -> Step {
-        let changed = tokio::select! {
-            event = self.pod_events.next() => match event {
-                Some(Ok(event)) => self.view.pods.apply(event, PodFacts::from_pod),
-                Some(Err(error)) => { self.watch_error("pods", &error); false }
-                None => { error!("the pod watch ended"); return Step::Ended; }
-            },
-            event = self.namespace_events.next() => match event {
-                Some(Ok(event)) => self.view.namespaces.apply(event, NamespaceFacts::from_namespace),
-                Some(Err(error)) => { self.watch_error("namespaces", &error); false }
-                None => { error!("the namespace watch ended"); return Step::Ended; }
-            },
-        };
-        if changed {
-            Step::Changed
-        } else {
-            Step::Unchanged
+        tokio::select! {
+            event = self.pod_events.next() => {
+                apply_event("pods", event, &mut self.view.pods, PodFacts::from_pod, &self.stats)
+            }
+            event = self.namespace_events.next() => {
+                apply_event("namespaces", event, &mut self.view.namespaces, NamespaceFacts::from_namespace, &self.stats)
+            }
         }
     }
+}
 
-    fn watch_error(&self, what: &str, error: &watcher::Error) {
-        self.stats.watch_errors.fetch_add(1, Ordering::Relaxed);
-        // 410 Gone is routine (the watch fell behind; kube-rs relists), as
-        // are dropped connections (it resumes from the last version seen).
-        warn!(watch = what, %error, "watch error; retrying after a backoff (what is enrolled stays enrolled)");
+/// Applies what the watch `what` yielded to its cache (`facts` reduces each
+/// object). Errors are logged and counted; kube-rs retries after a backoff.
+pub(crate) fn apply_event<K, T, E>(
+    what: &'static str,
+    event: Option<Result<watcher::Event<Lenient<K>>, watcher::Error>>,
+    cache: &mut ObjectCache<T>,
+    facts: impl Fn(&K) -> Result<T, E>,
+    stats: &SourceStats,
+) -> Step
+where
+    T: Clone + PartialEq,
+    E: std::fmt::Display,
+{
+    match event {
+        Some(Ok(event)) => {
+            if cache.apply(event, facts) {
+                Step::Changed
+            } else {
+                Step::Unchanged
+            }
+        }
+        Some(Err(error)) => {
+            stats.watch_errors.fetch_add(1, Ordering::Relaxed);
+            // 410 Gone is routine (the watch fell behind; kube-rs relists), as
+            // are dropped connections (it resumes from the last version seen).
+            warn!(watch = what, %error, "watch error; retrying after a backoff (the last complete view is kept: nothing is unenrolled or forgotten)");
+            Step::Unchanged
+        }
+        None => {
+            error!(watch = what, "the watch ended");
+            Step::Ended
+        }
     }
 }
 

@@ -1,0 +1,276 @@
+//! Kubernetes Services: a virtual IP and port that the proxy load-balances
+//! over the service's endpoints (ztunnel's `state/service.rs` is the model).
+//!
+//! A connection to `VIP:port` is sent to one ready endpoint's
+//! `IP:targetPort`; whether that hop is HBONE or plain TCP depends on the
+//! endpoint (a mesh workload or not), which the proxy decides from the
+//! workloads, not from here.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::{IpAddr, SocketAddr},
+    sync::Arc,
+};
+
+use super::WorkloadKey;
+
+/// A service with at least one cluster IP.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Service {
+    pub name: String,
+    pub namespace: String,
+    /// The cluster IPs (one per address family); assigned to no interface.
+    pub vips: Vec<IpAddr>,
+    /// TCP ports only (the proxy carries nothing else).
+    pub ports: Vec<ServicePort>,
+    pub endpoints: Vec<Endpoint>,
+}
+
+/// One port of a service.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServicePort {
+    pub port: u16,
+    /// The endpoints' port, when the service gives it as a number. `None` for
+    /// a named `targetPort`: each endpoint may resolve it differently, so it
+    /// is then taken from [`Endpoint::ports`].
+    pub target_port: Option<u16>,
+}
+
+/// One backend of a service.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    pub ip: IpAddr,
+    /// Only ready endpoints get connections.
+    pub ready: bool,
+    /// The pod behind the address, when the source names it (for logs; the
+    /// proxy finds the workload by IP either way).
+    pub pod: Option<WorkloadKey>,
+    /// Service port → this endpoint's target port, where the source resolved
+    /// it per endpoint (EndpointSlice ports); wins over
+    /// [`ServicePort::target_port`].
+    pub ports: BTreeMap<u16, u16>,
+}
+
+impl Endpoint {
+    /// A ready endpoint that uses the service's own target ports.
+    pub fn new(ip: IpAddr, pod: Option<WorkloadKey>) -> Self {
+        Self {
+            ip,
+            ready: true,
+            pod,
+            ports: BTreeMap::new(),
+        }
+    }
+}
+
+impl Service {
+    pub fn key(&self) -> WorkloadKey {
+        WorkloadKey::new(&self.namespace, &self.name)
+    }
+
+    /// Where `endpoint` takes connections to the service's `port`, if it
+    /// does.
+    pub fn target_port(&self, endpoint: &Endpoint, port: u16) -> Option<u16> {
+        if let Some(target) = endpoint.ports.get(&port) {
+            return Some(*target);
+        }
+        self.ports
+            .iter()
+            .find(|p| p.port == port)
+            .and_then(|p| p.target_port)
+    }
+
+    /// The addresses a connection to `dst` (one of this service's VIPs and
+    /// ports) may go to now: ready endpoints of the VIP's address family
+    /// that serve the port, in the service's order.
+    pub fn ready_targets(&self, dst: SocketAddr) -> Vec<(&Endpoint, SocketAddr)> {
+        self.endpoints
+            .iter()
+            .filter(|e| e.ready && e.ip.is_ipv4() == dst.is_ipv4())
+            .filter_map(|e| {
+                let port = self.target_port(e, dst.port())?;
+                Some((e, SocketAddr::new(e.ip, port)))
+            })
+            .collect()
+    }
+
+    /// The `n`-th ready target, wrapping around (round robin when `n`
+    /// counts connections); `None` when no endpoint is ready.
+    pub fn pick(&self, dst: SocketAddr, n: usize) -> Option<(&Endpoint, SocketAddr)> {
+        let targets = self.ready_targets(dst);
+        let count = targets.len();
+        if count == 0 {
+            return None;
+        }
+        targets.into_iter().nth(n % count)
+    }
+}
+
+/// Every known service, by key and by `VIP:port`.
+///
+/// Owned by [`super::WorkloadStore`]: one owner for what discovery knows.
+/// Services are behind `Arc` so that a lookup per connection is a clone of a
+/// pointer, not of an endpoint list.
+#[derive(Clone, Debug, Default)]
+pub struct ServiceStore {
+    by_key: BTreeMap<WorkloadKey, Arc<Service>>,
+    by_addr: HashMap<SocketAddr, WorkloadKey>,
+}
+
+impl ServiceStore {
+    /// Makes `services` the whole content (a full resync). Returns whether
+    /// anything changed.
+    ///
+    /// As with workload IPs, a `VIP:port` claimed by two services (a brief
+    /// state of a watch) stays with the greater key, with a warning, so a
+    /// lookup is the same whatever the order of a relist.
+    pub fn replace_all(&mut self, services: impl IntoIterator<Item = Service>) -> bool {
+        let mut next = BTreeMap::new();
+        for s in services {
+            if let Some(old) = next.insert(s.key(), Arc::new(s)) {
+                tracing::warn!(service = %old.key(), "service listed twice; keeping the last");
+            }
+        }
+        let mut by_addr = HashMap::new();
+        for (key, s) in &next {
+            for vip in &s.vips {
+                for port in &s.ports {
+                    let addr = SocketAddr::new(*vip, port.port);
+                    if let Some(other) = by_addr.insert(addr, key.clone()) {
+                        tracing::warn!(%addr, service = %key, other = %other, "VIP and port claimed by two services");
+                    }
+                }
+            }
+        }
+        let changed = next.len() != self.by_key.len()
+            || next
+                .iter()
+                .any(|(key, s)| self.by_key.get(key).is_none_or(|old| old != s));
+        self.by_key = next;
+        self.by_addr = by_addr;
+        changed
+    }
+
+    /// The service whose VIP and port `dst` is.
+    pub fn by_addr(&self, dst: SocketAddr) -> Option<&Arc<Service>> {
+        self.by_addr.get(&dst).and_then(|key| self.by_key.get(key))
+    }
+
+    pub fn get(&self, key: &WorkloadKey) -> Option<&Arc<Service>> {
+        self.by_key.get(key)
+    }
+
+    /// All services, in key order.
+    pub fn iter(&self) -> impl Iterator<Item = &Service> {
+        self.by_key.values().map(Arc::as_ref)
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_key.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_key.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(s: &str) -> SocketAddr {
+        s.parse().expect("test address")
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().expect("test IP")
+    }
+
+    fn service(ns: &str, name: &str, vip: &str, port: u16, target: u16) -> Service {
+        Service {
+            name: name.into(),
+            namespace: ns.into(),
+            vips: vec![ip(vip)],
+            ports: vec![ServicePort {
+                port,
+                target_port: Some(target),
+            }],
+            endpoints: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn lookup_by_vip_and_port() {
+        let mut store = ServiceStore::default();
+        assert!(store.replace_all(vec![
+            service("default", "web", "198.19.100.1", 80, 8080),
+            service("shop", "db", "198.19.100.2", 5432, 5432),
+        ]));
+        let web = store.by_addr(addr("198.19.100.1:80")).expect("web");
+        assert_eq!(web.key(), WorkloadKey::new("default", "web"));
+        assert!(
+            store.by_addr(addr("198.19.100.1:81")).is_none(),
+            "port not served"
+        );
+        assert!(store.by_addr(addr("198.19.100.9:80")).is_none());
+        assert_eq!(store.len(), 2);
+        let same: Vec<Service> = store.iter().cloned().collect();
+        assert!(!store.replace_all(same), "same content is no change");
+        assert!(store.replace_all(Vec::new()));
+        assert!(store.is_empty() && store.by_addr(addr("198.19.100.1:80")).is_none());
+    }
+
+    #[test]
+    fn a_vip_claimed_twice_stays_with_the_greater_key() {
+        let mut store = ServiceStore::default();
+        store.replace_all(vec![
+            service("default", "b", "198.19.100.1", 80, 8080),
+            service("default", "a", "198.19.100.1", 80, 9090),
+        ]);
+        let owner = store.by_addr(addr("198.19.100.1:80")).map(|s| s.key());
+        assert_eq!(owner, Some(WorkloadKey::new("default", "b")));
+    }
+
+    #[test]
+    fn picks_ready_endpoints_round_robin_with_per_endpoint_ports() {
+        let mut web = service("default", "web", "198.19.100.1", 80, 8080);
+        web.ports.push(ServicePort {
+            port: 443,
+            target_port: None,
+        });
+        let mut named = Endpoint::new(ip("198.18.2.10"), None);
+        named.ports.insert(443, 8443);
+        let mut not_ready = Endpoint::new(ip("198.18.2.11"), None);
+        not_ready.ready = false;
+        web.endpoints = vec![
+            named,
+            not_ready,
+            Endpoint::new(ip("198.18.2.12"), None),
+            Endpoint::new(ip("2001:db8::1"), None),
+        ];
+        let dst = addr("198.19.100.1:80");
+        let picks: Vec<SocketAddr> = (0..4)
+            .filter_map(|n| web.pick(dst, n).map(|(_, a)| a))
+            .collect();
+        assert_eq!(
+            picks,
+            [
+                addr("198.18.2.10:8080"),
+                addr("198.18.2.12:8080"),
+                addr("198.18.2.10:8080"),
+                addr("198.18.2.12:8080"),
+            ],
+            "ready IPv4 endpoints only, in turn"
+        );
+        // The named target port is known for one endpoint only.
+        let tls = addr("198.19.100.1:443");
+        assert_eq!(web.ready_targets(tls).len(), 1);
+        assert_eq!(
+            web.pick(tls, 7).map(|(_, a)| a),
+            Some(addr("198.18.2.10:8443"))
+        );
+
+        web.endpoints.iter_mut().for_each(|e| e.ready = false);
+        assert_eq!(web.pick(dst, 0), None);
+    }
+}
