@@ -116,6 +116,18 @@ fn spliced_payload_skips_the_tcp_stack_and_unspliced_does_not() {
         "both directions spliced: {c:?}"
     );
     assert_eq!(c.splice_fallbacks, 0, "{c:?}");
+
+    // An IPv6 socket reaching IPv4 (v4-mapped, as dual-stack clients do):
+    // connect6 sends it to the proxy's IPv4 listener; both ends are keyed
+    // as IPv4, so it splices too.
+    let mapped = on
+        .to_server
+        .replace("198.", "[::ffff:198.")
+        .replace(":8080", "]:8080");
+    let report = on.run(&["connect", &mapped, "--send", &send, "--poll"]);
+    assert!(ok(&report), "{report}\n{}", on.agent.logs());
+    assert_eq!(as_u64(&report, "tcp_bytes_sent"), 0, "{report}");
+    assert!(counters(&on).spliced_bytes >= 4 * payload);
     drop(on);
 
     let off = node("splice-off", &["--splice", "off"]);

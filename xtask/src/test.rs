@@ -37,7 +37,18 @@ pub fn run(args: TestArgs) -> anyhow::Result<()> {
     // Every test binary runs even when an earlier one fails: one report.
     cmd.args(["test", "--no-fail-fast"]).current_dir(&root);
     cmd.args(HOST_CRATES);
-    cmd.env("SHUNT_BIN", root.join("target/debug/shunt"));
+    // Where cargo put the binary just built: CARGO_TARGET_DIR if set.
+    let target_dir = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .map(|dir| {
+            if dir.is_absolute() {
+                dir
+            } else {
+                root.join(dir)
+            }
+        })
+        .unwrap_or_else(|| root.join("target"));
+    cmd.env("SHUNT_BIN", target_dir.join("debug/shunt"));
     if let Some(filter) = &args.filter {
         cmd.arg(filter);
     }

@@ -9,7 +9,10 @@ use std::{fmt, path::Path, str::FromStr};
 use aya::{
     Ebpf,
     maps::{MapData, SockHash},
-    programs::{RawTracePoint, SkMsg, links::FdLink, links::PinnedLink},
+    programs::{
+        Program, ProgramError, RawTracePoint, SkMsg,
+        links::{FdLink, PinnedLink},
+    },
 };
 use shunt_common::{SpliceKey, maps, programs};
 use tracing::info;
@@ -74,14 +77,7 @@ pub fn attach_or_adopt(ebpf: &mut Ebpf, pin_dir: &Path) -> Result<(), LoadError>
     })?;
     let name = programs::SPLICE_MSG;
     let program_error = |source| LoadError::Program { name, source };
-    let program: &mut SkMsg = ebpf
-        .program_mut(name)
-        .ok_or(LoadError::Program {
-            name,
-            source: aya::programs::ProgramError::UnexpectedProgramType,
-        })?
-        .try_into()
-        .map_err(program_error)?;
+    let program: &mut SkMsg = program_mut(ebpf, name)?;
     program.load().map_err(program_error)?;
     let id = program.attach(&map_fd).map_err(program_error)?;
     let attachment = program.take_link(id).map_err(program_error)?;
@@ -97,14 +93,7 @@ pub fn attach_or_adopt(ebpf: &mut Ebpf, pin_dir: &Path) -> Result<(), LoadError>
     }
     let _ = std::fs::remove_file(&pin);
     let program_error = |source| LoadError::Program { name, source };
-    let program: &mut RawTracePoint = ebpf
-        .program_mut(name)
-        .ok_or(LoadError::Program {
-            name,
-            source: aya::programs::ProgramError::UnexpectedProgramType,
-        })?
-        .try_into()
-        .map_err(program_error)?;
+    let program: &mut RawTracePoint = program_mut(ebpf, name)?;
     program.load().map_err(program_error)?;
     let id = program
         .attach(programs::SPLICE_RECV_TARGET)
@@ -116,6 +105,20 @@ pub fn attach_or_adopt(ebpf: &mut Ebpf, pin_dir: &Path) -> Result<(), LoadError>
     })?;
     info!(program = name, tracepoint = programs::SPLICE_RECV_TARGET, pin = %pin.display(), "splice receive hook attached");
     Ok(())
+}
+
+/// The object's program `name`, as the program type `T` it must be.
+fn program_mut<'a, T>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut T, LoadError>
+where
+    &'a mut T: TryFrom<&'a mut Program, Error = ProgramError>,
+{
+    ebpf.program_mut(name)
+        .ok_or(LoadError::Program {
+            name,
+            source: ProgramError::UnexpectedProgramType,
+        })?
+        .try_into()
+        .map_err(|source| LoadError::Program { name, source })
 }
 
 /// Whether the receive hook's link is in place.
