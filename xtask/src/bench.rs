@@ -48,11 +48,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             ])
             .current_dir(&root),
     )?;
-    let mut harness = Command::new(root.join("target/release/shunt-bench"));
+    let mut harness = Command::new(util::target_dir().join("release/shunt-bench"));
     harness
         .arg("run")
         .arg("--shunt")
-        .arg(root.join("target/release/shunt"))
+        .arg(util::target_dir().join("release/shunt"))
         .current_dir(&root);
     if args.quick {
         harness.arg("--quick");

@@ -37,9 +37,9 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
             ])
             .current_dir(&root),
     )?;
-    let mut demo = Command::new(root.join("target/debug/shunt-demo"));
+    let mut demo = Command::new(util::target_dir().join("debug/shunt-demo"));
     demo.arg("--shunt")
-        .arg(root.join("target/debug/shunt"))
+        .arg(util::target_dir().join("debug/shunt"))
         .arg("--seconds")
         .arg(args.seconds.to_string());
     let mut child = demo

@@ -18,6 +18,22 @@ pub fn workspace_root() -> PathBuf {
         .unwrap_or(manifest_dir)
 }
 
+/// Where cargo puts build output: `CARGO_TARGET_DIR` if set (relative to
+/// the workspace), else `<workspace>/target`.
+pub fn target_dir() -> PathBuf {
+    let root = workspace_root();
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .map(|dir| {
+            if dir.is_absolute() {
+                dir
+            } else {
+                root.join(dir)
+            }
+        })
+        .unwrap_or_else(|| root.join("target"))
+}
+
 /// Runs `cmd`, streaming its output; fails naming the command when it fails.
 pub fn run(cmd: &mut Command) -> anyhow::Result<()> {
     let status = cmd
