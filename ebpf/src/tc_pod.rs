@@ -80,7 +80,8 @@ pub fn shunt_tc_ingress(ctx: TcContext) -> i32 {
 }
 
 /// Hook: TC egress (clsact) on an enrolled pod's `eth0` — packets the pod
-/// sends. Counts every packet (and logs connection starts at debug level).
+/// sends. Counts every packet that leaves (and logs connection starts at
+/// debug level).
 ///
 /// Reply path of source preservation (pod flag `REPLY_TO_PROXY`): the proxy
 /// connects to the application from the client's address (`IP_TRANSPARENT`),
@@ -95,6 +96,7 @@ pub fn shunt_tc_ingress(ctx: TcContext) -> i32 {
 /// policy route (fwmark 0x111 → local table 1337) delivers it to the proxy's
 /// socket. The mark survives: the redirect stays in this netns, and only a
 /// netns crossing scrubs it. The handshake's SYN-ACK takes this path too.
+/// Such packets are not counted as the pod's outbound traffic.
 /// Cost: one socket hash lookup per TCP packet the pod sends while the flag
 /// is on (not measured here); none when it is off. Miss path: `TC_ACT_OK`.
 #[classifier]
@@ -103,21 +105,29 @@ pub fn shunt_tc_egress(ctx: TcContext) -> i32 {
     let Some(stats) = counters(slot) else {
         return TC_ACT_OK;
     };
-    stats.packets_out += 1;
-    stats.bytes_out += u64::from(ctx.len());
     let reply_to_proxy = POD_CONFIG
         .get(slot)
         .is_some_and(|config| config.flags & PodConfig::REPLY_TO_PROXY != 0);
-    if !reply_to_proxy && LOG_CONNECTIONS.load() == 0 {
-        return TC_ACT_OK;
-    }
-    let Some(packet) = parse_tcp(&ctx) else {
-        return TC_ACT_OK;
+    let log = LOG_CONNECTIONS.load() != 0;
+    let packet = if reply_to_proxy || log {
+        parse_tcp(&ctx)
+    } else {
+        None
     };
-    if reply_to_proxy && to_transparent_socket(&ctx, &packet) {
+    if let Some(packet) = &packet
+        && reply_to_proxy
+        && to_transparent_socket(&ctx, packet)
+    {
+        // Not counted: it never crosses eth0 (the counters match the
+        // interface's own).
         return turn_back_to_proxy(&ctx);
     }
-    if LOG_CONNECTIONS.load() != 0 && packet.flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN {
+    stats.packets_out += 1;
+    stats.bytes_out += u64::from(ctx.len());
+    if log
+        && let Some(packet) = &packet
+        && packet.flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN
+    {
         debug!(
             &ctx,
             "pod slot {}: new TCP connection out to port {}", slot, packet.dport
