@@ -20,6 +20,15 @@ pub const PORT_READINESS: u16 = 15021;
 /// captured.
 pub const PROXY_MARK: u32 = 0x539;
 
+/// Only the low 12 bits of the packet mark are the mesh's to match and set
+/// (as Istio's), leaving the rest to the CNI and other software in the pod.
+pub const MARK_MASK: u32 = 0xfff;
+
+/// Mark of the application's replies to the proxy's transparent inbound
+/// connections (Istio's 0x111): the pod's policy route sends packets with it
+/// to `lo`, where the proxy's socket bound to the client's address gets them.
+pub const REPLY_MARK: u32 = 0x111;
+
 /// Istio's kubelet health-probe source address: probes from it reach the
 /// application directly. 169.254.7.127.
 pub const DEFAULT_PROBE_SOURCE_V4: [u8; 4] = [169, 254, 7, 127];
@@ -139,7 +148,8 @@ pub struct PodSlot {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PodConfig {
-    /// [`PodConfig::REDIRECT_OUTBOUND`] | [`PodConfig::REDIRECT_INBOUND`].
+    /// [`PodConfig::REDIRECT_OUTBOUND`] | [`PodConfig::REDIRECT_INBOUND`] |
+    /// [`PodConfig::REPLY_TO_PROXY`].
     pub flags: u32,
     /// Number of valid entries in `excluded_cidrs_v4`.
     pub excluded_cidr_count: u32,
@@ -156,6 +166,11 @@ impl PodConfig {
     pub const REDIRECT_OUTBOUND: u32 = 1;
     /// Inbound plaintext TCP goes to the proxy's 15006.
     pub const REDIRECT_INBOUND: u32 = 2;
+    /// The application's packets to the proxy's transparent inbound
+    /// sockets (bound to a client's address) are turned back in through `lo`
+    /// with [`REPLY_MARK`] by the TC egress program, instead of leaving
+    /// through `eth0` (`--preserve-source on`).
+    pub const REPLY_TO_PROXY: u32 = 4;
 }
 
 /// An IPv4 prefix, both fields in network byte order as the kernel gives

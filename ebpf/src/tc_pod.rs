@@ -1,5 +1,7 @@
 //! TC programs on an enrolled pod's `eth0` (inside the pod's netns): they
-//! count the pod's traffic and steer inbound plaintext TCP to the proxy.
+//! count the pod's traffic, steer inbound plaintext TCP to the proxy, and
+//! turn the application's replies to the proxy's transparent inbound sockets
+//! back into the pod (source-address preservation).
 //!
 //! Every enrolled pod gets its own instance of these programs, loaded with
 //! `POD_SLOT` fixed to the pod's slot. A per-packet map lookup cannot find
@@ -12,16 +14,19 @@
 use aya_ebpf::{
     Global,
     bindings::{
-        BPF_F_CURRENT_NETNS, BPF_TCP_LISTEN, TC_ACT_OK, TC_ACT_SHOT, bpf_sock, bpf_sock_tuple,
+        BPF_F_CURRENT_NETNS, BPF_F_INGRESS, BPF_TCP_LISTEN, BPF_TCP_NEW_SYN_RECV, TC_ACT_OK,
+        TC_ACT_SHOT, bpf_sock, bpf_sock_tuple,
         bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1 as Tuple4,
         bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2 as Tuple6,
     },
-    helpers::{bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
+    helpers::{bpf_redirect, bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
     macros::classifier,
     programs::TcContext,
 };
 use aya_log_ebpf::debug;
-use shunt_common::{PORT_HBONE, PORT_INBOUND_PLAINTEXT, PodConfig, PodCounters};
+use shunt_common::{
+    MARK_MASK, PORT_HBONE, PORT_INBOUND_PLAINTEXT, PodConfig, PodCounters, REPLY_MARK,
+};
 
 use crate::maps::{CONFIG, POD_CONFIG, counters};
 
@@ -42,6 +47,8 @@ const ETH_P_IPV6: u16 = 0x86dd;
 const IPPROTO_TCP: u8 = 6;
 const TCP_FLAG_SYN: u8 = 0x02;
 const TCP_FLAG_ACK: u8 = 0x10;
+/// `lo` is ifindex 1 in every network namespace.
+const LOOPBACK_IFINDEX: u32 = 1;
 
 /// Hook: TC ingress (clsact) on an enrolled pod's `eth0` — packets arriving
 /// at the pod. Counts every packet. When the pod's inbound redirection is on,
@@ -73,18 +80,52 @@ pub fn shunt_tc_ingress(ctx: TcContext) -> i32 {
 }
 
 /// Hook: TC egress (clsact) on an enrolled pod's `eth0` — packets the pod
-/// sends. Counts every packet (and logs connection starts at debug level);
-/// always `TC_ACT_OK`.
+/// sends. Counts every packet that leaves (and logs connection starts at
+/// debug level).
+///
+/// Reply path of source preservation (pod flag `REPLY_TO_PROXY`): the proxy
+/// connects to the application from the client's address (`IP_TRANSPARENT`),
+/// so the application answers a foreign address and routing sends the answer
+/// here. Match: a TCP packet for which a non-listening socket of this netns
+/// has the packet's destination as its local address (looked up as an
+/// arriving packet would be: `bpf_skc_lookup_tcp` with the packet's own
+/// tuple) — only a transparent socket can own a non-local address, and the
+/// proxy's are the only ones. Action: the packet gets mark 0x111 (low 12
+/// bits; the rest kept), zero MAC addresses (`lo`'s, or the stack drops it
+/// as another host's) and is redirected into `lo`'s ingress; there the
+/// policy route (fwmark 0x111 → local table 1337) delivers it to the proxy's
+/// socket. The mark survives: the redirect stays in this netns, and only a
+/// netns crossing scrubs it. The handshake's SYN-ACK takes this path too.
+/// Such packets are not counted as the pod's outbound traffic.
+/// Cost: one socket hash lookup per TCP packet the pod sends while the flag
+/// is on (not measured here); none when it is off. Miss path: `TC_ACT_OK`.
 #[classifier]
 pub fn shunt_tc_egress(ctx: TcContext) -> i32 {
     let slot = POD_SLOT.load();
     let Some(stats) = counters(slot) else {
         return TC_ACT_OK;
     };
+    let reply_to_proxy = POD_CONFIG
+        .get(slot)
+        .is_some_and(|config| config.flags & PodConfig::REPLY_TO_PROXY != 0);
+    let log = LOG_CONNECTIONS.load() != 0;
+    let packet = if reply_to_proxy || log {
+        parse_tcp(&ctx)
+    } else {
+        None
+    };
+    if let Some(packet) = &packet
+        && reply_to_proxy
+        && to_transparent_socket(&ctx, packet)
+    {
+        // Not counted: it never crosses eth0 (the counters match the
+        // interface's own).
+        return turn_back_to_proxy(&ctx);
+    }
     stats.packets_out += 1;
     stats.bytes_out += u64::from(ctx.len());
-    if LOG_CONNECTIONS.load() != 0
-        && let Some(packet) = parse_tcp(&ctx)
+    if log
+        && let Some(packet) = &packet
         && packet.flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN
     {
         debug!(
@@ -93,6 +134,40 @@ pub fn shunt_tc_egress(ctx: TcContext) -> i32 {
         );
     }
     TC_ACT_OK
+}
+
+/// Whether a socket of this netns, not a listener or a request, owns the
+/// packet's destination as its local address (see [`shunt_tc_egress`]).
+/// Listeners are excluded: a wildcard listener on the destination port would
+/// match any address. Time-wait sockets count, so that the application's
+/// late FIN/ACK still reach the proxy's closed end.
+#[inline(always)]
+fn to_transparent_socket(ctx: &TcContext, packet: &TcpPacket) -> bool {
+    let mut tuple = tuple_of(packet, packet.dport_be);
+    let found = lookup(ctx, &mut tuple, packet.v6);
+    if found.is_null() {
+        return false;
+    }
+    // SAFETY: non-null socket from the lookup, released right after.
+    let state = unsafe { (*found).state };
+    unsafe { bpf_sk_release(found.cast()) };
+    state != BPF_TCP_LISTEN && state != BPF_TCP_NEW_SYN_RECV
+}
+
+/// Marks the packet for the policy route and sends it into `lo`'s ingress.
+#[inline(always)]
+fn turn_back_to_proxy(ctx: &TcContext) -> i32 {
+    // `lo`'s address is all zeros: a packet addressed to another MAC would be
+    // dropped as PACKET_OTHERHOST.
+    if ctx.store(0, &[0u8; 12], 0).is_err() {
+        return TC_ACT_OK;
+    }
+    // SAFETY: the context's skb, readable field.
+    let mark = unsafe { (*ctx.skb.skb).mark };
+    ctx.set_mark((mark & !MARK_MASK) | REPLY_MARK);
+    // SAFETY: helper call with plain arguments; returns TC_ACT_REDIRECT or
+    // TC_ACT_SHOT.
+    unsafe { bpf_redirect(LOOPBACK_IFINDEX, u64::from(BPF_F_INGRESS)) as i32 }
 }
 
 /// The fields of a TCP packet the programs act on. Addresses and ports in

@@ -1,8 +1,16 @@
 //! The whole node, end to end, in both redirection modes: real agents (one
 //! per node, sharing a trust root), real redirection, real HBONE between
 //! them, real application processes. Nothing stands in for anything.
+//!
+//! Each mode runs with source preservation (`--preserve-source`, the
+//! default: applications accept inbound connections from the client's own
+//! address, which only works if the pod's reply path brings the answers
+//! back to the proxy) and without it (from their own pod's address).
 
-use std::{net::IpAddr, time::Duration};
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    time::Duration,
+};
 
 use serde_json::Value;
 use shunt::admin::{NodeStatus, PodState};
@@ -15,6 +23,8 @@ use shunt_testbed::{
 
 const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
 const TIMEOUT: Duration = Duration::from_secs(30);
+/// The agent's warning when it cannot bind the client's address.
+const FALLBACK_WARNING: &str = "cannot connect to the application from the client's address";
 
 fn all_enrolled(status: &NodeStatus) -> bool {
     status
@@ -33,9 +43,16 @@ fn proxy_stat(agent: &Agent, pick: impl Fn(&shunt::proxy::ProxyStats) -> u64) ->
         .unwrap_or(0)
 }
 
-fn mesh_end_to_end(mode: &str) {
+/// The peer an application should see for a client at `client`, the app
+/// being in the pod at `own`.
+fn expected_peer(preserve: bool, client: Ipv4Addr, own: Ipv4Addr) -> IpAddr {
+    IpAddr::V4(if preserve { client } else { own })
+}
+
+fn mesh_end_to_end(mode: &str, preserve: bool) {
     require_root().expect("kernel tests need root");
-    let mut topo = Topology::new(&format!("mesh-{mode}")).expect("topology");
+    let flag = if preserve { "on" } else { "off" };
+    let mut topo = Topology::new(&format!("mesh-{mode}-{flag}")).expect("topology");
     topo.add_node("node-a").expect("node");
     topo.add_node("node-b").expect("node");
     let client = topo.add_pod("node-a", "client").expect("pod");
@@ -50,7 +67,7 @@ fn mesh_end_to_end(mode: &str) {
         WorkloadSpec::for_pod(&server, true),
         WorkloadSpec::for_pod(&outsider, false),
     ]);
-    let args = ["--redirect", mode];
+    let args = ["--redirect", mode, "--preserve-source", flag];
     let node_a = topo.node("node-a").expect("node").clone();
     let node_b = topo.node("node-b").expect("node").clone();
     let mut agent_a = Agent::start(&topo, &node_a, &yaml, &args).expect("agent a");
@@ -65,7 +82,9 @@ fn mesh_end_to_end(mode: &str) {
     let neighbour_app = EchoServer::on(&neighbour, 8080).expect("echo");
     let outsider_app = EchoServer::on(&outsider, 8080).expect("echo");
 
-    // Cross-node, mesh to mesh: HBONE from node-a's proxy to node-b's.
+    // Cross-node, mesh to mesh: HBONE from node-a's proxy to node-b's. The
+    // client pod's IP is the source of the HBONE connection; 1 MiB echoed
+    // back means every reply segment took the reply path.
     let to_server = format!("{}:8080", server.ip());
     let report = apps.run(&client, &["connect", &to_server, "--send", "1048576"]);
     assert_eq!(
@@ -76,14 +95,27 @@ fn mesh_end_to_end(mode: &str) {
     );
     assert!(proxy_stat(&agent_a, |p| p.outbound_hbone) >= 1);
     assert!(proxy_stat(&agent_b, |p| p.inbound_hbone) >= 1);
-    assert_eq!(server_app.peers().len(), 1);
+    let peers = server_app.peers();
+    assert_eq!(peers.len(), 1);
+    assert_eq!(
+        peers[0].ip(),
+        expected_peer(preserve, client.ip(), server.ip()),
+        "cross-node HBONE peer\n{}",
+        agent_b.logs()
+    );
 
     // Same node, mesh to mesh: still HBONE, through the inbound checks.
     let to_neighbour = format!("{}:8080", neighbour.ip());
     let report = apps.run(&client, &["connect", &to_neighbour, "--send", "65536"]);
     assert_eq!(report["intact"], Value::Bool(true), "{report}");
     assert!(proxy_stat(&agent_a, |p| p.inbound_hbone) >= 1);
-    assert_eq!(neighbour_app.peers().len(), 1);
+    let peers = neighbour_app.peers();
+    assert_eq!(peers.len(), 1);
+    assert_eq!(
+        peers[0].ip(),
+        expected_peer(preserve, client.ip(), neighbour.ip()),
+        "same-node HBONE peer"
+    );
 
     // Mesh to a pod outside the mesh: plain TCP from the client's own IP.
     let to_outsider = format!("{}:8080", outsider.ip());
@@ -102,9 +134,20 @@ fn mesh_end_to_end(mode: &str) {
     let report = apps.run(&outsider, &["connect", &to_server, "--send", "65536"]);
     assert_eq!(report["intact"], Value::Bool(true), "{report}");
     assert!(proxy_stat(&agent_b, |p| p.inbound_plaintext) >= 1);
-    assert_eq!(server_app.peers().len(), 2);
+    let peers = server_app.peers();
+    assert_eq!(peers.len(), 2);
+    assert_eq!(
+        peers[1].ip(),
+        expected_peer(preserve, outsider.ip(), server.ip()),
+        "inbound plaintext peer"
+    );
 
     for agent in [&mut agent_a, &mut agent_b] {
+        assert!(
+            !agent.logs().contains(FALLBACK_WARNING),
+            "no fallback to the pod's own address:\n{}",
+            agent.logs()
+        );
         let exit = agent.stop().expect("stop");
         assert!(exit.success(), "{}", agent.logs());
     }
@@ -112,10 +155,20 @@ fn mesh_end_to_end(mode: &str) {
 
 #[test]
 fn mesh_traffic_flows_through_hbone_in_ebpf_mode() {
-    mesh_end_to_end("ebpf");
+    mesh_end_to_end("ebpf", true);
 }
 
 #[test]
 fn mesh_traffic_flows_through_hbone_in_iptables_mode() {
-    mesh_end_to_end("iptables");
+    mesh_end_to_end("iptables", true);
+}
+
+#[test]
+fn without_source_preservation_apps_see_their_own_address_in_ebpf_mode() {
+    mesh_end_to_end("ebpf", false);
+}
+
+#[test]
+fn without_source_preservation_apps_see_their_own_address_in_iptables_mode() {
+    mesh_end_to_end("iptables", false);
 }

@@ -431,6 +431,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
                 probe_source: args.probe_source,
                 splice: args.splice,
                 splice_backlog: args.splice_backlog,
+                preserve_source: args.preserve_source == OnOff::On,
             };
             match EbpfRedirector::load(&options) {
                 Ok(mut ebpf) => {
@@ -619,11 +620,12 @@ async fn start_proxy(
     let config = crate::proxy::ProxyConfig {
         trust_domain: trust_domain.clone(),
         inbound_plaintext: args.inbound_plaintext,
+        preserve_source: args.preserve_source == OnOff::On,
         ..Default::default()
     };
     let proxy = Proxy::new(config, identities, workloads.clone(), original_dst)
         .map_err(AgentError::Proxy)?;
-    info!(ca = ?args.ca, ca_dir = %args.ca_dir.display(), inbound_plaintext = %args.inbound_plaintext, "proxy ready: pods get listeners on 15001, 15006 and 15008 as they enrol");
+    info!(ca = ?args.ca, ca_dir = %args.ca_dir.display(), inbound_plaintext = %args.inbound_plaintext, preserve_source = ?args.preserve_source, "proxy ready: pods get listeners on 15001, 15006 and 15008 as they enrol");
     Ok(ProxyHandle {
         proxy,
         runtime: tokio::runtime::Handle::current(),

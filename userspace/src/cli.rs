@@ -141,6 +141,18 @@ pub struct AgentArgs {
     #[arg(long, value_enum, value_name = "POLICY", default_value_t = crate::proxy::InboundPlaintextPolicy::Allow)]
     pub inbound_plaintext: crate::proxy::InboundPlaintextPolicy,
 
+    /// Whether inbound connections (HBONE and plaintext) reach the
+    /// application from the client's own address, as with ztunnel: the
+    /// proxy connects with IP_TRANSPARENT bound to the client's IP, and the
+    /// pod gets a reply path that brings the application's answers back to
+    /// the proxy (iptables mode: CONNMARK 0x111 and a policy route; eBPF
+    /// mode: the policy route and the TC egress program on eth0). `off`:
+    /// the application sees its own pod's address as the peer. Where the
+    /// client's address cannot be bound, the pod's own is used (logged once
+    /// per pod).
+    #[arg(long, value_enum, value_name = "on|off", default_value_t = OnOff::On)]
+    pub preserve_source: OnOff,
+
     /// Health-probe source address (kubelet probes, as Istio's
     /// 169.254.7.127) whose inbound traffic always reaches the application.
     #[arg(long, value_name = "IP", default_value = "169.254.7.127")]

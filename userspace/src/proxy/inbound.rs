@@ -205,11 +205,9 @@ async fn serve_stream(
     log.dst_addr = target;
     log.dst_identity = Some(target_pod.identity.as_str());
     log.pod = Some(&target_pod.key);
-    let mut upstream = match target_pod
-        .sockets
-        .connect(target, shared.config.connect_timeout)
-        .await
-    {
+    // The client is the source of the HBONE connection: the source pod's
+    // own address (shunt and ztunnel open HBONE from inside the source pod).
+    let mut upstream = match target_pod.connect_app(&shared.config, target, peer).await {
         Ok(s) => s,
         Err(e) => {
             refuse(

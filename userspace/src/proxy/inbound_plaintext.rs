@@ -65,11 +65,7 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, tcp: TcpStream, pe
         log.emit(&shared);
         return;
     }
-    let mut upstream = match pod
-        .sockets
-        .connect(dst, shared.config.connect_timeout)
-        .await
-    {
+    let mut upstream = match pod.connect_app(&shared.config, dst, peer).await {
         Ok(s) => s,
         Err(e) => {
             log.outcome = Outcome::Failed;

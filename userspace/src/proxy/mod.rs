@@ -74,6 +74,10 @@ pub struct ProxyConfig {
     pub pool_idle_timeout: Duration,
     /// What happens to connections from outside the mesh to a pod.
     pub inbound_plaintext: InboundPlaintextPolicy,
+    /// Inbound connections reach the application from the client's address
+    /// (`IP_TRANSPARENT`) rather than the pod's own. Needs the pod's reply
+    /// path, which the redirector installs.
+    pub preserve_source: bool,
 }
 
 impl Default for ProxyConfig {
@@ -87,6 +91,7 @@ impl Default for ProxyConfig {
             connect_response_timeout: Duration::from_secs(15),
             pool_idle_timeout: Duration::from_secs(60),
             inbound_plaintext: InboundPlaintextPolicy::default(),
+            preserve_source: false,
         }
     }
 }
@@ -202,6 +207,47 @@ pub(crate) struct PodState {
     pub pool: pool::Pool,
     /// Cancelled when the pod leaves: its listeners stop accepting.
     pub listeners: CancellationToken,
+    /// Whether "cannot keep the client's source address" was logged for
+    /// this pod: the cause (capabilities, family) is the same every time.
+    pub source_warned: std::sync::atomic::AtomicBool,
+}
+
+impl PodState {
+    /// Connects to this pod's application at `dst` for a client at
+    /// `client`: from the client's address when
+    /// [`ProxyConfig::preserve_source`] is on (so the application sees
+    /// its real peer, as with ztunnel), else from the pod's own address.
+    /// A client address that cannot be bound falls back to the pod's own,
+    /// logged once per pod with the reason.
+    pub async fn connect_app(
+        &self,
+        config: &ProxyConfig,
+        dst: SocketAddr,
+        client: SocketAddr,
+    ) -> std::io::Result<tokio::net::TcpStream> {
+        // The pod's own address needs nothing special (a pod reaching itself
+        // through the mesh).
+        if !config.preserve_source || self.ips.contains(&client.ip()) {
+            return self.sockets.connect(dst, config.connect_timeout).await;
+        }
+        match self
+            .sockets
+            .connect_transparent(dst, client.ip(), client.port(), config.connect_timeout)
+            .await
+        {
+            Ok(stream) => Ok(stream),
+            Err(socket::SourceError::Connect(e)) => Err(e),
+            Err(socket::SourceError::Bind(e)) => {
+                if !self
+                    .source_warned
+                    .swap(true, std::sync::atomic::Ordering::Relaxed)
+                {
+                    tracing::warn!(pod = %self.key, client = %client, error = %e, "cannot connect to the application from the client's address; it sees the pod's own address instead (logged once per pod)");
+                }
+                self.sockets.connect(dst, config.connect_timeout).await
+            }
+        }
+    }
 }
 
 /// State shared by every task of the proxy.
@@ -389,6 +435,7 @@ impl Proxy {
             sockets,
             pool: pool::Pool::new(),
             listeners: self.shared.draining.child_token(),
+            source_warned: Default::default(),
         });
         for (kind, listener) in listeners {
             let shared = self.shared.clone();

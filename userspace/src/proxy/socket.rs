@@ -9,7 +9,7 @@
 
 use std::{
     io,
-    net::SocketAddr,
+    net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -146,23 +146,111 @@ impl PodSockets {
         addr: SocketAddr,
         timeout: std::time::Duration,
     ) -> io::Result<tokio::net::TcpStream> {
+        let socket = self.socket(Domain::for_address(addr)).await?;
+        finish_connect(socket, addr, timeout).await
+    }
+
+    /// Connects to the application at `addr` from the client's address
+    /// `source` (`IP_TRANSPARENT`, any free port but `avoid_port`), so that
+    /// the application sees who the client is. The application's replies to
+    /// that foreign address reach this socket only through the pod's reply
+    /// path (the policy route for mark 0x111, fed by the mangle rules in
+    /// iptables mode or by the TC egress program in eBPF mode).
+    ///
+    /// [`SourceError::Bind`] means the address could not be taken (no
+    /// `CAP_NET_ADMIN`, family mismatch...): the caller may connect from the
+    /// pod's own address instead. Anything else is the connection's failure.
+    pub async fn connect_transparent(
+        &self,
+        addr: SocketAddr,
+        source: IpAddr,
+        avoid_port: u16,
+        timeout: std::time::Duration,
+    ) -> Result<tokio::net::TcpStream, SourceError> {
+        let domain = Domain::for_address(addr);
+        if Domain::for_address(SocketAddr::new(source, 0)) != domain {
+            return Err(SourceError::Bind(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("client address {source} is not of the family of {addr}"),
+            )));
+        }
+        let mut bound = None;
+        // Twice at most: a second ephemeral port cannot be the avoided one.
+        for _ in 0..2 {
+            let socket = self.socket(domain).await.map_err(SourceError::Connect)?;
+            bind_transparent(&socket, source).map_err(SourceError::Bind)?;
+            let port = socket
+                .local_addr()
+                .ok()
+                .and_then(|a| a.as_socket())
+                .map(|a| a.port());
+            if port != Some(avoid_port) {
+                bound = Some(socket);
+                break;
+            }
+        }
+        let socket = bound.ok_or_else(|| {
+            SourceError::Bind(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                format!("no free port on {source}"),
+            ))
+        })?;
+        finish_connect(socket, addr, timeout)
+            .await
+            .map_err(SourceError::Connect)
+    }
+
+    /// A marked, non-blocking TCP socket of the pod's netns.
+    async fn socket(&self, domain: Domain) -> io::Result<Socket> {
         let (reply, rx) = oneshot::channel();
         self.tx
-            .send(Request::Socket(Domain::for_address(addr), reply))
+            .send(Request::Socket(domain, reply))
             .map_err(|_| gone())?;
-        let socket = rx.await.map_err(|_| gone())??;
-        let socket = tokio::net::TcpSocket::from_std_stream(socket.into());
-        let stream = tokio::time::timeout(timeout, socket.connect(addr))
-            .await
-            .map_err(|_| {
-                io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!("connect to {addr} timed out"),
-                )
-            })??;
-        stream.set_nodelay(true)?;
-        Ok(stream)
+        rx.await.map_err(|_| gone())?
     }
+}
+
+/// Why a transparent connect failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum SourceError {
+    /// The client's address could not be bound: connecting from the pod's
+    /// own address still can work.
+    #[error("binding the client's address: {0}")]
+    Bind(#[source] io::Error),
+    /// The connection itself failed.
+    #[error(transparent)]
+    Connect(io::Error),
+}
+
+/// `IP_TRANSPARENT` and a bind to `source` with an ephemeral port. The port
+/// is not the client's own (ztunnel keeps it when free): with `bpf_sk_assign`
+/// the proxy's accepted socket already holds podIP:appPort ⇄ client:port in
+/// this netns, and the application's side of our connection would be that
+/// same 4-tuple, so the kernel would deliver our SYN to the wrong socket.
+fn bind_transparent(socket: &Socket, source: IpAddr) -> io::Result<()> {
+    match source {
+        IpAddr::V4(_) => socket.set_ip_transparent_v4(true)?,
+        IpAddr::V6(_) => socket.set_ip_transparent_v6(true)?,
+    }
+    socket.bind(&SockAddr::from(SocketAddr::new(source, 0)))
+}
+
+async fn finish_connect(
+    socket: Socket,
+    addr: SocketAddr,
+    timeout: std::time::Duration,
+) -> io::Result<tokio::net::TcpStream> {
+    let socket = tokio::net::TcpSocket::from_std_stream(socket.into());
+    let stream = tokio::time::timeout(timeout, socket.connect(addr))
+        .await
+        .map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("connect to {addr} timed out"),
+            )
+        })??;
+    stream.set_nodelay(true)?;
+    Ok(stream)
 }
 
 /// Sets `net.ipv4.tcp_migrate_req=1` in the calling thread's netns: net

@@ -43,7 +43,6 @@
 
 mod backend;
 mod origdst;
-mod route;
 mod rules;
 
 use std::{
@@ -54,9 +53,10 @@ use std::{
     sync::Arc,
 };
 
+use crate::redirect::route;
+pub use crate::redirect::route::{ROUTE_TABLE, RULE_PRIORITY};
 pub use backend::Backend;
 pub use origdst::{SoOriginalDst, original_dst};
-pub use route::{ROUTE_TABLE, RULE_PRIORITY};
 pub use rules::{CHAIN_OUTPUT, CHAIN_PREROUTING, CONN_MARK, MARK_MASK, PROBE_SOURCE_V6};
 use shunt_common::PodCounters;
 use tracing::{debug, info, info_span, warn};

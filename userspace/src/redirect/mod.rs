@@ -9,6 +9,7 @@
 pub mod ebpf;
 pub mod iptables;
 pub mod probe;
+pub mod route;
 pub mod tc_dump;
 
 use std::{fmt, path::PathBuf};

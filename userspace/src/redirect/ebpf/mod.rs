@@ -9,7 +9,12 @@
 //!    then on `connect4/6` capture the pod's outbound connects;
 //! 3. loads the pod's own instance of the TC programs with the slot baked in
 //!    (`ebpf/src/tc_pod.rs` says why) and attaches them to its `eth0`;
-//! 4. records the pod's name and netns path in `SHUNT_POD_RECORDS`, so a
+//! 4. with source preservation on (`--preserve-source`), installs the reply
+//!    path: the policy route for mark 0x111 ([`route`], shared with the
+//!    iptables mode) and `accept_local` on `lo`; the TC egress program turns
+//!    the application's replies to the proxy's transparent sockets back in
+//!    through `lo` with that mark;
+//! 5. records the pod's name and netns path in `SHUNT_POD_RECORDS`, so a
 //!    later agent can clean up after a pod it never heard of.
 //!
 //! Everything the datapath needs is the kernel's: TC filters belong to the
@@ -46,7 +51,7 @@ use tracing::{info, warn};
 
 use super::{
     Capture, EnrolledPod, Hook, OriginalDst, PodTarget, RedirectError, RedirectMode, Redirector,
-    Verification,
+    Verification, route,
 };
 use crate::{netns::NetNs, state::WorkloadKey};
 
@@ -98,6 +103,9 @@ pub struct EbpfOptions {
     /// Most bytes spliced into a socket but not yet read before that
     /// direction falls back to the TCP stack.
     pub splice_backlog: u32,
+    /// Whether pods get the reply path of source preservation (the policy
+    /// route and [`PodConfig::REPLY_TO_PROXY`]).
+    pub preserve_source: bool,
 }
 
 impl EbpfOptions {
@@ -108,6 +116,7 @@ impl EbpfOptions {
             probe_source: shunt_common::DEFAULT_PROBE_SOURCE_V4.into(),
             splice: SpliceMode::default(),
             splice_backlog: DEFAULT_SPLICE_BACKLOG,
+            preserve_source: true,
         }
     }
 }
@@ -138,6 +147,8 @@ pub struct EbpfRedirector {
     log_level: u8,
     /// Whether new app ⇄ proxy connections are spliced.
     splice: bool,
+    /// Whether pods get the reply path of source preservation.
+    preserve_source: bool,
 }
 
 impl EbpfRedirector {
@@ -212,6 +223,7 @@ impl EbpfRedirector {
             original_dst,
             log_level,
             splice,
+            preserve_source: options.preserve_source,
         })
     }
 
@@ -329,7 +341,8 @@ impl EbpfRedirector {
         self.enrolled_map
             .insert(cookie, PodSlot { slot, flags: 0 }, 0)
             .map_err(|e| kernel(pod, "recording the enrolment", e))?;
-        self.attach_tc(pod, &netns, slot)
+        self.attach_tc(pod, &netns, slot)?;
+        reply_path(pod, &netns, config)
     }
 
     /// Takes a pod out of the maps (and its record off disk).
@@ -347,7 +360,7 @@ impl Redirector for EbpfRedirector {
 
     fn enrol(&mut self, target: &PodTarget) -> Result<(), RedirectError> {
         let pod = &target.key;
-        let config = pod_config(pod, &target.capture)?;
+        let config = pod_config(pod, &target.capture, self.preserve_source)?;
         if let Some(existing) = self.pods.get_mut(pod) {
             if existing.netns.path() == target.netns {
                 if existing.config != config {
@@ -391,9 +404,13 @@ impl Redirector for EbpfRedirector {
         self.enrolled_map
             .insert(cookie, PodSlot { slot, flags: 0 }, 0)
             .map_err(|e| kernel(pod, "recording the enrolment", e))?;
-        if let Err(error) = self.attach_tc(pod, &netns, slot) {
+        let attached = self
+            .attach_tc(pod, &netns, slot)
+            .and_then(|()| reply_path(pod, &netns, config));
+        if let Err(error) = attached {
             // Leave nothing half-done behind.
             let _ = netns.run(|| tc::detach(pod));
+            let _ = netns.run(remove_reply_path);
             self.forget(cookie, slot);
             return Err(error);
         }
@@ -419,6 +436,12 @@ impl Redirector for EbpfRedirector {
         // Outbound capture stops first (the entry gates it), then inbound.
         self.forget(enrolment.cookie, enrolment.slot);
         enrolment.netns.run(|| tc::detach(pod))??;
+        if enrolment.config.flags & PodConfig::REPLY_TO_PROXY != 0 {
+            enrolment
+                .netns
+                .run(remove_reply_path)?
+                .map_err(|e| kernel(pod, "deleting the policy route", e))?;
+        }
         info!(%pod, "pod unenrolled: TC programs detached, enrolment entry removed");
         Ok(())
     }
@@ -443,6 +466,26 @@ impl Redirector for EbpfRedirector {
         for ((name, _), present) in tc::programs().into_iter().zip(present) {
             if !present {
                 missing.push(format!("TC filter {name} on eth0"));
+            }
+        }
+        if enrolment.config.flags & PodConfig::REPLY_TO_PROXY != 0 {
+            let routes = enrolment
+                .netns
+                .run(|| {
+                    route::families()
+                        .into_iter()
+                        .map(|family| route::present(family).map(|p| (family, p)))
+                        .collect::<std::io::Result<Vec<_>>>()
+                })?
+                .map_err(|e| kernel(pod, "reading the policy route", e))?;
+            for (family, present) in routes {
+                if !(present.rule && present.route) {
+                    missing.push(format!(
+                        "{} policy route ({})",
+                        family.label(),
+                        route::describe(family)
+                    ));
+                }
             }
         }
         for (name, present) in cgroup::PROGRAMS
@@ -548,6 +591,17 @@ impl Redirector for EbpfRedirector {
                 {
                     warn!(pod = %name, error = %e, "cannot detach a stale pod's TC programs");
                 }
+                // Whether the previous agent preserved sources is unknown:
+                // deleting an absent route is no error.
+                match netns.run(remove_reply_path) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => {
+                        warn!(pod = %name, error = %e, "cannot delete a stale pod's policy route")
+                    }
+                    Err(e) => {
+                        warn!(pod = %name, error = %e, "cannot delete a stale pod's policy route")
+                    }
+                }
             }
             self.forget(cookie, slot);
             info!(pod = %name, cookie, "removed what a previous agent left for a pod that is no longer enrolled");
@@ -560,8 +614,46 @@ impl Redirector for EbpfRedirector {
     }
 }
 
+/// Installs the reply path of source preservation in the pod's netns when
+/// its settings ask for it: the policy route that delivers packets marked
+/// 0x111 locally (shared with the iptables mode, see [`route`]) and
+/// `accept_local` on `lo` ([`route::accept_local_on_lo`]). The TC egress
+/// program marks the replies. Idempotent.
+fn reply_path(pod: &WorkloadKey, netns: &NetNs, config: PodConfig) -> Result<(), RedirectError> {
+    if config.flags & PodConfig::REPLY_TO_PROXY == 0 {
+        return Ok(());
+    }
+    netns
+        .run(|| -> std::io::Result<()> {
+            route::accept_local_on_lo()?;
+            for family in route::families() {
+                let present = route::present(family)?;
+                if !(present.rule && present.route) {
+                    route::add(family)?;
+                }
+            }
+            Ok(())
+        })?
+        .map_err(|e| kernel(pod, "adding the policy route for transparent inbound", e))
+}
+
+/// Deletes the policy route (both families; either absent is fine).
+/// `accept_local` on `lo` stays: harmless, and its earlier value is unknown
+/// to a later agent.
+fn remove_reply_path() -> std::io::Result<()> {
+    route::delete(route::Family::V4)?;
+    if route::ipv6_on_lo() {
+        route::delete(route::Family::V6)?;
+    }
+    Ok(())
+}
+
 /// The kernel form of a pod's capture settings.
-fn pod_config(pod: &WorkloadKey, capture: &Capture) -> Result<PodConfig, RedirectError> {
+fn pod_config(
+    pod: &WorkloadKey,
+    capture: &Capture,
+    preserve_source: bool,
+) -> Result<PodConfig, RedirectError> {
     let invalid = |problem: String| RedirectError::InvalidCapture {
         pod: pod.clone(),
         problem,
@@ -572,6 +664,9 @@ fn pod_config(pod: &WorkloadKey, capture: &Capture) -> Result<PodConfig, Redirec
     }
     if capture.inbound {
         config.flags |= PodConfig::REDIRECT_INBOUND;
+    }
+    if preserve_source {
+        config.flags |= PodConfig::REPLY_TO_PROXY;
     }
     let ports = |ports: &[u16], into: &mut [u16; MAX_EXCLUDED_PORTS], what: &str| {
         if ports.len() > MAX_EXCLUDED_PORTS {

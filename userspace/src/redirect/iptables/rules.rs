@@ -21,34 +21,21 @@ pub const CHAIN_OUTPUT: &str = "SHUNT_OUTPUT";
 /// Our chain for arriving traffic (nat and mangle `PREROUTING`).
 pub const CHAIN_PREROUTING: &str = "SHUNT_PRERT";
 
-/// Only the low 12 bits of the packet mark are ours to match and set (as
-/// Istio does), leaving the rest to the CNI and other software in the pod.
-pub const MARK_MASK: u32 = 0xfff;
-/// Connection mark given to connections the proxy opened into the pod
-/// (transparent inbound), restored as the packet mark on the pod's replies
-/// so that the policy route sends them back to the proxy over `lo`.
-pub const CONN_MARK: u32 = 0x111;
+/// Only the low 12 bits of the packet mark are ours (see [`MARK_MASK`]).
+/// [`CONN_MARK`] is the connection mark given to connections the proxy
+/// opened into the pod (transparent inbound), restored as the packet mark on
+/// the pod's replies so that the policy route sends them back to the proxy
+/// over `lo`.
+pub use shunt_common::{MARK_MASK, REPLY_MARK as CONN_MARK};
 
 /// Istio's IPv6 health-probe source address: the node SNATs kubelet probes
 /// to it, and they are never captured (probes must reach the app directly).
 /// The IPv4 one is configurable (`--probe-source`, default 169.254.7.127).
 pub const PROBE_SOURCE_V6: &str = "fd16:9254:7127:1337:ffff:ffff:ffff:ffff";
 
-/// An address family: iptables and ip6tables keep separate rule sets.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Family {
-    V4,
-    V6,
-}
+pub use crate::redirect::route::Family;
 
 impl Family {
-    pub fn label(self) -> &'static str {
-        match self {
-            Family::V4 => "ipv4",
-            Family::V6 => "ipv6",
-        }
-    }
-
     fn loopback(self) -> &'static str {
         match self {
             Family::V4 => "127.0.0.1/32",

@@ -7,9 +7,11 @@
 //! ```
 //!
 //! Replies of the app to a connection the proxy made from a foreign source
-//! address carry mark 0x111 (restored from the connmark by the mangle rules);
-//! this rule sends them to `lo`, where the proxy's transparent socket gets
-//! them, instead of out of `eth0` towards the real client.
+//! address carry mark 0x111 (iptables mode: restored from the connmark by the
+//! mangle rules; eBPF mode: set by the TC egress program, which sends them
+//! back in through `lo`); this rule sends them to `lo`, where the proxy's
+//! transparent socket gets them, instead of out of `eth0` towards the real
+//! client. Both redirection modes install it; this module owns it.
 //!
 //! Istio uses table 100; shunt uses its own table number so that it never
 //! collides with a table 100 the pod or its CNI may already use.
@@ -27,7 +29,24 @@ use netlink_packet_route::{
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
-use super::rules::{CONN_MARK, Family, MARK_MASK};
+use shunt_common::{MARK_MASK, REPLY_MARK as CONN_MARK};
+
+/// An address family: the policy route, like iptables and ip6tables' rule
+/// sets, exists once per family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    pub fn label(self) -> &'static str {
+        match self {
+            Family::V4 => "ipv4",
+            Family::V6 => "ipv6",
+        }
+    }
+}
 
 /// The routing table holding the local default route (0x539 in decimal, the
 /// proxy mark, so that it is recognisably shunt's).
@@ -60,6 +79,32 @@ pub fn ipv6_on_lo() -> bool {
     std::fs::read_to_string("/proc/sys/net/ipv6/conf/lo/disable_ipv6")
         .map(|v| v.trim() == "0")
         .unwrap_or(false)
+}
+
+/// The families whose policy route a pod needs, in the calling thread's
+/// netns: IPv4, and IPv6 where `lo` has it.
+pub fn families() -> Vec<Family> {
+    let mut families = vec![Family::V4];
+    if ipv6_on_lo() {
+        families.push(Family::V6);
+    }
+    families
+}
+
+/// Sets `net.ipv4.conf.lo.accept_local=1` in the calling thread's netns.
+///
+/// eBPF mode only: its replies enter through `lo`'s ingress (a TC redirect)
+/// without the route loopback packets normally keep, so the kernel routes
+/// them as arriving packets and, finding their source (the pod's own
+/// address) local, would drop them as martians. iptables mode needs none:
+/// its replies are re-routed on output and keep their route over `lo`.
+/// Accepting local sources on `lo` admits nothing new from outside the pod.
+pub fn accept_local_on_lo() -> io::Result<()> {
+    const PATH: &str = "/proc/sys/net/ipv4/conf/lo/accept_local";
+    if std::fs::read_to_string(PATH)?.trim() == "1" {
+        return Ok(());
+    }
+    std::fs::write(PATH, "1")
 }
 
 /// Adds the rule and the route; both already present is not an error.
