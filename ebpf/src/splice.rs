@@ -20,6 +20,11 @@
 //! Every failure leaves a direction on the TCP stack: a peer that is not in
 //! the map yet, an evicted flow, a missing receive hook (then nothing is ever
 //! counted as read and the backlog limit trips).
+//!
+//! Limits of the kernel's sockmap receive path that apply to any spliced
+//! socket (why `--splice` is off by default): a blocking `read()` woken
+//! without data returns EAGAIN instead of waiting on, and `splice(2)` from
+//! the socket sees only bytes that came by TCP.
 
 use aya_ebpf::{
     bindings::{
@@ -104,8 +109,10 @@ pub fn shunt_splice_recv(ctx: RawTracePointContext) -> i32 {
         return 0;
     };
     if let Some(flow) = SPLICE_FLOWS.get_ptr_mut(key) {
-        // SAFETY: map value; only reads of this socket (serialised by its
-        // lock) write `consumed`.
+        // SAFETY: map value; only reads of this socket write `consumed`.
+        // The tracepoint fires after the socket lock is released, so two
+        // threads reading one socket at once may lose an update: that only
+        // undercounts what was read, i.e. errs towards falling back early.
         unsafe { (*flow).consumed += copied as u64 };
     }
     0
