@@ -189,6 +189,33 @@ impl Pod {
         self.ip
     }
 
+    /// Gives the pod's `lo` IPv6 (`::1`), for native IPv6 on loopback.
+    /// Every other interface keeps IPv6 off (see `add_netns`): the pod still
+    /// has no IPv6 route anywhere else, so nothing can leave it over IPv6.
+    pub fn enable_ipv6_loopback(&self) -> Result<()> {
+        write_sysctls(
+            &self.netns_path(),
+            &[("net/ipv6/conf/lo/disable_ipv6", "0")],
+        )
+    }
+
+    /// Makes the IPv6 `prefix` local to the pod (a `local` route on `lo`):
+    /// connects to it are delivered inside the pod's own netns, over `lo`.
+    pub fn make_ipv6_prefix_local(&self, prefix: &str) -> Result<()> {
+        cmd::ip(&[
+            "-n",
+            &self.netns_name,
+            "-6",
+            "route",
+            "add",
+            "local",
+            prefix,
+            "dev",
+            "lo",
+        ])?;
+        Ok(())
+    }
+
     /// The pod's interface name ([`POD_IF`]).
     pub fn interface(&self) -> &str {
         POD_IF

@@ -161,6 +161,70 @@ fn outbound_connects_land_on_the_proxy(mode: Mode) {
     }
 }
 
+/// An IPv6 destination that is the server's 198.18/15 address in the
+/// well-known NAT64 prefix (RFC 6052). No packet is ever addressed to it:
+/// connect6 rewrites the connect to [::1]:15001 before a SYN exists, and
+/// the netns has IPv6 on `lo` only, so an unredirected connect would fail
+/// locally (ENETUNREACH) instead of leaving.
+fn nat64(pod: &Pod, port: u16) -> std::net::SocketAddr {
+    let [a, b, c, d] = pod.ip().octets();
+    let v6 = std::net::Ipv6Addr::new(
+        0x64,
+        0xff9b,
+        0,
+        0,
+        0,
+        0,
+        u16::from_be_bytes([a, b]),
+        u16::from_be_bytes([c, d]),
+    );
+    std::net::SocketAddr::new(v6.into(), port)
+}
+
+/// Native IPv6 on the kernel, eBPF mode. (ip6tables' rules are checked by
+/// the unit tests in `redirect/iptables/rules.rs`: on the kernel they would
+/// need IPv6 on the pod's `eth0`, whose router solicitations and DAD probes
+/// would leave the test's address range.)
+#[test]
+fn native_ipv6_connects_land_on_the_proxy_with_their_original_destination_ebpf() {
+    let bed = bed("outbound6", &["client", "server"]);
+    let [client, server] = [&bed.pods[0], &bed.pods[1]];
+    client.enable_ipv6_loopback().expect("::1 on the client's lo");
+    let mut redirector = bed.mode_redirector(Mode::Ebpf, None);
+    redirector
+        .enrol(&target(client, Capture::all()))
+        .expect("enrol");
+    let resolver = redirector.original_dst_resolver();
+    // Only the IPv6 proxy listener: connect6 must send a native IPv6
+    // connect to [::1]:15001.
+    let proxy = EchoServer::start(listen(client, "[::1]:15001"), Some(resolver));
+
+    let to = nat64(server, 8080);
+    let report = bed.app(client, &["connect", &to.to_string(), "--send", "20000"]);
+    assert!(ok(&report), "{report}");
+    let accepted = proxy.accepted();
+    assert_eq!(accepted.len(), 1, "{accepted:?}");
+    assert_eq!(accepted[0].original, Some(to), "{:?}", accepted[0]);
+    assert_eq!(
+        accepted[0].local,
+        "[::1]:15001".parse().expect("addr"),
+        "{:?}",
+        accepted[0]
+    );
+    let c = counters(redirector.as_ref(), client);
+    assert_eq!(c.outbound_redirected, 1, "{c:?}");
+    assert_eq!(c.outbound_fail_closed, 0, "{c:?}");
+
+    // No IPv6 listener: failed closed and counted, never sent.
+    drop(proxy);
+    let refused = bed.app(client, &["connect", &to.to_string(), "--send", "10"]);
+    assert!(!ok(&refused), "{refused}");
+    // connect() refused by a cgroup program fails with EPERM.
+    assert_eq!(refused["errno"], 1, "{refused}");
+    let c = counters(redirector.as_ref(), client);
+    assert_eq!(c.outbound_fail_closed, 1, "{c:?}");
+}
+
 #[test]
 fn unenrolled_marked_and_excluded_connects_go_direct_ebpf() {
     unenrolled_marked_and_excluded_connects_go_direct(Mode::Ebpf);

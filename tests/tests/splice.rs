@@ -32,6 +32,7 @@ const GIB: u64 = 1 << 30;
 struct Node {
     agent: Agent,
     client: Pod,
+    server: Pod,
     _echo: EchoServer,
     to_server: String,
     // Last: the namespaces go after everything in them.
@@ -39,10 +40,13 @@ struct Node {
     _topology: Topology,
 }
 
+/// A node; the client has IPv6 on its `lo` (only there), so its proxy
+/// serves [::1]:15001 too.
 fn node(test: &str, splice_args: &[&str]) -> Node {
     require_root().expect("kernel tests need root");
     let (topology, pods) = Topology::single_node(test, &["client", "server"]).expect("topology");
     let (client, server) = (pods[0].clone(), pods[1].clone());
+    client.enable_ipv6_loopback().expect("::1 on the client's lo");
     let yaml = workloads_yaml(&[
         WorkloadSpec::for_pod(&client, true),
         WorkloadSpec::for_pod(&server, false),
@@ -60,6 +64,7 @@ fn node(test: &str, splice_args: &[&str]) -> Node {
         agent,
         to_server: format!("{}:8080", server.ip()),
         client,
+        server,
         _echo: echo,
         apps_cgroup,
         _topology: topology,
@@ -253,4 +258,50 @@ fn splicing_survives_a_kill_9_and_restart_of_the_agent() {
     assert!(ok(&after), "{after}\n{}", on.agent.logs());
     assert_eq!(as_u64(&after, "tcp_bytes_sent"), 0, "{after}");
     assert!(counters(&on).spliced_bytes >= 2 * (64 << 10));
+}
+
+#[test]
+fn native_ipv6_sockets_are_spliced_to_the_proxys_ipv6_listener() {
+    let payload = 256 << 10;
+    let send = payload.to_string();
+    let on = node("splice-v6", &["--splice", "on"]);
+    // The server's 198.18/15 address in the well-known NAT64 prefix
+    // (RFC 6052), made local to the client pod, with an echo server there:
+    // the app's connect goes to the proxy's [::1]:15001 (connect6), the
+    // proxy's passthrough connect is delivered inside the same netns. No
+    // packet leaves the pod (IPv6 is on its `lo` only).
+    on.client
+        .make_ipv6_prefix_local("64:ff9b::/96")
+        .expect("local NAT64 prefix");
+    let [a, b, c, d] = on.server.ip().octets();
+    let vip = std::net::Ipv6Addr::new(
+        0x64,
+        0xff9b,
+        0,
+        0,
+        0,
+        0,
+        u16::from_be_bytes([a, b]),
+        u16::from_be_bytes([c, d]),
+    );
+    let listener = on
+        .client
+        .listen_tcp("[::]:8080".parse().expect("addr"))
+        .expect("listen in the client pod");
+    let _echo6 = EchoServer::start(listener, None);
+
+    let to = format!("[{vip}]:8080");
+    let report = on.run(&["connect", &to, "--send", &send, "--poll"]);
+    assert!(ok(&report), "{report}\n{}", on.agent.logs());
+    assert_eq!(as_u64(&report, "received"), payload, "{report}");
+    // The app's socket is a native IPv6 socket on ::1, and sk_msg moved
+    // its bytes to the proxy's IPv6 listener.
+    assert!(
+        report["local"].as_str().is_some_and(|l| l.starts_with("[::1]:")),
+        "{report}"
+    );
+    assert_eq!(as_u64(&report, "tcp_bytes_sent"), 0, "{report}");
+    let c = counters(&on);
+    assert!(c.spliced_bytes >= 2 * payload, "{c:?}");
+    assert_eq!(c.splice_fallbacks, 0, "{c:?}");
 }

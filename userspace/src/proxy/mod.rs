@@ -32,7 +32,7 @@ pub use socket::PROXY_MARK;
 
 use std::{
     collections::HashMap,
-    net::{IpAddr, Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::PathBuf,
     sync::{
         Arc, OnceLock, RwLock,
@@ -357,9 +357,10 @@ impl Proxy {
     }
 
     /// Starts serving `pod`: binds 127.0.0.1:15001, 0.0.0.0:15006 and
-    /// podIP:15008 inside its netns and registers its identity. Adding a pod
-    /// that is already served replaces it (new listeners first, then the old
-    /// ones stop).
+    /// podIP:15008 inside its netns — and [::1]:15001 and [::]:15006 where
+    /// the netns has IPv6 — and registers its identity. Adding a pod that is
+    /// already served replaces it (new listeners first, then the old ones
+    /// stop).
     pub async fn add_pod(&self, pod: PodNet) -> Result<(), ProxyError> {
         if self.shared.draining.is_cancelled() {
             return Err(ProxyError::Draining);
@@ -405,6 +406,22 @@ impl Proxy {
                 },
             ),
         ];
+        let ipv6 = [
+            (
+                Listener::Outbound,
+                socket::ListenSpec {
+                    addr: SocketAddr::new(Ipv6Addr::LOCALHOST.into(), PORT_OUTBOUND),
+                    transparent: false,
+                },
+            ),
+            (
+                Listener::InboundPlaintext,
+                socket::ListenSpec {
+                    addr: SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), PORT_INBOUND_PLAINTEXT),
+                    transparent: true,
+                },
+            ),
+        ];
         for ip in &pod.ips {
             specs.push((
                 Listener::Hbone,
@@ -425,6 +442,26 @@ impl Proxy {
                     source,
                 })?;
             listeners.push((kind, listener));
+        }
+        // Native IPv6 connects are redirected to [::1]:15001 (connect6,
+        // ip6tables); without these listeners they would be failed closed.
+        // A netns without IPv6 (disabled, or no ::1 on lo) has no such
+        // traffic to catch.
+        for (kind, spec) in ipv6 {
+            match sockets.listen(spec).await {
+                Ok(listener) => listeners.push((kind, listener)),
+                Err(e) if no_ipv6(&e) => {
+                    tracing::info!(pod = %pod.key, addr = %spec.addr, error = %e, "no IPv6 in the pod's netns; serving IPv4 only");
+                    break;
+                }
+                Err(source) => {
+                    return Err(ProxyError::Listen {
+                        pod: pod.key.clone(),
+                        addr: spec.addr,
+                        source,
+                    });
+                }
+            }
         }
 
         self.shared.identities.register(&pod.identity);
@@ -596,6 +633,15 @@ impl Proxy {
 fn retire(shared: &Shared, pod: &PodState) {
     pod.listeners.cancel();
     shared.identities.unregister(&pod.identity);
+}
+
+/// The errors binding an IPv6 address gives where the netns (or the
+/// kernel) has no IPv6.
+fn no_ipv6(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EAFNOSUPPORT) | Some(libc::EADDRNOTAVAIL)
+    )
 }
 
 #[derive(Clone, Copy, Debug)]

@@ -289,6 +289,11 @@ fn listen(spec: ListenSpec) -> io::Result<std::net::TcpListener> {
     socket.set_reuse_address(true)?;
     // A new agent binds the same ports while the old one drains.
     socket.set_reuse_port(true)?;
+    if spec.addr.is_ipv6() {
+        // Beside the IPv4 listener on the same port, not instead of it
+        // (and IPv4 connections keep arriving as IPv4).
+        socket.set_only_v6(true)?;
+    }
     if spec.transparent {
         match spec.addr {
             SocketAddr::V4(_) => socket.set_ip_transparent_v4(true)?,
