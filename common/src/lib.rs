@@ -149,7 +149,7 @@ pub struct PodSlot {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PodConfig {
     /// [`PodConfig::REDIRECT_OUTBOUND`] | [`PodConfig::REDIRECT_INBOUND`] |
-    /// [`PodConfig::REPLY_TO_PROXY`].
+    /// [`PodConfig::REPLY_TO_PROXY`] | [`PodConfig::NO_SPLICE`].
     pub flags: u32,
     /// Number of valid entries in `excluded_cidrs_v4`.
     pub excluded_cidr_count: u32,
@@ -171,6 +171,9 @@ impl PodConfig {
     /// with [`REPLY_MARK`] by the TC egress program, instead of leaving
     /// through `eth0` (`--preserve-source on`).
     pub const REPLY_TO_PROXY: u32 = 4;
+    /// The pod's connections never join the splice (its annotation
+    /// `shunt.io/splice: off`).
+    pub const NO_SPLICE: u32 = 8;
 }
 
 /// An IPv4 prefix, both fields in network byte order as the kernel gives

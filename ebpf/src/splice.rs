@@ -34,9 +34,11 @@ use aya_ebpf::{
     macros::{raw_tracepoint, sk_msg},
     programs::{RawTracePointContext, SkMsgContext, SockOpsContext},
 };
-use shunt_common::{DEFAULT_SPLICE_BACKLOG, GlobalConfig, SpliceFlow, SpliceKey};
+use shunt_common::{DEFAULT_SPLICE_BACKLOG, GlobalConfig, PodConfig, SpliceFlow, SpliceKey};
 
-use crate::maps::{ENROLLED, SPLICE_FLOWS, SPLICE_KEYS, SPLICE_SOCKS, counters, global_config};
+use crate::maps::{
+    ENROLLED, POD_CONFIG, SPLICE_FLOWS, SPLICE_KEYS, SPLICE_SOCKS, counters, global_config,
+};
 
 const AF_INET: u32 = 2;
 const AF_INET6: u32 = 10;
@@ -132,6 +134,14 @@ pub fn join_application_end(ctx: &SockOpsContext, netns_cookie: u64) {
     let Some(pod) = (unsafe { ENROLLED.get(netns_cookie) }).copied() else {
         return;
     };
+    // A pod that opted out (its applications read in blocking mode) never
+    // joins; without a flow, its proxy ends do not join either.
+    if POD_CONFIG
+        .get(pod.slot)
+        .is_none_or(|c| c.flags & PodConfig::NO_SPLICE != 0)
+    {
+        return;
+    }
     let key = key_of_sock_ops(ctx, netns_cookie);
     let flow = SpliceFlow {
         slot: pod.slot,

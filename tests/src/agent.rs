@@ -58,6 +58,8 @@ pub struct WorkloadSpec {
     pub node: String,
     pub netns: Option<PathBuf>,
     pub ambient: bool,
+    /// `splice:` (the `shunt.io/splice` annotation's counterpart), if any.
+    pub splice: Option<bool>,
 }
 
 impl WorkloadSpec {
@@ -72,6 +74,7 @@ impl WorkloadSpec {
             node: pod.node().name().to_string(),
             netns: Some(pod.netns_path()),
             ambient,
+            splice: None,
         }
     }
 }
@@ -91,6 +94,9 @@ pub fn workloads_yaml(workloads: &[WorkloadSpec]) -> String {
         ));
         if let Some(netns) = &w.netns {
             yaml.push_str(&format!("    netns: {}\n", netns.display()));
+        }
+        if let Some(splice) = w.splice {
+            yaml.push_str(&format!("    splice: {splice}\n"));
         }
     }
     yaml

@@ -189,7 +189,9 @@ fn nat64(pod: &Pod, port: u16) -> std::net::SocketAddr {
 fn native_ipv6_connects_land_on_the_proxy_with_their_original_destination_ebpf() {
     let bed = bed("outbound6", &["client", "server"]);
     let [client, server] = [&bed.pods[0], &bed.pods[1]];
-    client.enable_ipv6_loopback().expect("::1 on the client's lo");
+    client
+        .enable_ipv6_loopback()
+        .expect("::1 on the client's lo");
     let mut redirector = bed.mode_redirector(Mode::Ebpf, None);
     redirector
         .enrol(&target(client, Capture::all()))

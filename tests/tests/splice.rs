@@ -43,12 +43,23 @@ struct Node {
 /// A node; the client has IPv6 on its `lo` (only there), so its proxy
 /// serves [::1]:15001 too.
 fn node(test: &str, splice_args: &[&str]) -> Node {
+    node_with(test, splice_args, None)
+}
+
+/// As [`node`], the client having its own say on splicing (`splice:` in
+/// the workloads file, as the `shunt.io/splice` annotation).
+fn node_with(test: &str, splice_args: &[&str], client_splice: Option<bool>) -> Node {
     require_root().expect("kernel tests need root");
     let (topology, pods) = Topology::single_node(test, &["client", "server"]).expect("topology");
     let (client, server) = (pods[0].clone(), pods[1].clone());
-    client.enable_ipv6_loopback().expect("::1 on the client's lo");
+    client
+        .enable_ipv6_loopback()
+        .expect("::1 on the client's lo");
     let yaml = workloads_yaml(&[
-        WorkloadSpec::for_pod(&client, true),
+        WorkloadSpec {
+            splice: client_splice,
+            ..WorkloadSpec::for_pod(&client, true)
+        },
         WorkloadSpec::for_pod(&server, false),
     ]);
     let node = topology.node("node-a").expect("node").clone();
@@ -297,11 +308,63 @@ fn native_ipv6_sockets_are_spliced_to_the_proxys_ipv6_listener() {
     // The app's socket is a native IPv6 socket on ::1, and sk_msg moved
     // its bytes to the proxy's IPv6 listener.
     assert!(
-        report["local"].as_str().is_some_and(|l| l.starts_with("[::1]:")),
+        report["local"]
+            .as_str()
+            .is_some_and(|l| l.starts_with("[::1]:")),
         "{report}"
     );
     assert_eq!(as_u64(&report, "tcp_bytes_sent"), 0, "{report}");
     let c = counters(&on);
     assert!(c.spliced_bytes >= 2 * payload, "{c:?}");
     assert_eq!(c.splice_fallbacks, 0, "{c:?}");
+}
+
+#[test]
+fn a_pod_that_opts_out_is_never_spliced_and_its_blocking_reads_work() {
+    // Blocking sockets, the writer thread shutting down its side while the
+    // reader waits (`transfer_threaded` in the testapp, 1 byte): on a
+    // spliced socket the kernel's sockmap receive path can end that wait
+    // with EAGAIN (see `ebpf/src/splice.rs`). Such a pod opts out.
+    let node = node_with("splice-optout", &["--splice", "on"], Some(false));
+    for size in ["1", "100000"] {
+        for run in 0..3 {
+            let report = node.run(&["connect", &node.to_server, "--send", size]);
+            assert!(
+                ok(&report),
+                "{size} B, run {run}: {report}\n{}",
+                node.agent.logs()
+            );
+            assert!(as_u64(&report, "tcp_bytes_sent") >= 1, "{report}");
+        }
+    }
+    // Event-loop sockets of the pod are not spliced either.
+    let report = node.run(&["connect", &node.to_server, "--send", "65536", "--poll"]);
+    assert!(ok(&report), "{report}");
+    assert!(as_u64(&report, "tcp_bytes_sent") >= 65536, "{report}");
+    let c = counters(&node);
+    assert_eq!(c.spliced_bytes, 0, "{c:?}");
+    assert!(c.outbound_redirected >= 7, "still redirected: {c:?}");
+}
+
+#[test]
+fn with_splice_opt_in_only_pods_that_opt_in_are_spliced() {
+    let payload = 65536u64;
+    let send = payload.to_string();
+    for (client_says, spliced) in [(None, false), (Some(false), false), (Some(true), true)] {
+        let node = node_with("splice-optin", &["--splice", "opt-in"], client_says);
+        let report = node.run(&["connect", &node.to_server, "--send", &send, "--poll"]);
+        assert!(
+            ok(&report),
+            "{client_says:?}: {report}\n{}",
+            node.agent.logs()
+        );
+        let c = counters(&node);
+        if spliced {
+            assert_eq!(as_u64(&report, "tcp_bytes_sent"), 0, "{report}");
+            assert!(c.spliced_bytes >= 2 * payload, "{c:?}");
+        } else {
+            assert!(as_u64(&report, "tcp_bytes_sent") >= payload, "{report}");
+            assert_eq!(c.spliced_bytes, 0, "{client_says:?}: {c:?}");
+        }
+    }
 }

@@ -248,7 +248,10 @@ impl NodeAgent {
         let target = PodTarget {
             key: key.clone(),
             netns: netns.clone(),
-            capture: self.capture.clone(),
+            capture: Capture {
+                splice: workload.splice,
+                ..self.capture.clone()
+            },
         };
         match self.redirector.enrol(&target) {
             Ok(()) => match proxy_problem {

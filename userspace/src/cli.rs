@@ -102,12 +102,15 @@ pub struct AgentArgs {
     /// inside its pod with sk_msg, skipping the loopback TCP stack (needs
     /// sk_msg and the sock_recv_length tracepoint, Linux 6.3+). Bounded: a
     /// direction whose reader falls more than --splice-backlog bytes behind
-    /// returns to the TCP stack for the rest of the connection. Off by
-    /// default: an application that blocks in read() on a spliced socket
-    /// can get EAGAIN when woken without data (the kernel's sockmap read
-    /// path, e.g. after shutdown(SHUT_WR) from another thread); event-loop
-    /// applications (non-blocking sockets) are unaffected.
-    #[arg(long, value_name = "on|off", default_value_t = SpliceMode::Off)]
+    /// returns to the TCP stack for the rest of the connection. `on`: every
+    /// pod but those annotated `shunt.io/splice: "off"`; `opt-in`: only pods
+    /// annotated `shunt.io/splice: "on"` (`splice: true|false` in a
+    /// workloads file). Off by default: an application that blocks in
+    /// read() on a spliced socket can get EAGAIN when woken without data
+    /// (the kernel's sockmap read path, e.g. after shutdown(SHUT_WR) from
+    /// another thread); event-loop applications (non-blocking sockets: Go,
+    /// tokio, Netty, nginx, Envoy) are unaffected. Keep such pods out.
+    #[arg(long, value_name = "on|opt-in|off", default_value_t = SpliceMode::Off)]
     pub splice: SpliceMode,
 
     /// With --splice: the most bytes one direction of a connection may have

@@ -692,6 +692,7 @@ mod tests {
             node: node.into(),
             netns: None,
             dataplane_mode: DataplaneMode::Ambient,
+            splice: None,
         }
     }
 

@@ -262,6 +262,8 @@ struct RawWorkload {
     node: String,
     netns: Option<PathBuf>,
     dataplane_mode: Option<String>,
+    /// Whether to splice this pod's connections (default: as `--splice`).
+    splice: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -474,6 +476,7 @@ fn check_entries(raw: Vec<RawWorkload>, problems: &mut Vec<Problem>) -> Vec<Work
             node: raw.node,
             netns: raw.netns,
             dataplane_mode,
+            splice: raw.splice,
         };
         match keys.get(&workload.key()) {
             Some(first) => report(
@@ -801,6 +804,7 @@ workloads:
                     node: "node-a".into(),
                     netns: Some("/var/run/netns/client".into()),
                     dataplane_mode: DataplaneMode::Ambient,
+                    splice: None,
                 },
                 Workload {
                     name: "server".into(),
@@ -810,6 +814,7 @@ workloads:
                     node: "node-b".into(),
                     netns: None,
                     dataplane_mode: DataplaneMode::None,
+                    splice: None,
                 },
                 Workload {
                     name: "db".into(),
@@ -819,12 +824,25 @@ workloads:
                     node: "node-b".into(),
                     netns: None,
                     dataplane_mode: DataplaneMode::None,
+                    splice: None,
                 },
             ]
         );
         assert_eq!(
             parsed.workloads[0].identity(&parsed.trust_domain).as_str(),
             "spiffe://example.org/ns/default/sa/sleep"
+        );
+    }
+
+    #[test]
+    fn splice_gives_the_workloads_own_say() {
+        let parsed = parse(file(), &with_second(Some("splice: false"), None)).expect("valid");
+        assert_eq!(parsed.workloads[1].splice, Some(false));
+        assert_eq!(parsed.workloads[0].splice, None, "as --splice by default");
+        let typo = error(&with_second(Some("splice: nope"), None));
+        assert!(
+            typo.contains("workloads[1] (default/second): field `splice`"),
+            "{typo}"
         );
     }
 

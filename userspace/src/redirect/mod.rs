@@ -69,6 +69,10 @@ pub struct Capture {
     pub excluded_inbound_ports: Vec<u16>,
     /// IPv4 destinations that outbound connects keep (address, prefix length).
     pub excluded_outbound_cidrs: Vec<(std::net::Ipv4Addr, u8)>,
+    /// The pod's own say on splicing ([`crate::state::Workload::splice`]);
+    /// the eBPF redirector's splice mode decides with it. Nothing else
+    /// splices.
+    pub splice: Option<bool>,
 }
 
 impl Capture {

@@ -194,7 +194,17 @@ pub struct Workload {
     /// agent's own node, where capture happens.
     pub netns: Option<PathBuf>,
     pub dataplane_mode: DataplaneMode,
+    /// The pod's own say on splicing its connections
+    /// ([`SPLICE_ANNOTATION`], or `splice:` in a workloads file); `None`
+    /// leaves it to the agent's `--splice`. Off is for applications that
+    /// read sockets in blocking mode, which a spliced socket can fail with
+    /// EAGAIN (`ebpf/src/splice.rs`).
+    pub splice: Option<bool>,
 }
+
+/// The pod annotation that opts a pod's connections out of the splice
+/// (`"off"`: with `--splice on`) or in (`"on"`: with `--splice opt-in`).
+pub const SPLICE_ANNOTATION: &str = "shunt.io/splice";
 
 impl Workload {
     pub fn key(&self) -> WorkloadKey {
@@ -225,6 +235,7 @@ mod tests {
             node: node.into(),
             netns: None,
             dataplane_mode: DataplaneMode::Ambient,
+            splice: None,
         }
     }
 

@@ -112,6 +112,7 @@ impl Mesh {
                 } else {
                     DataplaneMode::None
                 },
+                splice: None,
             });
         }
         let store = Arc::new(RwLock::new(WorkloadStore::new()));

@@ -11,7 +11,7 @@ use std::{collections::BTreeMap, net::IpAddr};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use tracing::warn;
 
-use crate::state::{DataplaneMode, Workload, WorkloadKey};
+use crate::state::{DataplaneMode, SPLICE_ANNOTATION, Workload, WorkloadKey};
 
 /// The label that puts a pod (or every pod of a namespace) in the mesh.
 pub const DATAPLANE_MODE_LABEL: &str = "istio.io/dataplane-mode";
@@ -45,6 +45,8 @@ pub struct PodFacts {
     pub terminating: bool,
     /// The current value of [`REDIRECTION_ANNOTATION`].
     pub redirection: Option<String>,
+    /// [`SPLICE_ANNOTATION`]: `on` or `off`.
+    pub splice: Option<bool>,
 }
 
 /// What the agent needs to know about one namespace.
@@ -114,6 +116,15 @@ impl PodFacts {
             ),
             terminating: meta.deletion_timestamp.is_some(),
             redirection: annotations.and_then(|a| a.get(REDIRECTION_ANNOTATION).cloned()),
+            splice: match annotations.and_then(|a| a.get(SPLICE_ANNOTATION)) {
+                None => None,
+                Some(value) if value == "on" => Some(true),
+                Some(value) if value == "off" => Some(false),
+                Some(value) => {
+                    warn!(pod = %key, annotation = SPLICE_ANNOTATION, value = %value, "unknown value (expected on or off); ignored, the agent's --splice decides");
+                    None
+                }
+            },
             key,
         })
     }
@@ -147,6 +158,7 @@ impl PodFacts {
             node: self.node.clone(),
             netns: None,
             dataplane_mode: self.dataplane_mode(namespace),
+            splice: self.splice,
         }
     }
 }
@@ -216,6 +228,23 @@ mod tests {
         assert_eq!(w.key(), facts.key);
         assert_eq!(w.dataplane_mode, DataplaneMode::None, "opt-in only");
         assert_eq!(w.netns, None);
+    }
+
+    #[test]
+    fn splice_annotation_is_the_pods_say() {
+        let annotated = |value: &str| {
+            let mut object = basic(json!({}));
+            object["metadata"]["annotations"] = json!({ SPLICE_ANNOTATION: value });
+            pod(object).to_workload(None).splice
+        };
+        assert_eq!(annotated("off"), Some(false));
+        assert_eq!(annotated("on"), Some(true));
+        assert_eq!(
+            annotated("maybe"),
+            None,
+            "unknown values leave it to --splice"
+        );
+        assert_eq!(pod(basic(json!({}))).to_workload(None).splice, None);
     }
 
     #[test]

@@ -145,8 +145,8 @@ pub struct EbpfRedirector {
     original_dst: Arc<EbpfOriginalDst>,
     /// aya-log level baked into every pod's programs.
     log_level: u8,
-    /// Whether new app ⇄ proxy connections are spliced.
-    splice: bool,
+    /// Which pods' new app ⇄ proxy connections are spliced.
+    splice: SpliceMode,
     /// Whether pods get the reply path of source preservation.
     preserve_source: bool,
 }
@@ -175,20 +175,21 @@ impl EbpfRedirector {
         let records_map: BpfHashMap<MapData, u64, PodRecord> =
             take_map(&mut ebpf, maps::POD_RECORDS)?;
         cgroup::attach_or_adopt(&mut ebpf, &cgroup_root, pin_dir)?;
-        let splice = match options.splice {
-            SpliceMode::Off => false,
-            SpliceMode::On => {
-                splice::attach_or_adopt(&mut ebpf, pin_dir)?;
-                true
-            }
-        };
+        let splice = options.splice;
+        if splice != SpliceMode::Off {
+            splice::attach_or_adopt(&mut ebpf, pin_dir)?;
+        }
         let mut global: Array<MapData, GlobalConfig> = take_map(&mut ebpf, maps::CONFIG)?;
         global
             .set(
                 0,
                 GlobalConfig {
                     probe_source_v4: u32::from_ne_bytes(options.probe_source.octets()),
-                    flags: if splice { GlobalConfig::SPLICE } else { 0 },
+                    flags: if splice == SpliceMode::Off {
+                        0
+                    } else {
+                        GlobalConfig::SPLICE
+                    },
                     splice_backlog: options.splice_backlog,
                     reserved: 0,
                 },
@@ -199,7 +200,7 @@ impl EbpfRedirector {
                 detail: e.to_string(),
             })?;
         info!(
-            splice,
+            %splice,
             backlog_bytes = options.splice_backlog,
             "app ⇄ proxy splice"
         );
@@ -227,9 +228,9 @@ impl EbpfRedirector {
         })
     }
 
-    /// Whether new app ⇄ proxy connections are spliced.
+    /// Whether new app ⇄ proxy connections of some pods are spliced.
     pub fn splice(&self) -> bool {
-        self.splice
+        self.splice != SpliceMode::Off
     }
 
     /// The agent's instance of the object, e.g. to forward aya-log records
@@ -360,7 +361,7 @@ impl Redirector for EbpfRedirector {
 
     fn enrol(&mut self, target: &PodTarget) -> Result<(), RedirectError> {
         let pod = &target.key;
-        let config = pod_config(pod, &target.capture, self.preserve_source)?;
+        let config = pod_config(pod, &target.capture, self.splice, self.preserve_source)?;
         if let Some(existing) = self.pods.get_mut(pod) {
             if existing.netns.path() == target.netns {
                 if existing.config != config {
@@ -415,7 +416,8 @@ impl Redirector for EbpfRedirector {
             return Err(error);
         }
         self.write_record(pod, cookie, &target.netns);
-        info!(%pod, netns = %target.netns.display(), cookie, slot, outbound = target.capture.outbound, inbound = target.capture.inbound, "pod enrolled: TC ingress+egress on eth0, socket programs gated on its netns");
+        let spliced = config.flags & PodConfig::NO_SPLICE == 0 && self.splice();
+        info!(%pod, netns = %target.netns.display(), cookie, slot, outbound = target.capture.outbound, inbound = target.capture.inbound, spliced, "pod enrolled: TC ingress+egress on eth0, socket programs gated on its netns");
         self.pods.insert(
             pod.clone(),
             Enrolment {
@@ -505,7 +507,7 @@ impl Redirector for EbpfRedirector {
 
     fn list(&self) -> Vec<EnrolledPod> {
         let sockets = cgroup::present(&self.pin_dir);
-        let splice_present = self.splice && splice::present(&self.pin_dir);
+        let splice_present = self.splice() && splice::present(&self.pin_dir);
         self.pods
             .iter()
             .map(|(key, enrolment)| {
@@ -532,7 +534,7 @@ impl Redirector for EbpfRedirector {
                         attachment: format!("{name}: BPF link on cgroup {}", self.cgroup_root.display()),
                         present,
                     }));
-                    if self.splice {
+                    if self.splice() {
                         hooks.push(Hook {
                             name: "splice".to_string(),
                             attachment: format!(
@@ -652,6 +654,7 @@ fn remove_reply_path() -> std::io::Result<()> {
 fn pod_config(
     pod: &WorkloadKey,
     capture: &Capture,
+    splice: SpliceMode,
     preserve_source: bool,
 ) -> Result<PodConfig, RedirectError> {
     let invalid = |problem: String| RedirectError::InvalidCapture {
@@ -667,6 +670,9 @@ fn pod_config(
     }
     if preserve_source {
         config.flags |= PodConfig::REPLY_TO_PROXY;
+    }
+    if !splice.splices(capture.splice) {
+        config.flags |= PodConfig::NO_SPLICE;
     }
     let ports = |ports: &[u16], into: &mut [u16; MAX_EXCLUDED_PORTS], what: &str| {
         if ports.len() > MAX_EXCLUDED_PORTS {

@@ -22,8 +22,12 @@ use super::{LoadError, cgroup::links_dir};
 /// `--splice`: whether app ⇄ proxy payload skips the TCP stack.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum SpliceMode {
-    /// On; the agent fails to start where the kernel cannot.
+    /// On for every pod but those that opt out (annotation
+    /// `shunt.io/splice: off`); the agent fails to start where the kernel
+    /// cannot.
     On,
+    /// Only pods that opt in (`shunt.io/splice: on`) are spliced.
+    OptIn,
     /// Off: every byte takes the TCP stack. The default, because a spliced
     /// socket reads through the kernel's sockmap path, where a blocking
     /// `read()` woken without data (e.g. by `shutdown(SHUT_WR)` from
@@ -38,8 +42,11 @@ impl FromStr for SpliceMode {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "on" => Ok(Self::On),
+            "opt-in" => Ok(Self::OptIn),
             "off" => Ok(Self::Off),
-            other => Err(format!("unknown splice mode {other:?}: expected on or off")),
+            other => Err(format!(
+                "unknown splice mode {other:?}: expected on, opt-in or off"
+            )),
         }
     }
 }
@@ -48,8 +55,21 @@ impl fmt::Display for SpliceMode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Self::On => "on",
+            Self::OptIn => "opt-in",
             Self::Off => "off",
         })
+    }
+}
+
+impl SpliceMode {
+    /// Whether a pod whose own say is `pod` (its `shunt.io/splice`
+    /// annotation, if any) is spliced in this mode.
+    pub fn splices(self, pod: Option<bool>) -> bool {
+        match self {
+            Self::On => pod != Some(false),
+            Self::OptIn => pod == Some(true),
+            Self::Off => false,
+        }
     }
 }
 
@@ -124,4 +144,39 @@ where
 /// Whether the receive hook's link is in place.
 pub fn present(pin_dir: &Path) -> bool {
     PinnedLink::from_pin(recv_link_pin(pin_dir)).is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SpliceMode;
+
+    #[test]
+    fn the_mode_and_the_pods_say_decide_together() {
+        use SpliceMode::{Off, On, OptIn};
+        for (mode, pod, spliced) in [
+            (On, None, true),
+            (On, Some(true), true),
+            (On, Some(false), false),
+            (OptIn, None, false),
+            (OptIn, Some(true), true),
+            (OptIn, Some(false), false),
+            (Off, Some(true), false),
+            (Off, None, false),
+        ] {
+            assert_eq!(
+                mode.splices(pod),
+                spliced,
+                "{mode} with the pod saying {pod:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn modes_parse_and_print_alike() {
+        for mode in [SpliceMode::On, SpliceMode::OptIn, SpliceMode::Off] {
+            assert_eq!(mode.to_string().parse::<SpliceMode>(), Ok(mode));
+        }
+        let typo = "opt_in".parse::<SpliceMode>().expect_err("typo");
+        assert!(typo.contains("expected on, opt-in or off"), "{typo}");
+    }
 }
