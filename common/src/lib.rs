@@ -153,6 +153,11 @@ pub struct PodConfig {
     pub flags: u32,
     /// Number of valid entries in `excluded_cidrs_v4`.
     pub excluded_cidr_count: u32,
+    /// The pod's own IPv4 address (network order; 0: none), where the proxy
+    /// delivers inbound connections: a proxy connection to it is spliced.
+    pub own_ipv4: u32,
+    /// The pod's own IPv6 address (network order; all zero: none).
+    pub own_ipv6: [u32; 4],
     /// Destination ports an outbound connect keeps (host order, 0 = unused).
     pub excluded_outbound_ports: [u16; MAX_EXCLUDED_PORTS],
     /// Local ports inbound traffic reaches directly (host order, 0 = unused).

@@ -8,6 +8,9 @@
 //!   the connection starts splicing (`splice.rs`);
 //! - the proxy's end of such a connection (the passive side): it joins the
 //!   splice;
+//! - the proxy's connection delivering an inbound connection to its pod's
+//!   application (active, the proxy's mark, to the pod's own address): it
+//!   starts splicing, and the application's accepted end (passive) joins;
 //!
 //! and when a spliced socket closes (its splice state is dropped).
 
@@ -33,15 +36,17 @@ const AF_INET6: u32 = 10;
 /// Hook: `sockops` on the cgroup root. Matches (1) the active side of a TCP
 /// connection becoming established whose socket cookie has a recorded
 /// original destination: moves that record to `SHUNT_ORIG_DST` and starts
-/// the connection's splice; (2) the passive side of one whose splice was
-/// started: joins it; (3) a spliced socket closing: forgets it. Miss path
-/// (any other op or socket): nothing, returns 1.
+/// the connection's splice; (2) any other active side: starts splicing if
+/// it is the proxy delivering to its pod; (3) the passive side of a
+/// connection whose splice was started: joins it; (4) a spliced socket
+/// closing: forgets it. Miss path (any other op or socket): nothing,
+/// returns 1.
 #[sock_ops]
 pub fn shunt_sockops(ctx: SockOpsContext) -> u32 {
     match ctx.op() {
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => {}
         BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB => {
-            splice::join_proxy_end(&ctx);
+            splice::join_passive_end(&ctx);
             return 1;
         }
         BPF_SOCK_OPS_STATE_CB => {
@@ -54,6 +59,7 @@ pub fn shunt_sockops(ctx: SockOpsContext) -> u32 {
     let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
     // SAFETY: plain value copied out of the map.
     let Some(original) = (unsafe { ORIGINAL_DST_BY_COOKIE.get(cookie) }).copied() else {
+        splice::join_delivery_end(&ctx);
         return 1;
     };
     // SAFETY: as above.

@@ -1,7 +1,10 @@
-//! Splice: payload between an application and the proxy on loopback skips
-//! the TCP/IP stack. Both ends of a redirected connection join
-//! `SHUNT_SPLICE_SOCKS`; the `sk_msg` program moves each send straight into
-//! the peer socket's receive queue.
+//! Splice: payload between an application and the proxy inside its pod
+//! skips the TCP/IP stack. Both ends of each such connection join
+//! `SHUNT_SPLICE_SOCKS` — an application's redirected connect to 15001 and
+//! the proxy's accepted end; the proxy's connection delivering an inbound
+//! connection to the pod's own address and the application's accepted end
+//! — and the `sk_msg` program moves each send straight into the peer
+//! socket's receive queue.
 //!
 //! The kernel bounds none of this: a redirected send is charged to global
 //! TCP memory only, never to the receiver's buffer, so a reader that falls
@@ -34,7 +37,9 @@ use aya_ebpf::{
     macros::{raw_tracepoint, sk_msg},
     programs::{RawTracePointContext, SkMsgContext, SockOpsContext},
 };
-use shunt_common::{DEFAULT_SPLICE_BACKLOG, GlobalConfig, PodConfig, SpliceFlow, SpliceKey};
+use shunt_common::{
+    DEFAULT_SPLICE_BACKLOG, GlobalConfig, PROXY_MARK, PodConfig, SpliceFlow, SpliceKey,
+};
 
 use crate::maps::{
     ENROLLED, POD_CONFIG, SPLICE_FLOWS, SPLICE_KEYS, SPLICE_SOCKS, counters, global_config,
@@ -122,29 +127,81 @@ pub fn shunt_splice_recv(ctx: RawTracePointContext) -> i32 {
 
 /// Called by `sockops` when the application's end of a connect that
 /// `connect4/6` redirected is established: starts both directions' flows
-/// afresh (a reused 4-tuple must not inherit an old flow) and joins the
-/// socket to the splice map. Runs before the application can send, and
-/// before the proxy's end exists, which joins on its own establishment.
+/// and joins the socket to the splice map. Runs before the application can
+/// send, and before the proxy's end exists, which joins on its own
+/// establishment.
 #[inline(always)]
 pub fn join_application_end(ctx: &SockOpsContext, netns_cookie: u64) {
+    if let Some(slot) = splicing_pod(netns_cookie) {
+        start(ctx, key_of_sock_ops(ctx, netns_cookie), slot);
+    }
+}
+
+/// Called by `sockops` when any other actively opened connection is
+/// established: if it is the proxy's connection delivering an inbound
+/// connection to its pod's application (the proxy's mark, to the pod's own
+/// address), starts both directions' flows and joins, as for an
+/// application's end; the application's accepted end joins on its own
+/// establishment. Miss path (upstream connections of the proxy, the
+/// applications' own unredirected connects): nothing.
+#[inline(always)]
+pub fn join_delivery_end(ctx: &SockOpsContext) {
+    // SAFETY: the helper only reads the socket behind the context.
+    let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.ops.cast()) };
+    let Some(slot) = splicing_pod(netns_cookie) else {
+        return;
+    };
+    let Some(config) = POD_CONFIG.get(slot) else {
+        return;
+    };
+    if !has_proxy_mark(ctx) || !to_own_address(ctx, config) {
+        return;
+    }
+    start(ctx, key_of_sock_ops(ctx, netns_cookie), slot);
+}
+
+/// Called by `sockops` when a passively opened connection is established:
+/// joins it to the splice map if its active end (an application's
+/// redirected connect, or the proxy delivering to its pod) started a flow
+/// for it. Miss path: nothing.
+#[inline(always)]
+pub fn join_passive_end(ctx: &SockOpsContext) {
     if splicing().is_none() {
         return;
     }
-    // SAFETY: plain value copied out of the map.
-    let Some(pod) = (unsafe { ENROLLED.get(netns_cookie) }).copied() else {
-        return;
-    };
-    // A pod that opted out (its applications read in blocking mode) never
-    // joins; without a flow, its proxy ends do not join either.
-    if POD_CONFIG
-        .get(pod.slot)
-        .is_none_or(|c| c.flags & PodConfig::NO_SPLICE != 0)
-    {
+    // SAFETY: the helper only reads the socket behind the context.
+    let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.ops.cast()) };
+    let key = key_of_sock_ops(ctx, netns_cookie);
+    // SAFETY: only checks presence.
+    if unsafe { SPLICE_FLOWS.get(key) }.is_none() {
         return;
     }
-    let key = key_of_sock_ops(ctx, netns_cookie);
+    join(ctx, key);
+}
+
+/// The slot of the enrolled pod owning `netns_cookie`, if splicing is on
+/// and the pod may be spliced.
+#[inline(always)]
+fn splicing_pod(netns_cookie: u64) -> Option<u32> {
+    splicing()?;
+    // SAFETY: plain value copied out of the map.
+    let pod = (unsafe { ENROLLED.get(netns_cookie) }).copied()?;
+    // A pod that opted out (its applications read in blocking mode) never
+    // starts a flow, so none of its sockets joins.
+    let config = POD_CONFIG.get(pod.slot)?;
+    if config.flags & PodConfig::NO_SPLICE != 0 {
+        return None;
+    }
+    Some(pod.slot)
+}
+
+/// Starts both directions' flows of the connection whose active end is
+/// `key` afresh (a reused 4-tuple must not inherit an old flow) and joins
+/// that end to the splice map.
+#[inline(always)]
+fn start(ctx: &SockOpsContext, key: SpliceKey, slot: u32) {
     let flow = SpliceFlow {
-        slot: pod.slot,
+        slot,
         ..SpliceFlow::default()
     };
     if SPLICE_FLOWS.insert(key, flow, u64::from(BPF_ANY)).is_err()
@@ -157,22 +214,31 @@ pub fn join_application_end(ctx: &SockOpsContext, netns_cookie: u64) {
     join(ctx, key);
 }
 
-/// Called by `sockops` when a passively opened connection is established:
-/// joins it to the splice map if it is the proxy's end of a connection
-/// whose application end started a flow for it. Miss path: nothing.
+/// Whether the socket carries the proxy's mark.
 #[inline(always)]
-pub fn join_proxy_end(ctx: &SockOpsContext) {
-    if splicing().is_none() {
-        return;
+fn has_proxy_mark(ctx: &SockOpsContext) -> bool {
+    // SAFETY: the context pointer is valid for the program's run.
+    let sk = unsafe { (*ctx.ops).__bindgen_anon_2.sk };
+    if sk.is_null() {
+        return false;
     }
-    // SAFETY: the helper only reads the socket behind the context.
-    let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.ops.cast()) };
-    let key = key_of_sock_ops(ctx, netns_cookie);
-    // SAFETY: only checks presence.
-    if unsafe { SPLICE_FLOWS.get(key) }.is_none() {
-        return;
+    // SAFETY: non-null socket pointer from the context; the verifier checks
+    // the field access.
+    unsafe { (*sk).mark == PROXY_MARK }
+}
+
+/// Whether the connection goes to the pod's own address (IPv4, v4-mapped
+/// or IPv6).
+#[inline(always)]
+fn to_own_address(ctx: &SockOpsContext, config: &PodConfig) -> bool {
+    if ctx.family() == AF_INET {
+        return config.own_ipv4 != 0 && ctx.remote_ip4() == config.own_ipv4;
     }
-    join(ctx, key);
+    let remote = ctx.remote_ip6();
+    if remote[0] == 0 && remote[1] == 0 && u32::from_be(remote[2]) == 0xffff {
+        return config.own_ipv4 != 0 && remote[3] == config.own_ipv4;
+    }
+    config.own_ipv6 != [0; 4] && remote == config.own_ipv6
 }
 
 /// Called by `sockops` when a socket that joined changes state: once it is

@@ -71,6 +71,7 @@ fn target(pod: &Pod) -> PodTarget {
     PodTarget {
         key: key(pod),
         netns: pod.netns_path(),
+        ips: vec![pod.ip().into()],
         capture: Capture::all(),
     }
 }

@@ -98,6 +98,7 @@ fn target(pod: &Pod, capture: Capture) -> PodTarget {
     PodTarget {
         key: WorkloadKey::new("default", pod.name()),
         netns: pod.netns_path(),
+        ips: vec![pod.ip().into()],
         capture,
     }
 }

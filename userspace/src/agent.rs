@@ -248,6 +248,7 @@ impl NodeAgent {
         let target = PodTarget {
             key: key.clone(),
             netns: netns.clone(),
+            ips: workload.ips.clone(),
             capture: Capture {
                 splice: workload.splice,
                 ..self.capture.clone()

@@ -110,6 +110,7 @@ fn pod_target(pod: &Pod) -> PodTarget {
     PodTarget {
         key: key(pod),
         netns: pod.netns_path(),
+        ips: vec![pod.ip().into()],
         capture: Capture::all(),
     }
 }

@@ -17,6 +17,11 @@
 //! seconds passed: connection churn across an agent handover; `"ok"` only
 //! when every connection worked)
 //!
+//! `shunt-testapp serve ADDR --conns N [--timeout-ms T]` (an echo server:
+//! prints `{"listening":ADDR}` once bound, echoes N connections one after
+//! another on non-blocking sockets, then reports their `tcp_info` byte
+//! counts summed)
+//!
 //! Exit 0 with `"ok":true`, or 1 with `"ok":false` and the error.
 
 use std::{
@@ -62,7 +67,7 @@ fn bad(message: &str) -> std::io::Error {
 fn run(args: &[String]) -> std::io::Result<String> {
     let mode = args
         .first()
-        .ok_or_else(|| bad("usage: connect|hold|churn ADDR ..."))?;
+        .ok_or_else(|| bad("usage: connect|hold|churn|serve ADDR ..."))?;
     let addr: SocketAddr = args
         .get(1)
         .ok_or_else(|| bad("missing address"))?
@@ -75,6 +80,9 @@ fn run(args: &[String]) -> std::io::Result<String> {
     );
     if mode == "churn" {
         return churn(args, addr, timeout);
+    }
+    if mode == "serve" {
+        return serve(args, addr, timeout);
     }
     let mark = option(args, "--mark")
         .map(|m| u32::from_str_radix(m.trim_start_matches("0x"), 16).unwrap_or(0));
@@ -386,6 +394,76 @@ fn churn(args: &[String], addr: SocketAddr, timeout: Duration) -> std::io::Resul
         start.elapsed().as_secs_f64(),
         errors.join(",")
     ))
+}
+
+/// Echoes `--conns` connections, one at a time, each on a non-blocking
+/// socket driven by poll(2) until the client closes its side.
+fn serve(args: &[String], addr: SocketAddr, timeout: Duration) -> std::io::Result<String> {
+    let conns: usize = option(args, "--conns")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let listener = std::net::TcpListener::bind(addr)?;
+    println!("{{\"listening\":\"{}\"}}", listener.local_addr()?);
+    std::io::stdout().flush()?;
+    let (mut echoed, mut tcp_sent, mut tcp_received) = (0u64, 0u64, 0u64);
+    for n in 0..conns {
+        let (stream, _) = listener.accept()?;
+        echoed += echo_polling(&stream, timeout).map_err(|e| at(e, &format!("connection {n}")))?;
+        let (sent, received) = tcp_bytes(&stream)?;
+        tcp_sent += sent;
+        tcp_received += received;
+    }
+    Ok(format!(
+        "{{\"ok\":true,\"served\":{conns},\"echoed\":{echoed},\"tcp_bytes_sent\":{tcp_sent},\"tcp_bytes_received\":{tcp_received}}}"
+    ))
+}
+
+/// Echoes `stream` until the peer closes its side; returns the bytes echoed.
+fn echo_polling(stream: &TcpStream, timeout: Duration) -> std::io::Result<u64> {
+    stream.set_nonblocking(true)?;
+    let mut stream = stream;
+    let mut pending: Vec<u8> = Vec::new();
+    let mut buf = vec![0u8; 65536];
+    let (mut echoed, mut eof) = (0u64, false);
+    // Bounded: every round waits at most `timeout` for progress.
+    while !eof || !pending.is_empty() {
+        let mut fd = libc::pollfd {
+            fd: stream.as_raw_fd(),
+            events: if pending.is_empty() {
+                libc::POLLIN
+            } else {
+                libc::POLLOUT
+            },
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let ready = unsafe { libc::poll(&mut fd, 1, timeout.as_millis() as i32) };
+        if ready < 0 {
+            return Err(at(std::io::Error::last_os_error(), "poll"));
+        }
+        if ready == 0 {
+            return Err(at(std::io::ErrorKind::TimedOut.into(), "poll"));
+        }
+        if pending.is_empty() {
+            match stream.read(&mut buf) {
+                Ok(0) => eof = true,
+                Ok(got) => pending.extend_from_slice(&buf[..got]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(at(e, "read")),
+            }
+        } else {
+            match stream.write(&pending) {
+                Ok(written) => {
+                    pending.drain(..written);
+                    echoed += written as u64;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(at(e, "write")),
+            }
+        }
+    }
+    stream.shutdown(std::net::Shutdown::Write)?;
+    Ok(echoed)
 }
 
 fn connect(addr: SocketAddr, mark: Option<u32>, timeout: Duration) -> std::io::Result<TcpStream> {

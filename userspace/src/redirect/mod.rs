@@ -51,6 +51,9 @@ pub struct PodTarget {
     pub key: WorkloadKey,
     /// Path of the pod's network namespace (e.g. `/var/run/netns/NAME`).
     pub netns: PathBuf,
+    /// The pod's own addresses (where the proxy delivers inbound
+    /// connections).
+    pub ips: Vec<std::net::IpAddr>,
     /// What to send to the proxy.
     pub capture: Capture,
 }

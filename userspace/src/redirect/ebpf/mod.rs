@@ -29,6 +29,7 @@ mod tc;
 use std::{
     collections::{BTreeMap, HashSet},
     io,
+    net::IpAddr,
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -50,7 +51,7 @@ pub use tc::{TC_HANDLE, TC_PRIORITY};
 use tracing::{info, warn};
 
 use super::{
-    Capture, EnrolledPod, Hook, OriginalDst, PodTarget, RedirectError, RedirectMode, Redirector,
+    EnrolledPod, Hook, OriginalDst, PodTarget, RedirectError, RedirectMode, Redirector,
     Verification, route,
 };
 use crate::{netns::NetNs, state::WorkloadKey};
@@ -361,7 +362,7 @@ impl Redirector for EbpfRedirector {
 
     fn enrol(&mut self, target: &PodTarget) -> Result<(), RedirectError> {
         let pod = &target.key;
-        let config = pod_config(pod, &target.capture, self.splice, self.preserve_source)?;
+        let config = pod_config(target, self.splice, self.preserve_source)?;
         if let Some(existing) = self.pods.get_mut(pod) {
             if existing.netns.path() == target.netns {
                 if existing.config != config {
@@ -652,11 +653,11 @@ fn remove_reply_path() -> std::io::Result<()> {
 
 /// The kernel form of a pod's capture settings.
 fn pod_config(
-    pod: &WorkloadKey,
-    capture: &Capture,
+    target: &PodTarget,
     splice: SpliceMode,
     preserve_source: bool,
 ) -> Result<PodConfig, RedirectError> {
+    let (pod, capture) = (&target.key, &target.capture);
     let invalid = |problem: String| RedirectError::InvalidCapture {
         pod: pod.clone(),
         problem,
@@ -717,6 +718,20 @@ fn pod_config(
         };
     }
     config.excluded_cidr_count = capture.excluded_outbound_cidrs.len() as u32;
+    for ip in &target.ips {
+        match ip {
+            IpAddr::V4(v4) if config.own_ipv4 == 0 => {
+                config.own_ipv4 = u32::from_ne_bytes(v4.octets());
+            }
+            IpAddr::V6(v6) if config.own_ipv6 == [0; 4] => {
+                let octets = v6.octets();
+                for (word, chunk) in config.own_ipv6.iter_mut().zip(octets.chunks_exact(4)) {
+                    *word = u32::from_ne_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
+                }
+            }
+            _ => {}
+        }
+    }
     Ok(config)
 }
 
