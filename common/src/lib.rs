@@ -390,7 +390,7 @@ mod tests {
         assert_eq!(core::mem::size_of::<Cidr4>(), 8);
         assert_eq!(
             core::mem::size_of::<PodConfig>(),
-            8 + 2 * 2 * MAX_EXCLUDED_PORTS + 8 * MAX_EXCLUDED_CIDRS
+            8 + 4 + 16 + 2 * 2 * MAX_EXCLUDED_PORTS + 8 * MAX_EXCLUDED_CIDRS
         );
         assert_eq!(core::mem::size_of::<OriginalDst>(), 20);
         assert_eq!(core::mem::size_of::<SockKey>(), 32);

@@ -565,3 +565,72 @@ fn a_new_agent_removes_what_a_dead_one_left_for_pods_no_longer_enrolled() {
     );
     assert_eq!(filters(kept), 1, "the kept pod lost its programs");
 }
+
+/// Creates a BPF array map with `value_size`-byte values and pins it at
+/// `path`, as an older agent with another layout would have.
+fn pin_array_map(path: &std::path::Path, value_size: u32) {
+    // bpf_attr for BPF_MAP_CREATE: map_type, key_size, value_size,
+    // max_entries (the rest zero).
+    let mut create = [0u32; 32];
+    create[..4].copy_from_slice(&[2 /* BPF_MAP_TYPE_ARRAY */, 4, value_size, 4]);
+    // SAFETY: bpf(2) reads a zero-padded bpf_attr of the size given.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            0, /* BPF_MAP_CREATE */
+            create.as_ptr(),
+            std::mem::size_of_val(&create),
+        )
+    };
+    assert!(
+        fd >= 0,
+        "BPF_MAP_CREATE: {}",
+        std::io::Error::last_os_error()
+    );
+    let pathname = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).expect("path");
+    // bpf_attr for BPF_OBJ_PIN: pathname (u64), bpf_fd (u32), file_flags.
+    let mut pin = [0u64; 16];
+    pin[0] = pathname.as_ptr() as u64;
+    pin[1] = fd as u64;
+    // SAFETY: as above; `pathname` outlives the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            6, /* BPF_OBJ_PIN */
+            pin.as_ptr(),
+            std::mem::size_of_val(&pin),
+        )
+    };
+    assert_eq!(rc, 0, "BPF_OBJ_PIN: {}", std::io::Error::last_os_error());
+    // SAFETY: our fd; the pin keeps the map.
+    unsafe { libc::close(fd as i32) };
+}
+
+#[test]
+fn pinned_maps_of_another_layout_are_refused_with_a_clear_error() {
+    let bed = bed("oldpins", &["client"]);
+    std::fs::create_dir_all(bed.pin.path()).expect("pin dir");
+    let stale = bed.pin.path().join(shunt_common::maps::POD_CONFIG);
+    let wrong = std::mem::size_of::<shunt_common::PodConfig>() as u32 - 20;
+    pin_array_map(&stale, wrong);
+
+    let mut options = EbpfOptions::new(bed.pin.path());
+    options.cgroup_root = Some(bed.topo.cgroup_root().expect("cgroup root"));
+    let error = match EbpfRedirector::load(&options) {
+        Ok(_) => panic!("an agent adopted a pinned map of another layout"),
+        Err(e) => e.to_string(),
+    };
+    assert!(error.contains(&stale.display().to_string()), "{error}");
+    assert!(
+        error.contains(&format!("{wrong}-byte values")) && error.contains("another version"),
+        "{error}"
+    );
+    // Nothing was attached on the way to the error.
+    assert!(
+        !bed.pin.path().join("links").exists()
+            || std::fs::read_dir(bed.pin.path().join("links"))
+                .map(|mut d| d.next().is_none())
+                .unwrap_or(true),
+        "links were pinned before the check"
+    );
+}

@@ -1267,7 +1267,7 @@ services:
             err.as_deref(),
             Some(
                 "workloads[0]: unknown field `nme`, expected one of `name`, `namespace`, \
-                 `serviceAccount`, `ips`, `node`, `netns`, `dataplaneMode` at line 2 column 5"
+                 `serviceAccount`, `ips`, `node`, `netns`, `dataplaneMode`, `splice` at line 2 column 5"
             )
         );
     }

@@ -23,6 +23,7 @@
 
 mod cgroup;
 mod original_dst;
+mod pins;
 mod splice;
 mod tc;
 
@@ -87,6 +88,8 @@ pub enum LoadError {
     Link { name: &'static str, detail: String },
     #[error("eBPF map {name}: {detail}")]
     Map { name: &'static str, detail: String },
+    #[error(transparent)]
+    IncompatiblePin(#[from] Box<pins::IncompatiblePin>),
 }
 
 /// Agent-wide settings of the eBPF mode.
@@ -168,6 +171,7 @@ impl EbpfRedirector {
             None => cgroup2_mount().ok_or(LoadError::NoCgroup2)?,
         };
         let log_level = kernel_log_level();
+        pins::check(pin_dir)?;
         let mut ebpf = loader(pin_dir, &u32::MAX, &log_level).load(EBPF_OBJECT)?;
         let enrolled_map: BpfHashMap<MapData, u64, PodSlot> = take_map(&mut ebpf, maps::ENROLLED)?;
         let counters_map: PerCpuArray<MapData, PodCounters> =
