@@ -132,7 +132,7 @@ pub fn shunt_splice_recv(ctx: RawTracePointContext) -> i32 {
 /// establishment.
 #[inline(always)]
 pub fn join_application_end(ctx: &SockOpsContext, netns_cookie: u64) {
-    if let Some(slot) = splicing_pod(netns_cookie) {
+    if let Some((slot, _)) = splicing_pod(netns_cookie) {
         start(ctx, key_of_sock_ops(ctx, netns_cookie), slot);
     }
 }
@@ -148,13 +148,10 @@ pub fn join_application_end(ctx: &SockOpsContext, netns_cookie: u64) {
 pub fn join_delivery_end(ctx: &SockOpsContext) {
     // SAFETY: the helper only reads the socket behind the context.
     let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.ops.cast()) };
-    let Some(slot) = splicing_pod(netns_cookie) else {
+    let Some((slot, config)) = splicing_pod(netns_cookie) else {
         return;
     };
-    let Some(config) = POD_CONFIG.get(slot) else {
-        return;
-    };
-    if !has_proxy_mark(ctx) || !to_own_address(ctx, config) {
+    if !has_proxy_mark(ctx) || !to_own_address(ctx, &config) {
         return;
     }
     start(ctx, key_of_sock_ops(ctx, netns_cookie), slot);
@@ -179,20 +176,20 @@ pub fn join_passive_end(ctx: &SockOpsContext) {
     join(ctx, key);
 }
 
-/// The slot of the enrolled pod owning `netns_cookie`, if splicing is on
-/// and the pod may be spliced.
+/// The slot and settings of the enrolled pod owning `netns_cookie`, if
+/// splicing is on and the pod may be spliced.
 #[inline(always)]
-fn splicing_pod(netns_cookie: u64) -> Option<u32> {
+fn splicing_pod(netns_cookie: u64) -> Option<(u32, PodConfig)> {
     splicing()?;
     // SAFETY: plain value copied out of the map.
     let pod = (unsafe { ENROLLED.get(netns_cookie) }).copied()?;
     // A pod that opted out (its applications read in blocking mode) never
     // starts a flow, so none of its sockets joins.
-    let config = POD_CONFIG.get(pod.slot)?;
+    let config = POD_CONFIG.get(pod.slot).copied()?;
     if config.flags & PodConfig::NO_SPLICE != 0 {
         return None;
     }
-    Some(pod.slot)
+    Some((pod.slot, config))
 }
 
 /// Starts both directions' flows of the connection whose active end is
