@@ -189,6 +189,25 @@ impl Pod {
         self.ip
     }
 
+    /// The pod's address in the well-known NAT64 prefix `64:ff9b::/96`
+    /// (RFC 6052): an IPv6 destination that is still a 198.18/15 address.
+    /// Tests use it where an IPv6 destination is needed, and make sure no
+    /// packet is ever sent to it outside the pod (see
+    /// [`Pod::enable_ipv6_loopback`]).
+    pub fn nat64_ip(&self) -> std::net::Ipv6Addr {
+        let [a, b, c, d] = self.ip.octets();
+        std::net::Ipv6Addr::new(
+            0x64,
+            0xff9b,
+            0,
+            0,
+            0,
+            0,
+            u16::from_be_bytes([a, b]),
+            u16::from_be_bytes([c, d]),
+        )
+    }
+
     /// Gives the pod's `lo` IPv6 (`::1`), for native IPv6 on loopback.
     /// Every other interface keeps IPv6 off (see `add_netns`): the pod still
     /// has no IPv6 route anywhere else, so nothing can leave it over IPv6.

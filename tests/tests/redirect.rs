@@ -162,26 +162,6 @@ fn outbound_connects_land_on_the_proxy(mode: Mode) {
     }
 }
 
-/// An IPv6 destination that is the server's 198.18/15 address in the
-/// well-known NAT64 prefix (RFC 6052). No packet is ever addressed to it:
-/// connect6 rewrites the connect to [::1]:15001 before a SYN exists, and
-/// the netns has IPv6 on `lo` only, so an unredirected connect would fail
-/// locally (ENETUNREACH) instead of leaving.
-fn nat64(pod: &Pod, port: u16) -> std::net::SocketAddr {
-    let [a, b, c, d] = pod.ip().octets();
-    let v6 = std::net::Ipv6Addr::new(
-        0x64,
-        0xff9b,
-        0,
-        0,
-        0,
-        0,
-        u16::from_be_bytes([a, b]),
-        u16::from_be_bytes([c, d]),
-    );
-    std::net::SocketAddr::new(v6.into(), port)
-}
-
 /// Native IPv6 on the kernel, eBPF mode. (ip6tables' rules are checked by
 /// the unit tests in `redirect/iptables/rules.rs`: on the kernel they would
 /// need IPv6 on the pod's `eth0`, whose router solicitations and DAD probes
@@ -202,7 +182,10 @@ fn native_ipv6_connects_land_on_the_proxy_with_their_original_destination_ebpf()
     // connect to [::1]:15001.
     let proxy = EchoServer::start(listen(client, "[::1]:15001"), Some(resolver));
 
-    let to = nat64(server, 8080);
+    // No packet is ever addressed to it: connect6 rewrites the connect to
+    // [::1]:15001 before a SYN exists, and the client has IPv6 on `lo`
+    // only, so an unredirected connect would fail locally (ENETUNREACH).
+    let to = std::net::SocketAddr::new(server.nat64_ip().into(), 8080);
     let report = bed.app(client, &["connect", &to.to_string(), "--send", "20000"]);
     assert!(ok(&report), "{report}");
     let accepted = proxy.accepted();

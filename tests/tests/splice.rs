@@ -284,17 +284,7 @@ fn native_ipv6_sockets_are_spliced_to_the_proxys_ipv6_listener() {
     on.client
         .make_ipv6_prefix_local("64:ff9b::/96")
         .expect("local NAT64 prefix");
-    let [a, b, c, d] = on.server.ip().octets();
-    let vip = std::net::Ipv6Addr::new(
-        0x64,
-        0xff9b,
-        0,
-        0,
-        0,
-        0,
-        u16::from_be_bytes([a, b]),
-        u16::from_be_bytes([c, d]),
-    );
+    let vip = on.server.nat64_ip();
     let listener = on
         .client
         .listen_tcp("[::]:8080".parse().expect("addr"))

@@ -390,46 +390,40 @@ impl Proxy {
                 netns: pod.netns.clone(),
                 source,
             })?;
+        let spec = |kind, ip: IpAddr, port, transparent| {
+            let addr = SocketAddr::new(ip, port);
+            (kind, socket::ListenSpec { addr, transparent })
+        };
         let mut specs = vec![
-            (
+            spec(
                 Listener::Outbound,
-                socket::ListenSpec {
-                    addr: SocketAddr::new(Ipv4Addr::LOCALHOST.into(), PORT_OUTBOUND),
-                    transparent: false,
-                },
+                Ipv4Addr::LOCALHOST.into(),
+                PORT_OUTBOUND,
+                false,
             ),
-            (
+            spec(
                 Listener::InboundPlaintext,
-                socket::ListenSpec {
-                    addr: SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), PORT_INBOUND_PLAINTEXT),
-                    transparent: true,
-                },
+                Ipv4Addr::UNSPECIFIED.into(),
+                PORT_INBOUND_PLAINTEXT,
+                true,
             ),
         ];
         let ipv6 = [
-            (
+            spec(
                 Listener::Outbound,
-                socket::ListenSpec {
-                    addr: SocketAddr::new(Ipv6Addr::LOCALHOST.into(), PORT_OUTBOUND),
-                    transparent: false,
-                },
+                Ipv6Addr::LOCALHOST.into(),
+                PORT_OUTBOUND,
+                false,
             ),
-            (
+            spec(
                 Listener::InboundPlaintext,
-                socket::ListenSpec {
-                    addr: SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), PORT_INBOUND_PLAINTEXT),
-                    transparent: true,
-                },
+                Ipv6Addr::UNSPECIFIED.into(),
+                PORT_INBOUND_PLAINTEXT,
+                true,
             ),
         ];
         for ip in &pod.ips {
-            specs.push((
-                Listener::Hbone,
-                socket::ListenSpec {
-                    addr: SocketAddr::new(*ip, PORT_HBONE),
-                    transparent: false,
-                },
-            ));
+            specs.push(spec(Listener::Hbone, *ip, PORT_HBONE, false));
         }
         let mut listeners = Vec::with_capacity(specs.len());
         for (kind, spec) in specs {
