@@ -348,6 +348,19 @@ fn with_splice_opt_in_only_pods_that_opt_in_are_spliced() {
             "{client_says:?}: {report}\n{}",
             node.agent.logs()
         );
+        // `shunt status` shows the splice hook for spliced pods only.
+        let status = node.agent.status().expect("status");
+        let client = status
+            .pods
+            .iter()
+            .find(|p| p.name == node.client.name())
+            .expect("client in the status");
+        assert_eq!(
+            client.hooks.iter().any(|h| h.name == "splice" && h.present),
+            spliced,
+            "{client_says:?}: {:?}",
+            client.hooks
+        );
         let c = counters(&node);
         if spliced {
             assert_eq!(as_u64(&report, "tcp_bytes_sent"), 0, "{report}");

@@ -539,19 +539,21 @@ impl Redirector for EbpfRedirector {
                         attachment: format!("{name}: BPF link on cgroup {}", self.cgroup_root.display()),
                         present,
                     }));
-                    if self.splice() {
-                        hooks.push(Hook {
-                            name: "splice".to_string(),
-                            attachment: format!(
-                                "{}: sk_msg on map {}; {}: raw tracepoint {}",
-                                shunt_common::programs::SPLICE_MSG,
-                                maps::SPLICE_SOCKS,
-                                shunt_common::programs::SPLICE_RECV,
-                                shunt_common::programs::SPLICE_RECV_TARGET
-                            ),
-                            present: splice_present,
-                        });
-                    }
+                }
+                // Only pods whose connections are spliced (see `--splice`
+                // and the pod's `shunt.io/splice`) show the hook.
+                if self.splice() && enrolment.config.flags & PodConfig::NO_SPLICE == 0 {
+                    hooks.push(Hook {
+                        name: "splice".to_string(),
+                        attachment: format!(
+                            "{}: sk_msg on map {}; {}: raw tracepoint {}",
+                            shunt_common::programs::SPLICE_MSG,
+                            maps::SPLICE_SOCKS,
+                            shunt_common::programs::SPLICE_RECV,
+                            shunt_common::programs::SPLICE_RECV_TARGET
+                        ),
+                        present: splice_present,
+                    });
                 }
                 EnrolledPod {
                     key: key.clone(),
