@@ -37,7 +37,7 @@ use shunt::{
     redirect::{
         Capture, EnrolledPod, OriginalDst, OriginalDstError, PodTarget, RedirectError,
         RedirectMode, Redirector, Verification,
-        ebpf::{EbpfOptions, EbpfRedirector},
+        ebpf::{EbpfOptions, EbpfRedirector, SpliceMode},
     },
     state::{TrustDomain, WorkloadKey},
 };
@@ -244,10 +244,21 @@ impl Harness {
         resolver: Arc<dyn NetnsResolver>,
         options: impl FnOnce(&mut KubeOptions),
     ) -> Agent {
+        self.start_agent_spliced(resolver, SpliceMode::Off, options)
+            .await
+    }
+
+    async fn start_agent_spliced(
+        &self,
+        resolver: Arc<dyn NetnsResolver>,
+        splice: SpliceMode,
+        options: impl FnOnce(&mut KubeOptions),
+    ) -> Agent {
         // Socket programs attach to this topology's cgroup only; pods are
         // only counted (no proxy runs in these tests).
         let ebpf_options = EbpfOptions {
             cgroup_root: Some(self.topo.cgroup_root().expect("topology cgroup")),
+            splice,
             ..EbpfOptions::new(&self.pin_dir.0)
         };
         let redirector = EbpfRedirector::load(&ebpf_options).expect("load eBPF");
@@ -487,6 +498,50 @@ async fn label_flips_on_pod_and_namespace_enrol_and_unenrol() {
     .await;
     assert!(h.tc_detached("db"));
     assert!(!agent.enrolled("web", "shop"));
+    agent.stop(true).await;
+}
+
+/// The pod's `shunt.io/splice` annotation, changed on a running pod, moves
+/// it off the splice and back (`--splice on`): the agent re-enrols it with
+/// the new setting, which `shunt status` shows as its splice hook.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn splice_annotation_changes_take_effect_on_a_running_pod() {
+    let h = Harness::new("kube-splice", &["web"]).await;
+    h.serve_pod("shop", "web", ambient());
+    let agent = h
+        .start_agent_spliced(Arc::new(h.resolver.clone()), SpliceMode::On, |_| {})
+        .await;
+    let spliced = |agent: &Agent| {
+        let shared = agent.agent.clone();
+        tokio::task::block_in_place(|| {
+            lock(&shared)
+                .status()
+                .pods
+                .iter()
+                .find(|p| p.name == "web")
+                .is_some_and(|p| p.hooks.iter().any(|hook| hook.name == "splice"))
+        })
+    };
+    wait_for("web enrolled and spliced", TIMEOUT, || {
+        agent.enrolled("web", "shop") && spliced(&agent)
+    })
+    .await;
+
+    let annotate = |value: Value| {
+        h.server.update(Kind::Pod, "shop", "web", |pod| {
+            pod["metadata"]["annotations"]["shunt.io/splice"] = value
+        })
+    };
+    annotate(json!("off"));
+    wait_for("web kept off the splice", TIMEOUT, || {
+        agent.enrolled("web", "shop") && !spliced(&agent)
+    })
+    .await;
+    annotate(json!("on"));
+    wait_for("web spliced again", TIMEOUT, || {
+        agent.enrolled("web", "shop") && spliced(&agent)
+    })
+    .await;
     agent.stop(true).await;
 }
 
