@@ -99,7 +99,9 @@ pub struct AgentArgs {
     pub proxy: ProxyKind,
 
     /// eBPF mode: move payload between each application and the proxy
-    /// inside its pod with sk_msg, skipping the loopback TCP stack (needs
+    /// inside its pod with sk_msg, skipping the TCP stack, both ways and
+    /// on both legs (the app's connect to 15001, the proxy's delivery of an
+    /// inbound connection) (needs
     /// sk_msg and the sock_recv_length tracepoint, Linux 6.3+). Bounded: a
     /// direction whose reader falls more than --splice-backlog bytes behind
     /// returns to the TCP stack for the rest of the connection. `on`: every
@@ -109,7 +111,8 @@ pub struct AgentArgs {
     /// read() on a spliced socket can get EAGAIN when woken without data
     /// (the kernel's sockmap read path, e.g. after shutdown(SHUT_WR) from
     /// another thread); event-loop applications (non-blocking sockets: Go,
-    /// tokio, Netty, nginx, Envoy) are unaffected. Keep such pods out.
+    /// tokio, Netty, nginx, Envoy) are unaffected. Keep pods with blocking
+    /// readers, clients or servers, off the splice.
     #[arg(long, value_name = "on|opt-in|off", default_value_t = SpliceMode::Off)]
     pub splice: SpliceMode,
 
