@@ -62,6 +62,8 @@ pub mod maps {
     pub const POD_CONFIG: &str = "SHUNT_POD_CONFIG";
     /// `Array<GlobalConfig>` with one entry.
     pub const CONFIG: &str = "SHUNT_CONFIG";
+    /// `Array<PodAddrs>` indexed by `PodSlot::slot`.
+    pub const POD_ADDRS: &str = "SHUNT_POD_ADDRS";
     /// `LruHashMap<u64 socket cookie, OriginalDst>`: written at connect,
     /// moved to [`ORIGINAL_DST`] once the socket's local port is known.
     pub const ORIGINAL_DST_BY_COOKIE: &str = "SHUNT_ORIG_BY_COOKIE";
@@ -85,11 +87,12 @@ pub mod maps {
     pub const SPLICE_KEYS: &str = "SHUNT_SPLICE_KEYS";
 
     /// Every map the agent pins (and every pod's program instance shares).
-    pub const ALL: [&str; 10] = [
+    pub const ALL: [&str; 11] = [
         ENROLLED,
         POD_COUNTERS,
         POD_CONFIG,
         CONFIG,
+        POD_ADDRS,
         ORIGINAL_DST_BY_COOKIE,
         ORIGINAL_DST,
         POD_RECORDS,
@@ -153,11 +156,6 @@ pub struct PodConfig {
     pub flags: u32,
     /// Number of valid entries in `excluded_cidrs_v4`.
     pub excluded_cidr_count: u32,
-    /// The pod's own IPv4 address (network order; 0: none), where the proxy
-    /// delivers inbound connections: a proxy connection to it is spliced.
-    pub own_ipv4: u32,
-    /// The pod's own IPv6 address (network order; all zero: none).
-    pub own_ipv6: [u32; 4],
     /// Destination ports an outbound connect keeps (host order, 0 = unused).
     pub excluded_outbound_ports: [u16; MAX_EXCLUDED_PORTS],
     /// Local ports inbound traffic reaches directly (host order, 0 = unused).
@@ -273,6 +271,18 @@ pub struct SpliceFlow {
     pub fallen_back: u32,
 }
 
+/// A pod's own addresses, where the proxy delivers inbound connections: a
+/// proxy connection to one of them is spliced. Kept apart from
+/// [`PodConfig`] so that maps pinned by an earlier agent keep their layout.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PodAddrs {
+    /// The pod's IPv4 address (network order; 0: none).
+    pub ipv4: u32,
+    /// The pod's IPv6 address (network order; all zero: none).
+    pub ipv6: [u32; 4],
+}
+
 /// Where an application's connection was going before connect() was
 /// rewritten. Addresses in network order (IPv4 in `addr[0]`), port in host
 /// order.
@@ -367,6 +377,7 @@ mod user {
     unsafe impl aya::Pod for super::PodSlot {}
     unsafe impl aya::Pod for super::PodCounters {}
     unsafe impl aya::Pod for super::PodConfig {}
+    unsafe impl aya::Pod for super::PodAddrs {}
     unsafe impl aya::Pod for super::Cidr4 {}
     unsafe impl aya::Pod for super::GlobalConfig {}
     unsafe impl aya::Pod for super::OriginalDst {}
@@ -390,9 +401,10 @@ mod tests {
         assert_eq!(core::mem::size_of::<Cidr4>(), 8);
         assert_eq!(
             core::mem::size_of::<PodConfig>(),
-            8 + 4 + 16 + 2 * 2 * MAX_EXCLUDED_PORTS + 8 * MAX_EXCLUDED_CIDRS
+            8 + 2 * 2 * MAX_EXCLUDED_PORTS + 8 * MAX_EXCLUDED_CIDRS
         );
         assert_eq!(core::mem::size_of::<OriginalDst>(), 20);
+        assert_eq!(core::mem::size_of::<PodAddrs>(), 20);
         assert_eq!(core::mem::size_of::<SockKey>(), 32);
     }
 

@@ -7,8 +7,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, SockHash},
 };
 use shunt_common::{
-    GlobalConfig, MAX_ORIGINAL_DSTS, MAX_PODS, MAX_SPLICE_SOCKETS, OriginalDst, PodConfig,
-    PodCounters, PodRecord, PodSlot, SockKey, SpliceFlow, SpliceKey,
+    GlobalConfig, MAX_ORIGINAL_DSTS, MAX_PODS, MAX_SPLICE_SOCKETS, OriginalDst, PodAddrs,
+    PodConfig, PodCounters, PodRecord, PodSlot, SockKey, SpliceFlow, SpliceKey,
 };
 
 /// netns cookie → slot: which namespaces are enrolled.
@@ -22,6 +22,10 @@ pub static POD_COUNTERS: PerCpuArray<PodCounters> = PerCpuArray::with_max_entrie
 /// Per-pod redirection settings, by slot.
 #[map(name = "SHUNT_POD_CONFIG")]
 pub static POD_CONFIG: Array<PodConfig> = Array::with_max_entries(MAX_PODS, 0);
+
+/// Per-pod own addresses, by slot.
+#[map(name = "SHUNT_POD_ADDRS")]
+pub static POD_ADDRS: Array<PodAddrs> = Array::with_max_entries(MAX_PODS, 0);
 
 /// Agent-wide settings (one entry).
 #[map(name = "SHUNT_CONFIG")]

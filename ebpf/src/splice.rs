@@ -38,11 +38,12 @@ use aya_ebpf::{
     programs::{RawTracePointContext, SkMsgContext, SockOpsContext},
 };
 use shunt_common::{
-    DEFAULT_SPLICE_BACKLOG, GlobalConfig, PROXY_MARK, PodConfig, SpliceFlow, SpliceKey,
+    DEFAULT_SPLICE_BACKLOG, GlobalConfig, PROXY_MARK, PodAddrs, PodConfig, SpliceFlow, SpliceKey,
 };
 
 use crate::maps::{
-    ENROLLED, POD_CONFIG, SPLICE_FLOWS, SPLICE_KEYS, SPLICE_SOCKS, counters, global_config,
+    ENROLLED, POD_ADDRS, POD_CONFIG, SPLICE_FLOWS, SPLICE_KEYS, SPLICE_SOCKS, counters,
+    global_config,
 };
 
 const AF_INET: u32 = 2;
@@ -148,10 +149,16 @@ pub fn join_application_end(ctx: &SockOpsContext, netns_cookie: u64) {
 pub fn join_delivery_end(ctx: &SockOpsContext) {
     // SAFETY: the helper only reads the socket behind the context.
     let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.ops.cast()) };
-    let Some((slot, config)) = splicing_pod(netns_cookie) else {
+    let Some((slot, _)) = splicing_pod(netns_cookie) else {
         return;
     };
-    if !has_proxy_mark(ctx) || !to_own_address(ctx, &config) {
+    if !has_proxy_mark(ctx) {
+        return;
+    }
+    let Some(own) = POD_ADDRS.get(slot) else {
+        return;
+    };
+    if !to_own_address(ctx, own) {
         return;
     }
     start(ctx, key_of_sock_ops(ctx, netns_cookie), slot);
@@ -227,15 +234,15 @@ fn has_proxy_mark(ctx: &SockOpsContext) -> bool {
 /// Whether the connection goes to the pod's own address (IPv4, v4-mapped
 /// or IPv6).
 #[inline(always)]
-fn to_own_address(ctx: &SockOpsContext, config: &PodConfig) -> bool {
+fn to_own_address(ctx: &SockOpsContext, own: &PodAddrs) -> bool {
     if ctx.family() == AF_INET {
-        return config.own_ipv4 != 0 && ctx.remote_ip4() == config.own_ipv4;
+        return own.ipv4 != 0 && ctx.remote_ip4() == own.ipv4;
     }
     let remote = ctx.remote_ip6();
     if remote[0] == 0 && remote[1] == 0 && u32::from_be(remote[2]) == 0xffff {
-        return config.own_ipv4 != 0 && remote[3] == config.own_ipv4;
+        return own.ipv4 != 0 && remote[3] == own.ipv4;
     }
-    config.own_ipv6 != [0; 4] && remote == config.own_ipv6
+    own.ipv6 != [0; 4] && remote == own.ipv6
 }
 
 /// Called by `sockops` when a socket that joined changes state: once it is

@@ -45,7 +45,7 @@ pub use cgroup::cgroup2_mount;
 pub use original_dst::EbpfOriginalDst;
 use shunt_common::{
     Cidr4, DEFAULT_SPLICE_BACKLOG, GlobalConfig, MAX_EXCLUDED_CIDRS, MAX_EXCLUDED_PORTS, MAX_PODS,
-    PodConfig, PodCounters, PodRecord, PodSlot, globals, maps,
+    PodAddrs, PodConfig, PodCounters, PodRecord, PodSlot, globals, maps,
 };
 pub use splice::SpliceMode;
 pub use tc::{TC_HANDLE, TC_PRIORITY};
@@ -132,6 +132,7 @@ struct Enrolment {
     cookie: u64,
     slot: u32,
     config: PodConfig,
+    addrs: PodAddrs,
 }
 
 /// The eBPF redirector. See the module docs.
@@ -142,6 +143,7 @@ pub struct EbpfRedirector {
     enrolled_map: BpfHashMap<MapData, u64, PodSlot>,
     counters_map: PerCpuArray<MapData, PodCounters>,
     config_map: Array<MapData, PodConfig>,
+    addrs_map: Array<MapData, PodAddrs>,
     records_map: BpfHashMap<MapData, u64, PodRecord>,
     pods: BTreeMap<WorkloadKey, Enrolment>,
     pin_dir: PathBuf,
@@ -177,6 +179,7 @@ impl EbpfRedirector {
         let counters_map: PerCpuArray<MapData, PodCounters> =
             take_map(&mut ebpf, maps::POD_COUNTERS)?;
         let config_map: Array<MapData, PodConfig> = take_map(&mut ebpf, maps::POD_CONFIG)?;
+        let addrs_map: Array<MapData, PodAddrs> = take_map(&mut ebpf, maps::POD_ADDRS)?;
         let records_map: BpfHashMap<MapData, u64, PodRecord> =
             take_map(&mut ebpf, maps::POD_RECORDS)?;
         cgroup::attach_or_adopt(&mut ebpf, &cgroup_root, pin_dir)?;
@@ -222,6 +225,7 @@ impl EbpfRedirector {
             enrolled_map,
             counters_map,
             config_map,
+            addrs_map,
             records_map,
             pods: BTreeMap::new(),
             pin_dir: pin_dir.to_path_buf(),
@@ -339,11 +343,14 @@ impl EbpfRedirector {
         let Some(enrolment) = self.pods.get(pod) else {
             return Err(RedirectError::NotEnrolled(pod.clone()));
         };
-        let (cookie, slot, config) = (enrolment.cookie, enrolment.slot, enrolment.config);
+        let (cookie, slot, config, addrs) = (
+            enrolment.cookie,
+            enrolment.slot,
+            enrolment.config,
+            enrolment.addrs,
+        );
         let netns = NetNs::open(enrolment.netns.path())?;
-        self.config_map
-            .set(slot, config, 0)
-            .map_err(|e| kernel(pod, "writing the pod's settings", e))?;
+        self.write_settings(pod, slot, config, addrs)?;
         self.enrolled_map
             .insert(cookie, PodSlot { slot, flags: 0 }, 0)
             .map_err(|e| kernel(pod, "recording the enrolment", e))?;
@@ -351,10 +358,27 @@ impl EbpfRedirector {
         reply_path(pod, &netns, config)
     }
 
+    /// Writes a pod's settings and addresses into its slot.
+    fn write_settings(
+        &mut self,
+        pod: &WorkloadKey,
+        slot: u32,
+        config: PodConfig,
+        addrs: PodAddrs,
+    ) -> Result<(), RedirectError> {
+        self.config_map
+            .set(slot, config, 0)
+            .map_err(|e| kernel(pod, "writing the pod's settings", e))?;
+        self.addrs_map
+            .set(slot, addrs, 0)
+            .map_err(|e| kernel(pod, "writing the pod's addresses", e))
+    }
+
     /// Takes a pod out of the maps (and its record off disk).
     fn forget(&mut self, cookie: u64, slot: u32) {
         let _ = self.enrolled_map.remove(&cookie);
         let _ = self.config_map.set(slot, PodConfig::default(), 0);
+        let _ = self.addrs_map.set(slot, PodAddrs::default(), 0);
         let _ = self.records_map.remove(&cookie);
     }
 }
@@ -367,15 +391,15 @@ impl Redirector for EbpfRedirector {
     fn enrol(&mut self, target: &PodTarget) -> Result<(), RedirectError> {
         let pod = &target.key;
         let config = pod_config(target, self.splice, self.preserve_source)?;
+        let addrs = pod_addrs(&target.ips);
         if let Some(existing) = self.pods.get_mut(pod) {
             if existing.netns.path() == target.netns {
-                if existing.config != config {
+                if (existing.config, existing.addrs) != (config, addrs) {
                     existing.config = config;
+                    existing.addrs = addrs;
                     let slot = existing.slot;
-                    self.config_map
-                        .set(slot, config, 0)
-                        .map_err(|e| kernel(pod, "writing the pod's settings", e))?;
-                    info!(%pod, ?target.capture, "capture settings changed");
+                    self.write_settings(pod, slot, config, addrs)?;
+                    info!(%pod, ?target.capture, ips = ?target.ips, "capture settings changed");
                 }
                 return self.repair(pod);
             }
@@ -404,9 +428,7 @@ impl Redirector for EbpfRedirector {
                 slot
             }
         };
-        self.config_map
-            .set(slot, config, 0)
-            .map_err(|e| kernel(pod, "writing the pod's settings", e))?;
+        self.write_settings(pod, slot, config, addrs)?;
         self.enrolled_map
             .insert(cookie, PodSlot { slot, flags: 0 }, 0)
             .map_err(|e| kernel(pod, "recording the enrolment", e))?;
@@ -430,6 +452,7 @@ impl Redirector for EbpfRedirector {
                 cookie,
                 slot,
                 config,
+                addrs,
             },
         );
         Ok(())
@@ -465,6 +488,9 @@ impl Redirector for EbpfRedirector {
         }
         if self.config_map.get(&enrolment.slot, 0).ok() != Some(enrolment.config) {
             missing.push(format!("{} settings", maps::POD_CONFIG));
+        }
+        if self.addrs_map.get(&enrolment.slot, 0).ok() != Some(enrolment.addrs) {
+            missing.push(format!("{} addresses", maps::POD_ADDRS));
         }
         let present = enrolment
             .netns
@@ -724,21 +750,25 @@ fn pod_config(
         };
     }
     config.excluded_cidr_count = capture.excluded_outbound_cidrs.len() as u32;
-    for ip in &target.ips {
+    Ok(config)
+}
+
+/// The kernel form of a pod's own addresses: its first IPv4 and first IPv6
+/// one, in network order.
+fn pod_addrs(ips: &[IpAddr]) -> PodAddrs {
+    let mut addrs = PodAddrs::default();
+    for ip in ips {
         match ip {
-            IpAddr::V4(v4) if config.own_ipv4 == 0 => {
-                config.own_ipv4 = u32::from_ne_bytes(v4.octets());
-            }
-            IpAddr::V6(v6) if config.own_ipv6 == [0; 4] => {
-                let octets = v6.octets();
-                for (word, chunk) in config.own_ipv6.iter_mut().zip(octets.chunks_exact(4)) {
+            IpAddr::V4(v4) if addrs.ipv4 == 0 => addrs.ipv4 = u32::from_ne_bytes(v4.octets()),
+            IpAddr::V6(v6) if addrs.ipv6 == [0; 4] => {
+                for (word, chunk) in addrs.ipv6.iter_mut().zip(v6.octets().chunks_exact(4)) {
                     *word = u32::from_ne_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
                 }
             }
             _ => {}
         }
     }
-    Ok(config)
+    addrs
 }
 
 /// Copies as much of `from` as fits, leaving the rest NUL.

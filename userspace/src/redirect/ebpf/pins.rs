@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use aya::maps::MapData;
 use shunt_common::{
-    GlobalConfig, OriginalDst, PodConfig, PodCounters, PodRecord, PodSlot, SockKey, SpliceFlow,
-    SpliceKey, maps,
+    GlobalConfig, OriginalDst, PodAddrs, PodConfig, PodCounters, PodRecord, PodSlot, SockKey,
+    SpliceFlow, SpliceKey, maps,
 };
 
 /// A pinned map whose key or value size is not what this agent uses.
@@ -37,6 +37,7 @@ fn layout(name: &str) -> Option<(usize, usize)> {
         maps::POD_COUNTERS => (size_of::<u32>(), size_of::<PodCounters>()),
         maps::POD_CONFIG => (size_of::<u32>(), size_of::<PodConfig>()),
         maps::CONFIG => (size_of::<u32>(), size_of::<GlobalConfig>()),
+        maps::POD_ADDRS => (size_of::<u32>(), size_of::<PodAddrs>()),
         maps::ORIGINAL_DST_BY_COOKIE => (size_of::<u64>(), size_of::<OriginalDst>()),
         maps::ORIGINAL_DST => (size_of::<SockKey>(), size_of::<OriginalDst>()),
         maps::POD_RECORDS => (size_of::<u64>(), size_of::<PodRecord>()),
