@@ -527,6 +527,49 @@ pub fn mesh_pods_enrolled(status: &NodeStatus) -> bool {
         .all(|p| p.state == shunt::admin::PodState::Enrolled)
 }
 
+/// One node whose pods `client` and `server` are in the mesh and
+/// `outsider` is not, a cgroup for their applications (below the agent's
+/// cgroup root), and an agent started with `args` that has enrolled the mesh
+/// pods: the bed of tests that send both mesh and plaintext traffic into a
+/// mesh pod.
+pub struct MeshNode {
+    pub agent: Agent,
+    pub client: Pod,
+    pub server: Pod,
+    pub outsider: Pod,
+    pub apps: Cgroup,
+    // Last: the namespaces go after everything in them.
+    pub topology: Topology,
+}
+
+impl MeshNode {
+    pub fn start(test: &str, args: &[&str]) -> Result<MeshNode> {
+        let (topology, pods) = Topology::single_node(test, &["client", "server", "outsider"])?;
+        let [client, server, outsider] = [pods[0].clone(), pods[1].clone(), pods[2].clone()];
+        let apps = Cgroup::create(&topology, "apps")?;
+        let yaml = workloads_yaml(&[
+            WorkloadSpec::for_pod(&client, true),
+            WorkloadSpec::for_pod(&server, true),
+            WorkloadSpec::for_pod(&outsider, false),
+        ]);
+        let node = client.node().clone();
+        let mut agent = Agent::start(&topology, &node, &yaml, args)?;
+        agent.wait_for(
+            "the mesh pods enrolled",
+            Duration::from_secs(30),
+            mesh_pods_enrolled,
+        )?;
+        Ok(MeshNode {
+            agent,
+            client,
+            server,
+            outsider,
+            apps,
+            topology,
+        })
+    }
+}
+
 /// Removes pin dirs of test agents whose topology is gone (a killed run
 /// never reached `Drop`).
 fn sweep_stale_pins() {

@@ -18,8 +18,7 @@ use std::{
 use serde_json::Value;
 use shunt::proxy::ProxyStats;
 use shunt_testbed::{
-    Cgroup, Topology,
-    agent::{Agent, Endpoints, WorkloadSpec, mesh_pods_enrolled, workloads_yaml},
+    agent::{Agent, Endpoints, MeshNode, mesh_pods_enrolled},
     apps::{EchoServer, TestApp},
     require_root,
 };
@@ -113,22 +112,6 @@ impl Drop for Churn {
 
 fn handover_without_failed_connections(mode: &str) {
     require_root().expect("kernel tests need root");
-    let (topo, pods) = Topology::single_node(
-        &format!("handover-{mode}"),
-        &["client", "server", "outsider"],
-    )
-    .expect("topology");
-    let [client, server, outsider] = &pods[..] else {
-        unreachable!("three pods asked for")
-    };
-    let cgroup = Cgroup::create(&topo, "apps").expect("cgroup");
-    let apps = TestApp::new(TESTAPP, &cgroup);
-    let yaml = workloads_yaml(&[
-        WorkloadSpec::for_pod(client, true),
-        WorkloadSpec::for_pod(server, true),
-        WorkloadSpec::for_pod(outsider, false),
-    ]);
-    let node = topo.node("node-a").expect("node").clone();
     // Both agents verify (and would repair) every pod each second while
     // they overlap: neither may see the other's state as drift.
     let args = [
@@ -139,9 +122,11 @@ fn handover_without_failed_connections(mode: &str) {
         "--verify-interval",
         "1",
     ];
-    let mut old = Agent::start(&topo, &node, &yaml, &args).expect("old agent");
-    old.wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_enrolled)
-        .expect("enrolled");
+    let bed = MeshNode::start(&format!("handover-{mode}"), &args).expect("node with the old agent");
+    let (client, server, outsider) = (&bed.client, &bed.server, &bed.outsider);
+    let topo = &bed.topology;
+    let mut old = bed.agent;
+    let apps = TestApp::new(TESTAPP, &bed.apps);
     // The proxy asked each mesh pod's kernel to hand a closing listener's
     // queued connections to the other agent's listener (without it, this
     // test's churn saw resets when the old agent closed its listeners).

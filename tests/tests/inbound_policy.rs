@@ -7,8 +7,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use shunt_testbed::{
-    Cgroup, Topology,
-    agent::{Agent, WorkloadSpec, mesh_pods_enrolled, workloads_yaml},
+    agent::MeshNode,
     apps::{EchoServer, TestApp, ok},
     require_root,
 };
@@ -18,25 +17,14 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 
 fn deny_refuses_plaintext_and_counts_it(mode: &str) {
     require_root().expect("kernel tests need root");
-    let (topo, pods) =
-        Topology::single_node(&format!("policy-{mode}"), &["client", "server", "outsider"])
-            .expect("topology");
-    let [client, server, outsider] = &pods[..] else {
-        unreachable!("three pods asked for")
-    };
-    let cgroup = Cgroup::create(&topo, "apps").expect("cgroup");
-    let apps = TestApp::new(TESTAPP, &cgroup);
-    let yaml = workloads_yaml(&[
-        WorkloadSpec::for_pod(client, true),
-        WorkloadSpec::for_pod(server, true),
-        WorkloadSpec::for_pod(outsider, false),
-    ]);
-    let node = topo.node("node-a").expect("node").clone();
-    let args = ["--redirect", mode, "--inbound-plaintext", "deny"];
-    let mut agent = Agent::start(&topo, &node, &yaml, &args).expect("agent");
-    agent
-        .wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_enrolled)
-        .expect("enrolled");
+    let bed = MeshNode::start(
+        &format!("policy-{mode}"),
+        &["--redirect", mode, "--inbound-plaintext", "deny"],
+    )
+    .expect("node");
+    let (client, server, outsider) = (&bed.client, &bed.server, &bed.outsider);
+    let mut agent = bed.agent;
+    let apps = TestApp::new(TESTAPP, &bed.apps);
     let echo = EchoServer::on(server, 8080).expect("echo");
     let to_server = format!("{}:8080", server.ip());
 

@@ -18,7 +18,7 @@ use serde_json::Value;
 use shunt::admin::{Counters, NodeStatus, PodState};
 use shunt_testbed::{
     Cgroup, Pod, Topology,
-    agent::{Agent, WorkloadSpec, workloads_yaml},
+    agent::{Agent, MeshNode, WorkloadSpec, workloads_yaml},
     apps::{EchoServer, TestApp, ok},
     require_root,
 };
@@ -372,54 +372,38 @@ fn with_splice_opt_in_only_pods_that_opt_in_are_spliced() {
     }
 }
 
-/// A node where the server is in the mesh too, and a client outside it.
-/// The server is the testapp's `serve` (an application process, in the apps
-/// cgroup as a pod's containers are, so the socket programs see its
-/// accepted sockets).
-struct InboundNode {
-    agent: Agent,
-    client: Pod,
-    server: Pod,
-    outsider: Pod,
-    apps_cgroup: Cgroup,
-    _topology: Topology,
+/// The spliced bytes the agent counted for `pod`.
+fn spliced_bytes(agent: &Agent, pod: &Pod) -> u64 {
+    let status = agent.status().expect("status");
+    status
+        .pods
+        .iter()
+        .find(|p| p.name == pod.name())
+        .and_then(|p| p.counters)
+        .map(|c| c.spliced_bytes)
+        .unwrap_or_else(|| panic!("no counters for {}", pod.name()))
 }
 
-impl InboundNode {
-    fn run(&self, pod: &Pod, args: &[&str]) -> Value {
-        TestApp::new(TESTAPP, &self.apps_cgroup).run(pod, args)
-    }
-
-    fn spliced_bytes(&self, pod: &Pod) -> u64 {
-        let status = self.agent.status().expect("status");
-        status
-            .pods
-            .iter()
-            .find(|p| p.name == pod.name())
-            .and_then(|p| p.counters)
-            .map(|c| c.spliced_bytes)
-            .unwrap_or_else(|| panic!("no counters for {}", pod.name()))
-    }
-
-    /// Starts the echo server in the server pod for `conns` connections;
-    /// returns once it listens.
-    fn serve(&self, conns: usize) -> Server {
-        let addr = format!("{}:8080", self.server.ip());
-        let conns = conns.to_string();
-        let mut child = TestApp::new(TESTAPP, &self.apps_cgroup)
-            .command(
-                &self.server,
-                &["serve", &addr, "--conns", &conns, "--timeout-ms", "20000"],
-            )
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .expect("spawn the echo server");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
-        let first = lines.next().and_then(Result::ok).unwrap_or_default();
-        assert!(first.contains("listening"), "the server said {first:?}");
-        Server { child, lines }
-    }
+/// Starts the testapp's echo server (`serve`) in `node`'s server pod for
+/// `conns` connections; returns once it listens. An application process in
+/// the apps cgroup, as a pod's containers are, so the socket programs see
+/// its accepted sockets.
+fn serve(node: &MeshNode, conns: usize) -> Server {
+    let addr = format!("{}:8080", node.server.ip());
+    let conns = conns.to_string();
+    let mut child = TestApp::new(TESTAPP, &node.apps)
+        .command(
+            &node.server,
+            &["serve", &addr, "--conns", &conns, "--timeout-ms", "20000"],
+        )
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn the echo server");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
+    let first = lines.next().and_then(Result::ok).unwrap_or_default();
+    assert!(first.contains("listening"), "the server said {first:?}");
+    Server { child, lines }
 }
 
 /// A running `shunt-testapp serve`.
@@ -446,51 +430,20 @@ impl Drop for Server {
     }
 }
 
-fn inbound_node(test: &str) -> InboundNode {
-    require_root().expect("kernel tests need root");
-    let (topology, pods) =
-        Topology::single_node(test, &["client", "server", "outsider"]).expect("topology");
-    let [client, server, outsider] = [pods[0].clone(), pods[1].clone(), pods[2].clone()];
-    let yaml = workloads_yaml(&[
-        WorkloadSpec::for_pod(&client, true),
-        WorkloadSpec::for_pod(&server, true),
-        WorkloadSpec::for_pod(&outsider, false),
-    ]);
-    let node = topology.node("node-a").expect("node").clone();
-    let mut agent = Agent::start(
-        &topology,
-        &node,
-        &yaml,
-        &["--redirect", "ebpf", "--splice", "on"],
-    )
-    .expect("agent");
-    agent
-        .wait_for("client and server enrolled", TIMEOUT, |s| {
-            enrolled(s, &client) && enrolled(s, &server)
-        })
-        .expect("enrolled");
-    let apps_cgroup = Cgroup::create(&topology, "apps").expect("cgroup");
-    InboundNode {
-        agent,
-        client,
-        server,
-        outsider,
-        apps_cgroup,
-        _topology: topology,
-    }
-}
-
 #[test]
 fn inbound_deliveries_to_the_application_are_spliced_too() {
     let payload = 256u64 << 10;
     let send = payload.to_string();
-    let node = inbound_node("splice-inbound");
+    require_root().expect("kernel tests need root");
+    let node =
+        MeshNode::start("splice-inbound", &["--redirect", "ebpf", "--splice", "on"]).expect("node");
+    let run = |pod: &Pod, args: &[&str]| TestApp::new(TESTAPP, &node.apps).run(pod, args);
     let to_server = format!("{}:8080", node.server.ip());
 
     // Over HBONE: the client's leg to 15001 and the server's leg from the
     // proxy to the application both splice, each both ways.
-    let server = node.serve(1);
-    let report = node.run(
+    let server = serve(&node, 1);
+    let report = run(
         &node.client,
         &["connect", &to_server, "--send", &send, "--poll"],
     );
@@ -502,7 +455,7 @@ fn inbound_deliveries_to_the_application_are_spliced_too() {
     assert_eq!(as_u64(&served, "echoed"), payload, "{served}");
     // The application's accepted socket sent its echo through sk_msg.
     assert_eq!(as_u64(&served, "tcp_bytes_sent"), 0, "{served}");
-    let server_after_hbone = node.spliced_bytes(&node.server);
+    let server_after_hbone = spliced_bytes(&node.agent, &node.server);
     assert!(
         server_after_hbone >= 2 * payload,
         "the server's inbound leg spliced {server_after_hbone} bytes"
@@ -510,14 +463,14 @@ fn inbound_deliveries_to_the_application_are_spliced_too() {
 
     // Plaintext from outside the mesh (15006): the delivery leg splices,
     // from the client's own address (source preservation is on).
-    let server = node.serve(1);
-    let report = node.run(&node.outsider, &["connect", &to_server, "--send", &send]);
+    let server = serve(&node, 1);
+    let report = run(&node.outsider, &["connect", &to_server, "--send", &send]);
     assert!(ok(&report), "{report}\n{}", node.agent.logs());
     assert_eq!(as_u64(&report, "received"), payload, "{report}");
     let served = server.report();
     assert_eq!(as_u64(&served, "echoed"), payload, "{served}");
     assert_eq!(as_u64(&served, "tcp_bytes_sent"), 0, "{served}");
-    let server_after_plaintext = node.spliced_bytes(&node.server);
+    let server_after_plaintext = spliced_bytes(&node.agent, &node.server);
     assert!(
         server_after_plaintext >= server_after_hbone + 2 * payload,
         "the plaintext delivery spliced {} bytes",
