@@ -58,6 +58,11 @@ async fn cross_node_and_same_node_streams_carry_bytes() {
         assert!(rest.is_empty());
     }
     drop((cross, same));
+    m.wait_for_stats("both streams counted", |s| {
+        s["node-a"].outbound_hbone >= 2
+            && s["node-a"].inbound_hbone + s["node-b"].inbound_hbone >= 2
+    })
+    .await;
     let a = m.nodes["node-a"].proxy.stats();
     let b = m.nodes["node-b"].proxy.stats();
     assert_eq!(a.outbound_hbone, 2, "{a:?}");

@@ -341,6 +341,32 @@ pub async fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> boo
 }
 
 impl Mesh {
+    /// Waits (bounded, 10 s) until `done` holds for the proxies' stats by
+    /// node: a connection is counted when its task finishes, which may be
+    /// just after the client saw its EOF.
+    pub async fn wait_for_stats(
+        &self,
+        what: &str,
+        done: impl Fn(&HashMap<String, shunt::proxy::ProxyStats>) -> bool,
+    ) {
+        let start = std::time::Instant::now();
+        loop {
+            let stats: HashMap<String, shunt::proxy::ProxyStats> = self
+                .nodes
+                .iter()
+                .map(|(name, node)| (name.clone(), node.proxy.stats()))
+                .collect();
+            if done(&stats) {
+                return;
+            }
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(10),
+                "{what}: not after 10 s: {stats:?}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+
     /// Waits until a connection from `from` to `dst` is refused (or, with
     /// `open`, accepted), bounded.
     pub async fn wait_listening(&self, from: &str, dst: SocketAddr, open: bool) -> bool {
