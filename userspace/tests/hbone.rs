@@ -119,6 +119,8 @@ async fn large_transfer_arrives_intact() {
         "1 GiB through two proxies in {elapsed:?} ({:.0} MiB/s, debug build)",
         1024.0 / elapsed.as_secs_f64()
     );
+    m.wait_for_stats("the stream counted", |s| s["node-a"].outbound_hbone >= 1)
+        .await;
     let a = m.nodes["node-a"].proxy.stats();
     assert_eq!(a.bytes_out, TOTAL as u64);
 }
@@ -177,7 +179,10 @@ async fn passthrough_and_inbound_plaintext() {
         .await;
     echo_roundtrip(&mut s, b"plaintext into the mesh").await;
     drop(s);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    m.wait_for_stats("both connections counted", |s| {
+        s["node-a"].outbound_passthrough >= 1 && s["node-b"].inbound_plaintext >= 1
+    })
+    .await;
     let a = m.nodes["node-a"].proxy.stats();
     let b = m.nodes["node-b"].proxy.stats();
     assert_eq!((a.outbound_passthrough, a.outbound_hbone), (1, 0), "{a:?}");
@@ -212,6 +217,8 @@ async fn wrong_server_identity_is_refused() {
         .await
         .expect("answer in time");
     assert!(matches!(r, Ok(0) | Err(_)), "refused, got {r:?}");
+    m.wait_for_stats("the failure counted", |s| s["node-a"].failed >= 1)
+        .await;
     let a = m.nodes["node-a"].proxy.stats();
     assert_eq!(a.failed, 1, "{a:?}");
     let server = &m.nodes["node-b"].proxy;
