@@ -286,8 +286,9 @@ fn request(payload: RouteNetlinkMessage, flags: u16) -> io::Result<()> {
     result.unwrap_or_else(|| Err(io::Error::other("no acknowledgement from the kernel")))
 }
 
-/// Runs a dump request and returns every message of the answer.
-fn dump(payload: RouteNetlinkMessage) -> io::Result<Vec<RouteNetlinkMessage>> {
+/// Runs a dump request in the calling thread's netns and returns every
+/// message of the answer (also used by `tc_dump`).
+pub(super) fn dump(payload: RouteNetlinkMessage) -> io::Result<Vec<RouteNetlinkMessage>> {
     let socket = socket()?;
     send(&socket, payload, NLM_F_DUMP)?;
     let mut messages = Vec::new();

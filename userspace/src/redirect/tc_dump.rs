@@ -5,14 +5,10 @@
 use std::io;
 
 use aya::programs::TcAttachType;
-use netlink_packet_core::{
-    NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
-};
 use netlink_packet_route::{
     RouteNetlinkMessage,
     tc::{TcAttribute, TcFilterBpfOption, TcHandle, TcMessage, TcOption},
 };
-use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
 /// A BPF filter found on a clsact hook.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -39,52 +35,14 @@ pub fn bpf_filters(interface: &str, attach_type: TcAttachType) -> io::Result<Vec
     };
     let mut request = TcMessage::with_index(index as i32);
     request.header.parent = parent;
-    let mut header = NetlinkHeader::default();
-    header.flags = NLM_F_REQUEST | NLM_F_DUMP;
-    let mut message = NetlinkMessage::new(
-        header,
-        NetlinkPayload::InnerMessage(RouteNetlinkMessage::GetTrafficFilter(request)),
-    );
-    message.finalize();
-    let mut buf = vec![0; message.buffer_len()];
-    message.serialize(&mut buf);
-
-    let mut socket = Socket::new(NETLINK_ROUTE)?;
-    socket.bind_auto()?;
-    socket.connect(&SocketAddr::new(0, 0))?;
-    socket.send(&buf, 0)?;
-
-    let mut filters = Vec::new();
-    // A dump ends with NLMSG_DONE; bound the reads anyway.
-    for _ in 0..1024 {
-        let (data, _) = socket.recv_from_full()?;
-        let mut offset = 0;
-        while offset < data.len() {
-            let reply = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&data[offset..])
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
-            let length = reply.header.length as usize;
-            match reply.payload {
-                NetlinkPayload::Done(_) => return Ok(filters),
-                NetlinkPayload::Error(error) => {
-                    return Err(error.to_io());
-                }
-                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewTrafficFilter(msg)) => {
-                    if let Some(filter) = as_bpf_filter(&msg) {
-                        filters.push(filter);
-                    }
-                }
-                _ => {}
-            }
-            if length == 0 {
-                break;
-            }
-            offset += length;
-        }
-    }
-    Err(io::Error::new(
-        io::ErrorKind::TimedOut,
-        "netlink filter dump did not finish",
-    ))
+    let filters = super::route::dump(RouteNetlinkMessage::GetTrafficFilter(request))?
+        .iter()
+        .filter_map(|message| match message {
+            RouteNetlinkMessage::NewTrafficFilter(msg) => as_bpf_filter(msg),
+            _ => None,
+        })
+        .collect();
+    Ok(filters)
 }
 
 fn as_bpf_filter(msg: &TcMessage) -> Option<BpfFilter> {
