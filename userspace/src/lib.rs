@@ -9,6 +9,7 @@
 
 pub mod admin;
 pub mod agent;
+pub mod authz;
 pub mod bpf_debug;
 pub mod cli;
 pub mod control;
