@@ -693,6 +693,7 @@ mod tests {
             netns: None,
             dataplane_mode: DataplaneMode::Ambient,
             splice: None,
+            ..Default::default()
         }
     }
 

@@ -477,6 +477,7 @@ fn check_entries(raw: Vec<RawWorkload>, problems: &mut Vec<Problem>) -> Vec<Work
             netns: raw.netns,
             dataplane_mode,
             splice: raw.splice,
+            ..Default::default()
         };
         match keys.get(&workload.key()) {
             Some(first) => report(
@@ -805,6 +806,7 @@ workloads:
                     netns: Some("/var/run/netns/client".into()),
                     dataplane_mode: DataplaneMode::Ambient,
                     splice: None,
+                    ..Default::default()
                 },
                 Workload {
                     name: "server".into(),
@@ -815,6 +817,7 @@ workloads:
                     netns: None,
                     dataplane_mode: DataplaneMode::None,
                     splice: None,
+                    ..Default::default()
                 },
                 Workload {
                     name: "db".into(),
@@ -825,6 +828,7 @@ workloads:
                     netns: None,
                     dataplane_mode: DataplaneMode::None,
                     splice: None,
+                    ..Default::default()
                 },
             ]
         );

@@ -10,7 +10,7 @@ mod store;
 pub use service::{Endpoint, Service, ServicePort, ServiceStore};
 pub use store::{WorkloadChanges, WorkloadStore};
 
-use std::{fmt, net::IpAddr, path::PathBuf, str::FromStr};
+use std::{collections::BTreeMap, fmt, net::IpAddr, path::PathBuf, str::FromStr};
 
 /// The trust domain of SPIFFE identities (`cluster.local` unless configured).
 ///
@@ -179,7 +179,12 @@ impl fmt::Display for DataplaneMode {
 pub struct UnknownDataplaneMode(pub String);
 
 /// A pod as the agent sees it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// The fields after `splice` come from the richer sources (istiod's
+/// `istio.workload.Workload`, the Kubernetes watch); a source that does not
+/// know one leaves its default, which means what the simple sources always
+/// meant (the mesh's trust domain, HBONE, healthy, no waypoint).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Workload {
     /// Pod name.
     pub name: String,
@@ -200,6 +205,65 @@ pub struct Workload {
     /// read sockets in blocking mode, which a spliced socket can fail with
     /// EAGAIN (`ebpf/src/splice.rs`).
     pub splice: Option<bool>,
+    /// The source's stable id (a pod's UID; xDS: `cluster//Pod/ns/name`).
+    pub uid: String,
+    /// The pod's labels (authorization selectors, canonical names).
+    pub labels: BTreeMap<String, String>,
+    /// The trust domain of its identity when it is not the mesh's (xDS
+    /// `trust_domain`).
+    pub trust_domain: Option<TrustDomain>,
+    /// How peers reach it.
+    pub tunnel: TunnelProtocol,
+    /// `service.istio.io/canonical-name` and `-revision` (metrics labels);
+    /// empty when unknown.
+    pub canonical_name: String,
+    pub canonical_revision: String,
+    /// Istio's network and cluster ids; empty: the local ones.
+    pub network: String,
+    pub cluster_id: String,
+    pub status: WorkloadStatus,
+    /// The waypoint that serves it (L7), if any.
+    pub waypoint: Option<GatewayAddress>,
+    /// Policies istiod bound to it by selector, as `namespace/name`.
+    pub authorization_policies: Vec<String>,
+    /// The services it backs, by `namespace/hostname`: service port →
+    /// target port (0: the service's own target port).
+    pub services: BTreeMap<String, BTreeMap<u16, u16>>,
+}
+
+/// How peers reach a workload (`istio.workload.TunnelProtocol`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum TunnelProtocol {
+    /// HTTP/2 CONNECT over mutual TLS on port 15008.
+    #[default]
+    Hbone,
+    /// Plain TCP: not captured by a mesh proxy (passthrough).
+    None,
+}
+
+/// Whether a workload may receive connections as a service endpoint.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum WorkloadStatus {
+    #[default]
+    Healthy,
+    Unhealthy,
+}
+
+/// Where a waypoint (or other gateway) is reached
+/// (`istio.workload.GatewayAddress`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct GatewayAddress {
+    pub destination: GatewayDestination,
+    /// Its HBONE port (15008 unless istiod says otherwise).
+    pub hbone_mtls_port: u16,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum GatewayDestination {
+    /// An address on a network (empty: the local one).
+    Address { network: String, ip: IpAddr },
+    /// A service, by `namespace/hostname`, resolved through the services.
+    Hostname { namespace: String, hostname: String },
 }
 
 /// The pod annotation that opts a pod's connections out of the splice
@@ -212,7 +276,9 @@ impl Workload {
     }
 
     /// The SPIFFE identity the pod speaks with (and peers expect of it).
+    /// `trust_domain` is the mesh's; a workload with its own wins.
     pub fn identity(&self, trust_domain: &TrustDomain) -> SpiffeId {
+        let trust_domain = self.trust_domain.as_ref().unwrap_or(trust_domain);
         SpiffeId::for_service_account(trust_domain, &self.namespace, &self.service_account)
     }
 
@@ -236,6 +302,7 @@ mod tests {
             netns: None,
             dataplane_mode: DataplaneMode::Ambient,
             splice: None,
+            ..Default::default()
         }
     }
 

@@ -113,6 +113,7 @@ impl Mesh {
                     DataplaneMode::None
                 },
                 splice: None,
+                ..Default::default()
             });
         }
         let store = Arc::new(RwLock::new(WorkloadStore::new()));

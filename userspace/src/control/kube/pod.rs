@@ -159,6 +159,7 @@ impl PodFacts {
             netns: None,
             dataplane_mode: self.dataplane_mode(namespace),
             splice: self.splice,
+            ..Default::default()
         }
     }
 }
