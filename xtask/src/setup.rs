@@ -27,6 +27,28 @@ pub fn run() -> anyhow::Result<()> {
     let linker = step("bpf-linker against the nightly's LLVM", bpf_linker)?;
     step("link .tools/bpf-linker", || link_tool(&root, &linker))?;
     step("kernel: cgroup v2 and BTF", kernel_checks)?;
+    step("kubectl with kustomize (deploy/ manifest test)", kubectl_kustomize)?;
+    Ok(())
+}
+
+/// xtask/tests/deploy_manifests.rs builds deploy/ and deploy/istio/ with
+/// `kubectl kustomize`. kubectl is not in Debian's archive (nor on PyPI or
+/// npm as a binary): it comes with the machine image or Kubernetes' own
+/// package repository. A missing one only fails that test, so this step
+/// says so instead of failing setup.
+fn kubectl_kustomize() -> anyhow::Result<()> {
+    match util::stdout(Command::new("kubectl").args(["version", "--client"])) {
+        Ok(version) => {
+            let kustomize = version
+                .lines()
+                .find(|l| l.starts_with("Kustomize"))
+                .unwrap_or("no Kustomize version printed");
+            eprintln!("         {kustomize}");
+        }
+        Err(e) => eprintln!(
+            "         kubectl not found ({e}): `cargo test -p xtask --test deploy_manifests` needs it (https://kubernetes.io/docs/tasks/tools/)"
+        ),
+    }
     Ok(())
 }
 

@@ -12,9 +12,14 @@
 //! (deploy_manifests/istio.rs); the Helm chart deploy/helm/shunt rendered
 //! and compared object by object with both (deploy_manifests/chart.rs).
 
+// This file is the test crate's root, so its modules are named by path.
+#[path = "deploy_manifests/chart.rs"]
 mod chart;
+#[path = "deploy_manifests/helm.rs"]
 mod helm;
+#[path = "deploy_manifests/istio.rs"]
 mod istio;
+#[path = "deploy_manifests/kustomize.rs"]
 mod kustomize;
 
 use std::{
@@ -324,10 +329,6 @@ fn the_one<T>(what: &str, found: Vec<T>) -> T {
     found.into_iter().next().expect("one")
 }
 
-fn daemonset() -> DaemonSet {
-    daemonset_in(&all_objects())
-}
-
 fn daemonset_in(objects: &[Object]) -> DaemonSet {
     the_one(
         "DaemonSet",
@@ -354,10 +355,6 @@ fn agent_container(spec: &PodSpec) -> Container {
         .find(|c| c.name == "agent")
         .cloned()
         .expect("a container named `agent`")
-}
-
-fn config_maps() -> Vec<ConfigMap> {
-    config_maps_in(&all_objects())
 }
 
 fn config_maps_in(objects: &[Object]) -> Vec<ConfigMap> {
