@@ -27,7 +27,10 @@ pub fn run() -> anyhow::Result<()> {
     let linker = step("bpf-linker against the nightly's LLVM", bpf_linker)?;
     step("link .tools/bpf-linker", || link_tool(&root, &linker))?;
     step("kernel: cgroup v2 and BTF", kernel_checks)?;
-    step("kubectl with kustomize (deploy/ manifest test)", kubectl_kustomize)?;
+    step(
+        "kubectl with kustomize (deploy/ manifest test)",
+        kubectl_kustomize,
+    )?;
     Ok(())
 }
 

@@ -827,7 +827,10 @@ fn expand(arg: &str, env: &[EnvVar], config_maps: &[ConfigMap]) -> Result<String
 /// The agent's flags as the DaemonSet sets them (ConfigMap values
 /// resolved), each checked against the CLI; then the defaults of the rest.
 /// Returns the effective value of every flag that has one.
-fn effective_agent_args(container: &Container, config_maps: &[ConfigMap]) -> BTreeMap<String, String> {
+fn effective_agent_args(
+    container: &Container,
+    config_maps: &[ConfigMap],
+) -> BTreeMap<String, String> {
     let flags = agent_flags();
     let env = container.env.clone().unwrap_or_default();
     assert!(

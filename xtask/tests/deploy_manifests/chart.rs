@@ -11,9 +11,9 @@ use std::{
 use serde_json::Value;
 
 use super::{
-    HELM_CHART, Object, agent_container, check_args, check_rbac,
-    check_rolling_update, config_maps_in, daemonset_in, effective_agent_args, helm, istio,
-    kustomize, pod_spec, read, root,
+    HELM_CHART, Object, agent_container, check_args, check_rbac, check_rolling_update,
+    config_maps_in, daemonset_in, effective_agent_args, helm, istio, kustomize, pod_spec, read,
+    root,
 };
 
 fn chart_dir() -> PathBuf {
@@ -29,7 +29,9 @@ fn render(namespace: &str, value_files: &[&str], sets: &[&str]) -> Vec<Object> {
         .unwrap_or_else(|e| panic!("rendering deploy/{HELM_CHART}: {e}"));
     rendered
         .iter()
-        .flat_map(|r| kustomize::parse_stream(&r.text, &format!("deploy/{HELM_CHART}/{}", r.template)))
+        .flat_map(|r| {
+            kustomize::parse_stream(&r.text, &format!("deploy/{HELM_CHART}/{}", r.template))
+        })
         .collect()
 }
 
@@ -53,7 +55,10 @@ pub fn diff(expected: &Object, found: &Object) -> String {
             (Value::Object(x), Value::Object(y)) => {
                 let keys: BTreeSet<&String> = x.keys().chain(y.keys()).collect();
                 for k in keys {
-                    let (l, r) = (x.get(k).unwrap_or(&Value::Null), y.get(k).unwrap_or(&Value::Null));
+                    let (l, r) = (
+                        x.get(k).unwrap_or(&Value::Null),
+                        y.get(k).unwrap_or(&Value::Null),
+                    );
                     walk(l, r, &format!("{path}.{k}"), out);
                 }
             }
@@ -81,7 +86,10 @@ fn assert_same_objects(kustomized: Vec<Object>, charted: Vec<Object>, what: &str
         .filter(|o| !matches!(o, Object::Namespace(_)))
         .map(|o| (kustomize::key(&o), o))
         .collect();
-    let found: BTreeMap<_, _> = charted.into_iter().map(|o| (kustomize::key(&o), o)).collect();
+    let found: BTreeMap<_, _> = charted
+        .into_iter()
+        .map(|o| (kustomize::key(&o), o))
+        .collect();
     assert_eq!(
         expected.keys().collect::<Vec<_>>(),
         found.keys().collect::<Vec<_>>(),
@@ -93,7 +101,11 @@ fn assert_same_objects(kustomized: Vec<Object>, charted: Vec<Object>, what: &str
             problems.push(format!("{key:?}:\n{}", diff(object, &found[key])));
         }
     }
-    assert!(problems.is_empty(), "{what}: the chart differs from kustomize:\n{}", problems.join("\n"));
+    assert!(
+        problems.is_empty(),
+        "{what}: the chart differs from kustomize:\n{}",
+        problems.join("\n")
+    );
 }
 
 #[test]
@@ -146,11 +158,20 @@ fn referenced_values() -> BTreeSet<String> {
 /// The paths of values.yaml down to its leaves (maps that are values
 /// themselves, like nodeSelector, are leaves when empty or named by a
 /// template).
-fn value_paths(value: &Value, prefix: &str, referenced: &BTreeSet<String>, out: &mut BTreeSet<String>) {
+fn value_paths(
+    value: &Value,
+    prefix: &str,
+    referenced: &BTreeSet<String>,
+    out: &mut BTreeSet<String>,
+) {
     match value {
         Value::Object(map) if !map.is_empty() && !referenced.contains(prefix) => {
             for (k, v) in map {
-                let path = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                let path = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
                 value_paths(v, &path, referenced, out);
             }
         }
@@ -194,7 +215,10 @@ fn chart_values_are_all_used_and_named_like_ztunnels() {
         "values.yaml (left) and the values the templates use (right) differ: a dead value or a typo"
     );
     for name in ZTUNNEL_VALUES {
-        assert!(defined.contains(*name), "values.yaml has no `{name}` (as ztunnel's chart)");
+        assert!(
+            defined.contains(*name),
+            "values.yaml has no `{name}` (as ztunnel's chart)"
+        );
     }
 }
 
@@ -230,8 +254,17 @@ fn chart_values_do_what_they_say() {
     let spec = pod_spec(&ds);
     let agent = agent_container(&spec);
     let args = effective_agent_args(&agent, &config_maps_in(&objects));
-    for c in spec.containers.iter().chain(spec.init_containers.iter().flatten()) {
-        assert_eq!(c.image.as_deref(), Some("registry.example/mesh/shunt:1.2.3"), "{}", c.name);
+    for c in spec
+        .containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+    {
+        assert_eq!(
+            c.image.as_deref(),
+            Some("registry.example/mesh/shunt:1.2.3"),
+            "{}",
+            c.name
+        );
         assert_eq!(c.image_pull_policy.as_deref(), Some("Always"), "{}", c.name);
     }
     assert_eq!(args["--log-level"], "debug");
@@ -243,13 +276,33 @@ fn chart_values_do_what_they_say() {
     assert_eq!(args["--xds-address"], "xds.example:15012");
     let selector = spec.node_selector.clone().unwrap_or_default();
     assert_eq!(selector.get("pool").map(String::as_str), Some("mesh"));
-    assert_eq!(selector.get("kubernetes.io/os").map(String::as_str), Some("linux"));
-    let labels = ds.spec.as_ref().and_then(|s| s.template.metadata.as_ref()).and_then(|m| m.labels.clone()).unwrap_or_default();
+    assert_eq!(
+        selector.get("kubernetes.io/os").map(String::as_str),
+        Some("linux")
+    );
+    let labels = ds
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.metadata.as_ref())
+        .and_then(|m| m.labels.clone())
+        .unwrap_or_default();
     assert_eq!(labels.get("team").map(String::as_str), Some("net"));
-    let env = |name: &str| agent.env.iter().flatten().find(|e| e.name == name).and_then(|e| e.value.clone());
+    let env = |name: &str| {
+        agent
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == name)
+            .and_then(|e| e.value.clone())
+    };
     assert_eq!(env("EXTRA").as_deref(), Some("x"));
     assert_eq!(env("ISTIO_META_CLUSTER_ID").as_deref(), Some("east"));
-    let cpu = agent.resources.as_ref().and_then(|r| r.requests.as_ref()).and_then(|r| r.get("cpu")).map(|q| q.0.clone());
+    let cpu = agent
+        .resources
+        .as_ref()
+        .and_then(|r| r.requests.as_ref())
+        .and_then(|r| r.get("cpu"))
+        .map(|q| q.0.clone());
     assert_eq!(cpu.as_deref(), Some("250m"));
     assert_eq!(spec.service_account_name.as_deref(), Some("shunt-node"));
     for object in &objects {
@@ -287,7 +340,10 @@ fn render_text(template: &str, values: &str, sets: &[&str]) -> Result<String, St
 fn the_renderer_follows_helm_for_the_subset_the_chart_uses() {
     let ok = |t: &str, v: &str| render_text(t, v, &[]).unwrap_or_else(|e| panic!("{t}: {e}"));
     // Values, release, trimming, comments.
-    assert_eq!(ok("a: {{ .Values.x }}\nb: {{ .Release.Namespace }}", "x: 1"), "a: 1\nb: ns");
+    assert_eq!(
+        ok("a: {{ .Values.x }}\nb: {{ .Release.Namespace }}", "x: 1"),
+        "a: 1\nb: ns"
+    );
     assert_eq!(ok("a:\n  {{- /* c */ -}}\n  b", ""), "a:b");
     assert_eq!(ok("a: {{ .Values.missing }}.", "{}"), "a: .");
     // if / else if / else with Go's truth.
@@ -300,11 +356,28 @@ fn the_renderer_follows_helm_for_the_subset_the_chart_uses() {
     assert_eq!(ok("{{ .Values.s | quote }}", "s: \"on\""), "\"on\"");
     assert_eq!(ok("{{ .Values.s | default \"d\" }}", "s: \"\""), "d");
     assert_eq!(ok("{{ contains \"/\" .Values.s }}", "s: a/b"), "true");
-    assert_eq!(ok("x:{{ toYaml .Values.m | nindent 2 }}", "m: {b: 1, a: [x]}"), "x:\n  a:\n  - x\n  b: 1");
+    assert_eq!(
+        ok("x:{{ toYaml .Values.m | nindent 2 }}", "m: {b: 1, a: [x]}"),
+        "x:\n  a:\n  - x\n  b: 1"
+    );
     assert_eq!(ok("{{ include \"h.name\" . }}|", "name: n"), "n|");
-    assert_eq!(ok("{{ range $k, $v := .Values.m }}{{ $k }}={{ $v }};{{ end }}", "m: {b: 2, a: 1}"), "a=1;b=2;");
+    assert_eq!(
+        ok(
+            "{{ range $k, $v := .Values.m }}{{ $k }}={{ $v }};{{ end }}",
+            "m: {b: 2, a: 1}"
+        ),
+        "a=1;b=2;"
+    );
     // Value files and --set.
-    assert_eq!(render_text("{{ .Values.a.b }}{{ .Values.c }}", "a: {b: 1}\nc: x", &["a.b=true", "c=7"]).expect("set"), "true7");
+    assert_eq!(
+        render_text(
+            "{{ .Values.a.b }}{{ .Values.c }}",
+            "a: {b: 1}\nc: x",
+            &["a.b=true", "c=7"]
+        )
+        .expect("set"),
+        "true7"
+    );
     // Outside the subset, or wrong: an error naming it, never other output.
     for (template, needle) in [
         ("{{ with .Values.a }}x{{ end }}", "with"),
@@ -316,6 +389,9 @@ fn the_renderer_follows_helm_for_the_subset_the_chart_uses() {
         ("{{ .Values.a", "unclosed"),
     ] {
         let err = render_text(template, "a: {}\nm: {k: v}", &[]).expect_err(template);
-        assert!(err.contains(needle) && err.contains("templates/t.yaml"), "{template}: {err}");
+        assert!(
+            err.contains(needle) && err.contains("templates/t.yaml"),
+            "{template}: {err}"
+        );
     }
 }

@@ -219,7 +219,10 @@ fn tokenize(text: &str) -> Result<Vec<Token>, String> {
             before = before.trim_end();
             inner = trimmed;
         } else if inner.starts_with('-') {
-            return Err(format!("`{{{{-` needs a space after it: `{}`", excerpt(inner)));
+            return Err(format!(
+                "`{{{{-` needs a space after it: `{}`",
+                excerpt(inner)
+            ));
         }
         trim_next = false;
         if let Some(trimmed) = inner.strip_suffix(" -") {
@@ -406,9 +409,14 @@ fn parse_pipeline(text: &str) -> Result<Pipeline, String> {
         } else if word.chars().all(|c| c.is_ascii_alphanumeric()) {
             Word::Ident(word.to_string())
         } else {
-            return Err(format!("`{word}` in `{text}` is outside the supported subset"));
+            return Err(format!(
+                "`{word}` in `{text}` is outside the supported subset"
+            ));
         };
-        commands.last_mut().expect("one command at least").push(parsed);
+        commands
+            .last_mut()
+            .expect("one command at least")
+            .push(parsed);
     }
     if commands.iter().any(Vec::is_empty) {
         return Err(format!("empty command in `{text}`"));
@@ -572,15 +580,17 @@ impl Renderer {
             }
             "quote" => {
                 arity(1)?;
-                Value::String(
-                    serde_json::to_string(&print(&args[0])?).map_err(|e| e.to_string())?,
-                )
+                Value::String(serde_json::to_string(&print(&args[0])?).map_err(|e| e.to_string())?)
             }
             "default" => {
                 arity(2)?;
                 let mut args = args;
                 let given = args.pop().expect("two");
-                if truthy(&given) { given } else { args.pop().expect("one") }
+                if truthy(&given) {
+                    given
+                } else {
+                    args.pop().expect("one")
+                }
             }
             "not" => {
                 arity(1)?;
@@ -621,7 +631,12 @@ fn sorted(value: &Value) -> Value {
         Value::Object(map) => {
             let mut entries: Vec<_> = map.iter().collect();
             entries.sort_by(|a, b| a.0.cmp(b.0));
-            Value::Object(entries.into_iter().map(|(k, v)| (k.clone(), sorted(v))).collect())
+            Value::Object(
+                entries
+                    .into_iter()
+                    .map(|(k, v)| (k.clone(), sorted(v)))
+                    .collect(),
+            )
         }
         Value::Array(items) => Value::Array(items.iter().map(sorted).collect()),
         other => other.clone(),

@@ -64,8 +64,17 @@ fn mounted<'a>(
         .iter()
         .flatten()
         .find(|m| Path::new(&m.mount_path) == dir)
-        .unwrap_or_else(|| panic!("{flag} {}: nothing is mounted at {}", file.display(), dir.display()));
-    assert!(mount.sub_path.is_none(), "{flag}: a directory mount (a subPath never sees rotations)");
+        .unwrap_or_else(|| {
+            panic!(
+                "{flag} {}: nothing is mounted at {}",
+                file.display(),
+                dir.display()
+            )
+        });
+    assert!(
+        mount.sub_path.is_none(),
+        "{flag}: a directory mount (a subPath never sees rotations)"
+    );
     assert_eq!(mount.read_only, Some(true), "{flag}: read-only");
     (super::volume(spec, &mount.name), name)
 }
@@ -82,9 +91,14 @@ pub fn check_istiod_files(spec: &PodSpec, agent: &Container, args: &BTreeMap<Str
         assert_eq!(map.name, ROOT_CERT_CONFIG_MAP, "{flag}");
         assert_ne!(map.optional, Some(true), "{flag}: no root, no mesh");
         match &map.items {
-            None => assert_eq!(file, ROOT_CERT_KEY, "{flag}: the ConfigMap's key is the file"),
+            None => assert_eq!(
+                file, ROOT_CERT_KEY,
+                "{flag}: the ConfigMap's key is the file"
+            ),
             Some(items) => assert!(
-                items.iter().any(|i| i.key == ROOT_CERT_KEY && i.path == file),
+                items
+                    .iter()
+                    .any(|i| i.key == ROOT_CERT_KEY && i.path == file),
                 "{flag}: {ROOT_CERT_KEY} mapped to {file}"
             ),
         }
@@ -106,8 +120,14 @@ pub fn check_istiod_files(spec: &PodSpec, agent: &Container, args: &BTreeMap<Str
     // has them.
     assert_eq!(args["--ca-root-cert"], args["--xds-root-cert"]);
     assert_eq!(args["--ca-token-file"], args["--xds-token"]);
-    assert_eq!(args["--ca-root-cert"], "/var/run/secrets/istio/root-cert.pem");
-    assert_eq!(args["--ca-token-file"], "/var/run/secrets/tokens/istio-token");
+    assert_eq!(
+        args["--ca-root-cert"],
+        "/var/run/secrets/istio/root-cert.pem"
+    );
+    assert_eq!(
+        args["--ca-token-file"],
+        "/var/run/secrets/tokens/istio-token"
+    );
 }
 
 #[test]
@@ -141,7 +161,10 @@ fn istio_overlay_runs_as_the_node_proxy_istiod_trusts() {
     assert_eq!(accounts, vec![NODE_PROXY_ACCOUNT.to_string()]);
     let ds = daemonset_in(&objects);
     let spec = pod_spec(&ds);
-    assert_eq!(spec.service_account_name.as_deref(), Some(NODE_PROXY_ACCOUNT));
+    assert_eq!(
+        spec.service_account_name.as_deref(),
+        Some(NODE_PROXY_ACCOUNT)
+    );
     assert_ne!(spec.automount_service_account_token, Some(false));
     // The binding's subject follows (check_rbac: the DaemonSet's account,
     // in the DaemonSet's namespace).
@@ -153,8 +176,14 @@ fn istio_overlay_runs_as_the_node_proxy_istiod_trusts() {
         .and_then(|s| s.template.metadata.as_ref())
         .and_then(|m| m.labels.clone())
         .unwrap_or_default();
-    assert_eq!(labels.get("sidecar.istio.io/inject").map(String::as_str), Some("false"));
-    assert_eq!(labels.get("istio.io/dataplane-mode").map(String::as_str), Some("none"));
+    assert_eq!(
+        labels.get("sidecar.istio.io/inject").map(String::as_str),
+        Some("false")
+    );
+    assert_eq!(
+        labels.get("istio.io/dataplane-mode").map(String::as_str),
+        Some("none")
+    );
     // An operator who keeps another account tells istiod about it: the
     // doc says how.
     let doc = read("docs/ISTIO.md");
@@ -235,7 +264,10 @@ fn istio_overlay_points_the_agent_at_istiod_and_changes_nothing_else() {
                 Some(*path),
                 "{name}"
             ),
-            None => assert!(var.value.as_deref().is_some_and(|v| !v.is_empty()), "{name}"),
+            None => assert!(
+                var.value.as_deref().is_some_and(|v| !v.is_empty()),
+                "{name}"
+            ),
         }
     }
 
@@ -245,16 +277,19 @@ fn istio_overlay_points_the_agent_at_istiod_and_changes_nothing_else() {
     };
     let (vols, base_vols) = (names(&spec), names(&base_spec));
     assert_eq!(
-        base_vols.difference(&vols).cloned().collect::<BTreeSet<_>>(),
+        base_vols
+            .difference(&vols)
+            .cloned()
+            .collect::<BTreeSet<_>>(),
         ["ca".to_string()].into()
     );
-    assert_eq!(vols.difference(&base_vols).count(), 2, "root cert and token");
+    assert_eq!(
+        vols.difference(&base_vols).count(),
+        2,
+        "root cert and token"
+    );
     assert!(
-        !spec
-            .volumes
-            .iter()
-            .flatten()
-            .any(|v| v.secret.is_some()),
+        !spec.volumes.iter().flatten().any(|v| v.secret.is_some()),
         "no Secret: istiod signs, no CA key on the nodes"
     );
 
@@ -273,11 +308,23 @@ fn istio_overlay_points_the_agent_at_istiod_and_changes_nothing_else() {
         }
         v
     };
-    assert_eq!(strip(&ds), strip(&base_ds), "the DaemonSet beyond what the overlay says");
+    assert_eq!(
+        strip(&ds),
+        strip(&base_ds),
+        "the DaemonSet beyond what the overlay says"
+    );
     let others = |objects: &[Object]| -> Vec<(String, String, serde_json::Value)> {
         let mut out: Vec<_> = objects
             .iter()
-            .filter(|o| !matches!(o, Object::DaemonSet(_) | Object::Namespace(_) | Object::ServiceAccount(_) | Object::ClusterRoleBinding(_)))
+            .filter(|o| {
+                !matches!(
+                    o,
+                    Object::DaemonSet(_)
+                        | Object::Namespace(_)
+                        | Object::ServiceAccount(_)
+                        | Object::ClusterRoleBinding(_)
+                )
+            })
             .map(|o| {
                 let (kind, _, name) = kustomize::key(o);
                 let mut v = match o {
@@ -293,5 +340,9 @@ fn istio_overlay_points_the_agent_at_istiod_and_changes_nothing_else() {
         out.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
         out
     };
-    assert_eq!(others(&objects), others(&base), "ConfigMap and ClusterRole as in the base");
+    assert_eq!(
+        others(&objects),
+        others(&base),
+        "ConfigMap and ClusterRole as in the base"
+    );
 }

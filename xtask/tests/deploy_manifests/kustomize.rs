@@ -40,8 +40,7 @@ pub fn parse_stream(text: &str, what: &str) -> Vec<Object> {
     let mut problems = Vec::new();
     let mut objects = Vec::new();
     for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
-        let value =
-            Value::deserialize(doc).unwrap_or_else(|e| panic!("{what} document {i}: {e}"));
+        let value = Value::deserialize(doc).unwrap_or_else(|e| panic!("{what} document {i}: {e}"));
         if value.is_null() {
             continue;
         }
@@ -85,7 +84,12 @@ fn the_kustomize_build_of_deploy_is_the_base_manifests_as_written() {
     assert_eq!(built.len(), written.len(), "the same objects");
     for (b, w) in built.iter().zip(&written) {
         assert_eq!(key(b), key(w));
-        assert!(b == w, "{:?}: kustomize changed it:\n{}", key(b), super::chart::diff(w, b));
+        assert!(
+            b == w,
+            "{:?}: kustomize changed it:\n{}",
+            key(b),
+            super::chart::diff(w, b)
+        );
     }
     assert!(Path::new(&root().join("deploy/base/kustomization.yaml")).exists());
 }
