@@ -7,7 +7,7 @@
 //! userspace/src/control/kube/, names from xtask/src/run.rs), so a change
 //! there that deploy/ does not follow fails here.
 //!
-//! deploy/base/ is checked file by file (below) and as `kubectl kustomize`
+//! deploy/base/ is checked file by file (below) and as `kustomize build`
 //! builds it; the Istio overlay deploy/istio/ as kustomize builds it
 //! (deploy_manifests/istio.rs); the Helm chart deploy/helm/shunt rendered
 //! and compared object by object with both (deploy_manifests/chart.rs).

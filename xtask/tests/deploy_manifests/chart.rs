@@ -1,5 +1,5 @@
 //! deploy/helm/shunt: rendered (helm.rs) with its default values it is
-//! deploy/ (`kubectl kustomize deploy/`), with its Istio values it is
+//! deploy/ (`kustomize build deploy/`), with its Istio values it is
 //! deploy/istio/, object for object as the typed structs see them; its
 //! values are named like Istio's ztunnel chart's and each does what it says.
 

@@ -1,5 +1,5 @@
 //! deploy/istio/: the agent in place of ztunnel and istio-cni, as
-//! `kubectl kustomize deploy/istio/` builds it. Everything the base's
+//! `kustomize build deploy/istio/` builds it. Everything the base's
 //! DaemonSet is checked for holds here too (same checks, on these objects);
 //! on top, what istiod needs: the node proxy account it trusts, the mesh
 //! root and the istio-ca token mounted where the flags read them, the flags

@@ -1,7 +1,6 @@
-//! What `kubectl apply -k` applies: `kubectl kustomize` (kustomize as built
-//! into kubectl, which this machine image ships; `cargo xtask setup` checks
-//! for it) run on a directory of deploy/, its output parsed strictly into the
-//! typed objects.
+//! What `kubectl apply -k` applies: kustomize (the pinned release that
+//! `cargo xtask setup` links at `.tools/kustomize`) run on a directory of
+//! deploy/, its output parsed strictly into the typed objects.
 
 use std::process::Command;
 
@@ -10,28 +9,29 @@ use serde_json::Value;
 
 use super::{Object, parse_object, root};
 
-/// The objects `kubectl kustomize deploy/<dir>` builds, in its order.
+/// The objects `kustomize build deploy/<dir>` builds, in its order.
 pub fn build(dir: &str) -> Vec<Object> {
     let path = root().join("deploy").join(dir);
-    let output = Command::new("kubectl")
-        .arg("kustomize")
+    let kustomize = root().join(".tools/kustomize");
+    let output = Command::new(&kustomize)
+        .arg("build")
         .arg(&path)
         .output()
         .unwrap_or_else(|e| {
             panic!(
-                "running `kubectl kustomize {}`: {e} (kubectl, with its built-in kustomize, is \
-                 needed to build deploy/; `cargo xtask setup` says how to get it)",
+                "running `{} build {}`: {e} (run `cargo xtask setup`, which installs it)",
+                kustomize.display(),
                 path.display()
             )
         });
     assert!(
         output.status.success(),
-        "kubectl kustomize {}: {}",
+        "kustomize build {}: {}",
         path.display(),
         String::from_utf8_lossy(&output.stderr)
     );
     let text = String::from_utf8(output.stdout).expect("kustomize prints UTF-8");
-    parse_stream(&text, &format!("kubectl kustomize deploy/{dir}"))
+    parse_stream(&text, &format!("kustomize build deploy/{dir}"))
 }
 
 /// Every object of a multi-document YAML stream, parsed strictly; panics
