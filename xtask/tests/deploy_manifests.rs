@@ -6,6 +6,21 @@
 //! userspace/src/cli.rs, ports from common/src/lib.rs, API calls from
 //! userspace/src/control/kube/, names from xtask/src/run.rs), so a change
 //! there that deploy/ does not follow fails here.
+//!
+//! deploy/base/ is checked file by file (below) and as `kustomize build`
+//! builds it; the Istio overlay deploy/istio/ as kustomize builds it
+//! (deploy_manifests/istio.rs); the Helm chart deploy/helm/shunt rendered
+//! and compared object by object with both (deploy_manifests/chart.rs).
+
+// This file is the test crate's root, so its modules are named by path.
+#[path = "deploy_manifests/chart.rs"]
+mod chart;
+#[path = "deploy_manifests/helm.rs"]
+mod helm;
+#[path = "deploy_manifests/istio.rs"]
+mod istio;
+#[path = "deploy_manifests/kustomize.rs"]
+mod kustomize;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -153,7 +168,7 @@ fn strict<T: DeserializeOwned + Serialize>(value: &Value) -> Result<T, String> {
 }
 
 /// The Kubernetes objects deploy/ may contain.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 enum Object {
     Namespace(Namespace),
     ServiceAccount(ServiceAccount),
@@ -218,6 +233,25 @@ struct Kustomization {
     #[serde(default)]
     namespace: Option<String>,
     resources: Vec<String>,
+    #[serde(default)]
+    patches: Vec<KustomizePatch>,
+}
+
+/// An entry of `patches:`: a file with a strategic merge patch (which names
+/// its target itself) or a JSON patch (which needs `target`).
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct KustomizePatch {
+    path: String,
+    #[serde(default)]
+    target: Option<KustomizeTarget>,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct KustomizeTarget {
+    kind: String,
+    name: String,
 }
 
 /// kind's Cluster (kind.x-k8s.io/v1alpha4), limited to the fields used.
@@ -243,14 +277,28 @@ fn is_kustomization(relative: &Path) -> bool {
 }
 
 const KIND_CONFIG: &str = "kind/cluster.yaml";
+/// The Istio overlay: a kustomization and its patches (checked as kustomize
+/// builds it, in deploy_manifests/istio.rs).
+const ISTIO_OVERLAY: &str = "istio";
+/// The Helm chart: templates, not manifests (deploy_manifests/chart.rs).
+const HELM_CHART: &str = "helm/shunt";
 
-/// Every Kubernetes object in deploy/, by file (kustomizations and the kind
-/// config apart). Panics naming every file that does not parse strictly.
+/// Whether a YAML file of deploy/ holds Kubernetes objects as they are
+/// applied (not a kustomization, a patch, a chart file or the kind config).
+fn is_manifest(relative: &Path) -> bool {
+    !is_kustomization(relative)
+        && relative != Path::new(KIND_CONFIG)
+        && !relative.starts_with(ISTIO_OVERLAY)
+        && !relative.starts_with("helm")
+}
+
+/// Every Kubernetes object in deploy/'s manifests, by file. Panics naming
+/// every file that does not parse strictly.
 fn objects() -> BTreeMap<PathBuf, Vec<Object>> {
     let mut out = BTreeMap::new();
     let mut problems = Vec::new();
     for file in deploy_yaml_files() {
-        if is_kustomization(&file) || file == Path::new(KIND_CONFIG) {
+        if !is_manifest(&file) {
             continue;
         }
         let mut objects = Vec::new();
@@ -266,8 +314,14 @@ fn objects() -> BTreeMap<PathBuf, Vec<Object>> {
     out
 }
 
+/// The objects of the agent's own manifests (deploy/base/; not the
+/// samples).
 fn all_objects() -> Vec<Object> {
-    objects().into_values().flatten().collect()
+    objects()
+        .into_iter()
+        .filter(|(file, _)| file.starts_with("base"))
+        .flat_map(|(_, o)| o)
+        .collect()
 }
 
 fn the_one<T>(what: &str, found: Vec<T>) -> T {
@@ -275,13 +329,13 @@ fn the_one<T>(what: &str, found: Vec<T>) -> T {
     found.into_iter().next().expect("one")
 }
 
-fn daemonset() -> DaemonSet {
+fn daemonset_in(objects: &[Object]) -> DaemonSet {
     the_one(
         "DaemonSet",
-        all_objects()
-            .into_iter()
+        objects
+            .iter()
             .filter_map(|o| match o {
-                Object::DaemonSet(d) => Some(d),
+                Object::DaemonSet(d) => Some(d.clone()),
                 _ => None,
             })
             .collect(),
@@ -303,11 +357,11 @@ fn agent_container(spec: &PodSpec) -> Container {
         .expect("a container named `agent`")
 }
 
-fn config_maps() -> Vec<ConfigMap> {
-    all_objects()
-        .into_iter()
+fn config_maps_in(objects: &[Object]) -> Vec<ConfigMap> {
+    objects
+        .iter()
         .filter_map(|o| match o {
-            Object::ConfigMap(c) => Some(c),
+            Object::ConfigMap(c) => Some(c.clone()),
             _ => None,
         })
         .collect()
@@ -385,6 +439,16 @@ fn every_manifest_parses_strictly_into_typed_objects() {
     }
     let kind = the_one("kind config", yaml_documents(Path::new(KIND_CONFIG)));
     strict::<KindCluster>(&kind).unwrap_or_else(|e| panic!("deploy/{KIND_CONFIG}: {e}"));
+    // The chart's Chart.yaml and values files are YAML maps; its templates
+    // are YAML only once rendered (chart.rs).
+    let templates = Path::new(HELM_CHART).join("templates");
+    for file in files
+        .iter()
+        .filter(|f| f.starts_with(HELM_CHART) && !f.starts_with(&templates))
+    {
+        let doc = the_one("document", yaml_documents(file));
+        assert!(doc.is_object(), "deploy/{}: a map", file.display());
+    }
 
     // What kubectl (YAML 1.1) would read differently from this test.
     let mut pitfalls = Vec::new();
@@ -402,7 +466,7 @@ fn every_manifest_parses_strictly_into_typed_objects() {
 
 #[test]
 fn the_strict_parser_catches_unknown_fields_and_yaml11_pitfalls() {
-    let file = Path::new("daemonset.yaml");
+    let file = Path::new("base/daemonset.yaml");
     let mut doc = the_one("document", yaml_documents(file));
     strict::<DaemonSet>(&doc).expect("the real DaemonSet parses");
     doc["spec"]["template"]["spec"]["hostPid"] = Value::Bool(true);
@@ -420,15 +484,50 @@ fn the_strict_parser_catches_unknown_fields_and_yaml11_pitfalls() {
     );
 }
 
+/// `a/../b` as `b` (kustomize resolves resources relative to the
+/// kustomization's directory).
+fn normalize(path: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for part in path.components() {
+        match part {
+            std::path::Component::ParentDir => {
+                assert!(out.pop(), "{} leaves deploy/", path.display());
+            }
+            std::path::Component::CurDir => {}
+            other => out.push(other),
+        }
+    }
+    out
+}
+
 #[test]
 fn kustomizations_list_exactly_their_manifests() {
     let files = deploy_yaml_files();
+    let objects = objects();
     for kustomization in files.iter().filter(|f| is_kustomization(f)) {
         let dir = kustomization.parent().expect("parent").to_path_buf();
         let k: Kustomization =
             strict(&the_one("document", yaml_documents(kustomization))).expect("kustomization");
         assert_eq!(k.kind, "Kustomization");
-        let listed: BTreeSet<PathBuf> = k.resources.iter().map(|r| dir.join(r)).collect();
+        // Each resource is a file beside the kustomization or a directory
+        // with its own; each patch a file beside it; and every YAML file
+        // beside it is one of them (nothing written there is left out).
+        let mut listed = BTreeSet::new();
+        for resource in &k.resources {
+            let path = normalize(&dir.join(resource));
+            if root().join("deploy").join(&path).is_dir() {
+                assert!(
+                    files.contains(&path.join("kustomization.yaml")),
+                    "deploy/{}: resource {resource} is a directory without a kustomization",
+                    kustomization.display()
+                );
+            } else {
+                listed.insert(path);
+            }
+        }
+        for patch in &k.patches {
+            listed.insert(normalize(&dir.join(&patch.path)));
+        }
         let present: BTreeSet<PathBuf> = files
             .iter()
             .filter(|f| {
@@ -441,15 +540,19 @@ fn kustomizations_list_exactly_their_manifests() {
         assert_eq!(
             listed,
             present,
-            "deploy/{}: resources must be exactly the manifests beside it",
+            "deploy/{}: resources and patches must be exactly the files beside it",
             kustomization.display()
         );
-        // Every object lands in the kustomization's namespace, which one of
-        // its manifests creates.
+        // A kustomization of manifests puts every object in its namespace,
+        // which one of its manifests creates. (The Istio overlay creates
+        // none: istio.rs.)
+        let manifests: Vec<&PathBuf> = listed.iter().filter(|f| is_manifest(f)).collect();
+        if manifests.is_empty() {
+            continue;
+        }
         let namespace = k.namespace.expect("the kustomization sets a namespace");
-        let objects = objects();
         let mut created = false;
-        for file in &listed {
+        for file in manifests {
             for object in &objects[file] {
                 let (meta, namespaced) = match object {
                     Object::Namespace(n) => {
@@ -556,6 +659,16 @@ fn struct_fields(source: &str, name: &str) -> Vec<(String, String, String)> {
     out
 }
 
+/// Issue 14's xDS flags, which the `xds` branch adds to cli.rs (name, value
+/// type, env var). Until that is merged, deploy/istio/ and the chart's
+/// Istio values are checked against these; once cli.rs declares a flag, its
+/// declaration is used instead (and this list can go).
+const PENDING_XDS_FLAGS: &[(&str, &str, Option<&str>)] = &[
+    ("--xds-address", "String", Some("XDS_ADDRESS")),
+    ("--xds-root-cert", "PathBuf", None),
+    ("--xds-token", "PathBuf", None),
+];
+
 /// Every flag of `shunt agent`, by `--name`.
 fn agent_flags() -> BTreeMap<String, Flag> {
     let cli = read("userspace/src/cli.rs");
@@ -586,6 +699,14 @@ fn agent_flags() -> BTreeMap<String, Flag> {
                 },
             );
         }
+    }
+    for (name, ty, env) in PENDING_XDS_FLAGS {
+        out.entry(name.to_string()).or_insert_with(|| Flag {
+            ty: ty.to_string(),
+            env: env.map(str::to_string),
+            default: None,
+            optional: true,
+        });
     }
     out
 }
@@ -625,6 +746,13 @@ fn enum_values(name: &str) -> Option<Vec<String>> {
 fn check_value(flag: &str, ty: &str, value: &str) -> Result<(), String> {
     let ok = match ty {
         "String" => !value.is_empty(),
+        // state::TrustDomain: a DNS-like name.
+        "TrustDomain" => {
+            !value.is_empty()
+                && value
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-')
+        }
         "PathBuf" => value.starts_with('/'),
         "Ipv4Addr" => value.parse::<Ipv4Addr>().is_ok(),
         "SocketAddr" => value.parse::<SocketAddr>().is_ok(),
@@ -699,9 +827,11 @@ fn expand(arg: &str, env: &[EnvVar], config_maps: &[ConfigMap]) -> Result<String
 /// The agent's flags as the DaemonSet sets them (ConfigMap values
 /// resolved), each checked against the CLI; then the defaults of the rest.
 /// Returns the effective value of every flag that has one.
-fn effective_agent_args(container: &Container) -> BTreeMap<String, String> {
+fn effective_agent_args(
+    container: &Container,
+    config_maps: &[ConfigMap],
+) -> BTreeMap<String, String> {
     let flags = agent_flags();
-    let config_maps = config_maps();
     let env = container.env.clone().unwrap_or_default();
     assert!(
         container.command.is_none(),
@@ -740,7 +870,7 @@ fn effective_agent_args(container: &Container) -> BTreeMap<String, String> {
                 args.get(i - 1).cloned().unwrap_or_default()
             }
         };
-        match expand(&value, &env, &config_maps) {
+        match expand(&value, &env, config_maps) {
             Ok(value) => {
                 if let Err(e) = check_value(&name, &flag.ty, &value) {
                     problems.push(e);
@@ -781,8 +911,15 @@ fn effective_agent_args(container: &Container) -> BTreeMap<String, String> {
 
 #[test]
 fn daemonset_args_are_flags_the_agent_accepts_with_valid_values() {
-    let spec = pod_spec(&daemonset());
-    let args = effective_agent_args(&agent_container(&spec));
+    check_args(&all_objects());
+}
+
+/// The DaemonSet's flags (its ConfigMap values resolved) are the agent's,
+/// with valid values; the ports those flags open are the contract's.
+fn check_args(objects: &[Object]) {
+    let ds = daemonset_in(objects);
+    let spec = pod_spec(&ds);
+    let args = effective_agent_args(&agent_container(&spec), &config_maps_in(objects));
     // The contract's loopback-only admin API, and metrics/readiness on
     // every address (with hostNetwork, the node's: the kubelet and
     // Prometheus come from outside).
@@ -806,10 +943,9 @@ fn daemonset_args_are_flags_the_agent_accepts_with_valid_values() {
         assert_eq!(addr.port(), contract_port(port), "{flag}");
     }
     // Every ConfigMap key is used by some argument (no dead settings).
-    let ds = daemonset();
     let container = agent_container(&pod_spec(&ds));
     let env = container.env.unwrap_or_default();
-    for map in config_maps() {
+    for map in config_maps_in(objects) {
         for key in map.data.unwrap_or_default().keys() {
             let var = env
                 .iter()
@@ -891,10 +1027,16 @@ const AGENT_CAPABILITIES: &[&str] = &[
 
 #[test]
 fn daemonset_gives_the_agent_what_it_needs() {
-    let ds = daemonset();
+    check_agent_needs(&all_objects());
+}
+
+/// Host namespaces, capabilities, mounts, CA, env, ports, probes and
+/// scheduling of the DaemonSet among `objects`, checked against the code.
+fn check_agent_needs(objects: &[Object]) {
+    let ds = daemonset_in(objects);
     let spec = pod_spec(&ds);
     let agent = agent_container(&spec);
-    let args = effective_agent_args(&agent);
+    let args = effective_agent_args(&agent, &config_maps_in(objects));
 
     // Host namespaces: /proc scanning for pods' netns, ports on the node.
     assert_eq!(
@@ -1044,6 +1186,11 @@ fn daemonset_gives_the_agent_what_it_needs() {
         );
         assert_ne!(secret.optional, Some(true));
         assert_eq!(mount.read_only, Some(true));
+    } else {
+        // istiod's CA (and its xDS): the mesh root and the token where the
+        // flags say.
+        assert_eq!(args["--ca"], "istio", "--ca builtin or istio");
+        istio::check_istiod_files(&spec, &agent, &args);
     }
 
     // A read-only root filesystem, so iptables-legacy's lock goes to a
@@ -1246,10 +1393,10 @@ fn daemonset_gives_the_agent_what_it_needs() {
             "selector {k}={v} matches the template"
         );
     }
-    let accounts: Vec<String> = all_objects()
-        .into_iter()
+    let accounts: Vec<String> = objects
+        .iter()
         .filter_map(|o| match o {
-            Object::ServiceAccount(sa) => sa.metadata.name,
+            Object::ServiceAccount(sa) => sa.metadata.name.clone(),
             _ => None,
         })
         .collect();
@@ -1272,7 +1419,11 @@ fn int_or_percent(value: Option<&IntOrString>) -> Option<bool> {
 
 #[test]
 fn rolling_update_cannot_hang_and_replaces_one_node_at_a_time() {
-    let ds = daemonset();
+    check_rolling_update(&all_objects());
+}
+
+fn check_rolling_update(objects: &[Object]) {
+    let ds = daemonset_in(objects);
     let spec = pod_spec(&ds);
     let strategy = ds
         .spec
@@ -1470,7 +1621,12 @@ fn rbac_rules_cover_exactly_the_agents_api_calls() {
     );
 
     // ... and the ClusterRole grants exactly it.
-    let objects = all_objects();
+    check_rbac(&all_objects());
+}
+
+/// The ClusterRole grants exactly the agent's API calls, to the
+/// DaemonSet's service account.
+fn check_rbac(objects: &[Object]) {
     let role = the_one(
         "ClusterRole",
         objects
@@ -1522,7 +1678,7 @@ fn rbac_rules_cover_exactly_the_agents_api_calls() {
     assert_eq!(binding.role_ref.kind, "ClusterRole");
     assert_eq!(binding.role_ref.api_group, "rbac.authorization.k8s.io");
     assert_eq!(Some(&binding.role_ref.name), role.metadata.name.as_ref());
-    let ds = daemonset();
+    let ds = daemonset_in(objects);
     let subjects = binding.subjects.clone().unwrap_or_default();
     assert_eq!(subjects.len(), 1);
     assert_eq!(subjects[0].kind, "ServiceAccount");

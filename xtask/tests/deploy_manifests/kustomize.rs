@@ -1,0 +1,94 @@
+//! What `kubectl apply -k` applies: kustomize (the pinned release that
+//! `cargo xtask setup` links at `.tools/kustomize`) run on a directory of
+//! deploy/, its output parsed strictly into the typed objects.
+
+use std::process::Command;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::{Object, parse_object, root};
+
+/// The objects `kustomize build deploy/<dir>` builds, in its order.
+pub fn build(dir: &str) -> Vec<Object> {
+    let path = root().join("deploy").join(dir);
+    let kustomize = root().join(".tools/kustomize");
+    let output = Command::new(&kustomize)
+        .arg("build")
+        .arg(&path)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "running `{} build {}`: {e} (run `cargo xtask setup`, which installs it)",
+                kustomize.display(),
+                path.display()
+            )
+        });
+    assert!(
+        output.status.success(),
+        "kustomize build {}: {}",
+        path.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let text = String::from_utf8(output.stdout).expect("kustomize prints UTF-8");
+    parse_stream(&text, &format!("kustomize build deploy/{dir}"))
+}
+
+/// Every object of a multi-document YAML stream, parsed strictly; panics
+/// naming `what` and the document for any that does not parse.
+pub fn parse_stream(text: &str, what: &str) -> Vec<Object> {
+    let mut problems = Vec::new();
+    let mut objects = Vec::new();
+    for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
+        let value = Value::deserialize(doc).unwrap_or_else(|e| panic!("{what} document {i}: {e}"));
+        if value.is_null() {
+            continue;
+        }
+        match parse_object(&value) {
+            Ok(object) => objects.push(object),
+            Err(e) => problems.push(format!("{what} document {i}: {e}")),
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    objects
+}
+
+/// (kind, namespace, name) of an object: what identifies it to the API.
+pub fn key(object: &Object) -> (String, String, String) {
+    let (kind, meta) = match object {
+        Object::Namespace(o) => ("Namespace", &o.metadata),
+        Object::ServiceAccount(o) => ("ServiceAccount", &o.metadata),
+        Object::ConfigMap(o) => ("ConfigMap", &o.metadata),
+        Object::Service(o) => ("Service", &o.metadata),
+        Object::DaemonSet(o) => ("DaemonSet", &o.metadata),
+        Object::Deployment(o) => ("Deployment", &o.metadata),
+        Object::ClusterRole(o) => ("ClusterRole", &o.metadata),
+        Object::ClusterRoleBinding(o) => ("ClusterRoleBinding", &o.metadata),
+    };
+    (
+        kind.to_string(),
+        meta.namespace.clone().unwrap_or_default(),
+        meta.name.clone().unwrap_or_default(),
+    )
+}
+
+#[test]
+fn the_kustomize_build_of_deploy_is_the_base_manifests_as_written() {
+    // The file-by-file checks of the base (in this test's main file) hold
+    // for what `kubectl apply -k deploy/` applies: kustomize changes
+    // nothing in them (their namespace is written out).
+    let mut built = build("");
+    let mut written = super::all_objects();
+    built.sort_by_key(key);
+    written.sort_by_key(key);
+    assert_eq!(built.len(), written.len(), "the same objects");
+    for (b, w) in built.iter().zip(&written) {
+        assert_eq!(key(b), key(w));
+        assert!(
+            b == w,
+            "{:?}: kustomize changed it:\n{}",
+            key(b),
+            super::chart::diff(w, b)
+        );
+    }
+}
