@@ -75,17 +75,6 @@ impl IstioCaConfig {
     }
 }
 
-impl From<&crate::cli::AgentArgs> for IstioCaConfig {
-    /// `--ca-address`, `--ca-root-cert` and `--ca-token-file`.
-    fn from(args: &crate::cli::AgentArgs) -> Self {
-        Self::new(
-            args.ca_address.clone(),
-            args.ca_root_cert.clone(),
-            args.ca_token_file.clone(),
-        )
-    }
-}
-
 /// Why the Istio CA could not be set up or did not sign.
 #[derive(Debug, thiserror::Error)]
 pub enum IstioCaError {
