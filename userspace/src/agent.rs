@@ -447,11 +447,15 @@ fn reconcile_loop(
                 let Some(update) = update else { continue };
                 if let Some(applied) = inputs.store_applied.as_mut() {
                     let wanted = update.after_cluster_views;
-                    let caught_up = runtime.block_on(tokio::time::timeout(
-                        STORE_CATCH_UP,
-                        applied.wait_for(|n| *n >= wanted),
-                    ));
-                    if !matches!(caught_up, Ok(Ok(_))) {
+                    // (The timer must be made inside the runtime's context.)
+                    let caught_up = runtime.block_on(async {
+                        let applied = applied.wait_for(|n| *n >= wanted);
+                        matches!(
+                            tokio::time::timeout(STORE_CATCH_UP, applied).await,
+                            Ok(Ok(_))
+                        )
+                    });
+                    if !caught_up {
                         warn!(
                             "the workload store has not applied the cluster view pushed before these pods; reconciling anyway"
                         );
