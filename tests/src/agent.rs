@@ -407,8 +407,6 @@ impl Agent {
             .map_err(|e| TestbedError::Invalid(e.to_string()))
     }
 
-    /// Polls the status until `done` holds, failing after `timeout` with the
-    /// last status (or error) and the agent's log.
     /// The status once a verify pass that started after this call has
     /// finished: its hooks and counters are read after whatever the caller
     /// did before (a pass under way at the call counts once, hence two).
@@ -431,6 +429,9 @@ impl Agent {
         }
     }
 
+    /// Polls the status until `done` holds (on a status of an agent that
+    /// has reconciled its first list), failing after `timeout` with the last
+    /// status (or error) and the agent's log.
     pub fn wait_for(
         &mut self,
         what: &str,
@@ -449,6 +450,9 @@ impl Agent {
                 )));
             }
             match self.status() {
+                // Before the agent reconciled its first list of pods, its
+                // status lists none: that proves nothing either way.
+                Ok(status) if !status.synced => last = format!("{status:?}"),
                 Ok(status) if done(&status) => return Ok(status),
                 Ok(status) => last = format!("{status:?}"),
                 Err(e) => last = e.to_string(),

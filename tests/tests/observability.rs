@@ -482,7 +482,9 @@ fn a_mesh_connection_moves_istio_tcp_metrics_on_both_nodes() {
         }
     }
 
-    // shunt's own, on node-a.
+    // shunt's own, on node-a (kernel counters as a verify pass after the
+    // connection read them).
+    agent_a.status_after_verify(TIMEOUT).expect("a verify pass");
     let m = metrics(&node_a);
     assert_eq!(m.sum("shunt_enrolled_pods", &[("mode", "ebpf")]), Some(1.0));
     assert_eq!(m.sum("shunt_pods", &[("state", "enrolled")]), Some(1.0));

@@ -66,6 +66,7 @@ pub fn node_status(node: &NodeSnapshot) -> NodeStatus {
         node: node.node.clone(),
         mode: node.mode.to_string(),
         trust_domain: node.trust_domain.to_string(),
+        synced: node.synced,
         proxy: node.proxy.clone(),
         verify_passes: node.verify_passes,
         pods,

@@ -19,6 +19,11 @@ pub struct NodeStatus {
     /// Redirection mode in use (`ebpf` or `iptables`).
     pub mode: String,
     pub trust_domain: String,
+    /// Whether the pod source has handed over its first complete list and it
+    /// was reconciled: before that, `pods` is empty for want of a list, not
+    /// because the node has none.
+    #[serde(default)]
+    pub synced: bool,
     /// The builtin proxy's counters (absent without one).
     #[serde(default)]
     pub proxy: Option<ProxyStats>,

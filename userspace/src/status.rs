@@ -240,6 +240,7 @@ mod tests {
             node: "node-a".into(),
             mode: "ebpf".into(),
             trust_domain: "cluster.local".into(),
+            synced: true,
             proxy: None,
             verify_passes: 3,
             pods: vec![
