@@ -19,6 +19,7 @@ pub mod authz;
 pub mod bpf_debug;
 pub mod cli;
 pub mod control;
+pub mod crypto;
 pub mod error;
 pub mod health;
 pub mod identity;

@@ -331,7 +331,7 @@ impl IstioCa {
 
         // A CA that maps the caller to a different identity (or ignores
         // ImpersonatedIdentity) must not make a workload speak as another.
-        let uris = crate::tls::uri_sans(&parsed);
+        let uris = crate::crypto::uri_sans(&parsed);
         if uris != [identity.as_str()] {
             return Err(bad(format!(
                 "leaf URI SANs are {uris:?}, expected exactly [{identity}]"
