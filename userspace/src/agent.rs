@@ -186,6 +186,23 @@ impl NodeAgent {
         }
     }
 
+    /// Makes `policies` every authorization policy the proxy enforces (the
+    /// workloads file's; with Kubernetes, not yet watched).
+    pub fn set_policies(&mut self, policies: Vec<crate::authz::Policy>) {
+        if let Some(handle) = self.proxy.as_ref().filter(|h| !h.cluster_discovery) {
+            let count = policies.len();
+            let changed = handle
+                .workloads
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .replace_policies(policies);
+            if changed {
+                info!(policies = count, "authorization policies updated");
+                handle.proxy.policies_changed();
+            }
+        }
+    }
+
     /// Starts the proxy's listeners for the pod (if a proxy runs and does
     /// not serve it yet). Returns why it could not.
     fn serve(&self, key: &WorkloadKey, workload: &Workload, netns: &Path) -> Option<String> {
@@ -690,6 +707,8 @@ async fn apply(agent: &SharedAgent, workloads: local::LocalWorkloads) {
         // Services first: a pod enrolled by this reconcile may connect to
         // one at once.
         agent.set_services(workloads.services);
+        // Policies before pods too: a new pod is never served unchecked.
+        agent.set_policies(workloads.policies);
         agent.reconcile(workloads.trust_domain, workloads.workloads)
     })
     .await;
