@@ -84,7 +84,7 @@ pub struct PolicyError {
     /// broken or empty selector it widens to the policy's namespace (the
     /// whole mesh in the root namespace), a superset of what it could have
     /// selected.
-    pub stand_in: Option<Policy>,
+    pub stand_in: Option<Box<Policy>>,
 }
 
 /// Translates one object; `default_namespace` is the namespace of an
@@ -152,7 +152,7 @@ impl Peek {
             policy: self.label(),
             field,
             message,
-            stand_in: self.stand_in(),
+            stand_in: self.stand_in().map(Box::new),
         }
     }
 

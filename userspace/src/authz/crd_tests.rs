@@ -76,7 +76,7 @@ spec: {}
     );
     assert!(notes.is_empty());
     assert!(!allowed(
-        &[p.clone()],
+        std::slice::from_ref(&p),
         "foo",
         &[],
         "198.18.1.2",
@@ -84,7 +84,7 @@ spec: {}
         "198.18.2.3:80"
     ));
     assert!(!allowed(
-        &[p.clone()],
+        std::slice::from_ref(&p),
         "foo",
         &[],
         "198.18.1.2",
@@ -114,7 +114,7 @@ spec:
   - {}
 ");
     assert!(!allowed(
-        &[deny.clone()],
+        std::slice::from_ref(&deny),
         "foo",
         &[],
         "198.18.1.2",
@@ -131,7 +131,7 @@ spec:
   - {}
 ");
     assert!(allowed(
-        &[allow.clone()],
+        std::slice::from_ref(&allow),
         "foo",
         &[],
         "198.18.1.2",
@@ -453,7 +453,7 @@ spec:
         "{notes:?}"
     );
     assert!(!allowed(
-        &[allow.clone()],
+        std::slice::from_ref(&allow),
         "foo",
         &[],
         "198.18.1.2",
@@ -474,7 +474,7 @@ spec:
     assert!(notes[0].contains("applied without them"), "{notes:?}");
     // The L7 rule now denies every connection from sleep, whatever method.
     assert!(!allowed(
-        &[deny.clone()],
+        std::slice::from_ref(&deny),
         "foo",
         &[],
         "198.18.1.2",
@@ -748,7 +748,7 @@ fn bad_input_names_the_policy_and_field_and_fails_closed() {
             // Fail closed: nothing reaches a workload of foo.
             assert!(
                 !allowed(
-                    &[p.clone()],
+                    &[(**p).clone()],
                     "foo",
                     &[],
                     "198.18.1.2",
@@ -759,7 +759,7 @@ fn bad_input_names_the_policy_and_field_and_fails_closed() {
             );
             assert!(
                 allowed(
-                    &[p.clone()],
+                    &[(**p).clone()],
                     "bar",
                     &[],
                     "198.18.1.2",
@@ -789,10 +789,10 @@ fn bad_input_names_the_policy_and_field_and_fails_closed() {
     let e = err(&format!(
         "{head}spec:\n  selector: {{matchLabels: {{app: db}}}}\n  rules: [{{from: [{{source: {{ipBlocks: [nope]}}}}]}}]\n"
     ));
-    let stand_in = e.stand_in.expect("ALLOW stand-in");
+    let stand_in = *e.stand_in.expect("ALLOW stand-in");
     assert_eq!(stand_in.scope, Scope::WorkloadSelector);
     assert!(!allowed(
-        &[stand_in.clone()],
+        std::slice::from_ref(&stand_in),
         "foo",
         &[("app", "db")],
         "198.18.1.2",
@@ -828,7 +828,7 @@ spec:
   - from: [{source: {principals: [cluster.local/ns/dev/sa/tester]}}]
     to: [{operation: {ports: ['x']}}]
 ");
-    let all = [valid, e.stand_in.expect("stand-in")];
+    let all = [valid, *e.stand_in.expect("stand-in")];
     assert!(allowed(
         &all,
         "foo",

@@ -86,7 +86,7 @@ pub(super) fn check(raw: Vec<serde_yaml::Value>) -> (Vec<Policy>, Findings) {
                     message: format!("{}; the policy is ignored and {instead}", e.message),
                     location: None,
                 });
-                policies.extend(e.stand_in);
+                policies.extend(e.stand_in.map(|p| *p));
             }
         }
     }
