@@ -206,6 +206,37 @@ fn allow_by_principal(mode: &str) {
         "the broken policy is reported: {logs}"
     );
 
+    // `shunt status` and `/config_dump` name the policies guarding the
+    // server (the broken one by its stand-in).
+    let status = bed.agent.status().expect("status");
+    let server = status
+        .pods
+        .iter()
+        .find(|p| p.name == "server")
+        .expect("server in status");
+    assert_eq!(server.policies, ["default/allow-client", "default/typo"]);
+    let admin = bed.agent.endpoints().admin.port();
+    let (code, body) = http(bed.client.node(), "GET", admin, "/config_dump").expect("config_dump");
+    assert_eq!(code, 200, "{body}");
+    let dump: Value = serde_json::from_str(&body).expect("config_dump is JSON");
+    let listed: Vec<(&str, &str, u64)> = dump["policies"]
+        .as_array()
+        .expect("policies listed")
+        .iter()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap_or(""),
+                p["action"].as_str().unwrap_or(""),
+                p["rules"].as_u64().unwrap_or(99),
+            )
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        [("allow-client", "ALLOW", 1), ("typo", "ALLOW", 0)],
+        "{body}"
+    );
+
     let report = bed.connect(&bed.client, 8080);
     assert!(
         ok(&report),

@@ -58,6 +58,9 @@ pub struct PodStatus {
     /// proxy, once issued).
     #[serde(default)]
     pub certificate: Option<CertificateStatus>,
+    /// The authorization policies that apply to it (`namespace/name`).
+    #[serde(default)]
+    pub policies: Vec<String>,
 }
 
 /// A workload certificate's validity.
@@ -198,6 +201,45 @@ pub struct ConfigDump {
     pub enrolled: Vec<EnrolledDump>,
     /// Pods the proxy serves (listeners bound in their netns).
     pub proxied: Vec<String>,
+    /// Every authorization policy the proxy enforces, in key order.
+    #[serde(default)]
+    pub policies: Vec<PolicyDump>,
+}
+
+/// An authorization policy, summarised.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PolicyDump {
+    pub namespace: String,
+    pub name: String,
+    /// `global`, `namespace` or `workload_selector`.
+    pub scope: String,
+    /// `ALLOW` or `DENY`.
+    pub action: String,
+    /// The selector's labels (workload-selector policies from the file or
+    /// the Kubernetes API).
+    pub selector: Option<BTreeMap<String, String>>,
+    /// How many rules (an ALLOW with none allows nothing).
+    pub rules: usize,
+    pub dry_run: bool,
+}
+
+impl From<&crate::authz::Policy> for PolicyDump {
+    fn from(p: &crate::authz::Policy) -> Self {
+        Self {
+            namespace: p.namespace.clone(),
+            name: p.name.clone(),
+            scope: match p.scope {
+                crate::authz::Scope::Global => "global",
+                crate::authz::Scope::Namespace => "namespace",
+                crate::authz::Scope::WorkloadSelector => "workload_selector",
+            }
+            .into(),
+            action: p.action.to_string(),
+            selector: p.selector.clone(),
+            rules: p.rules.len(),
+            dry_run: p.dry_run,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -212,6 +254,9 @@ pub struct WorkloadDump {
     pub dataplane_mode: String,
     /// What the agent did with it (this node's pods only).
     pub state: Option<PodState>,
+    /// The authorization policies that apply to it (`namespace/name`).
+    #[serde(default)]
+    pub policies: Vec<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -238,7 +283,18 @@ async fn config_dump(
         let agent = lock(&state.agent);
         let td = agent.trust_domain().clone();
         let states: BTreeMap<_, _> = agent.pods().map(|(w, s)| (w.key(), s.clone())).collect();
+        let policy_set = agent.proxy().map(|h| {
+            h.workloads
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .policies()
+                .clone()
+        });
         let dump = |w: &crate::state::Workload| WorkloadDump {
+            policies: policy_set
+                .as_ref()
+                .map(|set| set.applicable_names(w))
+                .unwrap_or_default(),
             namespace: w.namespace.clone(),
             name: w.name.clone(),
             service_account: w.service_account.clone(),
@@ -297,6 +353,10 @@ async fn config_dump(
             identities,
             enrolled,
             proxied,
+            policies: policy_set
+                .iter()
+                .flat_map(|set| set.iter().map(PolicyDump::from))
+                .collect(),
         }
     })
     .await

@@ -337,6 +337,13 @@ impl NodeAgent {
             .into_iter()
             .map(|p| (p.key.clone(), p))
             .collect();
+        let policies = self.proxy.as_ref().map(|h| {
+            h.workloads
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .policies()
+                .clone()
+        });
         let pods = self
             .pods
             .iter()
@@ -358,6 +365,10 @@ impl NodeAgent {
                         let id = workload.identity(&self.trust_domain);
                         h.proxy.identities().current(&id).as_deref().map(Into::into)
                     }),
+                    policies: policies
+                        .as_ref()
+                        .map(|set| set.applicable_names(workload))
+                        .unwrap_or_default(),
                 }
             })
             .collect();

@@ -251,6 +251,17 @@ impl PolicySet {
         self.by_name.get(name)
     }
 
+    /// The keys (`namespace/name`) of the policies that apply to
+    /// `workload`, sorted (status and config dumps).
+    pub fn applicable_names(&self, workload: &crate::state::Workload) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .applicable(Destination::of(workload))
+            .map(|p| p.key().to_string())
+            .collect();
+        names.sort();
+        names
+    }
+
     /// Decides whether `connection` may reach `dst`.
     pub fn check(&self, connection: &Connection<'_>, dst: Destination<'_>) -> Verdict {
         let mut allow_policies = 0usize;
