@@ -28,14 +28,16 @@ use tracing::{debug, error, info};
 
 use crate::{
     api::{CertificateStatus, NodeStatus, PodStatus},
+    authz::PolicySet,
     redirect::{Hook, RedirectMode},
     snapshot::{NodeSnapshot, SnapshotReader},
     state::{PodState, WorkloadStore},
 };
 
 /// `GET /status` from a snapshot: every pod of the node, with its hooks and
-/// counters as last verified and its identity's certificate as it is now.
-pub fn node_status(node: &NodeSnapshot) -> NodeStatus {
+/// counters as last verified, its identity's certificate as it is now and
+/// the authorization policies of `policies` that apply to it.
+pub fn node_status(node: &NodeSnapshot, policies: Option<&PolicySet>) -> NodeStatus {
     let pods = node
         .pods
         .iter()
@@ -59,6 +61,9 @@ pub fn node_status(node: &NodeSnapshot) -> NodeStatus {
                     .certificates
                     .get(&identity)
                     .map(|cert| CertificateStatus::from(cert.as_ref())),
+                policies: policies
+                    .map(|set| set.applicable_names(workload))
+                    .unwrap_or_default(),
             }
         })
         .collect();
@@ -85,6 +90,20 @@ pub struct AdminState {
     pub bpf_pin_dir: PathBuf,
 }
 
+impl AdminState {
+    /// The policies the proxy enforces now (a shared, immutable set: the
+    /// store's lock is held only to clone the pointer).
+    fn policies(&self) -> Option<Arc<PolicySet>> {
+        self.store.as_ref().map(|store| {
+            store
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .policies()
+                .clone()
+        })
+    }
+}
+
 /// Serves the admin API until the process exits.
 pub async fn serve(listener: tokio::net::TcpListener, state: AdminState) {
     let app = Router::new()
@@ -100,7 +119,8 @@ pub async fn serve(listener: tokio::net::TcpListener, state: AdminState) {
 
 async fn status(State(state): State<AdminState>) -> Json<NodeStatus> {
     debug!(target: "shunt::admin", request = "status", "admin request");
-    Json(node_status(&state.reader.read()))
+    let policies = state.policies();
+    Json(node_status(&state.reader.read(), policies.as_deref()))
 }
 
 /// `GET /config_dump`: what the agent was given and what it made of it.
@@ -123,6 +143,45 @@ pub struct ConfigDump {
     pub enrolled: Vec<EnrolledDump>,
     /// Pods the proxy serves (listeners bound in their netns).
     pub proxied: Vec<String>,
+    /// Every authorization policy the proxy enforces, in key order.
+    #[serde(default)]
+    pub policies: Vec<PolicyDump>,
+}
+
+/// An authorization policy, summarised.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PolicyDump {
+    pub namespace: String,
+    pub name: String,
+    /// `global`, `namespace` or `workload_selector`.
+    pub scope: String,
+    /// `ALLOW` or `DENY`.
+    pub action: String,
+    /// The selector's labels (workload-selector policies from the file or
+    /// the Kubernetes API).
+    pub selector: Option<BTreeMap<String, String>>,
+    /// How many rules (an ALLOW with none allows nothing).
+    pub rules: usize,
+    pub dry_run: bool,
+}
+
+impl From<&crate::authz::Policy> for PolicyDump {
+    fn from(p: &crate::authz::Policy) -> Self {
+        Self {
+            namespace: p.namespace.clone(),
+            name: p.name.clone(),
+            scope: match p.scope {
+                crate::authz::Scope::Global => "global",
+                crate::authz::Scope::Namespace => "namespace",
+                crate::authz::Scope::WorkloadSelector => "workload_selector",
+            }
+            .into(),
+            action: p.action.to_string(),
+            selector: p.selector.clone(),
+            rules: p.rules.len(),
+            dry_run: p.dry_run,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -137,6 +196,9 @@ pub struct WorkloadDump {
     pub dataplane_mode: String,
     /// What the agent did with it (this node's pods only).
     pub state: Option<PodState>,
+    /// The authorization policies that apply to it (`namespace/name`).
+    #[serde(default)]
+    pub policies: Vec<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -165,7 +227,12 @@ async fn config_dump(State(state): State<AdminState>) -> Json<ConfigDump> {
         .iter()
         .map(|p| (p.workload.key(), p.state.clone()))
         .collect();
+    let policy_set = state.policies();
     let dump = |w: &crate::state::Workload| WorkloadDump {
+        policies: policy_set
+            .as_ref()
+            .map(|set| set.applicable_names(w))
+            .unwrap_or_default(),
         namespace: w.namespace.clone(),
         name: w.name.clone(),
         service_account: w.service_account.clone(),
@@ -221,6 +288,10 @@ async fn config_dump(State(state): State<AdminState>) -> Json<ConfigDump> {
         identities,
         enrolled: node.enrolled().cloned().map(EnrolledDump::from).collect(),
         proxied,
+        policies: policy_set
+            .iter()
+            .flat_map(|set| set.iter().map(PolicyDump::from))
+            .collect(),
     })
 }
 

@@ -56,6 +56,9 @@ pub struct PodStatus {
     /// proxy, once issued).
     #[serde(default)]
     pub certificate: Option<CertificateStatus>,
+    /// The authorization policies that apply to it (`namespace/name`).
+    #[serde(default)]
+    pub policies: Vec<String>,
 }
 
 /// A workload certificate's validity.

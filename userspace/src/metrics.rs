@@ -342,8 +342,9 @@ impl ConnectionObserver for TcpObserver {
             .inc_by(close.bytes_from_target);
         let flags = match close.outcome {
             ConnectionOutcome::Success => "-",
-            // No authorization policy yet: every refusal or failure is one
-            // of reaching the target.
+            // Istio's flag for a connection an authorization policy denied.
+            ConnectionOutcome::Denied => "DENY",
+            // Any other refusal or failure is one of reaching the target.
             ConnectionOutcome::Refused | ConnectionOutcome::Failed => "CONNECT",
         };
         let labels = if flags == "-" {
@@ -746,6 +747,50 @@ mod tests {
             Some("10")
         );
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn a_denied_connection_closes_with_response_flags_deny() {
+        let metrics = Metrics::new();
+        let observer = metrics.connection_observer(store());
+        let server = WorkloadKey::new("default", "server");
+        let info = ConnectionInfo {
+            direction: Direction::Inbound,
+            pod: Some(&server),
+            src_addr: "198.18.1.2:5000".parse().expect("addr"),
+            src_identity: Some("spiffe://cluster.local/ns/default/sa/intruder"),
+            dst_addr: "198.18.2.2:8080".parse().expect("addr"),
+            dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
+            dst_service: None,
+        };
+        observer.opened(&info);
+        let denied = ConnectionClose {
+            bytes_to_target: 0,
+            bytes_from_target: 0,
+            duration: Duration::ZERO,
+            outcome: ConnectionOutcome::Denied,
+        };
+        observer.closed(&info, &denied);
+        let text = metrics.encode(None);
+        let principal = "source_principal=\"spiffe://cluster.local/ns/default/sa/intruder\"";
+        assert_eq!(
+            sample(
+                &text,
+                "istio_tcp_connections_closed_total",
+                &[principal, "response_flags=\"DENY\""]
+            ),
+            Some("1"),
+            "{text}"
+        );
+        assert_eq!(
+            sample(
+                &text,
+                "istio_tcp_connections_opened_total",
+                &[principal, "response_flags=\"-\""]
+            ),
+            Some("1"),
+            "{text}"
+        );
     }
 
     #[test]

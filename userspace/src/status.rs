@@ -3,7 +3,7 @@
 use std::{fmt::Write as _, net::SocketAddr, time::Duration};
 
 use crate::{
-    api::{NodeStatus, PodState},
+    api::{NodeStatus, PodState, PodStatus},
     cli::StatusArgs,
 };
 
@@ -204,6 +204,25 @@ pub fn render_table_at(status: &NodeStatus, now: std::time::SystemTime) -> Strin
     for row in &rows {
         line(row);
     }
+    // Which authorization policies guard each pod: below the table, whose
+    // columns are per-pod numbers.
+    let guarded: Vec<&PodStatus> = status
+        .pods
+        .iter()
+        .filter(|p| !p.policies.is_empty())
+        .collect();
+    if !guarded.is_empty() {
+        let _ = writeln!(out, "authorization policies:");
+        for pod in guarded {
+            let _ = writeln!(
+                out,
+                "  {}/{}: {}",
+                pod.namespace,
+                pod.name,
+                pod.policies.join(", ")
+            );
+        }
+    }
     out
 }
 
@@ -231,7 +250,7 @@ mod tests {
     use std::time::{Duration, UNIX_EPOCH};
 
     use super::*;
-    use crate::api::{CertificateStatus, Counters, PodStatus};
+    use crate::api::{CertificateStatus, Counters};
 
     #[test]
     fn table_shows_every_column_per_pod() {
@@ -276,6 +295,7 @@ mod tests {
                         not_before: 0,
                         not_after: 1_000_000 + 2 * 3600 + 60,
                     }),
+                    policies: vec!["default/allow-client".into()],
                 },
                 PodStatus {
                     namespace: "default".into(),
@@ -290,6 +310,7 @@ mod tests {
                     hooks: vec![],
                     counters: None,
                     certificate: None,
+                    policies: vec![],
                 },
             ],
         };
@@ -323,6 +344,16 @@ mod tests {
         let outsider = lines[3];
         assert!(outsider.contains("not in mesh"), "{outsider}");
         assert!(outsider.trim_end().ends_with('-'), "{outsider}");
+        assert_eq!(lines[4], "authorization policies:", "{table}");
+        assert_eq!(
+            lines[5], "  default/client: default/allow-client",
+            "{table}"
+        );
+        assert_eq!(
+            lines.len(),
+            6,
+            "only pods with policies are listed: {table}"
+        );
         assert_eq!(lifetime(-300), "EXPIRED 5m0s ago");
         assert_eq!(lifetime(90_000), "in 1d1h");
     }

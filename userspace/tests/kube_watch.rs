@@ -1464,7 +1464,8 @@ fn cluster_store() -> (Arc<RwLock<WorkloadStore>>, Arc<dyn SourceSink>) {
     let store = Arc::new(RwLock::new(WorkloadStore::new()));
     let views = Arc::new(Latest::default());
     let (applied, _) = watch::channel(0);
-    tokio::spawn(own_store(store.clone(), views.clone(), applied));
+    // No proxy here to re-check connections when policies change.
+    tokio::spawn(own_store(store.clone(), views.clone(), applied, || {}));
     // No reconciler listens to this node's pods here.
     let (pods, _) = watch::channel(None);
     (store, Arc::new(AgentSink::new(pods, Some(views))))

@@ -142,9 +142,12 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             });
             let views = Arc::new(Latest::default());
             let (applied, store_applied) = watch::channel(0);
+            let proxy = parts.proxy.clone();
             tokio::spawn(
-                own_store(parts.store.clone(), views.clone(), applied)
-                    .instrument(info_span!("store")),
+                own_store(parts.store.clone(), views.clone(), applied, move || {
+                    proxy.policies_changed()
+                })
+                .instrument(info_span!("store")),
             );
             (Some(views), Some(store_applied))
         }

@@ -1,7 +1,6 @@
 //! The workload store's owner: the one task that writes the
-//! [`WorkloadStore`] the proxy looks peers, services (and, with the
-//! authorization work, policies) up in. It applies each [`ClusterView`] a
-//! source pushed, whole.
+//! [`WorkloadStore`] the proxy looks peers, services and authorization
+//! policies up in. It applies each [`ClusterView`] a source pushed, whole.
 
 use std::sync::{Arc, Mutex, RwLock};
 
@@ -46,27 +45,32 @@ impl<T> Latest<T> {
 /// Applies every cluster view put in `views` to `store`, until the future
 /// is dropped; after each, publishes the view's number on `applied` (the
 /// reconciler waits for it before enrolling pods pushed after that view).
+/// `policies_changed` runs after a view changed the policies (the proxy
+/// re-checks its open connections then).
 pub async fn own_store(
     store: Arc<RwLock<WorkloadStore>>,
     views: Arc<Latest<(u64, ClusterView)>>,
     applied: watch::Sender<u64>,
+    policies_changed: impl Fn() + Send + 'static,
 ) {
     loop {
         let (number, view) = views.take().await;
-        apply(&store, view);
+        if apply(&store, view) {
+            policies_changed();
+        }
         applied.send_replace(number);
     }
 }
 
 /// Makes `view` the store's whole content. The single place where a
-/// cluster view reaches the store.
-pub fn apply(store: &RwLock<WorkloadStore>, view: ClusterView) {
+/// cluster view reaches the store. Returns whether the policies changed.
+pub fn apply(store: &RwLock<WorkloadStore>, view: ClusterView) -> bool {
     let ClusterView {
         workloads,
         services,
         policies,
     } = view;
-    let count = (workloads.len(), services.len());
+    let count = (workloads.len(), services.len(), policies.len());
     let mut store = store.write().unwrap_or_else(|p| p.into_inner());
     let changes = store.replace_all(workloads);
     if !changes.is_empty() {
@@ -81,6 +85,11 @@ pub fn apply(store: &RwLock<WorkloadStore>, view: ClusterView) {
     if store.replace_services(services) {
         info!(services = count.1, "services updated");
     }
-    // Authorization policies join the store here once it keeps them.
-    drop(policies);
+    // Policies with the workloads they select, under one write lock: a
+    // connection is never checked against half of a view.
+    let policies_changed = store.replace_policies(policies);
+    if policies_changed {
+        info!(policies = count.2, "authorization policies updated");
+    }
+    policies_changed
 }

@@ -1,7 +1,16 @@
 //! Authorization: Istio's L4 `AuthorizationPolicy`, one model for every
-//! source ([`model`]).
+//! source ([`model`]), evaluated by one engine ([`engine`]); [`crd`]
+//! translates `security.istio.io/v1` objects into the model.
+pub mod crd;
+pub mod engine;
 pub mod model;
 
+pub use engine::{Connection, Destination, PolicySet, Verdict};
 pub use model::{
     Action, Cidr, Clause, InvalidCidr, Match, Policy, PolicyKey, Rule, Scope, StringMatch,
 };
+
+/// Istio's root namespace (`meshConfig.rootNamespace`, `istio-system` by
+/// default): a policy there without a selector applies to the whole mesh,
+/// one with a selector to the matching workloads of every namespace.
+pub const ROOT_NAMESPACE: &str = "istio-system";

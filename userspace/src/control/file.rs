@@ -95,8 +95,7 @@ impl FileSource {
         sink.cluster(ClusterView {
             workloads: current.workloads.clone(),
             services: current.services.clone(),
-            // The workloads file names no authorization policy (yet).
-            policies: Vec::new(),
+            policies: current.policies.clone(),
         });
         sink.node_pods(NodePods {
             trust_domain: current.trust_domain.clone(),

@@ -11,6 +11,7 @@
 //!     node: node-a
 //!     netns: /var/run/netns/client # required for this node's ambient pods
 //!     dataplaneMode: ambient       # or none; optional, default none
+//!     labels: {app: client}        # optional; what policy selectors see
 //! services:                        # optional
 //!   - name: web                    # service name (DNS-1123 label)
 //!     namespace: default
@@ -19,7 +20,18 @@
 //!       - port: 80                 # what clients connect to
 //!         targetPort: 8080         # optional, default: port
 //!     endpoints: [server, 198.18.2.3]  # pods of the namespace, or IPs
+//! authorizationPolicies:           # optional: security.istio.io/v1 objects
+//!   - apiVersion: security.istio.io/v1
+//!     kind: AuthorizationPolicy
+//!     metadata: {name: allow-client, namespace: default}
+//!     spec:
+//!       selector: {matchLabels: {app: server}}
+//!       rules: [{from: [{source: {principals: [cluster.local/ns/default/sa/client]}}]}]
 //! ```
+//!
+//! A bad authorization policy does not make the file invalid: it is
+//! reported (file, entry, field) and replaced by a fail-closed stand-in
+//! (see [`policies`]), the others apply.
 //!
 //! `dataplaneMode` defaults to `none` because the mesh is opt-in, as in Istio.
 //! A service's endpoints are always ready; a pod name stands for each of its
@@ -41,6 +53,8 @@ use std::{
 
 use serde::Deserialize;
 
+pub mod policies;
+
 use crate::state::{
     DataplaneMode, Endpoint, Service, ServicePort, TrustDomain, Workload, WorkloadKey,
 };
@@ -55,6 +69,12 @@ pub struct LocalWorkloads {
     pub workloads: Vec<Workload>,
     /// In file order (`services[i]`); empty when the file has none.
     pub services: Vec<Service>,
+    /// The authorization policies (with stand-ins for the bad ones).
+    pub policies: Vec<crate::authz::Policy>,
+    /// What was wrong with `authorizationPolicies` (those entries are
+    /// replaced by stand-ins), and what the node proxy cannot enforce:
+    /// logged by [`load`], not fatal.
+    pub policy_findings: policies::Findings,
 }
 
 /// Why a workloads file cannot be used. Displays one line per problem, each
@@ -152,6 +172,7 @@ pub fn load(path: &Path, node: &str) -> Result<LocalWorkloads, WorkloadsFileErro
     })?;
     let local = parse(path, &text)?;
     validate_for_node(&local, node)?;
+    local.policy_findings.log(path);
     Ok(local)
 }
 
@@ -180,12 +201,15 @@ pub fn parse(path: &Path, text: &str) -> Result<LocalWorkloads, WorkloadsFileErr
     };
     let workloads = check_entries(raw.workloads, &mut problems);
     let services = check_services(raw.services, &workloads, &mut problems);
+    let (policies, policy_findings) = policies::check(raw.authorization_policies);
     if problems.is_empty() {
         Ok(LocalWorkloads {
             source: path.to_owned(),
             trust_domain,
             workloads,
             services,
+            policies,
+            policy_findings,
         })
     } else {
         Err(invalid(problems))
@@ -237,13 +261,17 @@ pub fn validate_for_node(local: &LocalWorkloads, node: &str) -> Result<(), Workl
 #[serde(
     deny_unknown_fields,
     rename_all = "camelCase",
-    expecting = "a mapping with `workloads` and optionally `trustDomain` and `services`"
+    expecting = "a mapping with `workloads` and optionally `trustDomain`, `services` and `authorizationPolicies`"
 )]
 struct RawFile {
     trust_domain: Option<String>,
     workloads: Vec<RawWorkload>,
     #[serde(default)]
     services: Vec<RawService>,
+    /// Kept untyped here: each is checked on its own ([`policies`]), so
+    /// one bad policy does not reject the file.
+    #[serde(default)]
+    authorization_policies: Vec<serde_yaml::Value>,
 }
 
 /// Strings rather than parsed types, so that [`check_entries`] can report
@@ -264,6 +292,8 @@ struct RawWorkload {
     dataplane_mode: Option<String>,
     /// Whether to splice this pod's connections (default: as `--splice`).
     splice: Option<bool>,
+    #[serde(default)]
+    labels: std::collections::BTreeMap<String, String>,
 }
 
 #[derive(Deserialize)]
@@ -477,6 +507,7 @@ fn check_entries(raw: Vec<RawWorkload>, problems: &mut Vec<Problem>) -> Vec<Work
             netns: raw.netns,
             dataplane_mode,
             splice: raw.splice,
+            labels: raw.labels,
             ..Default::default()
         };
         match keys.get(&workload.key()) {
@@ -898,7 +929,7 @@ workloads:
                 "unknown top-level field",
                 format!("trustdomain: x\n{}", with_second(None, None)),
                 vec![
-                    "workloads.yaml: field `trustdomain`: unknown field; expected one of `trustDomain`, `workloads`, `services` (line 1, column 1)",
+                    "workloads.yaml: field `trustdomain`: unknown field; expected one of `trustDomain`, `workloads`, `services`, `authorizationPolicies` (line 1, column 1)",
                 ],
             ),
             (
@@ -1271,7 +1302,7 @@ services:
             err.as_deref(),
             Some(
                 "workloads[0]: unknown field `nme`, expected one of `name`, `namespace`, \
-                 `serviceAccount`, `ips`, `node`, `netns`, `dataplaneMode`, `splice` at line 2 column 5"
+                 `serviceAccount`, `ips`, `node`, `netns`, `dataplaneMode`, `splice`, `labels` at line 2 column 5"
             )
         );
     }

@@ -12,6 +12,7 @@
 //! | IP not a workload served on this node (no open relay) | 401 |
 //! | IP differs from the one the connection arrived on | 400 |
 //! | port is one of the proxy's own (15001/15006/15008) | 503 |
+//! | an authorization policy denies it (peer identity, source IP, target) | 401 |
 //! | application refuses / unreachable | 503 |
 //! | otherwise | 200, then bytes both ways |
 //!
@@ -25,7 +26,7 @@ use http::{Method, Request, Response, StatusCode};
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
-use super::{AccessLog, Outcome, PROXY_PORTS, PodState, Shared, copy_both, h2::H2Stream};
+use super::{AccessLog, Decision, Outcome, PROXY_PORTS, PodState, Shared, copy_both, h2::H2Stream};
 
 /// Answer to a request that is not CONNECT. DESIGN.md records ztunnel
 /// answering 400 on the wire (issue 4 said 405); the observed wire contract
@@ -205,6 +206,21 @@ async fn serve_stream(
     log.dst_addr = target;
     log.dst_identity = Some(target_pod.identity.as_str());
     log.pod = Some(&target_pod.key);
+    // Before the application is dialled: a denied peer never reaches it.
+    // 401, as ztunnel answers a CONNECT its policies deny.
+    let changes = shared.policy_changes.subscribe();
+    let connection = crate::authz::Connection {
+        src_ip: peer.ip(),
+        src_identity: peer_identity.as_deref(),
+        dst: target,
+    };
+    let decision = super::authorize(shared.workloads.as_ref(), &target_pod.key, &connection);
+    log.decided(&decision);
+    if let Decision::Deny { reason, .. } = &decision {
+        refuse(StatusCode::UNAUTHORIZED, reason.clone(), &mut log);
+        log.emit(&shared);
+        return;
+    }
     // The client is the source of the HBONE connection: the source pod's
     // own address (shunt and ztunnel open HBONE from inside the source pod).
     let mut upstream = match target_pod.connect_app(&shared.config, target, peer).await {
@@ -230,7 +246,18 @@ async fn serve_stream(
     };
     let mut h2s = H2Stream::new(send, request.into_body());
     log.open(&shared);
-    match copy_both(&mut h2s, &mut upstream, shared.config.copy_buffer).await {
+    let copied = tokio::select! {
+        copied = copy_both(&mut h2s, &mut upstream, shared.config.copy_buffer) => copied,
+        decision = super::revoked(&shared, changes, &target_pod.key, connection) => {
+            // A policy change denies it now: cut both sides.
+            h2s.reset(h2::Reason::CANCEL);
+            super::reset(&upstream);
+            log.decided(&decision);
+            log.emit(&shared);
+            return;
+        }
+    };
+    match copied {
         Ok((sent, received)) => {
             log.bytes_sent = sent;
             log.bytes_received = received;

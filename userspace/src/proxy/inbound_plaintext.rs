@@ -4,7 +4,8 @@
 //! socket's local address) or iptables REDIRECT (local port 15006; the
 //! redirector's [`OriginalDst`](crate::redirect::OriginalDst) knows where it
 //! was going). The [`InboundPlaintextPolicy`](super::InboundPlaintextPolicy)
-//! decides; allowed connections are delivered to the application from
+//! decides first, then the authorization policies (no principal: plaintext
+//! has none); allowed connections are delivered to the application from
 //! inside the pod's netns, denied ones reset. Both are counted and logged.
 
 use std::{net::SocketAddr, sync::Arc};
@@ -58,9 +59,19 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, tcp: TcpStream, pe
         src: peer,
         dst,
     };
-    if let Decision::Deny(reason) = shared.config.inbound_plaintext.decide(&connection) {
+    let changes = shared.policy_changes.subscribe();
+    let authz_connection = crate::authz::Connection {
+        src_ip: peer.ip(),
+        src_identity: None,
+        dst,
+    };
+    let mut decision = shared.config.inbound_plaintext.decide(&connection);
+    if let Decision::Allow(_) = decision {
+        decision = super::authorize(shared.workloads.as_ref(), &pod.key, &authz_connection);
+    }
+    log.decided(&decision);
+    if let Decision::Deny { .. } = decision {
         // A reset, so the client sees a refusal rather than an empty answer.
-        log.reason = Some(reason);
         super::reset(&client);
         log.emit(&shared);
         return;
@@ -76,7 +87,18 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, tcp: TcpStream, pe
         }
     };
     log.open(&shared);
-    match copy_both(&mut client, &mut upstream, shared.config.copy_buffer).await {
+    let copied = tokio::select! {
+        copied = copy_both(&mut client, &mut upstream, shared.config.copy_buffer) => copied,
+        decision = super::revoked(&shared, changes, &pod.key, authz_connection) => {
+            // A policy change denies it now: cut both sides.
+            super::reset(&client);
+            super::reset(&upstream);
+            log.decided(&decision);
+            log.emit(&shared);
+            return;
+        }
+    };
+    match copied {
         Ok((sent, received)) => {
             log.bytes_sent = sent;
             log.bytes_received = received;

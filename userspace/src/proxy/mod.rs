@@ -27,7 +27,7 @@ pub use inbound::NON_CONNECT_STATUS;
 pub use observe::{
     ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, Direction,
 };
-pub use policy::{Decision, InboundPlaintextPolicy, PlaintextConnection};
+pub use policy::{Decision, InboundPlaintextPolicy, PlaintextConnection, authorize};
 pub use socket::PROXY_MARK;
 
 use std::{
@@ -103,6 +103,14 @@ pub trait WorkloadLookup: Send + Sync {
 
     /// The service whose cluster IP and port `dst` is.
     fn service_at(&self, dst: SocketAddr) -> Option<Arc<Service>>;
+
+    /// Checks `connection` to the local workload `dst` against the
+    /// authorization policies.
+    fn authorize(
+        &self,
+        dst: &WorkloadKey,
+        connection: &crate::authz::Connection<'_>,
+    ) -> crate::authz::Verdict;
 }
 
 impl WorkloadLookup for RwLock<WorkloadStore> {
@@ -119,6 +127,29 @@ impl WorkloadLookup for RwLock<WorkloadStore> {
             .services()
             .by_addr(dst)
             .cloned()
+    }
+
+    fn authorize(
+        &self,
+        dst: &WorkloadKey,
+        connection: &crate::authz::Connection<'_>,
+    ) -> crate::authz::Verdict {
+        let store = self.read().unwrap_or_else(|p| p.into_inner());
+        let policies = store.policies();
+        match store.get(dst) {
+            Some(workload) => policies.check(connection, crate::authz::Destination::of(workload)),
+            // Served but gone from the store (a removal in flight): what
+            // its namespace's and the mesh's policies say.
+            None => {
+                let labels = std::collections::BTreeMap::new();
+                let destination = crate::authz::Destination {
+                    namespace: &dst.namespace,
+                    labels: &labels,
+                    authorization_policies: &[],
+                };
+                policies.check(connection, destination)
+            }
+        }
     }
 }
 
@@ -274,6 +305,9 @@ pub(crate) struct Shared {
     /// Told about every connection (metrics); set once, see
     /// [`Proxy::set_observer`].
     observer: OnceLock<Arc<dyn ConnectionObserver>>,
+    /// Bumped by [`Proxy::policies_changed`]: open inbound connections
+    /// re-check their authorization.
+    pub policy_changes: tokio::sync::watch::Sender<u64>,
 }
 
 impl Shared {
@@ -352,6 +386,7 @@ impl Proxy {
                 counters: Counters::default(),
                 service_picks: AtomicUsize::new(0),
                 observer: OnceLock::new(),
+                policy_changes: tokio::sync::watch::Sender::new(0),
             }),
         })
     }
@@ -551,6 +586,13 @@ impl Proxy {
         keys
     }
 
+    /// The authorization policies changed: every open inbound connection
+    /// is checked again, and those now denied are closed (as ztunnel
+    /// does).
+    pub fn policies_changed(&self) {
+        self.shared.policy_changes.send_modify(|n| *n += 1);
+    }
+
     /// Hands every connection's open and close to `observer` from now on.
     /// Only the first observer set is kept; returns whether it was this one.
     pub fn set_observer(&self, observer: Arc<dyn ConnectionObserver>) -> bool {
@@ -695,6 +737,8 @@ async fn accept_loop(
 pub(crate) enum Outcome {
     Success,
     Refused,
+    /// Refused by an authorization policy.
+    Denied,
     Failed,
 }
 
@@ -703,6 +747,7 @@ impl Outcome {
         match self {
             Outcome::Success => "success",
             Outcome::Refused => "refused",
+            Outcome::Denied => "denied",
             Outcome::Failed => "failed",
         }
     }
@@ -728,6 +773,8 @@ pub(crate) struct AccessLog<'a> {
     pub pod: Option<&'a WorkloadKey>,
     /// Whether [`AccessLog::open`] reported the connection open.
     pub opened: bool,
+    /// The authorization policy that allowed or denied it, if one did.
+    pub policy: Option<crate::authz::PolicyKey>,
 }
 
 impl<'a> AccessLog<'a> {
@@ -748,6 +795,26 @@ impl<'a> AccessLog<'a> {
             reason: None,
             pod: None,
             opened: false,
+            policy: None,
+        }
+    }
+
+    /// Records an authorization decision: the deciding policy, and for a
+    /// denial the outcome and reason.
+    pub fn decided(&mut self, decision: &Decision) {
+        match decision {
+            Decision::Allow(policy) => self.policy = policy.clone(),
+            Decision::Deny { reason, policy } => {
+                self.policy = policy.clone();
+                self.reason = Some(reason.clone());
+                // The node-wide switch is no authorization policy: a plain
+                // refusal, as before policies existed.
+                self.outcome = if policy.is_some() {
+                    Outcome::Denied
+                } else {
+                    Outcome::Refused
+                };
+            }
         }
     }
 
@@ -786,6 +853,7 @@ impl<'a> AccessLog<'a> {
                 outcome: match self.outcome {
                     Outcome::Success => ConnectionOutcome::Success,
                     Outcome::Refused => ConnectionOutcome::Refused,
+                    Outcome::Denied => ConnectionOutcome::Denied,
                     Outcome::Failed => ConnectionOutcome::Failed,
                 },
             };
@@ -802,7 +870,7 @@ impl<'a> AccessLog<'a> {
         counter.fetch_add(1, Ordering::Relaxed);
         match self.outcome {
             Outcome::Success => {}
-            Outcome::Refused => {
+            Outcome::Refused | Outcome::Denied => {
                 c.refused.fetch_add(1, Ordering::Relaxed);
             }
             Outcome::Failed => {
@@ -821,6 +889,10 @@ impl<'a> AccessLog<'a> {
             Some(key) => key.to_string(),
             None => "-".to_owned(),
         };
+        let policy = match &self.policy {
+            Some(key) => key.to_string(),
+            None => "-".to_owned(),
+        };
         macro_rules! line {
             ($level:ident) => {
                 tracing::$level!(
@@ -835,6 +907,7 @@ impl<'a> AccessLog<'a> {
                     bytes_received = self.bytes_received,
                     duration_ms,
                     result = self.outcome.as_str(),
+                    policy = %policy,
                     reason,
                     "connection complete"
                 )
@@ -845,6 +918,27 @@ impl<'a> AccessLog<'a> {
             _ => line!(warn),
         }
     }
+}
+
+/// Resolves when a policy change (seen through `changes`, subscribed
+/// before the connection was first checked) denies `connection` to `pod`:
+/// the new decision. Never resolves otherwise.
+pub(crate) async fn revoked(
+    shared: &Shared,
+    mut changes: tokio::sync::watch::Receiver<u64>,
+    pod: &WorkloadKey,
+    connection: crate::authz::Connection<'_>,
+) -> Decision {
+    while changes.changed().await.is_ok() {
+        let decision = authorize(shared.workloads.as_ref(), pod, &connection);
+        if let Decision::Deny { reason, policy } = decision {
+            return Decision::Deny {
+                reason: format!("closed: the policies changed and now deny it ({reason})"),
+                policy,
+            };
+        }
+    }
+    std::future::pending().await
 }
 
 /// Copies both ways until both directions are done, honouring half-close

@@ -54,8 +54,11 @@ impl Direction {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ConnectionOutcome {
     Success,
-    /// Refused before any byte moved (bad input, policy, unknown target).
+    /// Refused before any byte moved (bad input, unknown target, the
+    /// node-wide plaintext switch).
     Refused,
+    /// Refused by an authorization policy (`response_flags="DENY"`).
+    Denied,
     /// Failed after being accepted (upstream unreachable, reset).
     Failed,
 }

@@ -1,15 +1,21 @@
-//! The decision point for inbound plaintext: connections from outside the
-//! mesh (no HBONE, so no peer identity) to an enrolled pod, which the
-//! redirection hands to the pod's 15006 listener.
+//! The decision points for inbound connections, before the application is
+//! reached:
 //!
-//! Today it is one node-wide switch (`--inbound-plaintext allow|deny`);
-//! richer policy (per pod, per source range, Istio's
-//! `AuthorizationPolicy`) plugs in here, at the one place every such
-//! connection passes before the application is reached.
+//! - plaintext (from outside the mesh, no peer identity, handed to the
+//!   pod's 15006 listener): first the node-wide switch
+//!   (`--inbound-plaintext allow|deny`), then Istio's authorization
+//!   policies ([`authorize`]) — without a principal, so a policy requiring
+//!   one never matches it;
+//! - HBONE: the authorization policies, with the peer certificate's
+//!   identity.
 
 use std::net::SocketAddr;
 
-use crate::state::WorkloadKey;
+use super::WorkloadLookup;
+use crate::{
+    authz::{Connection, PolicyKey},
+    state::WorkloadKey,
+};
 
 /// What happens to inbound plaintext connections.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -45,19 +51,46 @@ pub struct PlaintextConnection<'a> {
 /// The outcome of a policy check.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Decision {
-    Allow,
-    /// Refused; the reason goes to the access log.
-    Deny(String),
+    /// Allowed; by this authorization policy, when one decided.
+    Allow(Option<PolicyKey>),
+    /// Refused; the reason goes to the access log. `policy`: the
+    /// authorization policy that decided (`None`: the node-wide switch).
+    Deny {
+        reason: String,
+        policy: Option<PolicyKey>,
+    },
+}
+
+/// Checks `connection` to the local pod `pod` against the authorization
+/// policies.
+pub fn authorize(
+    workloads: &dyn WorkloadLookup,
+    pod: &WorkloadKey,
+    connection: &Connection<'_>,
+) -> Decision {
+    let verdict = workloads.authorize(pod, connection);
+    let policy = verdict.policy().cloned();
+    if verdict.is_allowed() {
+        Decision::Allow(policy)
+    } else {
+        Decision::Deny {
+            reason: format!("to pod {pod}: {verdict}"),
+            policy,
+        }
+    }
 }
 
 impl InboundPlaintextPolicy {
     pub fn decide(&self, connection: &PlaintextConnection<'_>) -> Decision {
         match self {
-            Self::Allow => Decision::Allow,
-            Self::Deny => Decision::Deny(format!(
-                "inbound plaintext to pod {} denied by policy (--inbound-plaintext deny)",
-                connection.pod
-            )),
+            Self::Allow => Decision::Allow(None),
+            Self::Deny => Decision::Deny {
+                reason: format!(
+                    "inbound plaintext to pod {} denied by policy (--inbound-plaintext deny)",
+                    connection.pod
+                ),
+                policy: None,
+            },
         }
     }
 }
@@ -80,11 +113,14 @@ mod tests {
         );
         assert_eq!(
             InboundPlaintextPolicy::Allow.decide(&connection),
-            Decision::Allow
+            Decision::Allow(None)
         );
         match InboundPlaintextPolicy::Deny.decide(&connection) {
-            Decision::Deny(reason) => assert!(reason.contains("default/server"), "{reason}"),
-            Decision::Allow => panic!("deny allowed"),
+            Decision::Deny { reason, policy } => {
+                assert!(reason.contains("default/server"), "{reason}");
+                assert_eq!(policy, None, "the switch is no authorization policy");
+            }
+            Decision::Allow(_) => panic!("deny allowed"),
         }
     }
 }

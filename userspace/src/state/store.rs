@@ -4,9 +4,11 @@
 use std::{
     collections::{BTreeMap, HashMap},
     net::IpAddr,
+    sync::Arc,
 };
 
 use super::{Service, ServiceStore, Workload, WorkloadKey};
+use crate::authz::{Policy, PolicySet};
 
 /// All known workloads, by key and by IP, and the services they back.
 ///
@@ -18,6 +20,11 @@ pub struct WorkloadStore {
     by_key: BTreeMap<WorkloadKey, Workload>,
     by_ip: HashMap<IpAddr, WorkloadKey>,
     services: ServiceStore,
+    /// Shared with checks in flight: a change swaps in a new set.
+    policies: Arc<PolicySet>,
+    /// Bumped by every change of the policies (open connections are
+    /// re-checked when it moves).
+    policy_generation: u64,
 }
 
 /// What [`WorkloadStore::replace_all`] changed, each list sorted by key.
@@ -100,6 +107,28 @@ impl WorkloadStore {
     /// sources list services and pods separately, and either may be late.
     pub fn replace_services(&mut self, services: impl IntoIterator<Item = Service>) -> bool {
         self.services.replace_all(services)
+    }
+
+    /// Makes `policies` every authorization policy known (a full resync);
+    /// returns whether anything changed.
+    pub fn replace_policies(&mut self, policies: impl IntoIterator<Item = Policy>) -> bool {
+        let next = PolicySet::new(policies);
+        if next == *self.policies {
+            return false;
+        }
+        self.policies = Arc::new(next);
+        self.policy_generation += 1;
+        true
+    }
+
+    /// The authorization policies, indexed for checks.
+    pub fn policies(&self) -> &Arc<PolicySet> {
+        &self.policies
+    }
+
+    /// How many times the policies changed.
+    pub fn policy_generation(&self) -> u64 {
+        self.policy_generation
     }
 
     /// The services, looked up by `VIP:port` (see [`ServiceStore`]).
@@ -217,6 +246,30 @@ mod tests {
 
         let same: Vec<_> = store.iter().cloned().collect();
         assert!(store.replace_all(same).is_empty());
+    }
+
+    #[test]
+    fn replace_policies_reports_changes() {
+        use crate::authz::{Action, Scope};
+        let policy = |action| Policy {
+            name: "p".into(),
+            namespace: "default".into(),
+            scope: Scope::Namespace,
+            action,
+            rules: vec![],
+            dry_run: false,
+            selector: None,
+        };
+        let mut store = WorkloadStore::new();
+        assert!(store.policies().is_empty());
+        assert!(store.replace_policies([policy(Action::Allow)]));
+        assert_eq!(store.policy_generation(), 1);
+        assert!(!store.replace_policies([policy(Action::Allow)]), "same set");
+        assert!(store.replace_policies([policy(Action::Deny)]));
+        assert_eq!(store.policies().len(), 1);
+        assert!(store.replace_policies([]));
+        assert!(store.policies().is_empty());
+        assert_eq!(store.policy_generation(), 3);
     }
 
     #[test]

@@ -47,6 +47,8 @@ pub struct PodFacts {
     pub redirection: Option<String>,
     /// [`SPLICE_ANNOTATION`]: `on` or `off`.
     pub splice: Option<bool>,
+    /// The pod's labels (authorization policies select pods by them).
+    pub labels: BTreeMap<String, String>,
 }
 
 /// What the agent needs to know about one namespace.
@@ -102,6 +104,7 @@ impl PodFacts {
             uid,
             resource_version: meta.resource_version.clone().unwrap_or_default(),
             mode_label: label(meta.labels.as_ref()),
+            labels: meta.labels.clone().unwrap_or_default(),
             has_sidecar: annotations.is_some_and(|a| a.contains_key(SIDECAR_STATUS_ANNOTATION)),
             host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
             service_account: spec
@@ -159,6 +162,7 @@ impl PodFacts {
             netns: None,
             dataplane_mode: self.dataplane_mode(namespace),
             splice: self.splice,
+            labels: self.labels.clone(),
             ..Default::default()
         }
     }
@@ -229,6 +233,15 @@ mod tests {
         assert_eq!(w.key(), facts.key);
         assert_eq!(w.dataplane_mode, DataplaneMode::None, "opt-in only");
         assert_eq!(w.netns, None);
+    }
+
+    #[test]
+    fn labels_reach_the_workload_for_policy_selectors() {
+        let facts = pod(basic(json!({"app": "web", "version": "v1"})));
+        let w = facts.to_workload(None);
+        assert_eq!(w.labels.get("app").map(String::as_str), Some("web"));
+        assert_eq!(w.labels.get("version").map(String::as_str), Some("v1"));
+        assert!(pod(basic(json!({}))).to_workload(None).labels.is_empty());
     }
 
     #[test]

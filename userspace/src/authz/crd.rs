@@ -1,0 +1,715 @@
+//! `security.istio.io/v1` `AuthorizationPolicy` objects (as `kubectl apply`
+//! takes them) translated into the [model](super::model), the way istiod
+//! translates them for ztunnel:
+//!
+//! - scope: no selector in the root namespace → [`Scope::Global`]; no
+//!   selector → [`Scope::Namespace`]; a selector →
+//!   [`Scope::WorkloadSelector`] (with its labels);
+//! - `spec: {}` (or no rule) is an ALLOW policy with no rule: it allows
+//!   nothing to the workloads of its scope; `rules: [{}]` allows all;
+//! - what a node proxy cannot see (L7: `hosts`, `methods`, `paths`, request
+//!   principals, `remoteIpBlocks`, `when` keys other than `source.ip`,
+//!   `source.namespace`, `source.principal`, `destination.ip`,
+//!   `destination.port`): an ALLOW rule needing it matches nothing, a DENY
+//!   rule is applied without it — both err towards denying; each policy so
+//!   translated carries a note, for one log line;
+//! - `AUDIT`, `CUSTOM` and `targetRef(s)` policies are for other
+//!   enforcement points (waypoints, ext-authz): skipped, with the reason.
+//!
+//! Bad input (an unknown field, an invalid CIDR or port, an empty selector,
+//! an unknown action, a wrong kind) is a [`PolicyError`] naming the policy
+//! and the field. The policy is then not applied as written, but its place
+//! is taken by a fail-closed stand-in for the same scope (see
+//! [`PolicyError::stand_in`] for which and why).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, de::IgnoredAny};
+
+use super::{
+    ROOT_NAMESPACE,
+    model::{Action, Cidr, Clause, Match, Policy, Rule, Scope, StringMatch},
+};
+
+/// The API versions whose `AuthorizationPolicy` has this schema.
+pub const API_VERSIONS: [&str; 2] = ["security.istio.io/v1", "security.istio.io/v1beta1"];
+pub const KIND: &str = "AuthorizationPolicy";
+/// The annotation that makes a policy dry-run (logged, not enforced).
+pub const DRY_RUN_ANNOTATION: &str = "istio.io/dry-run";
+
+/// The `when` keys istiod translates for ztunnel; any other is L7.
+const L4_WHEN_KEYS: [&str; 5] = [
+    "source.ip",
+    "source.namespace",
+    "source.principal",
+    "destination.ip",
+    "destination.port",
+];
+
+/// A policy translated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Translated {
+    /// Enforced by the node proxy. `notes` say what it could not see and
+    /// how that was handled (empty when the policy is pure L4).
+    Policy { policy: Policy, notes: Vec<String> },
+    /// Not for a node proxy; why.
+    Skipped { policy: String, reason: String },
+}
+
+/// A policy that cannot be used as written.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("AuthorizationPolicy {policy}: field `{field}`: {message}")]
+pub struct PolicyError {
+    /// `namespace/name`, as far as the object says.
+    pub policy: String,
+    /// Where, as a path into the object (`spec.rules[0].from[0].source.ipBlocks[1]`).
+    pub field: String,
+    pub message: String,
+    /// What is applied instead, so that a broken policy fails closed:
+    ///
+    /// - an ALLOW policy (or one without `action`, which means ALLOW)
+    ///   becomes an ALLOW policy with no rule for the same scope: its
+    ///   workloads accept only what other, valid ALLOW policies allow.
+    ///   That is exactly "this policy matches nothing" — what istiod does
+    ///   with an ALLOW rule it cannot translate — so the breakage never
+    ///   opens anything, and never takes away what the valid policies
+    ///   grant;
+    /// - a DENY policy, or one whose action is unreadable, becomes a
+    ///   DENY-all for the same scope: what a broken DENY meant to deny is
+    ///   unknown, and denying everything is the only stand-in sure to cover
+    ///   it (an outage the operator sees in the log, rather than a hole);
+    /// - `AUDIT` and `CUSTOM` are not enforced by a node proxy: `None`.
+    ///
+    /// The scope is the policy's own when its selector is readable; with a
+    /// broken or empty selector it widens to the policy's namespace (the
+    /// whole mesh in the root namespace), a superset of what it could have
+    /// selected.
+    pub stand_in: Option<Box<Policy>>,
+}
+
+/// Translates one object; `default_namespace` is the namespace of an
+/// object without `metadata.namespace` (`default`, as `kubectl apply`).
+pub fn translate(
+    object: &serde_yaml::Value,
+    default_namespace: &str,
+) -> Result<Translated, PolicyError> {
+    let peek = Peek::of(object, default_namespace);
+    let raw: RawPolicy = serde_path_to_error::deserialize(object).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        peek.error(&path, inner)
+    })?;
+    Translator { peek: &peek }.policy(raw)
+}
+
+/// What can be read of an object even when it does not parse: enough to
+/// name it and to build its stand-in.
+struct Peek {
+    name: String,
+    namespace: String,
+    action: Option<String>,
+    selector: Option<BTreeMap<String, String>>,
+    dry_run: bool,
+}
+
+impl Peek {
+    fn of(object: &serde_yaml::Value, default_namespace: &str) -> Self {
+        let text = |v: Option<&serde_yaml::Value>| v.and_then(|v| v.as_str()).map(str::to_owned);
+        let meta = object.get("metadata");
+        let spec = object.get("spec");
+        let selector = spec
+            .and_then(|s| s.get("selector"))
+            .and_then(|s| s.get("matchLabels"))
+            .and_then(|l| serde_yaml::from_value::<BTreeMap<String, String>>(l.clone()).ok())
+            .filter(|l| !l.is_empty());
+        let dry_run = meta
+            .and_then(|m| m.get("annotations"))
+            .and_then(|a| a.get(DRY_RUN_ANNOTATION))
+            .and_then(|v| v.as_str())
+            == Some("true");
+        Self {
+            name: text(meta.and_then(|m| m.get("name"))).unwrap_or_else(|| "(no name)".into()),
+            namespace: text(meta.and_then(|m| m.get("namespace")))
+                .filter(|ns| !ns.is_empty())
+                .unwrap_or_else(|| default_namespace.to_owned()),
+            action: text(spec.and_then(|s| s.get("action"))),
+            selector,
+            dry_run,
+        }
+    }
+
+    fn label(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+
+    fn error(&self, field: &str, message: String) -> PolicyError {
+        let field = if field.is_empty() || field == "." {
+            "(the object)".to_owned()
+        } else {
+            field.to_owned()
+        };
+        PolicyError {
+            policy: self.label(),
+            field,
+            message,
+            stand_in: self.stand_in().map(Box::new),
+        }
+    }
+
+    /// See [`PolicyError::stand_in`].
+    fn stand_in(&self) -> Option<Policy> {
+        let (action, rules) = match self.action.as_deref() {
+            None | Some("ALLOW") => (Action::Allow, vec![]),
+            Some("AUDIT" | "CUSTOM") => return None,
+            Some(_) => (Action::Deny, vec![Rule::default()]),
+        };
+        let (scope, selector) = match &self.selector {
+            Some(labels) => (Scope::WorkloadSelector, Some(labels.clone())),
+            None if self.namespace == ROOT_NAMESPACE => (Scope::Global, None),
+            None => (Scope::Namespace, None),
+        };
+        Some(Policy {
+            name: self.name.clone(),
+            namespace: self.namespace.clone(),
+            scope,
+            action,
+            rules,
+            dry_run: self.dry_run,
+            selector,
+        })
+    }
+}
+
+struct Translator<'a> {
+    peek: &'a Peek,
+}
+
+impl Translator<'_> {
+    fn policy(&self, raw: RawPolicy) -> Result<Translated, PolicyError> {
+        let err = |field: &str, message: String| Err(self.peek.error(field, message));
+        if !API_VERSIONS.contains(&raw.api_version.as_str()) {
+            return err(
+                "apiVersion",
+                format!(
+                    "{:?} is not one of {}",
+                    raw.api_version,
+                    API_VERSIONS.join(", ")
+                ),
+            );
+        }
+        if raw.kind != KIND {
+            return err("kind", format!("{:?} is not {KIND}", raw.kind));
+        }
+        if raw.metadata.name.is_empty() {
+            return err("metadata.name", "must not be empty".into());
+        }
+        let spec = raw.spec;
+        let action = match spec.action.as_deref() {
+            None | Some("ALLOW") => Action::Allow,
+            Some("DENY") => Action::Deny,
+            Some(other @ ("AUDIT" | "CUSTOM")) => {
+                return Ok(Translated::Skipped {
+                    policy: self.peek.label(),
+                    reason: format!("action {other} is not enforced by a node proxy"),
+                });
+            }
+            Some(other) => {
+                return err(
+                    "spec.action",
+                    format!("unknown action {other:?}; expected ALLOW, DENY, AUDIT or CUSTOM"),
+                );
+            }
+        };
+        let (scope, selector) = match spec.selector {
+            None if self.peek.namespace == ROOT_NAMESPACE => (Scope::Global, None),
+            None => (Scope::Namespace, None),
+            Some(selector) => match selector.match_labels {
+                Some(labels) if !labels.is_empty() => (Scope::WorkloadSelector, Some(labels)),
+                _ => {
+                    return err(
+                        "spec.selector.matchLabels",
+                        "empty: a selector must name at least one label (omit `selector` to \
+                         apply the policy to its whole namespace)"
+                            .into(),
+                    );
+                }
+            },
+        };
+        if spec.target_ref.is_some() || spec.target_refs.is_some() {
+            return Ok(Translated::Skipped {
+                policy: self.peek.label(),
+                reason: "a policy with targetRef(s) is enforced by the waypoint or gateway it \
+                         names, not by a node proxy"
+                    .into(),
+            });
+        }
+        let mut notes = Vec::new();
+        let mut rules = Vec::new();
+        for (i, rule) in spec.rules.unwrap_or_default().into_iter().enumerate() {
+            let at = format!("spec.rules[{i}]");
+            if let Some(rule) = self.rule(action, &at, rule, &mut notes)? {
+                rules.push(rule);
+            }
+        }
+        Ok(Translated::Policy {
+            policy: Policy {
+                name: raw.metadata.name,
+                namespace: self.peek.namespace.clone(),
+                scope,
+                action,
+                rules,
+                dry_run: self.peek.dry_run,
+                selector,
+            },
+            notes,
+        })
+    }
+
+    /// One rule; `None` for an ALLOW rule that needs L7 attributes (it
+    /// matches nothing, so it is left out).
+    fn rule(
+        &self,
+        action: Action,
+        at: &str,
+        raw: RawRule,
+        notes: &mut Vec<String>,
+    ) -> Result<Option<Rule>, PolicyError> {
+        // Checked in full first: a rule dropped for L7 may still be invalid.
+        let mut l7: Vec<String> = Vec::new();
+        let mut clauses = Vec::new();
+        if let Some(to) = raw.to {
+            let mut matches = Vec::new();
+            for (j, to) in to.into_iter().enumerate() {
+                let at = format!("{at}.to[{j}].operation");
+                matches.push(self.operation(&at, to.operation, &mut l7)?);
+            }
+            clauses.push(Clause { matches });
+        }
+        if let Some(from) = raw.from {
+            let mut matches = Vec::new();
+            for (j, from) in from.into_iter().enumerate() {
+                let at = format!("{at}.from[{j}].source");
+                matches.push(self.source(&at, from.source, &mut l7)?);
+            }
+            clauses.push(Clause { matches });
+        }
+        for (j, when) in raw.when.unwrap_or_default().into_iter().enumerate() {
+            let at = format!("{at}.when[{j}]");
+            if let Some(m) = self.condition(&at, when, &mut l7)? {
+                clauses.push(Clause { matches: vec![m] });
+            }
+        }
+        if l7.is_empty() {
+            return Ok(Some(Rule { clauses }));
+        }
+        let what = l7.join(", ");
+        Ok(match action {
+            Action::Allow => {
+                notes.push(format!(
+                    "{at} needs attributes a node proxy cannot see ({what}): this ALLOW rule matches nothing"
+                ));
+                None
+            }
+            Action::Deny => {
+                notes.push(format!(
+                    "{at} needs attributes a node proxy cannot see ({what}): this DENY rule is applied without them"
+                ));
+                Some(Rule { clauses })
+            }
+        })
+    }
+
+    fn operation(
+        &self,
+        at: &str,
+        op: RawOperation,
+        l7: &mut Vec<String>,
+    ) -> Result<Match, PolicyError> {
+        for (name, values) in [
+            ("hosts", &op.hosts),
+            ("notHosts", &op.not_hosts),
+            ("methods", &op.methods),
+            ("notMethods", &op.not_methods),
+            ("paths", &op.paths),
+            ("notPaths", &op.not_paths),
+        ] {
+            if !values.is_empty() {
+                l7.push(format!("{at}.{name}"));
+            }
+        }
+        Ok(Match {
+            destination_ports: self.ports(&format!("{at}.ports"), &op.ports)?,
+            not_destination_ports: self.ports(&format!("{at}.notPorts"), &op.not_ports)?,
+            ..Default::default()
+        })
+    }
+
+    fn source(&self, at: &str, src: RawSource, l7: &mut Vec<String>) -> Result<Match, PolicyError> {
+        for (name, values) in [
+            ("requestPrincipals", &src.request_principals),
+            ("notRequestPrincipals", &src.not_request_principals),
+            ("remoteIpBlocks", &src.remote_ip_blocks),
+            ("notRemoteIpBlocks", &src.not_remote_ip_blocks),
+        ] {
+            if !values.is_empty() {
+                l7.push(format!("{at}.{name}"));
+            }
+        }
+        // Validated though never matched: Istio rejects them too.
+        self.cidrs(&format!("{at}.remoteIpBlocks"), &src.remote_ip_blocks)?;
+        self.cidrs(
+            &format!("{at}.notRemoteIpBlocks"),
+            &src.not_remote_ip_blocks,
+        )?;
+        let accounts = !src.service_accounts.is_empty() || !src.not_service_accounts.is_empty();
+        if accounts && (!src.principals.is_empty() || !src.namespaces.is_empty()) {
+            return Err(self.peek.error(
+                &format!("{at}.serviceAccounts"),
+                "cannot be set together with principals or namespaces".into(),
+            ));
+        }
+        let mut principals = self.strings(&format!("{at}.principals"), &src.principals)?;
+        let mut not_principals =
+            self.strings(&format!("{at}.notPrincipals"), &src.not_principals)?;
+        principals.extend(self.accounts(&format!("{at}.serviceAccounts"), &src.service_accounts)?);
+        not_principals.extend(self.accounts(
+            &format!("{at}.notServiceAccounts"),
+            &src.not_service_accounts,
+        )?);
+        Ok(Match {
+            namespaces: self.strings(&format!("{at}.namespaces"), &src.namespaces)?,
+            not_namespaces: self.strings(&format!("{at}.notNamespaces"), &src.not_namespaces)?,
+            principals,
+            not_principals,
+            source_ips: self.cidrs(&format!("{at}.ipBlocks"), &src.ip_blocks)?,
+            not_source_ips: self.cidrs(&format!("{at}.notIpBlocks"), &src.not_ip_blocks)?,
+            ..Default::default()
+        })
+    }
+
+    /// A `when` condition: a match for the L4 keys, `None` (and a note) for
+    /// the others.
+    fn condition(
+        &self,
+        at: &str,
+        when: RawCondition,
+        l7: &mut Vec<String>,
+    ) -> Result<Option<Match>, PolicyError> {
+        if when.values.is_empty() && when.not_values.is_empty() {
+            return Err(self.peek.error(
+                &format!("{at}.values"),
+                "a condition needs values or notValues".into(),
+            ));
+        }
+        let key = when.key.as_str();
+        if !L4_WHEN_KEYS.contains(&key) {
+            if !known_l7_key(key) {
+                return Err(self.peek.error(
+                    &format!("{at}.key"),
+                    format!("unknown condition key {key:?}"),
+                ));
+            }
+            l7.push(format!("{at} (key {key})"));
+            return Ok(None);
+        }
+        let (pos, neg) = (format!("{at}.values"), format!("{at}.notValues"));
+        let mut m = Match::default();
+        match key {
+            "source.ip" => {
+                m.source_ips = self.cidrs(&pos, &when.values)?;
+                m.not_source_ips = self.cidrs(&neg, &when.not_values)?;
+            }
+            "destination.ip" => {
+                m.destination_ips = self.cidrs(&pos, &when.values)?;
+                m.not_destination_ips = self.cidrs(&neg, &when.not_values)?;
+            }
+            "destination.port" => {
+                let ports = |v: &[String]| v.iter().cloned().map(RawPort::Text).collect::<Vec<_>>();
+                m.destination_ports = self.ports(&pos, &ports(&when.values))?;
+                m.not_destination_ports = self.ports(&neg, &ports(&when.not_values))?;
+            }
+            "source.namespace" => {
+                m.namespaces = self.strings(&pos, &when.values)?;
+                m.not_namespaces = self.strings(&neg, &when.not_values)?;
+            }
+            _ => {
+                m.principals = self.strings(&pos, &when.values)?;
+                m.not_principals = self.strings(&neg, &when.not_values)?;
+            }
+        }
+        Ok(Some(m))
+    }
+
+    fn strings(&self, at: &str, values: &[String]) -> Result<Vec<StringMatch>, PolicyError> {
+        values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let stars = v.matches('*').count();
+                let well_placed =
+                    v == "*" || (stars == 1 && (v.starts_with('*') || v.ends_with('*')));
+                if v.is_empty() {
+                    Err(self
+                        .peek
+                        .error(&format!("{at}[{i}]"), "must not be empty".into()))
+                } else if stars > 0 && !well_placed {
+                    Err(self.peek.error(
+                        &format!("{at}[{i}]"),
+                        format!("{v:?}: `*` is allowed alone, or once at the start or the end"),
+                    ))
+                } else {
+                    Ok(StringMatch::from_istio(v))
+                }
+            })
+            .collect()
+    }
+
+    /// `namespace/serviceaccount` → the principals of that account in any
+    /// trust domain (`*/ns/<namespace>/sa/<account>`).
+    fn accounts(&self, at: &str, values: &[String]) -> Result<Vec<StringMatch>, PolicyError> {
+        values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| match v.split_once('/') {
+                Some((ns, sa)) if !ns.is_empty() && !sa.is_empty() && !sa.contains('/') => {
+                    Ok(StringMatch::Suffix(format!("/ns/{ns}/sa/{sa}")))
+                }
+                _ => Err(self.peek.error(
+                    &format!("{at}[{i}]"),
+                    format!("{v:?} is not `namespace/serviceaccount`"),
+                )),
+            })
+            .collect()
+    }
+
+    fn cidrs(&self, at: &str, values: &[String]) -> Result<Vec<Cidr>, PolicyError> {
+        values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                v.parse::<Cidr>()
+                    .map_err(|e| self.peek.error(&format!("{at}[{i}]"), e.to_string()))
+            })
+            .collect()
+    }
+
+    fn ports(&self, at: &str, values: &[RawPort]) -> Result<Vec<u16>, PolicyError> {
+        values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let port = match v {
+                    RawPort::Number(n) => u16::try_from(*n).ok(),
+                    RawPort::Text(s) => s.parse::<u16>().ok(),
+                };
+                port.filter(|p| *p != 0).ok_or_else(|| {
+                    self.peek.error(
+                        &format!("{at}[{i}]"),
+                        format!("{} is not a port (1 to 65535)", v.show()),
+                    )
+                })
+            })
+            .collect()
+    }
+}
+
+/// Condition keys Istio accepts that a node proxy cannot check.
+fn known_l7_key(key: &str) -> bool {
+    const EXACT: [&str; 6] = [
+        "remote.ip",
+        "request.auth.principal",
+        "request.auth.audiences",
+        "request.auth.presenter",
+        "connection.sni",
+        "request.auth.claims",
+    ];
+    const BRACKETED: [&str; 2] = ["request.headers[", "request.auth.claims["];
+    EXACT.contains(&key)
+        || BRACKETED
+            .iter()
+            .any(|p| key.starts_with(p) && key.ends_with(']') && key.len() > p.len() + 1)
+        || key.starts_with("experimental.envoy.filters.")
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawPolicy {
+    api_version: String,
+    kind: String,
+    metadata: RawMeta,
+    #[serde(default)]
+    spec: RawSpec,
+    /// Written by istiod; ignored.
+    #[serde(default)]
+    #[allow(dead_code)]
+    status: Option<IgnoredAny>,
+}
+
+/// Kubernetes' `ObjectMeta`: every field is known; only the name, the
+/// namespace and the dry-run annotation matter here.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[allow(dead_code)]
+struct RawMeta {
+    name: String,
+    #[serde(default)]
+    namespace: Option<String>,
+    #[serde(default)]
+    labels: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    annotations: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    uid: Option<IgnoredAny>,
+    #[serde(default)]
+    resource_version: Option<IgnoredAny>,
+    #[serde(default)]
+    generation: Option<IgnoredAny>,
+    #[serde(default)]
+    generate_name: Option<IgnoredAny>,
+    #[serde(default)]
+    creation_timestamp: Option<IgnoredAny>,
+    #[serde(default)]
+    deletion_timestamp: Option<IgnoredAny>,
+    #[serde(default)]
+    deletion_grace_period_seconds: Option<IgnoredAny>,
+    #[serde(default)]
+    finalizers: Option<IgnoredAny>,
+    #[serde(default)]
+    owner_references: Option<IgnoredAny>,
+    #[serde(default)]
+    managed_fields: Option<IgnoredAny>,
+    #[serde(default)]
+    self_link: Option<IgnoredAny>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawSpec {
+    #[serde(default)]
+    selector: Option<RawSelector>,
+    #[serde(default)]
+    target_ref: Option<IgnoredAny>,
+    #[serde(default)]
+    target_refs: Option<IgnoredAny>,
+    #[serde(default)]
+    action: Option<String>,
+    /// CUSTOM's ext-authz provider.
+    #[serde(default)]
+    #[allow(dead_code)]
+    provider: Option<IgnoredAny>,
+    #[serde(default)]
+    rules: Option<Vec<RawRule>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawSelector {
+    #[serde(default)]
+    match_labels: Option<BTreeMap<String, String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawRule {
+    #[serde(default)]
+    from: Option<Vec<RawFrom>>,
+    #[serde(default)]
+    to: Option<Vec<RawTo>>,
+    #[serde(default)]
+    when: Option<Vec<RawCondition>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawFrom {
+    #[serde(default)]
+    source: RawSource,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawSource {
+    #[serde(default)]
+    principals: Vec<String>,
+    #[serde(default)]
+    not_principals: Vec<String>,
+    #[serde(default)]
+    request_principals: Vec<String>,
+    #[serde(default)]
+    not_request_principals: Vec<String>,
+    #[serde(default)]
+    namespaces: Vec<String>,
+    #[serde(default)]
+    not_namespaces: Vec<String>,
+    #[serde(default)]
+    service_accounts: Vec<String>,
+    #[serde(default)]
+    not_service_accounts: Vec<String>,
+    #[serde(default)]
+    ip_blocks: Vec<String>,
+    #[serde(default)]
+    not_ip_blocks: Vec<String>,
+    #[serde(default)]
+    remote_ip_blocks: Vec<String>,
+    #[serde(default)]
+    not_remote_ip_blocks: Vec<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawTo {
+    #[serde(default)]
+    operation: RawOperation,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawOperation {
+    #[serde(default)]
+    hosts: Vec<String>,
+    #[serde(default)]
+    not_hosts: Vec<String>,
+    #[serde(default)]
+    ports: Vec<RawPort>,
+    #[serde(default)]
+    not_ports: Vec<RawPort>,
+    #[serde(default)]
+    methods: Vec<String>,
+    #[serde(default)]
+    not_methods: Vec<String>,
+    #[serde(default)]
+    paths: Vec<String>,
+    #[serde(default)]
+    not_paths: Vec<String>,
+}
+
+/// The CRD's ports are strings (`"8080"`); a bare number is accepted too.
+#[derive(Clone, Deserialize)]
+#[serde(untagged)]
+enum RawPort {
+    Number(u64),
+    Text(String),
+}
+
+impl RawPort {
+    fn show(&self) -> String {
+        match self {
+            Self::Number(n) => n.to_string(),
+            Self::Text(s) => format!("{s:?}"),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawCondition {
+    key: String,
+    #[serde(default)]
+    values: Vec<String>,
+    #[serde(default)]
+    not_values: Vec<String>,
+}
+
+#[cfg(test)]
+#[path = "crd_tests.rs"]
+mod tests;
