@@ -368,7 +368,7 @@ async fn run_case(m: &Mesh, target: SocketAddr, client: Client) -> Result<Expect
         .map_err(|_| "no answer in time".to_string())?;
     // A connection-level refusal (a TLS alert after the handshake, a
     // GOAWAY) is the connection's error; the stream only sees its shadow.
-    let result = match result {
+    match result {
         Err(StreamError::Connection(stream_error)) => {
             match tokio::time::timeout(Duration::from_secs(15), driver).await {
                 Ok(Ok(Err(e))) => connection_refusal(&e),
@@ -389,8 +389,7 @@ async fn run_case(m: &Mesh, target: SocketAddr, client: Client) -> Result<Expect
             driver.abort();
             Ok(expect)
         }
-    };
-    result
+    }
 }
 
 /// A stream that first yields `prefix` (bytes already read from `inner`).
