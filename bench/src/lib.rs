@@ -6,10 +6,19 @@
 //! topologies, starts the real agents, runs the load generator
 //! (`shunt-bench client`, in the client pod) against the servers
 //! (`shunt-bench server`, in the server pods), and writes
-//! `bench/results/<name>.md`, `<name>.svg` and `raw/<name>.json`.
+//! `bench/results/<name>.json` (every measurement, raw), and from it
+//! `<name>.md` and `<name>.svg`; `shunt-bench render <name>.json` writes
+//! those two again from the JSON alone.
+//!
+//! Modules, in the direction data flows: `client`/`server` (the load and
+//! its report) → `measure` (the harness) → `model` (what a run recorded)
+//! → `report`/`svg` (what a reader sees). `measure` and `report` both use
+//! `model`; neither uses the other's internals (`measure` prints progress
+//! with `report::one_line`, nothing goes back).
 
 pub mod client;
-pub mod harness;
+pub mod measure;
+pub mod model;
 pub mod pattern;
 pub mod report;
 pub mod server;

@@ -9,7 +9,8 @@ use anyhow::{Context as _, bail};
 use clap::{Args, Parser, Subcommand};
 use shunt_bench::{
     client::{self, ClientArgs, WorkloadKind},
-    harness::{self, Placement},
+    measure,
+    model::{self, Placement, RunResults},
     report, server, svg, sys,
 };
 
@@ -32,15 +33,16 @@ enum Command {
     Client(ClientCli),
     /// The server (started by `run` inside each server pod).
     Server(ServerCli),
-    /// Write the Markdown report and the chart again from a run's raw JSON.
+    /// Write the Markdown report and the chart again from a run's raw JSON
+    /// (`<name>.json` beside the report): every figure comes from it.
     Render(RenderArgs),
 }
 
 #[derive(Args)]
 struct RenderArgs {
-    /// A `raw/<name>.json` written by `run`.
+    /// A `<name>.json` written by `run`.
     json: PathBuf,
-    /// Where the reports go (default: the JSON's parent's parent).
+    /// Where the reports go (default: beside the JSON).
     #[arg(long)]
     out: Option<PathBuf>,
     /// Print the README's Benchmarks tables instead of writing the reports.
@@ -77,8 +79,8 @@ struct RunArgs {
     /// bench/results/raw/quick with --quick, which git ignores).
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Report name: `<out>/<name>.md`, `.svg`, `raw/<name>.json` (default
-    /// `latest`, or `quick` with --quick).
+    /// Report name: `<out>/<name>.json` (the raw results), `.md`, `.svg`
+    /// (default `latest`, or `quick` with --quick).
     #[arg(long)]
     name: Option<String>,
     /// The shunt binary (default: $SHUNT_BIN, else target/release/shunt,
@@ -120,9 +122,9 @@ struct ClientCli {
 
 #[derive(Args)]
 struct ServerCli {
-    #[arg(long, default_value_t = harness::ECHO_PORT)]
+    #[arg(long, default_value_t = model::ECHO_PORT)]
     echo_port: u16,
-    #[arg(long, default_value_t = harness::SINK_PORT)]
+    #[arg(long, default_value_t = model::SINK_PORT)]
     sink_port: u16,
     #[arg(long, default_value_t = 4 * 3600)]
     max_seconds: u64,
@@ -211,7 +213,14 @@ fn shunt_binary(args: &RunArgs, workspace: &Path) -> anyhow::Result<PathBuf> {
     bail!("no shunt binary: build it with `cargo build --release -p shunt` or pass --shunt")
 }
 
-fn write_reports(results: &harness::RunResults, out: &Path) -> anyhow::Result<()> {
+/// The raw results, compact (one line): what the reports are computed from.
+fn write_json(results: &RunResults, path: &Path) -> anyhow::Result<()> {
+    let mut text = serde_json::to_string(results)?;
+    text.push('\n');
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+fn write_reports(results: &RunResults, out: &Path) -> anyhow::Result<()> {
     let svg_name = format!("{}.svg", results.name);
     std::fs::write(out.join(&svg_name), svg::chart(results))?;
     std::fs::write(
@@ -221,13 +230,17 @@ fn write_reports(results: &harness::RunResults, out: &Path) -> anyhow::Result<()
     Ok(())
 }
 
+fn read_json(path: &Path) -> anyhow::Result<RunResults> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
 fn render(args: RenderArgs) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(&args.json)
-        .with_context(|| format!("reading {}", args.json.display()))?;
-    let mut results: harness::RunResults = serde_json::from_str(&text)?;
+    let mut results = read_json(&args.json)?;
     if !args.note.is_empty() {
         results.notes.extend(args.note.iter().cloned());
-        std::fs::write(&args.json, serde_json::to_string(&results)?)?;
+        write_json(&results, &args.json)?;
     }
     if args.readme {
         print!(
@@ -241,7 +254,6 @@ fn render(args: RenderArgs) -> anyhow::Result<()> {
         None => args
             .json
             .parent()
-            .and_then(Path::parent)
             .map(Path::to_path_buf)
             .unwrap_or_else(|| PathBuf::from(".")),
     };
@@ -292,7 +304,7 @@ fn run(args: RunArgs) -> anyhow::Result<bool> {
             workspace.join("bench/results")
         }
     });
-    let options = harness::Options {
+    let options = measure::Options {
         quick: args.quick,
         reps: args.reps.unwrap_or(if args.quick { 1 } else { 5 }).max(1),
         placements,
@@ -303,16 +315,17 @@ fn run(args: RunArgs) -> anyhow::Result<bool> {
         workspace: workspace.clone(),
         logs_dir: Some(out.join("raw").join(format!("{name}-agent-logs"))),
     };
-    let result = harness::run(&options);
+    let result = measure::run(&options);
     let _ = std::fs::remove_dir_all(&scratch);
     let mut results = result?;
     results.shunt_binary = shunt.display().to_string();
     results.name = name.clone();
-    std::fs::create_dir_all(out.join("raw"))?;
-    std::fs::write(
-        out.join("raw").join(format!("{name}.json")),
-        serde_json::to_string(&results)?,
-    )?;
+    std::fs::create_dir_all(&out)?;
+    let json = out.join(format!("{name}.json"));
+    write_json(&results, &json)?;
+    // The reports come from the JSON as written, exactly as `render` makes
+    // them, so every figure in them can be re-derived from it.
+    let results = read_json(&json)?;
     write_reports(&results, &out)?;
     let failed = results.records.iter().filter(|r| !r.verified).count();
     eprintln!(

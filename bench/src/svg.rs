@@ -6,7 +6,7 @@
 use std::fmt::Write as _;
 
 use crate::{
-    harness::{Mode, PathSpec, Placement, RunResults},
+    model::{Mode, PathSpec, Placement, RunResults},
     report::{Index, Pick, human, path_label, pick_p50, pick_p90, pick_p99, pick_rate},
 };
 

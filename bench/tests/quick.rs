@@ -5,7 +5,7 @@
 
 use std::{path::PathBuf, process::Command};
 
-use shunt_bench::harness::{Mode, PathSpec, RunResults, workloads};
+use shunt_bench::model::{Mode, PathSpec, RunResults, workloads};
 use shunt_testbed::require_root;
 
 #[test]
@@ -24,7 +24,7 @@ fn quick_run_moves_verified_bytes_on_every_path() {
         .output()
         .expect("run shunt-bench");
     let stderr = String::from_utf8_lossy(&output.stderr);
-    let raw = std::fs::read_to_string(out.join("raw/quick.json"))
+    let raw = std::fs::read_to_string(out.join("quick.json"))
         .unwrap_or_else(|e| panic!("no results ({e}); shunt-bench said:\n{stderr}"));
     let results: RunResults = serde_json::from_str(&raw).expect("results parse");
 
@@ -65,5 +65,26 @@ fn quick_run_moves_verified_bytes_on_every_path() {
         assert!(svg.contains(&label), "chart lacks {label}");
     }
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+
+    // The report is re-derived from the JSON alone, byte for byte.
+    let again = out.join("again");
+    std::fs::create_dir_all(&again).expect("dir");
+    let render = Command::new(env!("CARGO_BIN_EXE_shunt-bench"))
+        .arg("render")
+        .arg(out.join("quick.json"))
+        .arg("--out")
+        .arg(&again)
+        .output()
+        .expect("run shunt-bench render");
+    assert!(render.status.success(), "{render:?}");
+    assert_eq!(
+        std::fs::read_to_string(again.join("quick.md")).expect("rendered report"),
+        md,
+        "render from quick.json differs from the run's report"
+    );
+    assert_eq!(
+        std::fs::read_to_string(again.join("quick.svg")).expect("rendered chart"),
+        svg
+    );
     let _ = std::fs::remove_dir_all(&out);
 }

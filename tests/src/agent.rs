@@ -465,6 +465,36 @@ impl Agent {
         )))
     }
 
+    /// Polls the agent's log until `done` holds for it, failing after
+    /// `timeout` with the log; returns the log that satisfied `done`.
+    pub fn wait_for_log(
+        &mut self,
+        what: &str,
+        timeout: Duration,
+        done: impl Fn(&str) -> bool,
+    ) -> Result<String> {
+        let start = Instant::now();
+        loop {
+            let logs = self.logs();
+            if done(&logs) {
+                return Ok(logs);
+            }
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                return Err(TestbedError::Invalid(format!(
+                    "the agent exited ({status}) while waiting for {what}; its log:\n{logs}"
+                )));
+            }
+            if start.elapsed() >= timeout {
+                return Err(TestbedError::Invalid(format!(
+                    "timed out after {timeout:?} waiting for {what} in the agent log:\n{logs}"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// SIGTERM, then waits (bounded) for a clean exit.
     pub fn stop(&mut self) -> Result<ExitStatus> {
         self.signal_and_wait(Signal::SIGTERM, Duration::from_secs(15))

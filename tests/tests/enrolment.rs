@@ -208,15 +208,14 @@ fn enrolled_pod_counts_exactly_what_crosses_eth0() {
         "exactly the two mesh pods are in the enrolment map"
     );
 
-    // The programs' own log lines (aya-log) come out in the agent's log.
+    // The programs' own log lines (aya-log) come out in the agent's log:
+    // the echo round trips above opened TCP connections the TC programs saw.
     agent
-        .wait_for("kernel log lines", TIMEOUT, |_| true)
-        .expect("status");
-    let logs = agent.logs();
-    assert!(
-        logs.contains("shunt_ebpf") && logs.contains("new TCP connection"),
-        "no aya-log line from the TC programs in the agent log:\n{logs}"
-    );
+        .wait_for_log("an aya-log line from the TC programs", TIMEOUT, |logs| {
+            logs.lines()
+                .any(|l| l.contains("shunt_ebpf") && l.contains("new TCP connection"))
+        })
+        .expect("aya-log lines in the agent log");
 }
 
 #[test]
@@ -473,13 +472,20 @@ fn redirect_auto_falls_back_to_iptables_when_a_kernel_feature_is_missing() {
     let client = &pods[0];
     let node = topo.node("node-a").expect("node");
     let yaml = workloads_yaml(&[WorkloadSpec::for_pod(client, true)]);
-    // The probe is told to report sk_assign missing (fault injection).
+    // The probe is told to report sk_assign missing (a test seam, compiled
+    // only with the agent's `test-seams` feature).
     let env = [(shunt::redirect::probe::PRETEND_MISSING_ENV, "bpf_sk_assign")];
     let mut agent =
         Agent::start_with_env(&topo, node, &yaml, &["--redirect", "auto"], &env).expect("agent");
     let status = agent
         .wait_for("client enrolled", TIMEOUT, |s| is_enrolled(s, client))
         .expect("enrolled");
+    assert!(
+        agent
+            .logs()
+            .contains("test seam SHUNT_PROBE_PRETEND_MISSING"),
+        "the agent binary ignored the probe's test seam: build it with `cargo build -p shunt --bins --features test-seams` (as `cargo xtask test` does)"
+    );
     assert_eq!(status.mode, "iptables");
     assert!(
         shunt_filters(client).is_empty(),

@@ -760,10 +760,8 @@ fn admin_dumps_config_and_bpf_and_changes_the_log_level() {
     assert_eq!(answer["filter"], "info");
     let before = agent.logs().len();
     let _ = get(&node, ADMIN_PORT, "/status");
-    thread::sleep(Duration::from_millis(300));
-    let tail = agent.logs()[before..].to_string();
-    assert_eq!(admin_debug_lines(&tail), 0, "debug logged at info:\n{tail}");
-
+    // The next filter change is logged (at info) after /status was answered:
+    // once its line is in the log, a debug line of /status would be too.
     let (code, body) = http(
         &node,
         "POST",
@@ -772,6 +770,23 @@ fn admin_dumps_config_and_bpf_and_changes_the_log_level() {
     )
     .expect("logging");
     assert_eq!(code, 200, "{body}");
+    let is_change_to_debug = |l: &Value| {
+        l["fields"]["message"] == "log filter changed through the admin API"
+            && l["fields"]["filter"] == "info,shunt::admin=debug"
+    };
+    let tail = eventually(
+        "the filter change in the log",
+        || {
+            let tail = agent.logs()[before..].to_string();
+            let marker = tail.lines().position(|l| {
+                serde_json::from_str::<Value>(l).is_ok_and(|l| is_change_to_debug(&l))
+            })?;
+            Some(tail.lines().take(marker).collect::<Vec<_>>().join("\n"))
+        },
+        || agent.logs()[before..].to_string(),
+    );
+    assert_eq!(admin_debug_lines(&tail), 0, "debug logged at info:\n{tail}");
+
     let (code, body) = get(&node, ADMIN_PORT, "/logging");
     assert_eq!(code, 200);
     assert_eq!(

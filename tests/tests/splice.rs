@@ -232,9 +232,12 @@ fn a_gib_through_a_slow_reader_stays_bounded_with_splice_on() {
     eprintln!(
         "peak kernel TCP memory growth: splice off {peak_off} pages, splice on {peak_on} pages; {c:?}"
     );
+    // What the README claims: bounded, within twice splice off's peak for
+    // the same transfer (runs have measured a quarter of it and a third
+    // more than it: the claim is the bound, not a saving).
     assert!(
         peak_on <= 2 * peak_off.max(256),
-        "splice on peaked at {peak_on} pages of TCP memory, splice off at {peak_off}"
+        "splice on peaked at {peak_on} pages of TCP memory, over twice splice off's {peak_off}"
     );
 }
 
@@ -308,6 +311,77 @@ fn native_ipv6_sockets_are_spliced_to_the_proxys_ipv6_listener() {
     assert!(c.spliced_bytes >= 2 * payload, "{c:?}");
     assert_eq!(c.splice_fallbacks, 0, "{c:?}");
 }
+
+/// Runs the testapp in the client pod like [`Node::run`], killing it (by
+/// its PID) if it has not finished within `TIMEOUT`.
+fn run_bounded(node: &Node, args: &[&str]) -> Value {
+    let mut child = TestApp::new(TESTAPP, &node.apps_cgroup)
+        .command(&node.client, args)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn the testapp");
+    let start = std::time::Instant::now();
+    while child.try_wait().expect("wait").is_none() {
+        if start.elapsed() > TIMEOUT {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the testapp did not finish within {TIMEOUT:?}");
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    let mut stdout = String::new();
+    if let Some(mut out) = child.stdout.take() {
+        let _ = std::io::Read::read_to_string(&mut out, &mut stdout);
+    }
+    serde_json::from_str(stdout.lines().last().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("the testapp printed {stdout:?}: {e}"))
+}
+
+#[test]
+fn a_blocking_read_on_a_spliced_socket_returns_eagain_spuriously() {
+    // Why blocking readers must stay off the splice (README, "Splice"): on
+    // a spliced socket the kernel's sockmap receive path ends a blocking
+    // read woken without data with EAGAIN instead of waiting on. The
+    // testapp's reader blocks (no read timeout, so no EAGAIN is legitimate)
+    // while its writer thread sends 1 byte and shuts down its side; it
+    // counts the EAGAINs and reads on, so the transfer still completes.
+    let on = node("splice-eagain", &["--splice", "on"]);
+    let mut eagains = Vec::new();
+    for _ in 0..EAGAIN_RUNS {
+        let report = run_bounded(
+            &on,
+            &["connect", &on.to_server, "--send", "1", "--retry-eagain"],
+        );
+        assert!(ok(&report), "{report}\n{}", on.agent.logs());
+        assert_eq!(as_u64(&report, "tcp_bytes_sent"), 0, "spliced: {report}");
+        eagains.push(as_u64(&report, "eagain"));
+    }
+    // Nearly every run shows it on 6.18 (24 of 25 when this was written);
+    // one of EAGAIN_RUNS is enough to prove the kernel behaviour.
+    eprintln!("EAGAINs per run on a spliced blocking socket: {eagains:?}");
+    assert!(
+        eagains.iter().any(|&n| n >= 1),
+        "no EAGAIN in {EAGAIN_RUNS} runs on a spliced blocking socket: {eagains:?}"
+    );
+
+    // The same application in a pod that opted out: not one.
+    let off = node_with("splice-eagain-optout", &["--splice", "on"], Some(false));
+    for _ in 0..EAGAIN_RUNS {
+        let report = run_bounded(
+            &off,
+            &["connect", &off.to_server, "--send", "1", "--retry-eagain"],
+        );
+        assert!(ok(&report), "{report}\n{}", off.agent.logs());
+        assert!(
+            as_u64(&report, "tcp_bytes_sent") >= 1,
+            "not spliced: {report}"
+        );
+        assert_eq!(as_u64(&report, "eagain"), 0, "{report}");
+    }
+}
+
+/// Runs of the blocking-read test.
+const EAGAIN_RUNS: usize = 5;
 
 #[test]
 fn a_pod_that_opts_out_is_never_spliced_and_its_blocking_reads_work() {

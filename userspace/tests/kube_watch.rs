@@ -594,10 +594,26 @@ async fn opted_out_host_network_and_other_node_pods_are_never_touched() {
         agent.enrolled("web", "shop") && h.annotation("shop", "web").as_deref() == Some("enabled")
     })
     .await;
-    // A few more syncs (label churn on web) for the others to be mis-handled in.
+    // A few more syncs for the others to be mis-handled in: each flip of
+    // web's splice annotation changes web's workload, so each is reconciled
+    // (the reconcile counter moves once it was).
     for i in 0..3 {
-        h.label_pod("shop", "web", json!({"rev": i.to_string()}));
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        let before = agent
+            .stats
+            .reconciles
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let splice = if i % 2 == 0 { "off" } else { "on" };
+        h.server.update(Kind::Pod, "shop", "web", |pod| {
+            pod["metadata"]["annotations"]["shunt.io/splice"] = json!(splice)
+        });
+        wait_for("the churn on web reconciled", TIMEOUT, || {
+            agent
+                .stats
+                .reconciles
+                .load(std::sync::atomic::Ordering::Relaxed)
+                > before
+        })
+        .await;
     }
     for name in ["optout", "hostnet"] {
         assert_eq!(
@@ -640,9 +656,31 @@ async fn opted_out_host_network_and_other_node_pods_are_never_touched() {
                     .is_some_and(|b| b == "true")),
         "watches ask for bookmarks"
     );
+    let web_patches = h.patches_for("shop", "web").len();
+    let before = agent
+        .stats
+        .reconciles
+        .load(std::sync::atomic::Ordering::Relaxed);
     h.server.bookmark();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // A change the watch delivers after the bookmark, to another pod: once
+    // it is reconciled, the bookmark was handled too.
+    h.server.update(Kind::Pod, "shop", "optout", |pod| {
+        pod["metadata"]["annotations"]["shunt.io/splice"] = json!("on")
+    });
+    wait_for("a change after the bookmark reconciled", TIMEOUT, || {
+        agent
+            .stats
+            .reconciles
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > before
+    })
+    .await;
     assert!(agent.enrolled("web", "shop"), "a bookmark changes nothing");
+    assert_eq!(
+        h.patches_for("shop", "web").len(),
+        web_patches,
+        "web's annotation never flapped"
+    );
     agent.stop(true).await;
 }
 
@@ -1296,12 +1334,20 @@ async fn burst_of_1000_pod_events_is_debounced() {
         reconciles <= 50,
         "{reconciles} reconciles for {PODS} events: not debounced"
     );
-    // Once settled, the annotations' own MODIFIED events cause no reconcile.
+    // Once settled, the annotations' own MODIFIED events cause no reconcile:
+    // a change the watch delivers after all of them makes exactly one.
     let settled = stats.reconciles.load(std::sync::atomic::Ordering::Relaxed);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    server.update(Kind::Pod, "burst", "p0000", |pod| {
+        pod["metadata"]["annotations"]["shunt.io/splice"] = json!("off")
+    });
+    wait_for("the marker change reconciled", TIMEOUT, || {
+        stats.reconciles.load(std::sync::atomic::Ordering::Relaxed) > settled
+    })
+    .await;
     assert_eq!(
         stats.reconciles.load(std::sync::atomic::Ordering::Relaxed),
-        settled
+        settled + 1,
+        "the annotations' MODIFIED events were reconciled"
     );
     assert_eq!(server.patches().len(), PODS, "exactly one patch per pod");
     agent.stop(false).await;

@@ -1,7 +1,8 @@
 //! `cargo xtask bench [--quick]`: builds the agent and the harness in
 //! release mode, then runs the harness (`shunt-bench run`, in bench/), which
 //! builds the topologies in network namespaces, starts the real agents and
-//! writes bench/results/latest.md (or quick.md) and its SVG chart.
+//! writes bench/results/latest.json (the raw results) and, from it,
+//! latest.md and its SVG chart (bench/results/README.md).
 
 use std::process::Command;
 
@@ -14,7 +15,7 @@ use crate::util;
 pub struct BenchArgs {
     /// One short repetition of every path and workload (about a minute): a
     /// smoke test of the harness, not a measurement. Writes
-    /// bench/results/raw/quick/quick.md (ignored by git).
+    /// bench/results/raw/quick/quick.{json,md,svg} (ignored by git).
     #[arg(long)]
     quick: bool,
     /// Repetitions (default 5; 1 with --quick).

@@ -27,10 +27,12 @@ pub fn run(args: TestArgs) -> anyhow::Result<()> {
         );
     }
     let root = util::workspace_root();
-    // The end-to-end tests start the real agent binary.
+    // The end-to-end tests start the real agent binary, with the test seams
+    // they use (the same feature `cargo test` below unifies in through
+    // tests/'s dev-dependency, so both builds are the same binary).
     util::run(
         Command::new("cargo")
-            .args(["build", "-p", "shunt", "--bins"])
+            .args(["build", "-p", "shunt", "--bins", "--features", "test-seams"])
             .current_dir(&root),
     )?;
     let mut cmd = Command::new("cargo");

@@ -8,7 +8,10 @@
 //! each MiB read, a reader that falls behind; the report includes the
 //! socket's `tcp_info` byte counts, which stay 0 for spliced payload;
 //! `--poll` runs the transfer on one thread with a non-blocking socket
-//! instead of blocking reader and writer threads)
+//! instead of blocking reader and writer threads; `--retry-eagain` takes the
+//! read timeout off the blocking socket, so that a read can only return
+//! EAGAIN spuriously, and counts such returns (`"eagain"`) and reads on
+//! instead of failing)
 //! `shunt-testapp hold ADDR --seconds S` (one connection, a 1 KiB echo every
 //! 50 ms for S seconds: a long-lived flow across agent restarts)
 //! `shunt-testapp churn ADDR --stop-file PATH [--seconds S] [--workers W]
@@ -87,7 +90,10 @@ fn run(args: &[String]) -> std::io::Result<String> {
     let mark = option(args, "--mark")
         .map(|m| u32::from_str_radix(m.trim_start_matches("0x"), 16).unwrap_or(0));
     let mut stream = connect(addr, mark, timeout)?;
-    stream.set_read_timeout(Some(timeout))?;
+    // Without a read timeout a blocking read that returns EAGAIN does so
+    // spuriously (the caller bounds the run instead).
+    let retry_eagain = args.iter().any(|a| a == "--retry-eagain");
+    stream.set_read_timeout((!retry_eagain).then_some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
     let local = stream.local_addr()?;
     let peer = stream.peer_addr()?;
@@ -99,15 +105,16 @@ fn run(args: &[String]) -> std::io::Result<String> {
             let slow_read = option(args, "--slow-read-ms")
                 .and_then(|v| v.parse().ok())
                 .map(Duration::from_millis);
-            let (received, intact) = if args.iter().any(|a| a == "--poll") {
-                transfer_polling(&stream, n, slow_read)?
+            let (received, intact, eagain) = if args.iter().any(|a| a == "--poll") {
+                let (received, intact) = transfer_polling(&stream, n, slow_read)?;
+                (received, intact, 0)
             } else {
-                transfer_threaded(&stream, n, slow_read)?
+                transfer_threaded(&stream, n, slow_read, retry_eagain)?
             };
             let intact = intact && received == n;
             let (bytes_sent, bytes_received) = tcp_bytes(&stream)?;
             Ok(format!(
-                "{{\"ok\":true,\"local\":\"{local}\",\"peer\":\"{peer}\",\"sent\":{n},\"received\":{received},\"intact\":{intact},\"tcp_bytes_sent\":{bytes_sent},\"tcp_bytes_received\":{bytes_received}}}"
+                "{{\"ok\":true,\"local\":\"{local}\",\"peer\":\"{peer}\",\"sent\":{n},\"received\":{received},\"intact\":{intact},\"tcp_bytes_sent\":{bytes_sent},\"tcp_bytes_received\":{bytes_received},\"eagain\":{eagain}}}"
             ))
         }
         "hold" => {
@@ -182,12 +189,17 @@ fn fill(chunk: &mut [u8], offset: usize, total: usize) -> usize {
     len
 }
 
+/// Most spurious EAGAINs a run reads on after (bounded).
+const MAX_EAGAIN: u64 = 10_000;
+
 /// Blocking sockets, a writer thread and a reader: how simple clients work.
+/// With `retry_eagain`, a read returning EAGAIN is counted and retried.
 fn transfer_threaded(
     stream: &TcpStream,
     n: usize,
     slow_read: Option<Duration>,
-) -> std::io::Result<(usize, bool)> {
+    retry_eagain: bool,
+) -> std::io::Result<(usize, bool, u64)> {
     let mut writer = stream.try_clone()?;
     let sender = std::thread::spawn(move || -> std::io::Result<()> {
         // 64 KiB pieces: a 1 GiB payload need not be in memory at once.
@@ -205,17 +217,26 @@ fn transfer_threaded(
     let mut reader = stream;
     let mut buf = vec![0u8; 65536];
     let mut check = EchoCheck::new(slow_read);
+    let mut eagain = 0u64;
     loop {
-        let got = reader
-            .read(&mut buf)
-            .map_err(|e| at(e, &format!("read at byte {}", check.received)))?;
+        let got = match reader.read(&mut buf) {
+            Err(e)
+                if retry_eagain
+                    && e.kind() == std::io::ErrorKind::WouldBlock
+                    && eagain < MAX_EAGAIN =>
+            {
+                eagain += 1;
+                continue;
+            }
+            other => other.map_err(|e| at(e, &format!("read at byte {}", check.received)))?,
+        };
         if got == 0 {
             break;
         }
         check.arrived(&buf[..got]);
     }
     sender.join().map_err(|_| bad("sender panicked"))??;
-    Ok((check.received, check.intact))
+    Ok((check.received, check.intact, eagain))
 }
 
 /// One thread, a non-blocking socket and poll(2): how event-loop servers

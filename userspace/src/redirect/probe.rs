@@ -9,9 +9,38 @@ use aya::{
 };
 use serde::Serialize;
 
-/// Environment variable naming features the probe reports missing (for
-/// tests of the fallback; never set in production).
+/// Test seam: an environment variable naming features (comma-separated,
+/// substrings of [`Feature::name`]) the probe reports missing, so the
+/// iptables fallback of `--redirect auto` can be exercised on a kernel that
+/// has everything. Compiled only with the `test-seams` cargo feature, which
+/// the kernel tests enable (`cargo xtask test` builds the agent with it);
+/// release builds never read it.
+#[cfg(feature = "test-seams")]
 pub const PRETEND_MISSING_ENV: &str = "SHUNT_PROBE_PRETEND_MISSING";
+
+/// The features the test seam says to report missing (none without it).
+#[cfg(feature = "test-seams")]
+fn pretend_missing() -> Vec<String> {
+    let names: Vec<String> = std::env::var(PRETEND_MISSING_ENV)
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .map(str::to_owned)
+        .collect();
+    if !names.is_empty() {
+        tracing::warn!(
+            ?names,
+            "test seam {PRETEND_MISSING_ENV}: the probe reports these features missing"
+        );
+    }
+    names
+}
+
+#[cfg(not(feature = "test-seams"))]
+fn pretend_missing() -> Vec<String> {
+    Vec::new()
+}
 
 /// One kernel feature and whether this kernel has it.
 #[derive(Clone, Debug, Serialize)]
@@ -31,18 +60,10 @@ pub struct Probe {
 impl Probe {
     /// Probes every program type, helper and map type the eBPF mode uses.
     pub fn run() -> Probe {
-        // Fault injection: names (comma-separated) of features to report
-        // missing, so the iptables fallback of `--redirect auto` can be
-        // exercised on a kernel that has everything.
-        let pretend_missing = std::env::var(PRETEND_MISSING_ENV).unwrap_or_default();
-        let pretend_missing: Vec<&str> = pretend_missing
-            .split(',')
-            .map(str::trim)
-            .filter(|n| !n.is_empty())
-            .collect();
+        let pretend_missing = pretend_missing();
         let mut features = Vec::new();
         let mut check = |name: &'static str, result: Result<bool, String>| {
-            let result = match pretend_missing.iter().any(|m| name.contains(m)) {
+            let result = match pretend_missing.iter().any(|m| name.contains(m.as_str())) {
                 true => Ok(false),
                 false => result,
             };

@@ -1,0 +1,262 @@
+//! One topology per redirection mode: its pods (tuned alike), its agents
+//! (moved into a cgroup of their own so their CPU is measured) and a
+//! `shunt-bench server` in every server pod; everything it started is
+//! stopped when it is dropped.
+
+use std::{
+    collections::BTreeMap,
+    io::{BufRead, BufReader},
+    path::Path,
+    process::{Child, Stdio},
+    sync::mpsc,
+    time::Duration,
+};
+
+use anyhow::{Context as _, anyhow, bail};
+use shunt::api::PodState;
+use shunt_testbed::{
+    Cgroup, Pod, Topology,
+    agent::{Agent, WorkloadSpec as PodSpec, workloads_yaml},
+};
+
+use crate::model::{Dest, ECHO_PORT, Locality, Mode, PathSpec, SINK_PORT};
+
+pub(super) const CLIENT: &str = "client";
+
+/// The agent's `--redirect` mode for `mode` (and what its status reports).
+fn redirect_mode(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Direct => "none",
+        Mode::Iptables => "iptables",
+        Mode::Ebpf | Mode::EbpfSplice => "ebpf",
+    }
+}
+
+fn agent_args(mode: Mode) -> Vec<&'static str> {
+    let mut args = vec!["--redirect", redirect_mode(mode), "--drain-seconds", "1"];
+    if mode == Mode::EbpfSplice {
+        args.extend(["--splice", "on"]);
+    }
+    args
+}
+
+/// The server pod `path` ends at.
+pub(super) fn target_pod(path: &PathSpec) -> &'static str {
+    match (path.locality, path.mode, path.dest) {
+        (Locality::Same, Mode::Direct, _) | (Locality::Same, _, Dest::Plain) => "same-plain",
+        (Locality::Same, _, Dest::Hbone) => "same-mesh",
+        (Locality::Cross, Mode::Direct, _) | (Locality::Cross, _, Dest::Plain) => "cross-plain",
+        (Locality::Cross, _, Dest::Hbone) => "cross-mesh",
+    }
+}
+
+/// A child process killed (by its PID, which we own) when dropped.
+pub(super) struct Owned(pub(super) Child);
+
+impl Drop for Owned {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// One topology with its agents and servers. Field order is drop order:
+/// servers, then agents, then the cgroup, then the namespaces.
+pub(super) struct Bed {
+    pub(super) mode: Mode,
+    pub(super) servers: BTreeMap<&'static str, Owned>,
+    pub(super) agents: Vec<(String, Agent)>,
+    /// The agents' processes, moved here (below the cgroup root their
+    /// programs attach to, a sibling of the apps' cgroup, as on a real node
+    /// where the root is the whole hierarchy) so their CPU is measured from
+    /// `cpu.stat`.
+    pub(super) agents_cgroup: Option<AgentsCgroup>,
+    pub(super) apps: Cgroup,
+    pub(super) pods: BTreeMap<&'static str, Pod>,
+    /// Owns the namespaces (dropped last).
+    _topo: Topology,
+}
+
+const MESH_PODS: &[(&str, &str, bool)] = &[
+    ("node-a", CLIENT, true),
+    ("node-a", "same-mesh", true),
+    ("node-a", "same-plain", false),
+    ("node-b", "cross-mesh", true),
+    ("node-b", "cross-plain", false),
+];
+const DIRECT_PODS: &[(&str, &str, bool)] = &[
+    ("node-a", CLIENT, false),
+    ("node-a", "same-plain", false),
+    ("node-b", "cross-plain", false),
+];
+
+impl Bed {
+    pub(super) fn build(mode: Mode, bench_bin: &Path) -> anyhow::Result<Bed> {
+        let mut topo = Topology::new(&format!("bench-{}", mode.name()))?;
+        topo.add_node("node-a")?;
+        topo.add_node("node-b")?;
+        let layout = if mode == Mode::Direct {
+            DIRECT_PODS
+        } else {
+            MESH_PODS
+        };
+        let mut pods = BTreeMap::new();
+        for &(node, name, _) in layout {
+            let pod = topo.add_pod(node, name)?;
+            tune_pod(&pod)?;
+            pods.insert(name, pod);
+        }
+        let apps = Cgroup::create(&topo, "apps")?;
+        let mut agents = Vec::new();
+        if mode != Mode::Direct {
+            let specs: Vec<PodSpec> = layout
+                .iter()
+                .map(|&(_, name, ambient)| PodSpec::for_pod(&pods[name], ambient))
+                .collect();
+            let yaml = workloads_yaml(&specs);
+            for node_name in ["node-a", "node-b"] {
+                let node = topo
+                    .node(node_name)
+                    .ok_or_else(|| anyhow!("no node {node_name}"))?
+                    .clone();
+                let mut agent = Agent::start(&topo, &node, &yaml, &agent_args(mode))?;
+                let status =
+                    agent.wait_for("mesh pods enrolled", Duration::from_secs(60), |s| {
+                        s.pods
+                            .iter()
+                            .filter(|p| p.dataplane_mode == "ambient")
+                            .all(|p| p.state == PodState::Enrolled)
+                    })?;
+                if status.mode != redirect_mode(mode) {
+                    bail!(
+                        "agent on {node_name} runs in {} mode, not {}",
+                        status.mode,
+                        redirect_mode(mode)
+                    );
+                }
+                agents.push((node_name.to_string(), agent));
+            }
+        }
+        let agents_cgroup = if agents.is_empty() {
+            None
+        } else {
+            let cgroup = AgentsCgroup::create(&topo)?;
+            for (_, agent) in &agents {
+                let pid = agent.pid().ok_or_else(|| anyhow!("an agent has no pid"))?;
+                cgroup.add_pid(pid)?;
+            }
+            Some(cgroup)
+        };
+        let mut bed = Bed {
+            mode,
+            servers: BTreeMap::new(),
+            agents,
+            agents_cgroup,
+            apps,
+            pods,
+            _topo: topo,
+        };
+        for &(_, name, _) in layout {
+            if name != CLIENT {
+                let server = bed.start_server(name, bench_bin)?;
+                bed.servers.insert(name, server);
+            }
+        }
+        Ok(bed)
+    }
+
+    fn start_server(&self, pod: &str, bench_bin: &Path) -> anyhow::Result<Owned> {
+        let mut cmd = self.pods[pod].command(bench_bin);
+        cmd.args([
+            "server",
+            "--echo-port",
+            &ECHO_PORT.to_string(),
+            "--sink-port",
+            &SINK_PORT.to_string(),
+            "--max-seconds",
+            "14400",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+        self.apps.place(&mut cmd);
+        let mut child = Owned(
+            cmd.spawn()
+                .with_context(|| format!("starting the server in {pod}"))?,
+        );
+        let stdout = child.0.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        match rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(line) if line.trim() == "ready" => Ok(child),
+            Ok(line) => bail!("the server in {pod} said {line:?} instead of ready"),
+            Err(_) => bail!("the server in {pod} did not get ready within 20 s"),
+        }
+    }
+
+    pub(super) fn agent_pids(&self) -> Vec<u32> {
+        self.agents.iter().filter_map(|(_, a)| a.pid()).collect()
+    }
+
+    pub(super) fn agent_on(&self, node: &str) -> Option<&Agent> {
+        self.agents.iter().find(|(n, _)| n == node).map(|(_, a)| a)
+    }
+
+    pub(super) fn stop_agents(&mut self) {
+        for (node, agent) in &mut self.agents {
+            if let Err(e) = agent.stop() {
+                eprintln!("shunt-bench: stopping the agent on {node}: {e}");
+            }
+        }
+    }
+}
+
+/// `<topology's cgroup root>/agents`. The agents must stay below the root:
+/// the sockets their proxies accept are then seen by the socket programs
+/// (the splice needs both ends). Removed when dropped (the agents it holds
+/// are moved back where they came from, if still running).
+pub(super) struct AgentsCgroup {
+    cgroup: Option<Cgroup>,
+}
+
+impl AgentsCgroup {
+    fn create(topo: &Topology) -> anyhow::Result<AgentsCgroup> {
+        Ok(AgentsCgroup {
+            cgroup: Some(Cgroup::create(topo, "agents")?),
+        })
+    }
+
+    fn add_pid(&self, pid: u32) -> anyhow::Result<()> {
+        if let Some(cgroup) = &self.cgroup {
+            cgroup.add_pid(pid)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn path(&self) -> Option<&Path> {
+        self.cgroup.as_ref().map(Cgroup::path)
+    }
+}
+
+/// Sysctls of a pod's netns so that connection churn never runs out of
+/// ports: the same on every path (TIME_WAIT reuse for outgoing connections,
+/// a wide ephemeral range).
+fn tune_pod(pod: &Pod) -> anyhow::Result<()> {
+    let results = pod.run(|| {
+        [
+            ("/proc/sys/net/ipv4/tcp_tw_reuse", "1"),
+            ("/proc/sys/net/ipv4/ip_local_port_range", "10000 65000"),
+        ]
+        .iter()
+        .map(|(file, value)| std::fs::write(file, value).map_err(|e| format!("{file}: {e}")))
+        .collect::<Vec<_>>()
+    })?;
+    for r in results {
+        r.map_err(|e| anyhow!("tuning pod {}: {e}", pod.name()))?;
+    }
+    Ok(())
+}
