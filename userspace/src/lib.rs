@@ -16,7 +16,6 @@ pub mod agent;
 pub mod api;
 pub mod app;
 pub mod authz;
-pub mod bpf_debug;
 pub mod cli;
 pub mod control;
 pub mod crypto;

@@ -23,6 +23,7 @@
 
 mod cgroup;
 mod original_dst;
+mod pin_report;
 mod pins;
 mod splice;
 mod tc;
@@ -43,6 +44,7 @@ use aya::{
 };
 pub use cgroup::cgroup2_mount;
 pub use original_dst::EbpfOriginalDst;
+pub use pin_report::{LinkReport, MapReport, PinReport, Unreadable, pin_report};
 use shunt_common::{
     Cidr4, DEFAULT_SPLICE_BACKLOG, GlobalConfig, MAX_EXCLUDED_CIDRS, MAX_EXCLUDED_PORTS, MAX_PODS,
     PodAddrs, PodConfig, PodCounters, PodRecord, PodSlot, globals, maps,
