@@ -9,6 +9,11 @@
 //! - `GET|POST /logging?level=FILTER`: replaces the log filter at run time
 //!   (`RUST_LOG` syntax); `?reset` restores the one the agent started with;
 //!   without parameters it shows the filter in force.
+//!
+//! Every answer comes from the reconciler's last snapshot (hooks and
+//! counters as its verify pass read them), the workload store and the
+//! proxy's registries: no request waits on a reconcile or enters a pod's
+//! netns.
 
 use std::{
     collections::BTreeMap,
