@@ -9,6 +9,11 @@
 //! - `GET|POST /logging?level=FILTER`: replaces the log filter at run time
 //!   (`RUST_LOG` syntax); `?reset` restores the one the agent started with;
 //!   without parameters it shows the filter in force.
+//!
+//! Every answer comes from the reconciler's last snapshot (hooks and
+//! counters as its verify pass read them), the workload store and the
+//! proxy's registries: no request waits on a reconcile or enters a pod's
+//! netns.
 
 use std::{
     collections::BTreeMap,
@@ -313,7 +318,7 @@ impl From<crate::redirect::EnrolledPod> for EnrolledDump {
 pub struct DebugBpf {
     pub mode: String,
     /// eBPF mode: what is pinned (maps with sizes and fill, links).
-    pub pinned: Option<crate::bpf_debug::PinReport>,
+    pub pinned: Option<crate::redirect::ebpf::PinReport>,
     /// Per enrolled pod: its hooks (TC programs and socket-program links,
     /// or iptables chains with their rule counts and policy routes).
     pub pods: Vec<EnrolledDump>,
@@ -330,7 +335,7 @@ async fn debug_bpf(
     // thread all the same, as it is file I/O.
     let pin_dir = state.bpf_pin_dir.clone();
     let pinned = tokio::task::spawn_blocking(move || {
-        (mode == RedirectMode::Ebpf).then(|| crate::bpf_debug::inspect(&pin_dir))
+        (mode == RedirectMode::Ebpf).then(|| crate::redirect::ebpf::pin_report(&pin_dir))
     })
     .await
     .map_err(|e| {

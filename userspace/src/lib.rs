@@ -7,7 +7,7 @@
 //! identities from `identity/`) → `redirect/` enrols it in the kernel, so
 //! its traffic reaches those listeners → the proxy carries it to its peer
 //! over HBONE. `app/` builds and wires the parts. The reconciler publishes a
-//! `snapshot::NodeSnapshot`; `admin.rs`, `metrics.rs` and `health.rs` only
+//! `snapshot::NodeSnapshot`; `admin.rs`, `metrics/` and `health.rs` only
 //! read that, `status.rs` reads the admin API (`api.rs`). See
 //! docs/ARCHITECTURE.md.
 
@@ -16,7 +16,6 @@ pub mod agent;
 pub mod api;
 pub mod app;
 pub mod authz;
-pub mod bpf_debug;
 pub mod cli;
 pub mod control;
 pub mod crypto;

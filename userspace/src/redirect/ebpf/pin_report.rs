@@ -56,7 +56,7 @@ pub struct PinReport {
 }
 
 /// Reads every object pinned below `pin_dir` (recursively, bounded).
-pub fn inspect(pin_dir: &Path) -> PinReport {
+pub fn pin_report(pin_dir: &Path) -> PinReport {
     let mut report = PinReport {
         pin_dir: pin_dir.to_path_buf(),
         ..Default::default()

@@ -42,7 +42,7 @@
 //! address of inbound connections (to `podIP:15006`).
 
 mod backend;
-mod origdst;
+mod original_dst;
 mod rules;
 
 use std::{
@@ -56,7 +56,7 @@ use std::{
 use crate::redirect::route;
 pub use crate::redirect::route::{ROUTE_TABLE, RULE_PRIORITY};
 pub use backend::Backend;
-pub use origdst::{SoOriginalDst, original_dst};
+pub use original_dst::{SoOriginalDst, original_dst};
 pub use rules::{CHAIN_OUTPUT, CHAIN_PREROUTING, CONN_MARK, MARK_MASK, PROBE_SOURCE_V6};
 use shunt_common::PodCounters;
 use tracing::{debug, info, info_span, warn};

@@ -1,0 +1,552 @@
+//! Enrolling, verifying, listing and unenrolling pods: the [`Redirector`]
+//! side of the eBPF mode (the steps are in the module docs of [`super`]).
+
+use super::{load::loader, *};
+
+impl EbpfRedirector {
+    /// The lowest slot no enrolment entry uses.
+    fn free_slot(&self) -> Option<u32> {
+        let used: HashSet<u32> = self
+            .enrolled_map
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(_, pod)| pod.slot)
+            .collect();
+        (0..MAX_PODS).find(|slot| !used.contains(slot))
+    }
+
+    fn reset_counters(&mut self, pod: &WorkloadKey, slot: u32) -> Result<(), RedirectError> {
+        let zeros = nr_cpus()
+            .map_err(|(_, e)| kernel(pod, "counting CPUs", e))
+            .and_then(|n| {
+                PerCpuValues::try_from(vec![PodCounters::default(); n])
+                    .map_err(|e| kernel(pod, "sizing counters", e))
+            })?;
+        self.counters_map
+            .set(slot, zeros, 0)
+            .map_err(|e| kernel(pod, "resetting the pod's counters", e))
+    }
+
+    fn read_counters(&self, slot: u32) -> PodCounters {
+        let mut total = PodCounters::default();
+        if let Ok(per_cpu) = self.counters_map.get(&slot, 0) {
+            for cpu in per_cpu.iter() {
+                total.add(cpu);
+            }
+        }
+        total
+    }
+
+    /// One enrolled pod's hooks (its TC filters read in its netns; the
+    /// socket programs' and splice's presence passed in, read once per
+    /// listing) and counters (from the pinned map).
+    fn enrolled_pod(
+        &self,
+        key: &WorkloadKey,
+        enrolment: &Enrolment,
+        sockets: [bool; cgroup::PROGRAMS.len()],
+        splice_present: bool,
+    ) -> EnrolledPod {
+        let present = enrolment
+            .netns
+            .run(tc::present)
+            .ok()
+            .and_then(Result::ok)
+            .unwrap_or([false; 2]);
+        let mut hooks: Vec<Hook> = tc::programs()
+            .into_iter()
+            .zip(present)
+            .map(|((name, attach_type), present)| Hook {
+                name: format!("tc {}", tc::direction(attach_type)),
+                attachment: format!(
+                    "{name}: netlink clsact filter on eth0, priority {TC_PRIORITY}, handle 0:1"
+                ),
+                present,
+            })
+            .collect();
+        if enrolment.config.flags & PodConfig::REDIRECT_OUTBOUND != 0 {
+            hooks.extend(
+                cgroup::PROGRAMS
+                    .into_iter()
+                    .zip(sockets)
+                    .map(|(name, present)| Hook {
+                        name: name.trim_start_matches("shunt_").to_string(),
+                        attachment: format!(
+                            "{name}: BPF link on cgroup {}",
+                            self.cgroup_root.display()
+                        ),
+                        present,
+                    }),
+            );
+        }
+        // Only pods whose connections are spliced (see `--splice`
+        // and the pod's `shunt.io/splice`) show the hook.
+        if self.splice() && enrolment.config.flags & PodConfig::NO_SPLICE == 0 {
+            hooks.push(Hook {
+                name: "splice".to_string(),
+                attachment: format!(
+                    "{}: sk_msg on map {}; {}: raw tracepoint {}",
+                    shunt_common::programs::SPLICE_MSG,
+                    maps::SPLICE_SOCKS,
+                    shunt_common::programs::SPLICE_RECV,
+                    shunt_common::programs::SPLICE_RECV_TARGET
+                ),
+                present: splice_present,
+            });
+        }
+        EnrolledPod {
+            key: key.clone(),
+            netns: enrolment.netns.path().to_path_buf(),
+            netns_cookie: enrolment.cookie,
+            mode: RedirectMode::Ebpf,
+            hooks,
+            counters: self.read_counters(enrolment.slot),
+        }
+    }
+
+    /// Loads the pod's instance of the TC programs and attaches it inside
+    /// the pod's netns.
+    fn attach_tc(
+        &mut self,
+        pod: &WorkloadKey,
+        netns: &NetNs,
+        slot: u32,
+    ) -> Result<(), RedirectError> {
+        let mut pod_ebpf = loader(&self.pin_dir, &slot, &self.log_level)
+            .load(EBPF_OBJECT)
+            .map_err(|e| kernel(pod, "loading the pod's TC programs", e))?;
+        for (name, _) in tc::programs() {
+            let program: &mut SchedClassifier = pod_ebpf
+                .program_mut(name)
+                .ok_or_else(|| kernel(pod, "finding the TC program", missing(name)))?
+                .try_into()
+                .map_err(|e| kernel(pod, "finding the TC program", e))?;
+            program
+                .load()
+                .map_err(|e| kernel(pod, "loading the TC program into the kernel", e))?;
+        }
+        let netns_path = netns.path().to_path_buf();
+        netns.run(|| tc::attach(pod, &mut pod_ebpf, &netns_path))?
+    }
+
+    /// Writes the record that lets a later agent clean up after this pod.
+    fn write_record(&mut self, pod: &WorkloadKey, cookie: u64, netns: &Path) {
+        let mut record = PodRecord::default();
+        copy_cut(&mut record.pod, pod.to_string().as_bytes());
+        copy_cut(&mut record.netns, netns.as_os_str().as_encoded_bytes());
+        if let Err(e) = self.records_map.insert(cookie, record, 0) {
+            warn!(%pod, error = %e, "cannot record the pod; a later agent could not clean up after it");
+        }
+    }
+
+    /// The pod name and netns path recorded for `cookie`.
+    fn read_record(&self, cookie: u64) -> Option<(String, PathBuf)> {
+        let record = self.records_map.get(&cookie, 0).ok()?;
+        let text = |bytes: &[u8]| {
+            let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+            String::from_utf8_lossy(&bytes[..end]).into_owned()
+        };
+        Some((text(&record.pod), PathBuf::from(text(&record.netns))))
+    }
+
+    /// Re-attaches whatever is missing for an enrolled pod.
+    fn repair(&mut self, pod: &WorkloadKey) -> Result<(), RedirectError> {
+        let Verification::Missing(missing) = self.verify(pod)? else {
+            return Ok(());
+        };
+        warn!(%pod, ?missing, "enrolled pod was not fully redirected; repairing");
+        let Some(enrolment) = self.pods.get(pod) else {
+            return Err(RedirectError::NotEnrolled(pod.clone()));
+        };
+        let (cookie, slot, config, addrs) = (
+            enrolment.cookie,
+            enrolment.slot,
+            enrolment.config,
+            enrolment.addrs,
+        );
+        let netns = NetNs::open(enrolment.netns.path())?;
+        self.write_settings(pod, slot, config, addrs)?;
+        self.enrolled_map
+            .insert(cookie, PodSlot { slot, flags: 0 }, 0)
+            .map_err(|e| kernel(pod, "recording the enrolment", e))?;
+        self.attach_tc(pod, &netns, slot)?;
+        reply_path(pod, &netns, config)
+    }
+
+    /// Writes a pod's settings and addresses into its slot.
+    fn write_settings(
+        &mut self,
+        pod: &WorkloadKey,
+        slot: u32,
+        config: PodConfig,
+        addrs: PodAddrs,
+    ) -> Result<(), RedirectError> {
+        self.config_map
+            .set(slot, config, 0)
+            .map_err(|e| kernel(pod, "writing the pod's settings", e))?;
+        self.addrs_map
+            .set(slot, addrs, 0)
+            .map_err(|e| kernel(pod, "writing the pod's addresses", e))
+    }
+
+    /// Takes a pod out of the maps (and its record off disk).
+    fn forget(&mut self, cookie: u64, slot: u32) {
+        let _ = self.enrolled_map.remove(&cookie);
+        let _ = self.config_map.set(slot, PodConfig::default(), 0);
+        let _ = self.addrs_map.set(slot, PodAddrs::default(), 0);
+        let _ = self.records_map.remove(&cookie);
+    }
+}
+
+impl Redirector for EbpfRedirector {
+    fn mode(&self) -> RedirectMode {
+        RedirectMode::Ebpf
+    }
+
+    fn enrol(&mut self, target: &PodTarget) -> Result<(), RedirectError> {
+        let pod = &target.key;
+        let config = pod_config(target, self.splice, self.preserve_source)?;
+        let addrs = pod_addrs(&target.ips);
+        if let Some(existing) = self.pods.get_mut(pod) {
+            if existing.netns.path() == target.netns {
+                if (existing.config, existing.addrs) != (config, addrs) {
+                    existing.config = config;
+                    existing.addrs = addrs;
+                    let slot = existing.slot;
+                    self.write_settings(pod, slot, config, addrs)?;
+                    info!(%pod, ?target.capture, ips = ?target.ips, "capture settings changed");
+                }
+                return self.repair(pod);
+            }
+            // The pod's netns changed (its sandbox was recreated): start over.
+            self.unenrol(pod)?;
+        }
+        let netns = NetNs::open(&target.netns)?;
+        let cookie = netns.cookie()?;
+        if let Some((other, _)) = self.pods.iter().find(|(_, e)| e.cookie == cookie) {
+            return Err(RedirectError::NetNsTaken {
+                pod: pod.clone(),
+                netns: target.netns.clone(),
+                other: other.clone(),
+            });
+        }
+        // A previous agent's entry for this netns is adopted with its slot:
+        // counters and filters carry on without a gap.
+        let slot = match self.enrolled_map.get(&cookie, 0) {
+            Ok(existing) => existing.slot,
+            Err(_) => {
+                let slot = self.free_slot().ok_or(RedirectError::Full {
+                    pod: pod.clone(),
+                    max: MAX_PODS,
+                })?;
+                self.reset_counters(pod, slot)?;
+                slot
+            }
+        };
+        self.write_settings(pod, slot, config, addrs)?;
+        self.enrolled_map
+            .insert(cookie, PodSlot { slot, flags: 0 }, 0)
+            .map_err(|e| kernel(pod, "recording the enrolment", e))?;
+        let attached = self
+            .attach_tc(pod, &netns, slot)
+            .and_then(|()| reply_path(pod, &netns, config));
+        if let Err(error) = attached {
+            // Leave nothing half-done behind.
+            let _ = netns.run(|| tc::detach(pod));
+            let _ = netns.run(remove_reply_path);
+            self.forget(cookie, slot);
+            return Err(error);
+        }
+        self.write_record(pod, cookie, &target.netns);
+        let spliced = config.flags & PodConfig::NO_SPLICE == 0 && self.splice();
+        info!(%pod, netns = %target.netns.display(), cookie, slot, outbound = target.capture.outbound, inbound = target.capture.inbound, spliced, "pod enrolled: TC ingress+egress on eth0, socket programs gated on its netns");
+        self.pods.insert(
+            pod.clone(),
+            Enrolment {
+                netns,
+                cookie,
+                slot,
+                config,
+                addrs,
+            },
+        );
+        Ok(())
+    }
+
+    fn unenrol(&mut self, pod: &WorkloadKey) -> Result<(), RedirectError> {
+        let enrolment = self
+            .pods
+            .remove(pod)
+            .ok_or_else(|| RedirectError::NotEnrolled(pod.clone()))?;
+        // Outbound capture stops first (the entry gates it), then inbound.
+        self.forget(enrolment.cookie, enrolment.slot);
+        enrolment.netns.run(|| tc::detach(pod))??;
+        if enrolment.config.flags & PodConfig::REPLY_TO_PROXY != 0 {
+            enrolment
+                .netns
+                .run(remove_reply_path)?
+                .map_err(|e| kernel(pod, "deleting the policy route", e))?;
+        }
+        info!(%pod, "pod unenrolled: TC programs detached, enrolment entry removed");
+        Ok(())
+    }
+
+    fn verify(&self, pod: &WorkloadKey) -> Result<Verification, RedirectError> {
+        let enrolment = self
+            .pods
+            .get(pod)
+            .ok_or_else(|| RedirectError::NotEnrolled(pod.clone()))?;
+        let mut missing = Vec::new();
+        match self.enrolled_map.get(&enrolment.cookie, 0) {
+            Ok(entry) if entry.slot == enrolment.slot => {}
+            _ => missing.push(format!("{} entry", maps::ENROLLED)),
+        }
+        if self.config_map.get(&enrolment.slot, 0).ok() != Some(enrolment.config) {
+            missing.push(format!("{} settings", maps::POD_CONFIG));
+        }
+        if self.addrs_map.get(&enrolment.slot, 0).ok() != Some(enrolment.addrs) {
+            missing.push(format!("{} addresses", maps::POD_ADDRS));
+        }
+        let present = enrolment
+            .netns
+            .run(tc::present)?
+            .map_err(|e| kernel(pod, "listing TC filters", e))?;
+        for ((name, _), present) in tc::programs().into_iter().zip(present) {
+            if !present {
+                missing.push(format!("TC filter {name} on eth0"));
+            }
+        }
+        if enrolment.config.flags & PodConfig::REPLY_TO_PROXY != 0 {
+            let routes = enrolment
+                .netns
+                .run(|| {
+                    route::families()
+                        .into_iter()
+                        .map(|family| route::present(family).map(|p| (family, p)))
+                        .collect::<std::io::Result<Vec<_>>>()
+                })?
+                .map_err(|e| kernel(pod, "reading the policy route", e))?;
+            for (family, present) in routes {
+                if !(present.rule && present.route) {
+                    missing.push(format!(
+                        "{} policy route ({})",
+                        family.label(),
+                        route::describe(family)
+                    ));
+                }
+            }
+        }
+        for (name, present) in cgroup::PROGRAMS
+            .into_iter()
+            .zip(cgroup::present(&self.pin_dir))
+        {
+            if !present {
+                missing.push(format!("socket program {name}"));
+            }
+        }
+        Ok(if missing.is_empty() {
+            Verification::Redirected
+        } else {
+            Verification::Missing(missing)
+        })
+    }
+
+    fn list(&self) -> Vec<EnrolledPod> {
+        let sockets = cgroup::present(&self.pin_dir);
+        let splice_present = self.splice() && splice::present(&self.pin_dir);
+        self.pods
+            .iter()
+            .map(|(key, enrolment)| self.enrolled_pod(key, enrolment, sockets, splice_present))
+            .collect()
+    }
+
+    fn inspect(&self, pod: &WorkloadKey) -> Option<EnrolledPod> {
+        let (key, enrolment) = self.pods.get_key_value(pod)?;
+        let sockets = cgroup::present(&self.pin_dir);
+        let splice_present = self.splice() && splice::present(&self.pin_dir);
+        Some(self.enrolled_pod(key, enrolment, sockets, splice_present))
+    }
+
+    fn is_enrolled(&self, pod: &WorkloadKey) -> bool {
+        self.pods.contains_key(pod)
+    }
+
+    fn remove_stale(&mut self) -> usize {
+        let owned: HashSet<u64> = self.pods.values().map(|e| e.cookie).collect();
+        let stale: Vec<(u64, u32)> = self
+            .enrolled_map
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(cookie, _)| !owned.contains(cookie))
+            .map(|(cookie, pod)| (cookie, pod.slot))
+            .collect();
+        for &(cookie, slot) in &stale {
+            let (name, netns_path) = match self.read_record(cookie) {
+                Some((name, path)) => (name, Some(path)),
+                None => ("unknown pod".to_string(), None),
+            };
+            // The pod's netns may still exist (the pod left the mesh while no
+            // agent ran): then its filters must go too. Same cookie, or it is
+            // a different namespace now at that path.
+            if let Some(path) = netns_path
+                && let Ok(netns) = NetNs::open(&path)
+                && netns.cookie().ok() == Some(cookie)
+            {
+                let key = WorkloadKey::new("stale", name.clone());
+                if let Err(e) = netns
+                    .run(|| tc::detach(&key))
+                    .map_err(RedirectError::from)
+                    .and_then(|r| r)
+                {
+                    warn!(pod = %name, error = %e, "cannot detach a stale pod's TC programs");
+                }
+                // Whether the previous agent preserved sources is unknown:
+                // deleting an absent route is no error.
+                match netns.run(remove_reply_path) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => {
+                        warn!(pod = %name, error = %e, "cannot delete a stale pod's policy route")
+                    }
+                    Err(e) => {
+                        warn!(pod = %name, error = %e, "cannot delete a stale pod's policy route")
+                    }
+                }
+            }
+            self.forget(cookie, slot);
+            info!(pod = %name, cookie, "removed what a previous agent left for a pod that is no longer enrolled");
+        }
+        stale.len()
+    }
+
+    fn original_dst_resolver(&self) -> Arc<dyn OriginalDst> {
+        self.original_dst.clone()
+    }
+}
+
+/// Installs the reply path of source preservation in the pod's netns when
+/// its settings ask for it: the policy route that delivers packets marked
+/// 0x111 locally (shared with the iptables mode, see [`route`]) and
+/// `accept_local` on `lo` ([`route::accept_local_on_lo`]). The TC egress
+/// program marks the replies. Idempotent.
+fn reply_path(pod: &WorkloadKey, netns: &NetNs, config: PodConfig) -> Result<(), RedirectError> {
+    if config.flags & PodConfig::REPLY_TO_PROXY == 0 {
+        return Ok(());
+    }
+    netns
+        .run(|| -> std::io::Result<()> {
+            route::accept_local_on_lo()?;
+            for family in route::families() {
+                let present = route::present(family)?;
+                if !(present.rule && present.route) {
+                    route::add(family)?;
+                }
+            }
+            Ok(())
+        })?
+        .map_err(|e| kernel(pod, "adding the policy route for transparent inbound", e))
+}
+
+/// Deletes the policy route (both families; either absent is fine).
+/// `accept_local` on `lo` stays: harmless, and its earlier value is unknown
+/// to a later agent.
+fn remove_reply_path() -> std::io::Result<()> {
+    route::delete(route::Family::V4)?;
+    if route::ipv6_on_lo() {
+        route::delete(route::Family::V6)?;
+    }
+    Ok(())
+}
+
+/// The kernel form of a pod's capture settings.
+fn pod_config(
+    target: &PodTarget,
+    splice: SpliceMode,
+    preserve_source: bool,
+) -> Result<PodConfig, RedirectError> {
+    let (pod, capture) = (&target.key, &target.capture);
+    let invalid = |problem: String| RedirectError::InvalidCapture {
+        pod: pod.clone(),
+        problem,
+    };
+    let mut config = PodConfig::default();
+    if capture.outbound {
+        config.flags |= PodConfig::REDIRECT_OUTBOUND;
+    }
+    if capture.inbound {
+        config.flags |= PodConfig::REDIRECT_INBOUND;
+    }
+    if preserve_source {
+        config.flags |= PodConfig::REPLY_TO_PROXY;
+    }
+    if !splice.splices(capture.splice) {
+        config.flags |= PodConfig::NO_SPLICE;
+    }
+    let ports = |ports: &[u16], into: &mut [u16; MAX_EXCLUDED_PORTS], what: &str| {
+        if ports.len() > MAX_EXCLUDED_PORTS {
+            return Err(invalid(format!(
+                "{} excluded {what} ports given, at most {MAX_EXCLUDED_PORTS} are supported",
+                ports.len()
+            )));
+        }
+        into[..ports.len()].copy_from_slice(ports);
+        Ok(())
+    };
+    ports(
+        &capture.excluded_outbound_ports,
+        &mut config.excluded_outbound_ports,
+        "outbound",
+    )?;
+    ports(
+        &capture.excluded_inbound_ports,
+        &mut config.excluded_inbound_ports,
+        "inbound",
+    )?;
+    if capture.excluded_outbound_cidrs.len() > MAX_EXCLUDED_CIDRS {
+        return Err(invalid(format!(
+            "{} excluded outbound CIDRs given, at most {MAX_EXCLUDED_CIDRS} are supported",
+            capture.excluded_outbound_cidrs.len()
+        )));
+    }
+    for (i, (addr, prefix)) in capture.excluded_outbound_cidrs.iter().enumerate() {
+        if *prefix > 32 {
+            return Err(invalid(format!(
+                "excluded CIDR {addr}/{prefix}: prefix longer than 32"
+            )));
+        }
+        let mask = if *prefix == 0 {
+            0
+        } else {
+            u32::MAX << (32 - prefix)
+        };
+        config.excluded_cidrs_v4[i] = Cidr4 {
+            addr: u32::from_ne_bytes(addr.octets()),
+            mask: u32::from_ne_bytes(mask.to_be_bytes()),
+        };
+    }
+    config.excluded_cidr_count = capture.excluded_outbound_cidrs.len() as u32;
+    Ok(config)
+}
+
+/// The kernel form of a pod's own addresses: its first IPv4 and first IPv6
+/// one, in network order.
+fn pod_addrs(ips: &[IpAddr]) -> PodAddrs {
+    let mut addrs = PodAddrs::default();
+    for ip in ips {
+        match ip {
+            IpAddr::V4(v4) if addrs.ipv4 == 0 => addrs.ipv4 = u32::from_ne_bytes(v4.octets()),
+            IpAddr::V6(v6) if addrs.ipv6 == [0; 4] => {
+                for (word, chunk) in addrs.ipv6.iter_mut().zip(v6.octets().chunks_exact(4)) {
+                    *word = u32::from_ne_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
+                }
+            }
+            _ => {}
+        }
+    }
+    addrs
+}
+
+/// Copies as much of `from` as fits, leaving the rest NUL.
+fn copy_cut(into: &mut [u8], from: &[u8]) {
+    let n = from.len().min(into.len());
+    into[..n].copy_from_slice(&from[..n]);
+}
