@@ -589,3 +589,71 @@ async fn malformed_messages_reset_the_connection_and_enrol_nothing() {
     });
     h.reconciler.stop(true).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn refused_pods_stay_pending_and_gone_netns_are_kept() {
+    let mut h = Harness::start("zds-keep", &["k", "r"]);
+    // k's netns is reached through a bind mount the test can take away,
+    // as when a pod's sandbox is torn down while ztunnel still serves it.
+    let mount = h._dir.path().join("k-netns");
+    std::fs::File::create(&mount).expect("mount point");
+    nix::mount::mount(
+        Some(&h.pod("k").netns),
+        &mount,
+        None::<&str>,
+        nix::mount::MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .expect("bind-mount k's netns");
+    let k = h.pods.iter_mut().find(|p| p.name == "k").expect("k");
+    k.netns = mount.clone();
+    k.workload.netns = Some(mount.clone());
+    h.push(&["k", "r"]);
+    h.wait_state("k", waiting());
+    tokio::task::block_in_place(|| {
+        let z = Ztunnel::connect(&h.socket);
+        z.hello();
+        z.expect_add(h.pod("k"));
+        z.ack();
+        z.expect_add(h.pod("r"));
+        // ztunnel refuses r (e.g. istiod does not know it yet).
+        z.send(
+            &WorkloadResponse {
+                payload: Some(workload_response::Payload::Ack(Ack {
+                    error: "unknown workload".into(),
+                })),
+            }
+            .encode_to_vec(),
+        );
+        z.expect_snapshot_sent();
+        z.ack();
+        h.wait_state("k", PodState::Enrolled);
+        h.wait_state(
+            "r",
+            PodState::Pending("ztunnel refused the pod: unknown workload".into()),
+        );
+        wait_for_log(&["ztunnel refused AddWorkload", "unknown workload"]);
+
+        // k's netns can no longer be opened; ztunnel reconnects: k, acked
+        // before, is kept (no fd to send), r is added again.
+        // Lazily: the redirector may hold the netns open meanwhile.
+        nix::mount::umount2(&mount, nix::mount::MntFlags::MNT_DETACH).expect("unmount k's netns");
+        std::fs::remove_file(&mount).expect("remove the mount point");
+        drop(z);
+        let z = Ztunnel::connect(&h.socket);
+        z.hello();
+        let keep = z.expect();
+        match keep.payload {
+            Payload::Keep(keep) => assert_eq!(keep.uid, h.pod("k").uid),
+            other => panic!("expected KeepWorkload for k, got {other:?}"),
+        }
+        assert!(keep.fds.is_empty(), "KeepWorkload carries no fd");
+        z.ack();
+        z.expect_add(h.pod("r"));
+        z.ack();
+        z.expect_snapshot_sent();
+        z.ack();
+        h.wait_state("r", PodState::Enrolled);
+    });
+    h.reconciler.stop(true).await;
+}
