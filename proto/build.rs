@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-const PROTOS: &[&str] = &["istio/ca.proto", "cri/runtime.proto"];
+const PROTOS: &[&str] = &["istio/ca.proto", "istio/zds.proto", "cri/runtime.proto"];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));

@@ -5,6 +5,8 @@
 //!   (`istio.v1.auth.IstioCertificateService`), used by `--ca istio`.
 //! - [`cri`]: the Kubernetes container runtime's `runtime.v1.RuntimeService`
 //!   (only the sandbox calls), used to find pods' network namespaces.
+//! - [`istio::zds`]: ztunnel's ZDS messages (no service: they travel over a
+//!   unix SEQPACKET socket), served by `--proxy ztunnel`.
 
 pub mod istio {
     /// `istio.v1.auth`: the Istio CA's `CreateCertificate` call.
@@ -12,6 +14,14 @@ pub mod istio {
         // Generated code: its docs come from the .proto comments.
         #![allow(clippy::all, missing_docs)]
         tonic::include_proto!("istio.v1.auth");
+    }
+
+    /// `istio.workload.zds`: the messages ztunnel's in-pod mode exchanges
+    /// with its node agent over a SEQPACKET socket (`--proxy ztunnel`).
+    pub mod zds {
+        // Generated code: its docs come from the .proto comments.
+        #![allow(clippy::all, missing_docs)]
+        tonic::include_proto!("istio.workload.zds");
     }
 }
 
@@ -44,6 +54,56 @@ mod tests {
         };
         // cert_chain = 1, repeated string.
         assert_eq!(response.encode_to_vec(), [0x0a, 1, b'L', 0x0a, 1, b'R']);
+    }
+
+    /// The field numbers are Istio's zds.proto: a stock ztunnel must read
+    /// what we send and we must read its hello and acks.
+    #[test]
+    fn zds_wire_layout_matches_istio() {
+        use super::istio::zds::{
+            Ack, AddWorkload, DelWorkload, KeepWorkload, SnapshotSent, Version, WorkloadInfo,
+            WorkloadRequest, WorkloadResponse, ZdsHello, workload_request::Payload,
+            workload_response,
+        };
+        let hello = ZdsHello {
+            version: Version::V1 as i32,
+        };
+        assert_eq!(hello.encode_to_vec(), [0x08, 1]);
+        let add = WorkloadRequest {
+            payload: Some(Payload::Add(AddWorkload {
+                uid: "u".into(),
+                workload_info: Some(WorkloadInfo {
+                    name: "n".into(),
+                    namespace: "s".into(),
+                    service_account: "a".into(),
+                }),
+            })),
+        };
+        // add = 1 { uid = 1, workload_info = 2 { name = 1, namespace = 2,
+        // service_account = 3 } }.
+        assert_eq!(
+            add.encode_to_vec(),
+            [
+                0x0a, 14, 0x0a, 1, b'u', 0x12, 9, 0x0a, 1, b'n', 0x12, 1, b's', 0x1a, 1, b'a'
+            ]
+        );
+        let keep = WorkloadRequest {
+            payload: Some(Payload::Keep(KeepWorkload { uid: "u".into() })),
+        };
+        assert_eq!(keep.encode_to_vec(), [0x2a, 3, 0x0a, 1, b'u']);
+        let del = WorkloadRequest {
+            payload: Some(Payload::Del(DelWorkload { uid: "u".into() })),
+        };
+        // del = 2 { uid = 2 }.
+        assert_eq!(del.encode_to_vec(), [0x12, 3, 0x12, 1, b'u']);
+        let sent = WorkloadRequest {
+            payload: Some(Payload::SnapshotSent(SnapshotSent {})),
+        };
+        assert_eq!(sent.encode_to_vec(), [0x1a, 0]);
+        let ack = WorkloadResponse {
+            payload: Some(workload_response::Payload::Ack(Ack { error: "e".into() })),
+        };
+        assert_eq!(ack.encode_to_vec(), [0x0a, 3, 0x0a, 1, b'e']);
     }
 
     #[test]

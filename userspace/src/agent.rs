@@ -24,11 +24,15 @@ use tracing::{error, info, info_span, warn};
 
 use crate::{
     control::NodePods,
+    inpod::{Answer, Answers, Wanted, ZdsPod, ZtunnelLink},
     proxy::{PodNet, Proxy},
     redirect::{Capture, EnrolledPod, PodTarget, Redirector, Verification},
     snapshot::{NodeSnapshot, PodSnapshot},
     state::{PodState, TrustDomain, Workload, WorkloadKey},
 };
+
+/// A pod's pending reason until ztunnel acknowledged it.
+pub const WAITING_FOR_ZTUNNEL: &str = "waiting for ztunnel";
 
 /// The proxy, as the reconciler drives it: reconcile runs on a thread of
 /// its own, so proxy calls are run to completion on the runtime's handle.
@@ -55,6 +59,9 @@ pub struct NodeAgent {
     /// `None` when pods are only counted (`--capture off`) or an external
     /// proxy serves them.
     proxy: Option<ProxyHandle>,
+    /// With `--proxy ztunnel`: which pods ztunnel should serve (this
+    /// reconciler publishes them) and its answers (which gate enrolment).
+    ztunnel: Option<ZtunnelLink>,
     /// What each enrolled pod sends to the proxy.
     capture: Capture,
     /// Every pod of this node, with what happened to it.
@@ -81,6 +88,7 @@ impl NodeAgent {
             trust_domain,
             redirector,
             proxy: None,
+            ztunnel: None,
             capture,
             pods: BTreeMap::new(),
             synced: false,
@@ -100,6 +108,31 @@ impl NodeAgent {
     pub fn with_proxy(mut self, proxy: ProxyHandle) -> Self {
         self.proxy = Some(proxy);
         self
+    }
+
+    /// Hands the pods to a stock ztunnel over ZDS: a pod is enrolled only
+    /// once ztunnel has acknowledged it (its listeners are bound).
+    pub fn with_ztunnel(mut self, link: ZtunnelLink) -> Self {
+        self.ztunnel = Some(link);
+        self
+    }
+
+    /// ztunnel's answers, when pods are handed to ztunnel: the reconcile
+    /// loop converges again when they change.
+    pub fn ztunnel_answers(&self) -> Option<watch::Receiver<Answers>> {
+        self.ztunnel.as_ref().map(ZtunnelLink::answers)
+    }
+
+    /// Converges the last list again (after ztunnel answered).
+    pub fn reconverge(&mut self) {
+        if !self.synced {
+            return;
+        }
+        let pods = NodePods {
+            trust_domain: self.trust_domain.clone(),
+            pods: self.pods.values().map(|e| e.workload.clone()).collect(),
+        };
+        self.apply(pods);
     }
 
     /// Brings the kernel in line with `pods` (this node's complete list).
@@ -131,7 +164,14 @@ impl NodeAgent {
                 entry.kernel = kernel;
             }
         }
-        if !self.stale_removed {
+        let waiting_for_ztunnel = self
+            .pods
+            .values()
+            .any(|e| e.state == PodState::Pending(WAITING_FOR_ZTUNNEL.into()));
+        // A pod a previous agent left enrolled is adopted only when it is
+        // enrolled again, which with ztunnel waits for its ack: until then
+        // its pins are not leftovers.
+        if !self.stale_removed && !waiting_for_ztunnel {
             // Every pod the source knows is enrolled now: anything else
             // pinned is a previous agent's leftover.
             self.stale_removed = true;
@@ -167,6 +207,13 @@ impl NodeAgent {
 
     fn converge_all(&mut self, pods: NodePods) {
         self.trust_domain = pods.trust_domain;
+        let for_ztunnel: Option<Wanted> = self.ztunnel.as_ref().map(|_| {
+            pods.pods
+                .iter()
+                .filter(|w| w.wants_mesh())
+                .filter_map(|w| Some((w.key(), ZdsPod::new(w, w.netns.as_deref()?))))
+                .collect()
+        });
         let mut next = BTreeMap::new();
         for workload in pods.pods {
             let key = workload.key();
@@ -193,6 +240,11 @@ impl NodeAgent {
                 }
             }
             self.stop_serving(&key);
+        }
+        // After the unenrolments above: ztunnel lets go of a pod only once
+        // its traffic no longer reaches it.
+        if let (Some(link), Some(wanted)) = (&self.ztunnel, for_ztunnel) {
+            link.publish(wanted);
         }
         self.pods = next;
         self.synced = true;
@@ -252,6 +304,15 @@ impl NodeAgent {
         if was_enrolled && let Ok(Verification::Missing(_)) = self.redirector.verify(key) {
             // The enrol below repairs it (and logs what was missing).
             self.metrics.repaired();
+        }
+        if let Some(link) = &self.ztunnel {
+            match link.answer(key, &ZdsPod::new(workload, netns)) {
+                Some(Answer::Acked) => {}
+                Some(Answer::Failed(problem)) => return PodState::Pending(problem),
+                // Redirecting now would send the pod's traffic to listeners
+                // ztunnel has not bound yet.
+                None => return PodState::Pending(WAITING_FOR_ZTUNNEL.into()),
+            }
         }
         let started = Instant::now();
         let proxy_problem = self.serve(key, workload, netns);
@@ -414,6 +475,8 @@ impl Drop for Reconciler {
 
 enum Wake {
     Pods,
+    ZtunnelAnswered,
+    ZtunnelGone,
     SourcesGone,
     Verify,
     Stop(bool),
@@ -429,6 +492,7 @@ fn reconcile_loop(
     let verify_every = inputs.verify_every.max(Duration::from_millis(100));
     let mut next_verify = tokio::time::Instant::now() + verify_every;
     let mut sources_open = true;
+    let mut ztunnel_answers = agent.ztunnel_answers();
     loop {
         let wake = runtime.block_on(async {
             tokio::select! {
@@ -437,6 +501,15 @@ fn reconcile_loop(
                 changed = inputs.pods.changed(), if sources_open => match changed {
                     Ok(()) => Wake::Pods,
                     Err(_) => Wake::SourcesGone,
+                },
+                changed = async {
+                    match ztunnel_answers.as_mut() {
+                        Some(answers) => answers.changed().await,
+                        None => std::future::pending().await,
+                    }
+                } => match changed {
+                    Ok(()) => Wake::ZtunnelAnswered,
+                    Err(_) => Wake::ZtunnelGone,
                 },
                 _ = tokio::time::sleep_until(next_verify) => Wake::Verify,
             }
@@ -462,6 +535,12 @@ fn reconcile_loop(
                     }
                 }
                 agent.apply(update.pods);
+            }
+            // (`changed` marked the answers seen.)
+            Wake::ZtunnelAnswered => agent.reconverge(),
+            Wake::ZtunnelGone => {
+                ztunnel_answers = None;
+                continue;
             }
             Wake::SourcesGone => {
                 sources_open = false;

@@ -92,11 +92,20 @@ pub struct AgentArgs {
     pub capture: OnOff,
 
     /// Which proxy the captured traffic goes to: `builtin` (this agent's own,
-    /// the default) or `external` (another process binds the listeners in
+    /// the default), `external` (another process binds the listeners in
     /// each pod's netns and reads original destinations from the pinned
-    /// SHUNT_ORIG_DST map; shunt only redirects).
+    /// SHUNT_ORIG_DST map; shunt only redirects), or `ztunnel` (a stock
+    /// Istio ztunnel: shunt serves it ZDS on --zds-socket, as istio-cni
+    /// does, handing it each mesh pod's netns, and redirects a pod only
+    /// once ztunnel acknowledged it; until then the pod is pending).
     #[arg(long, value_enum, default_value_t = ProxyKind::Builtin)]
     pub proxy: ProxyKind,
+
+    /// With --proxy ztunnel: the unix socket (SOCK_SEQPACKET) shunt listens
+    /// on for ztunnel's ZDS connection (ztunnel's INPOD_UDS). Share its
+    /// directory with the ztunnel pod.
+    #[arg(long, value_name = "PATH", default_value = crate::inpod::DEFAULT_SOCKET)]
+    pub zds_socket: PathBuf,
 
     /// eBPF mode: move payload between each application and the proxy
     /// inside its pod with sk_msg, skipping the TCP stack, both ways and
@@ -269,6 +278,7 @@ pub enum OnExit {
 pub enum ProxyKind {
     Builtin,
     External,
+    Ztunnel,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

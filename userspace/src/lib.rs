@@ -22,6 +22,7 @@ pub mod crypto;
 pub mod error;
 pub mod health;
 pub mod identity;
+pub mod inpod;
 pub mod logging;
 pub mod metrics;
 pub mod netns;

@@ -75,6 +75,8 @@ pub enum AgentError {
     Identity(crate::identity::IdentityError),
     #[error("proxy: {0}")]
     Proxy(crate::proxy::ProxyError),
+    #[error("ZDS (--proxy ztunnel): {0}")]
+    Zds(#[from] crate::inpod::ZdsError),
 }
 
 /// Where the agent learns its pods.
@@ -119,6 +121,12 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             info!("captured traffic goes to an external proxy's listeners in each pod's netns");
             None
         }
+        (OnOff::On, ProxyKind::Ztunnel) => {
+            info!(
+                "captured traffic goes to ztunnel's listeners in each pod's netns; pods are handed to it over ZDS"
+            );
+            None
+        }
         (OnOff::Off, _) => None,
     };
     let metrics = crate::metrics::Metrics::new();
@@ -129,6 +137,9 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         args.capture.into(),
     )
     .with_metrics(metrics.clone());
+    if (args.capture, args.proxy) == (OnOff::On, ProxyKind::Ztunnel) {
+        node_agent = node_agent.with_ztunnel(serve_zds(&args.zds_socket)?);
+    }
 
     // The workload store and its one writer (only the builtin proxy reads it).
     let (cluster_views, store_applied) = match &proxy {
@@ -345,6 +356,15 @@ fn local_addr(
     listener
         .local_addr()
         .map_err(|source| AgentError::Serve { what, addr, source })
+}
+
+/// The ZDS server ztunnel connects to, running; returns the reconciler's
+/// end of the link (the reconciler tells it the pods, it tells the
+/// reconciler ztunnel's acks).
+fn serve_zds(socket: &Path) -> Result<crate::inpod::ZtunnelLink, AgentError> {
+    let (server, link) = crate::inpod::bind(socket, crate::inpod::DEFAULT_ACK_TIMEOUT)?;
+    tokio::spawn(server.run().instrument(info_span!("zds")));
+    Ok(link)
 }
 
 /// The identity manager (with its CA) and the proxy on top of it.
