@@ -24,3 +24,4 @@ pub mod redirect;
 pub mod state;
 pub mod status;
 pub mod tls;
+pub mod xds;

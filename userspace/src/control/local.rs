@@ -649,6 +649,7 @@ fn check_services(
                 vips,
                 ports,
                 endpoints,
+                ..Default::default()
             });
         }
     }

@@ -1,4 +1,35 @@
 //! Pod sources: where the agent learns which pods exist — a local workloads
-//! file ([`local`]) or the Kubernetes API ([`kube`]).
+//! file ([`local`]) or the Kubernetes API ([`kube`]) — and the interface
+//! every discovery source pushes through ([`SourceSink`]).
 pub mod kube;
 pub mod local;
+
+/// The cluster-wide view one discovery source knows: every workload of any
+/// node, every service, every authorization policy.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ClusterView {
+    pub workloads: Vec<crate::state::Workload>,
+    pub services: Vec<crate::state::Service>,
+    pub policies: Vec<crate::authz::Policy>,
+}
+
+/// This node's pods as the pod source knows them (what enrolment acts on).
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodePods {
+    pub trust_domain: crate::state::TrustDomain,
+    pub pods: Vec<crate::state::Workload>,
+}
+
+/// Where every source pushes. Sources hold an `Arc<dyn SourceSink>`; they
+/// never see the agent. Calls are cheap and never block (they hand the value
+/// to the owner's task).
+pub trait SourceSink: Send + Sync + 'static {
+    /// This node's pods changed (a complete list).
+    fn node_pods(&self, pods: NodePods);
+    /// The cluster-wide view changed (complete).
+    fn cluster(&self, view: ClusterView);
+    /// Whether this source has delivered its first complete view (readiness).
+    fn synced(&self, source: &'static str) {
+        let _ = source;
+    }
+}

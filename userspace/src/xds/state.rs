@@ -1,0 +1,629 @@
+//! What istiod has sent, held per resource type with versions, and the
+//! record of the exchange (ACKs, NACKs, connection) that `/config_dump` and
+//! `shunt status` show.
+//!
+//! A response is applied whole or not at all: every resource is decoded and
+//! translated first, and only when all of them are valid (and no two claim
+//! one address) does the held state change. A rejected response leaves the
+//! last good state untouched.
+
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    net::IpAddr,
+    sync::{Arc, RwLock},
+    time::SystemTime,
+};
+
+use prost::Message as _;
+use serde::{Deserialize, Serialize};
+use shunt_proto::{
+    envoy::service::discovery::v3::DeltaDiscoveryResponse,
+    istio::{security as security_pb, workload as workload_pb},
+};
+
+use super::{
+    ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL, FieldError, ResourceError, ResourceType,
+    authorization, service, workload,
+};
+use crate::{
+    authz::Policy,
+    control::ClusterView,
+    metrics::unix_seconds,
+    state::{Service, Workload},
+};
+
+/// At most this many resource errors are listed in one NACK (the count is
+/// always given): istiod logs the message, and one bad field repeated over
+/// 10,000 workloads must not make it megabytes long.
+const MAX_ERRORS_LISTED: usize = 10;
+
+/// One resource of the Address type.
+#[derive(Clone, Debug, PartialEq)]
+enum AddressEntry {
+    Workload(Workload),
+    Service(Service),
+}
+
+#[derive(Clone, Debug)]
+struct Held<T> {
+    version: String,
+    value: T,
+}
+
+/// What a response did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Applied {
+    pub resource_type: ResourceType,
+    /// Whether the view changed (a new or different resource, a removal of a
+    /// held one). A version bump alone does not count.
+    pub changed: bool,
+    pub updated: usize,
+    pub removed: usize,
+}
+
+/// Why a response was not applied (the NACK's message).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Rejected {
+    #[error("unknown type URL {0:?}: shunt subscribes to {ADDRESS_TYPE_URL} and {AUTHORIZATION_TYPE_URL}")]
+    UnknownType(String),
+    #[error("{}", list_errors(.0))]
+    Resources(Vec<ResourceError>),
+}
+
+fn list_errors(errors: &[ResourceError]) -> String {
+    let mut out = format!("{} resource error(s), nothing applied: ", errors.len());
+    let shown: Vec<String> = errors
+        .iter()
+        .take(MAX_ERRORS_LISTED)
+        .map(ToString::to_string)
+        .collect();
+    out.push_str(&shown.join("; "));
+    if errors.len() > MAX_ERRORS_LISTED {
+        out.push_str(&format!("; and {} more", errors.len() - MAX_ERRORS_LISTED));
+    }
+    out
+}
+
+/// The last accepted response of a type.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AckRecord {
+    pub nonce: String,
+    pub system_version_info: String,
+    /// Seconds since the epoch.
+    pub at: i64,
+}
+
+/// The last rejected response of a type.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NackRecord {
+    pub nonce: String,
+    pub reason: String,
+    pub at: i64,
+}
+
+/// One type's exchange.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TypeStatus {
+    pub type_url: String,
+    /// Resources held now.
+    pub resources: usize,
+    /// Whether a response of this type was applied since the start.
+    pub received: bool,
+    pub last_ack: Option<AckRecord>,
+    pub last_nack: Option<NackRecord>,
+}
+
+/// One held resource: where a workload, service or policy came from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResourceStatus {
+    /// `workload`, `service` or `authorization`.
+    pub kind: String,
+    /// The xDS resource name (a workload's uid, `namespace/hostname`,
+    /// `namespace/name`).
+    pub name: String,
+    pub version: String,
+}
+
+/// The istiod connection and what it sent, for `/config_dump` and
+/// `shunt status`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct XdsStatus {
+    pub address: String,
+    pub node_id: String,
+    pub connected: bool,
+    /// Seconds since the epoch when the current stream opened.
+    pub connected_since: Option<i64>,
+    /// Streams opened since the start.
+    pub connections: u64,
+    /// Why the last stream ended or could not open.
+    pub last_error: Option<String>,
+    /// Both types received once (readiness).
+    pub synced: bool,
+    pub types: Vec<TypeStatus>,
+    /// What could not be resolved across resources (a workload naming a
+    /// service istiod has not sent, an address claimed twice).
+    pub warnings: Vec<String>,
+    pub resources: Vec<ResourceStatus>,
+}
+
+/// The istiod connection in one line's worth (`shunt status`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct XdsSummary {
+    pub address: String,
+    pub connected: bool,
+    pub connected_since: Option<i64>,
+    pub synced: bool,
+    pub last_error: Option<String>,
+    pub workloads: usize,
+    pub services: usize,
+    pub policies: usize,
+    /// The reason of the latest NACK of any type.
+    pub last_nack: Option<String>,
+    pub warnings: usize,
+}
+
+/// A shared, read-only view of the status; the client is its one writer.
+#[derive(Clone, Debug, Default)]
+pub struct XdsStatusHandle(Arc<RwLock<XdsStatus>>);
+
+impl XdsStatusHandle {
+    pub fn snapshot(&self) -> XdsStatus {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Whether both types were received once (cheap: no copy).
+    pub fn is_synced(&self) -> bool {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).synced
+    }
+
+    /// The connection and counts, without the resource list (`shunt
+    /// status`, readiness).
+    pub fn summary(&self) -> XdsSummary {
+        let status = self.0.read().unwrap_or_else(|p| p.into_inner());
+        let count = |kind: &str| status.resources.iter().filter(|r| r.kind == kind).count();
+        XdsSummary {
+            address: status.address.clone(),
+            connected: status.connected,
+            connected_since: status.connected_since,
+            synced: status.synced,
+            last_error: status.last_error.clone(),
+            workloads: count("workload"),
+            services: count("service"),
+            policies: count("authorization"),
+            last_nack: status
+                .types
+                .iter()
+                .filter_map(|t| t.last_nack.as_ref())
+                .max_by_key(|n| n.at)
+                .map(|n| n.reason.clone()),
+            warnings: status.warnings.len(),
+        }
+    }
+
+    pub(crate) fn set(&self, status: XdsStatus) {
+        *self.0.write().unwrap_or_else(|p| p.into_inner()) = status;
+    }
+}
+
+/// Everything held from istiod, and the record of the exchange.
+#[derive(Debug, Default)]
+pub struct XdsState {
+    address: String,
+    node_id: String,
+    addresses: BTreeMap<String, Held<AddressEntry>>,
+    policies: BTreeMap<String, Held<Policy>>,
+    types: BTreeMap<String, TypeStatus>,
+    connected_since: Option<SystemTime>,
+    connections: u64,
+    last_error: Option<String>,
+    warnings: Vec<String>,
+}
+
+impl XdsState {
+    pub fn new(address: impl Into<String>, node_id: impl Into<String>) -> Self {
+        let mut state = Self {
+            address: address.into(),
+            node_id: node_id.into(),
+            ..Default::default()
+        };
+        for ty in ResourceType::ALL {
+            state.type_record(ty.type_url());
+        }
+        state
+    }
+
+    fn type_record(&mut self, type_url: &str) -> &mut TypeStatus {
+        self.types
+            .entry(type_url.to_owned())
+            .or_insert_with(|| TypeStatus {
+                type_url: type_url.to_owned(),
+                ..Default::default()
+            })
+    }
+
+    /// Applies one response whole, or returns why not (and changes nothing).
+    pub fn apply(&mut self, response: &DeltaDiscoveryResponse) -> Result<Applied, Rejected> {
+        let ty = ResourceType::from_type_url(&response.type_url)
+            .ok_or_else(|| Rejected::UnknownType(response.type_url.clone()))?;
+        let mut errors = Vec::new();
+        let mut names = HashSet::with_capacity(response.resources.len());
+        let mut decoded = Vec::with_capacity(response.resources.len());
+        for (i, resource) in response.resources.iter().enumerate() {
+            let name = if resource.name.is_empty() {
+                errors.push(FieldError::new("name", "empty").in_resource(&format!("resources[{i}]")));
+                continue;
+            } else {
+                resource.name.as_str()
+            };
+            if !names.insert(name) {
+                errors.push(FieldError::new("name", "listed twice in one response").in_resource(name));
+                continue;
+            }
+            match decode(ty, name, resource.resource.as_ref()) {
+                Ok(entry) => decoded.push((name, resource.version.as_str(), entry)),
+                Err(e) => errors.push(e.in_resource(name)),
+            }
+        }
+        for name in &response.removed_resources {
+            if names.contains(name.as_str()) {
+                errors.push(
+                    FieldError::new("removed_resources", "also sent as a resource in the same response")
+                        .in_resource(name),
+                );
+            }
+        }
+        if ty == ResourceType::Address {
+            errors.extend(duplicate_addresses(&decoded));
+        }
+        if !errors.is_empty() {
+            return Err(Rejected::Resources(errors));
+        }
+
+        // Valid: commit.
+        let mut changed = false;
+        let updated = decoded.len();
+        for (name, version, entry) in decoded {
+            let version = version.to_owned();
+            match entry {
+                Decoded::Address(value) => {
+                    changed |= self.addresses.get(name).is_none_or(|old| old.value != *value);
+                    self.addresses.insert(name.to_owned(), Held { version, value: *value });
+                }
+                Decoded::Policy(value) => {
+                    changed |= self.policies.get(name).is_none_or(|old| old.value != value);
+                    self.policies.insert(name.to_owned(), Held { version, value });
+                }
+            }
+        }
+        let mut removed = 0;
+        for name in &response.removed_resources {
+            let gone = match ty {
+                ResourceType::Address => self.addresses.remove(name).is_some(),
+                ResourceType::Authorization => self.policies.remove(name).is_some(),
+            };
+            if gone {
+                removed += 1;
+                changed = true;
+            }
+        }
+        Ok(Applied {
+            resource_type: ty,
+            changed,
+            updated,
+            removed,
+        })
+    }
+
+    /// Records the ACK sent for a response.
+    pub fn record_ack(&mut self, type_url: &str, nonce: &str, system_version_info: &str) {
+        let record = self.type_record(type_url);
+        record.received = true;
+        record.last_ack = Some(AckRecord {
+            nonce: nonce.to_owned(),
+            system_version_info: system_version_info.to_owned(),
+            at: unix_seconds(SystemTime::now()),
+        });
+    }
+
+    /// Records the NACK sent for a response.
+    pub fn record_nack(&mut self, type_url: &str, nonce: &str, reason: &str) {
+        self.type_record(type_url).last_nack = Some(NackRecord {
+            nonce: nonce.to_owned(),
+            reason: reason.to_owned(),
+            at: unix_seconds(SystemTime::now()),
+        });
+    }
+
+    pub fn record_connected(&mut self) {
+        self.connected_since = Some(SystemTime::now());
+        self.connections += 1;
+        self.last_error = None;
+    }
+
+    pub fn record_disconnected(&mut self, error: String) {
+        self.connected_since = None;
+        self.last_error = Some(error);
+    }
+
+    /// Whether a response of `type_url` was applied since the start.
+    pub fn received(&self, type_url: &str) -> bool {
+        self.types.get(type_url).is_some_and(|t| t.received)
+    }
+
+    /// Whether every type was received at least once.
+    pub fn synced(&self) -> bool {
+        ResourceType::ALL
+            .iter()
+            .all(|ty| self.received(ty.type_url()))
+    }
+
+    /// What is held of `ty`, by name → version: what a new stream sends as
+    /// `initial_resource_versions`.
+    pub fn versions(&self, ty: ResourceType) -> HashMap<String, String> {
+        match ty {
+            ResourceType::Address => self
+                .addresses
+                .iter()
+                .map(|(n, h)| (n.clone(), h.version.clone()))
+                .collect(),
+            ResourceType::Authorization => self
+                .policies
+                .iter()
+                .map(|(n, h)| (n.clone(), h.version.clone()))
+                .collect(),
+        }
+    }
+
+    /// The complete cluster view from what is held, with endpoints resolved.
+    /// Keeps what could not be resolved as the status' warnings and returns
+    /// those that are new (to be logged once).
+    pub fn view(&mut self) -> (ClusterView, Vec<String>) {
+        let mut workloads = Vec::new();
+        let mut services = Vec::new();
+        for held in self.addresses.values() {
+            match &held.value {
+                AddressEntry::Workload(w) => workloads.push(w.clone()),
+                AddressEntry::Service(s) => services.push(s.clone()),
+            }
+        }
+        let mut warnings = service::attach_endpoints(&mut services, workloads.iter());
+        warnings.extend(shared_addresses(&workloads));
+        let policies: Vec<Policy> = self.policies.values().map(|h| h.value.clone()).collect();
+        let known: HashSet<String> = self.policies.keys().cloned().collect();
+        for w in &workloads {
+            for p in w.authorization_policies.iter().filter(|p| !known.contains(*p)) {
+                warnings.push(format!(
+                    "workload {} ({}) names policy {p}, which istiod has not sent",
+                    w.key(),
+                    w.uid
+                ));
+            }
+        }
+        let before: HashSet<&String> = self.warnings.iter().collect();
+        let new = warnings
+            .iter()
+            .filter(|w| !before.contains(w))
+            .cloned()
+            .collect();
+        self.warnings = warnings;
+        let view = ClusterView {
+            workloads,
+            services,
+            policies,
+        };
+        (view, new)
+    }
+
+    /// The status as `/config_dump` shows it.
+    pub fn status(&self) -> XdsStatus {
+        let mut types: Vec<TypeStatus> = self.types.values().cloned().collect();
+        for t in &mut types {
+            t.resources = match ResourceType::from_type_url(&t.type_url) {
+                Some(ResourceType::Address) => self.addresses.len(),
+                Some(ResourceType::Authorization) => self.policies.len(),
+                None => 0,
+            };
+        }
+        let mut resources = Vec::with_capacity(self.addresses.len() + self.policies.len());
+        for (name, held) in &self.addresses {
+            let kind = match held.value {
+                AddressEntry::Workload(_) => "workload",
+                AddressEntry::Service(_) => "service",
+            };
+            resources.push(ResourceStatus {
+                kind: kind.into(),
+                name: name.clone(),
+                version: held.version.clone(),
+            });
+        }
+        for (name, held) in &self.policies {
+            resources.push(ResourceStatus {
+                kind: "authorization".into(),
+                name: name.clone(),
+                version: held.version.clone(),
+            });
+        }
+        XdsStatus {
+            address: self.address.clone(),
+            node_id: self.node_id.clone(),
+            connected: self.connected_since.is_some(),
+            connected_since: self.connected_since.map(unix_seconds),
+            connections: self.connections,
+            last_error: self.last_error.clone(),
+            synced: self.synced(),
+            types,
+            warnings: self.warnings.clone(),
+            resources,
+        }
+    }
+}
+
+/// One resource, decoded and translated.
+enum Decoded {
+    Address(Box<AddressEntry>),
+    Policy(Policy),
+}
+
+fn decode(ty: ResourceType, name: &str, any: Option<&prost_types::Any>) -> Result<Decoded, FieldError> {
+    let any = any.ok_or_else(|| FieldError::new("resource", "missing"))?;
+    if any.type_url != ty.type_url() {
+        return Err(FieldError::new(
+            "resource.type_url",
+            format!("{:?} in a response of type {}", any.type_url, ty.type_url()),
+        ));
+    }
+    let undecodable = |e: prost::DecodeError| {
+        FieldError::new("resource.value", format!("does not decode as {}: {e}", ty.type_url()))
+    };
+    match ty {
+        ResourceType::Address => {
+            let address = workload_pb::Address::decode(any.value.as_slice()).map_err(undecodable)?;
+            match address.r#type {
+                Some(workload_pb::address::Type::Workload(w)) => workload::translate(w, name)
+                    .map(|w| Decoded::Address(Box::new(AddressEntry::Workload(w))))
+                    .map_err(|e| e.under("workload")),
+                Some(workload_pb::address::Type::Service(s)) => service::translate(s)
+                    .map(|s| Decoded::Address(Box::new(AddressEntry::Service(s))))
+                    .map_err(|e| e.under("service")),
+                None => Err(FieldError::new("type", "neither workload nor service")),
+            }
+        }
+        ResourceType::Authorization => {
+            let policy = security_pb::Authorization::decode(any.value.as_slice()).map_err(undecodable)?;
+            authorization::translate(policy).map(Decoded::Policy)
+        }
+    }
+}
+
+/// Two workloads of one response claiming one address on one network:
+/// refused, because which one a peer IP means would be a guess.
+fn duplicate_addresses(decoded: &[(&str, &str, Decoded)]) -> Vec<ResourceError> {
+    let mut owners: HashMap<(&str, IpAddr), &str> = HashMap::new();
+    let mut errors = Vec::new();
+    for (name, _, entry) in decoded {
+        let Decoded::Address(entry) = entry else { continue };
+        let AddressEntry::Workload(w) = entry.as_ref() else { continue };
+        for (i, ip) in w.ips.iter().enumerate() {
+            if let Some(first) = owners.insert((w.network.as_str(), *ip), name) {
+                errors.push(
+                    FieldError::new(
+                        format!("workload.addresses[{i}]"),
+                        format!("{ip} (network {:?}) is also claimed by resource {first:?} in this response", w.network),
+                    )
+                    .in_resource(name),
+                );
+            }
+        }
+    }
+    errors
+}
+
+/// Addresses claimed by two held workloads (sent in different responses,
+/// e.g. an IP reused before istiod removed its last owner): kept, and named.
+fn shared_addresses(workloads: &[Workload]) -> Vec<String> {
+    let mut owners: HashMap<(&str, IpAddr), &Workload> = HashMap::with_capacity(workloads.len());
+    let mut warnings = Vec::new();
+    for w in workloads {
+        for ip in &w.ips {
+            if let Some(first) = owners.insert((w.network.as_str(), *ip), w) {
+                warnings.push(format!(
+                    "address {ip} (network {:?}) is claimed by workloads {} ({}) and {} ({})",
+                    w.network,
+                    first.key(),
+                    first.uid,
+                    w.key(),
+                    w.uid
+                ));
+            }
+        }
+    }
+    warnings
+}
+
+#[cfg(test)]
+mod tests {
+    use shunt_proto::envoy::service::discovery::v3::Resource;
+
+    use super::*;
+
+    fn workload_resource(name: &str, ip: [u8; 4]) -> Resource {
+        let address = workload_pb::Address {
+            r#type: Some(workload_pb::address::Type::Workload(workload_pb::Workload {
+                uid: name.into(),
+                name: name.into(),
+                namespace: "default".into(),
+                addresses: vec![ip.to_vec()],
+                tunnel_protocol: workload_pb::TunnelProtocol::Hbone as i32,
+                ..Default::default()
+            })),
+        };
+        Resource {
+            name: name.into(),
+            version: "1".into(),
+            resource: Some(prost_types::Any {
+                type_url: ADDRESS_TYPE_URL.into(),
+                value: address.encode_to_vec(),
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn response(resources: Vec<Resource>, removed: &[&str]) -> DeltaDiscoveryResponse {
+        DeltaDiscoveryResponse {
+            type_url: ADDRESS_TYPE_URL.into(),
+            resources,
+            removed_resources: removed.iter().map(|s| s.to_string()).collect(),
+            nonce: "n".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn applies_whole_or_not_at_all() {
+        let mut state = XdsState::new("a", "n");
+        let applied = state
+            .apply(&response(vec![workload_resource("a", [198, 18, 0, 1])], &[]))
+            .expect("valid");
+        assert!(applied.changed);
+        let mut bad = workload_resource("c", [198, 18, 0, 3]);
+        if let Some(any) = bad.resource.as_mut() {
+            any.value = vec![0xff, 0xff];
+        }
+        let err = state
+            .apply(&response(vec![workload_resource("b", [198, 18, 0, 2]), bad], &["a"]))
+            .expect_err("undecodable");
+        assert!(err.to_string().contains("resource \"c\": resource.value: does not decode"), "{err}");
+        let (view, _) = state.view();
+        let names: Vec<&str> = view.workloads.iter().map(|w| w.name.as_str()).collect();
+        assert_eq!(names, ["a"], "nothing of the rejected response applied");
+
+        let err = state
+            .apply(&response(
+                vec![workload_resource("b", [198, 18, 0, 2]), workload_resource("c", [198, 18, 0, 2])],
+                &[],
+            ))
+            .expect_err("duplicate address");
+        assert!(err.to_string().contains("also claimed by resource \"b\""), "{err}");
+
+        let applied = state.apply(&response(vec![], &["a", "never-held"])).expect("removal");
+        assert_eq!((applied.changed, applied.removed), (true, 1));
+        assert!(state.view().0.workloads.is_empty());
+    }
+
+    #[test]
+    fn unknown_type_and_versions() {
+        let mut state = XdsState::new("a", "n");
+        let mut r = response(vec![], &[]);
+        r.type_url = "type.googleapis.com/envoy.config.cluster.v3.Cluster".into();
+        assert!(matches!(state.apply(&r), Err(Rejected::UnknownType(_))));
+        state.apply(&response(vec![workload_resource("a", [198, 18, 0, 1])], &[])).expect("valid");
+        assert_eq!(state.versions(ResourceType::Address), HashMap::from([("a".into(), "1".into())]));
+        assert!(!state.synced());
+        state.record_ack(ADDRESS_TYPE_URL, "n1", "v");
+        state.record_ack(AUTHORIZATION_TYPE_URL, "n2", "v");
+        assert!(state.synced());
+        let status = state.status();
+        assert_eq!(status.resources.len(), 1);
+        assert_eq!(status.types.len(), 2);
+    }
+}
