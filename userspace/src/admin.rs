@@ -36,6 +36,9 @@ pub struct NodeStatus {
     /// The builtin proxy's counters (absent without one).
     #[serde(default)]
     pub proxy: Option<crate::proxy::ProxyStats>,
+    /// The istiod connection, with `--xds-address`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xds: Option<crate::xds::XdsSummary>,
     pub pods: Vec<PodStatus>,
 }
 
@@ -198,6 +201,11 @@ pub struct ConfigDump {
     pub enrolled: Vec<EnrolledDump>,
     /// Pods the proxy serves (listeners bound in their netns).
     pub proxied: Vec<String>,
+    /// With `--xds-address`: istiod's connection (connected since, last
+    /// ACK/NACK per type and why) and every resource it sent, with its
+    /// version: where each workload, service and policy came from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xds: Option<crate::xds::XdsStatus>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -212,6 +220,10 @@ pub struct WorkloadDump {
     pub dataplane_mode: String,
     /// What the agent did with it (this node's pods only).
     pub state: Option<PodState>,
+    /// The source's id (xDS: the resource name, e.g.
+    /// `Kubernetes//Pod/default/web-0`); empty when the source has none.
+    #[serde(default)]
+    pub uid: String,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -248,6 +260,7 @@ async fn config_dump(
             netns: w.netns.clone(),
             dataplane_mode: w.dataplane_mode.to_string(),
             state: states.get(&w.key()).cloned(),
+            uid: w.uid.clone(),
         };
         let mut workloads: Vec<WorkloadDump> = match agent.proxy() {
             Some(handle) => handle
@@ -297,6 +310,7 @@ async fn config_dump(
             identities,
             enrolled,
             proxied,
+            xds: agent.xds().map(|x| x.snapshot()),
         }
     })
     .await

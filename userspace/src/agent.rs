@@ -60,6 +60,12 @@ pub enum AgentError {
     Identity(crate::identity::IdentityError),
     #[error("proxy: {0}")]
     Proxy(crate::proxy::ProxyError),
+    #[error("istiod xDS source: {0}")]
+    Xds(#[from] crate::xds::XdsError),
+    #[error(
+        "--xds-address needs this agent's pod IP for its xDS node id: set --instance-ip (env INSTANCE_IP, from the downward API's status.podIP)"
+    )]
+    XdsNoInstanceIp,
 }
 
 /// The proxy, as the agent drives it: reconcile runs on a blocking thread,
@@ -90,6 +96,9 @@ pub struct NodeAgent {
     synced: bool,
     /// Enrolment latency and repairs are recorded here.
     metrics: crate::metrics::Metrics,
+    /// With `--xds-address`: istiod's connection, for readiness and the
+    /// admin API.
+    xds: Option<crate::xds::XdsStatusHandle>,
 }
 
 impl NodeAgent {
@@ -108,7 +117,14 @@ impl NodeAgent {
             pods: BTreeMap::new(),
             synced: false,
             metrics: crate::metrics::Metrics::default(),
+            xds: None,
         }
+    }
+
+    /// The cluster view comes from istiod: readiness waits for it.
+    pub fn with_xds(mut self, status: crate::xds::XdsStatusHandle) -> Self {
+        self.xds = Some(status);
+        self
     }
 
     /// Records enrolment latency and repairs into `metrics`.
@@ -349,6 +365,7 @@ impl NodeAgent {
             mode: self.redirector.mode().to_string(),
             trust_domain: self.trust_domain.to_string(),
             proxy: self.proxy.as_ref().map(|h| h.proxy.stats()),
+            xds: self.xds.as_ref().map(|x| x.summary()),
             pods,
         }
     }
@@ -370,6 +387,11 @@ impl NodeAgent {
 
     pub fn proxy(&self) -> Option<&ProxyHandle> {
         self.proxy.as_ref()
+    }
+
+    /// istiod's connection, with `--xds-address`.
+    pub fn xds(&self) -> Option<&crate::xds::XdsStatusHandle> {
+        self.xds.as_ref()
     }
 
     /// Whether the pod source has handed over a complete list.
@@ -417,6 +439,8 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         PodSource::File { initial, .. } => initial.trust_domain.clone(),
         PodSource::Kube(_) => args.trust_domain.clone(),
     };
+    // Checked before anything is set up, like the pod source.
+    let xds = xds_source(&args)?;
     check_cgroup_root(args.cgroup_root.as_deref())?;
 
     let iptables = || -> Result<Box<dyn Redirector>, AgentError> {
@@ -478,6 +502,13 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             .set_observer(metrics.connection_observer(proxy.workloads.clone()));
         node_agent = node_agent.with_proxy(proxy.clone());
     }
+    if let Some(source) = xds {
+        // The cluster view (every workload, service, policy) from istiod;
+        // this node's pods still come from the pod source below.
+        node_agent = node_agent.with_xds(source.status());
+        let feed = ClusterFeed::spawn(proxy.as_ref().map(|h| h.workloads.clone()));
+        tokio::spawn(source.run(feed).instrument(info_span!("xds")));
+    }
     let agent: SharedAgent = Arc::new(Mutex::new(node_agent));
     let listener = tokio::net::TcpListener::bind(args.admin_addr)
         .await
@@ -508,8 +539,11 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             );
             metrics.watch_kube(source.stats());
             // The proxy must know every pod of the cluster (who a peer IP
-            // is, which identity it speaks), not only this node's.
-            if let Some(handle) = &proxy {
+            // is, which identity it speaks), not only this node's. With
+            // --xds-address istiod tells it instead.
+            if let Some(handle) = &proxy
+                && args.xds_address.is_none()
+            {
                 let discovery =
                     crate::control::kube::ClusterWorkloads::new(client_for_discovery.clone());
                 let mut snapshots = discovery.subscribe();
@@ -634,8 +668,88 @@ async fn start_proxy(
         proxy,
         runtime: tokio::runtime::Handle::current(),
         workloads,
-        cluster_discovery: args.workloads.is_none(),
+        cluster_discovery: args.workloads.is_none() || args.xds_address.is_some(),
     })
+}
+
+/// `--xds-address`: the istiod source, configured (not connected yet).
+fn xds_source(args: &AgentArgs) -> Result<Option<crate::xds::XdsSource>, AgentError> {
+    let Some(address) = &args.xds_address else {
+        return Ok(None);
+    };
+    let node = crate::xds::XdsNode {
+        ip: args.instance_ip.ok_or(AgentError::XdsNoInstanceIp)?,
+        pod_name: args.pod_name.clone(),
+        pod_namespace: args.pod_namespace.clone(),
+        node_name: args.node_name.clone(),
+        cluster_id: args.cluster_id.clone(),
+    };
+    let config = crate::xds::XdsConfig::new(
+        address.clone(),
+        args.xds_root_cert.clone(),
+        args.xds_token.clone(),
+        node,
+    );
+    let source = crate::xds::XdsSource::new(config)?;
+    info!(address = %address, root = %args.xds_root_cert.display(), token = %args.xds_token.display(),
+        "the cluster view (workloads, services, policies) comes from istiod over xDS");
+    Ok(Some(source))
+}
+
+/// A cluster source's views into the proxy's store, on a task of its own so
+/// that the source's calls never block (the latest view wins).
+struct ClusterFeed {
+    views: tokio::sync::watch::Sender<Option<crate::control::ClusterView>>,
+}
+
+impl ClusterFeed {
+    fn spawn(store: Option<Arc<RwLock<WorkloadStore>>>) -> Arc<Self> {
+        let (views, mut latest) =
+            tokio::sync::watch::channel::<Option<crate::control::ClusterView>>(None);
+        tokio::spawn(
+            async move {
+                while latest.changed().await.is_ok() {
+                    let Some(view) = latest.borrow_and_update().clone() else {
+                        continue;
+                    };
+                    // Without the builtin proxy nobody looks peers up.
+                    let Some(store) = &store else { continue };
+                    let (workloads, services, policies) =
+                        (view.workloads.len(), view.services.len(), view.policies.len());
+                    let mut store = store.write().unwrap_or_else(|p| p.into_inner());
+                    let changes = store.replace_all(view.workloads);
+                    let services_changed = store.replace_services(view.services);
+                    if !changes.is_empty() || services_changed {
+                        info!(
+                            workloads,
+                            services,
+                            policies,
+                            added = changes.added.len(),
+                            removed = changes.removed.len(),
+                            updated = changes.updated.len(),
+                            "cluster view updated"
+                        );
+                    }
+                }
+            }
+            .instrument(info_span!("cluster-view")),
+        );
+        Arc::new(Self { views })
+    }
+}
+
+impl crate::control::SourceSink for ClusterFeed {
+    fn node_pods(&self, pods: crate::control::NodePods) {
+        warn!(pods = pods.pods.len(), "a cluster-wide source sent node pods; ignored");
+    }
+
+    fn cluster(&self, view: crate::control::ClusterView) {
+        self.views.send_replace(Some(view));
+    }
+
+    fn synced(&self, source: &'static str) {
+        info!(source, "cluster view synced");
+    }
 }
 
 /// Where the agent learns its pods.

@@ -8,7 +8,9 @@
 //!   not make the agent unready: one broken pod must not stall a DaemonSet
 //!   rollout that waits for readiness node by node);
 //! - every enrolled pod's identity has a valid certificate (when the builtin
-//!   proxy runs; without it there is nothing to present).
+//!   proxy runs; without it there is nothing to present);
+//! - with `--xds-address`, istiod has sent workloads and policies once (a
+//!   later disconnect keeps readiness: what it sent is kept).
 //!
 //! The answer is 200 or 503, with one line per check either way.
 
@@ -128,6 +130,29 @@ impl Readiness {
             }
         };
         checks.push(certificates);
+        if let Some(xds) = agent.xds() {
+            let summary = xds.summary();
+            checks.push(Check {
+                name: "xds",
+                ok: summary.synced,
+                detail: if summary.synced {
+                    format!(
+                        "istiod {}: {} workload(s), {} service(s), {} policy(ies){}",
+                        summary.address,
+                        summary.workloads,
+                        summary.services,
+                        summary.policies,
+                        if summary.connected { "" } else { "; reconnecting (keeping what it sent)" }
+                    )
+                } else {
+                    format!(
+                        "waiting for istiod {} to send workloads and policies{}",
+                        summary.address,
+                        summary.last_error.map(|e| format!(": {e}")).unwrap_or_default()
+                    )
+                },
+            });
+        }
         Readiness { checks }
     }
 
