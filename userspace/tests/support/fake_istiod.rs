@@ -210,8 +210,20 @@ impl FakeIstiod {
         Self::start_at(pki, "127.0.0.1:0".parse().expect("addr"), Arc::default()).await
     }
 
+    /// Serves on `listener` (e.g. one bound inside a test node's netns,
+    /// where the agent under test runs).
+    pub fn start_on(pki: &Pki, listener: std::net::TcpListener) -> Self {
+        listener.set_nonblocking(true).expect("non-blocking");
+        let listener = tokio::net::TcpListener::from_std(listener).expect("tokio listener");
+        Self::serve(pki, listener, Arc::default())
+    }
+
     async fn start_at(pki: &Pki, addr: SocketAddr, shared: Arc<Shared>) -> Self {
         let listener = tokio::net::TcpListener::bind(addr).await.expect("bind loopback");
+        Self::serve(pki, listener, shared)
+    }
+
+    fn serve(pki: &Pki, listener: tokio::net::TcpListener, shared: Arc<Shared>) -> Self {
         let addr = listener.local_addr().expect("local addr");
         let server = Server::builder()
             .tls_config(ServerTlsConfig::new().identity(pki.server_identity()))
