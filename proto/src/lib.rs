@@ -138,7 +138,7 @@ mod tests {
     fn workload_wire_layout_matches_istio() {
         use std::collections::HashMap;
 
-        use super::istio::workload::{Address, PortList, Port, Workload, address};
+        use super::istio::workload::{Address, Port, PortList, Workload, address};
         let workload = Workload {
             uid: "u".into(),
             addresses: vec![vec![198, 18, 0, 1]],
@@ -207,7 +207,10 @@ mod tests {
             DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource,
             aggregated_discovery_service_server::SERVICE_NAME,
         };
-        assert_eq!(SERVICE_NAME, "envoy.service.discovery.v3.AggregatedDiscoveryService");
+        assert_eq!(
+            SERVICE_NAME,
+            "envoy.service.discovery.v3.AggregatedDiscoveryService"
+        );
         let request = DeltaDiscoveryRequest {
             type_url: "t".into(),
             response_nonce: "n".into(),
@@ -238,8 +241,7 @@ mod tests {
         assert_eq!(
             response.encode_to_vec(),
             [
-                0x12, 6, 0x0a, 1, b'v', 0x1a, 1, b'r', 0x22, 1, b't', 0x2a, 1, b'n', 0x32, 1,
-                b'x'
+                0x12, 6, 0x0a, 1, b'v', 0x1a, 1, b'r', 0x22, 1, b't', 0x2a, 1, b'n', 0x32, 1, b'x'
             ]
         );
     }

@@ -714,8 +714,11 @@ impl ClusterFeed {
                     };
                     // Without the builtin proxy nobody looks peers up.
                     let Some(store) = &store else { continue };
-                    let (workloads, services, policies) =
-                        (view.workloads.len(), view.services.len(), view.policies.len());
+                    let (workloads, services, policies) = (
+                        view.workloads.len(),
+                        view.services.len(),
+                        view.policies.len(),
+                    );
                     let mut store = store.write().unwrap_or_else(|p| p.into_inner());
                     let changes = store.replace_all(view.workloads);
                     let services_changed = store.replace_services(view.services);
@@ -740,7 +743,10 @@ impl ClusterFeed {
 
 impl crate::control::SourceSink for ClusterFeed {
     fn node_pods(&self, pods: crate::control::NodePods) {
-        warn!(pods = pods.pods.len(), "a cluster-wide source sent node pods; ignored");
+        warn!(
+            pods = pods.pods.len(),
+            "a cluster-wide source sent node pods; ignored"
+        );
     }
 
     fn cluster(&self, view: crate::control::ClusterView) {

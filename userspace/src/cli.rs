@@ -256,7 +256,12 @@ pub struct AgentArgs {
 
     /// Istio's cluster id of this cluster (istiod's CLUSTER_ID), sent in the
     /// xDS node metadata.
-    #[arg(long, env = "CLUSTER_ID", value_name = "ID", default_value = "Kubernetes")]
+    #[arg(
+        long,
+        env = "CLUSTER_ID",
+        value_name = "ID",
+        default_value = "Kubernetes"
+    )]
     pub cluster_id: String,
 
     /// This agent's pod name, namespace and IP (from the downward API), from
@@ -265,7 +270,12 @@ pub struct AgentArgs {
     #[arg(long, env = "POD_NAME", value_name = "NAME", default_value = "shunt")]
     pub pod_name: String,
 
-    #[arg(long, env = "POD_NAMESPACE", value_name = "NAMESPACE", default_value = "istio-system")]
+    #[arg(
+        long,
+        env = "POD_NAMESPACE",
+        value_name = "NAMESPACE",
+        default_value = "istio-system"
+    )]
     pub pod_namespace: String,
 
     #[arg(long, env = "INSTANCE_IP", value_name = "IP")]

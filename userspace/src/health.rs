@@ -142,13 +142,20 @@ impl Readiness {
                         summary.workloads,
                         summary.services,
                         summary.policies,
-                        if summary.connected { "" } else { "; reconnecting (keeping what it sent)" }
+                        if summary.connected {
+                            ""
+                        } else {
+                            "; reconnecting (keeping what it sent)"
+                        }
                     )
                 } else {
                     format!(
                         "waiting for istiod {} to send workloads and policies{}",
                         summary.address,
-                        summary.last_error.map(|e| format!(": {e}")).unwrap_or_default()
+                        summary
+                            .last_error
+                            .map(|e| format!(": {e}"))
+                            .unwrap_or_default()
                     )
                 },
             });

@@ -104,8 +104,14 @@ pub fn render_table_at(status: &NodeStatus, now: std::time::SystemTime) -> Strin
             x.workloads,
             x.services,
             x.policies,
-            x.last_error.as_deref().map(|e| format!("; last error: {e}")).unwrap_or_default(),
-            x.last_nack.as_deref().map(|n| format!("; last NACK: {n}")).unwrap_or_default(),
+            x.last_error
+                .as_deref()
+                .map(|e| format!("; last error: {e}"))
+                .unwrap_or_default(),
+            x.last_nack
+                .as_deref()
+                .map(|n| format!("; last NACK: {n}"))
+                .unwrap_or_default(),
         );
     }
     const HEADER: [&str; 14] = [

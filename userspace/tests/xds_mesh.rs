@@ -21,6 +21,7 @@ use std::{
 
 use fake_istiod::{FakeIstiod, Pki, pod, response, service, workload};
 use shunt::admin::PodState;
+use shunt::xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL};
 use shunt_proto::istio::workload as workload_pb;
 use shunt_testbed::{
     Topology,
@@ -28,7 +29,6 @@ use shunt_testbed::{
     apps::EchoServer,
     require_root,
 };
-use shunt::xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 const VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 100, 1);
@@ -181,21 +181,33 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone() {
     let sick_app = EchoServer::on(&sick, 8080).expect("echo");
     for i in 0..4u8 {
         let payload = vec![i; 65536];
-        let back = blocking(|| echo_via_vip(&client, &payload)).unwrap_or_else(|e| {
-            panic!("connect {i} to the VIP: {e}\n{}", agent_a.logs())
-        });
+        let back = blocking(|| echo_via_vip(&client, &payload))
+            .unwrap_or_else(|e| panic!("connect {i} to the VIP: {e}\n{}", agent_a.logs()));
         assert_eq!(back, payload, "echo through the VIP");
     }
-    assert_eq!(server_app.peers().len(), 4, "every connection on the healthy endpoint");
-    assert!(sick_app.peers().is_empty(), "the unhealthy workload is not an endpoint");
+    assert_eq!(
+        server_app.peers().len(),
+        4,
+        "every connection on the healthy endpoint"
+    );
+    assert!(
+        sick_app.peers().is_empty(),
+        "the unhealthy workload is not an endpoint"
+    );
 
     // HBONE: node-b's proxy received the streams from the client's identity.
     let client_id = "spiffe://cluster.local/ns/default/sa/sa-client";
     let deadline = Instant::now() + TIMEOUT;
-    while !agent_b.logs().lines().any(|l| {
-        l.contains("shunt::access") && l.contains("inbound") && l.contains(client_id)
-    }) {
-        assert!(Instant::now() < deadline, "no inbound HBONE access line:\n{}", agent_b.logs());
+    while !agent_b
+        .logs()
+        .lines()
+        .any(|l| l.contains("shunt::access") && l.contains("inbound") && l.contains(client_id))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no inbound HBONE access line:\n{}",
+            agent_b.logs()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
@@ -213,10 +225,17 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone() {
         if !matches!(blocking(|| echo_via_vip(&client, b"x")), Ok(back) if back == b"x") {
             break;
         }
-        assert!(Instant::now() < deadline, "the VIP still answers after the removal");
+        assert!(
+            Instant::now() < deadline,
+            "the VIP still answers after the removal"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(server_app.peers().len(), 4, "no new connection reached the removed endpoint");
+    assert_eq!(
+        server_app.peers().len(),
+        4,
+        "no new connection reached the removed endpoint"
+    );
 
     for agent in [&mut agent_a, &mut agent_b] {
         let exit = blocking(|| agent.stop()).expect("stop");

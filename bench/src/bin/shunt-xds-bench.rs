@@ -62,14 +62,22 @@ fn big_response(workloads: u32, services: u32) -> DeltaDiscoveryResponse {
                 address: [198, 19, (s >> 8) as u8, s as u8].to_vec(),
             }],
             ports: vec![
-                pb::Port { service_port: 80, target_port: 8080 },
-                pb::Port { service_port: 443, target_port: 0 },
+                pb::Port {
+                    service_port: 80,
+                    target_port: 8080,
+                },
+                pb::Port {
+                    service_port: 443,
+                    target_port: 0,
+                },
             ],
             ..Default::default()
         };
         resources.push(any(
             format!("ns-{}/{hostname}", s % 50),
-            pb::Address { r#type: Some(pb::address::Type::Service(service)) },
+            pb::Address {
+                r#type: Some(pb::address::Type::Service(service)),
+            },
         ));
     }
     for w in 0..workloads {
@@ -94,15 +102,26 @@ fn big_response(workloads: u32, services: u32) -> DeltaDiscoveryResponse {
                 format!("{ns}/svc-{s}.{ns}.svc.cluster.local"),
                 pb::PortList {
                     ports: vec![
-                        pb::Port { service_port: 80, target_port: 0 },
-                        pb::Port { service_port: 443, target_port: 8443 },
+                        pb::Port {
+                            service_port: 80,
+                            target_port: 0,
+                        },
+                        pb::Port {
+                            service_port: 443,
+                            target_port: 8443,
+                        },
                     ],
                 },
             )]
             .into(),
             ..Default::default()
         };
-        resources.push(any(uid, pb::Address { r#type: Some(pb::address::Type::Workload(workload)) }));
+        resources.push(any(
+            uid,
+            pb::Address {
+                r#type: Some(pb::address::Type::Workload(workload)),
+            },
+        ));
     }
     DeltaDiscoveryResponse {
         system_version_info: "bench".into(),
@@ -114,14 +133,25 @@ fn big_response(workloads: u32, services: u32) -> DeltaDiscoveryResponse {
 }
 
 /// Decode from bytes (what the gRPC codec does), apply, build the view.
-fn apply_once(state: &mut XdsState, wire: &[u8], expect_workloads: usize) -> anyhow::Result<Duration> {
+fn apply_once(
+    state: &mut XdsState,
+    wire: &[u8],
+    expect_workloads: usize,
+) -> anyhow::Result<Duration> {
     let start = Instant::now();
     let response = DeltaDiscoveryResponse::decode(wire).context("decode")?;
     state.apply(&response).map_err(|e| anyhow::anyhow!("{e}"))?;
     let (view, _) = state.view();
     let elapsed = start.elapsed();
-    ensure!(view.workloads.len() == expect_workloads, "view has {} workloads", view.workloads.len());
-    ensure!(view.services.iter().all(|s| !s.endpoints.is_empty()), "a service without endpoints");
+    ensure!(
+        view.workloads.len() == expect_workloads,
+        "view has {} workloads",
+        view.workloads.len()
+    );
+    ensure!(
+        view.services.iter().all(|s| !s.endpoints.is_empty()),
+        "a service without endpoints"
+    );
     Ok(elapsed)
 }
 
@@ -144,7 +174,10 @@ fn main() -> anyhow::Result<()> {
     let median = times[times.len() / 2];
     let worst = times[times.len() - 1];
     let again = apply_once(&mut state, &wire, args.workloads as usize)?;
-    println!("first push (fresh state), {} rounds: median {median:.2?}, worst {worst:.2?}", times.len());
+    println!(
+        "first push (fresh state), {} rounds: median {median:.2?}, worst {worst:.2?}",
+        times.len()
+    );
     println!("same response again (full state, nothing changes): {again:.2?}");
     Ok(())
 }

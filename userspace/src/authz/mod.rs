@@ -2,4 +2,6 @@
 //! source ([`model`]).
 pub mod model;
 
-pub use model::{Action, Cidr, Clause, InvalidCidr, Match, Policy, PolicyKey, Rule, Scope, StringMatch};
+pub use model::{
+    Action, Cidr, Clause, InvalidCidr, Match, Policy, PolicyKey, Rule, Scope, StringMatch,
+};

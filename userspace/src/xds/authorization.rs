@@ -21,12 +21,22 @@ pub(crate) fn translate(a: pb::Authorization) -> Result<Policy, FieldError> {
         Ok(pb::Scope::Global) => Scope::Global,
         Ok(pb::Scope::Namespace) => Scope::Namespace,
         Ok(pb::Scope::WorkloadSelector) => Scope::WorkloadSelector,
-        Err(_) => return Err(FieldError::new("scope", format!("unknown value {}", a.scope))),
+        Err(_) => {
+            return Err(FieldError::new(
+                "scope",
+                format!("unknown value {}", a.scope),
+            ));
+        }
     };
     let action = match pb::Action::try_from(a.action) {
         Ok(pb::Action::Allow) => Action::Allow,
         Ok(pb::Action::Deny) => Action::Deny,
-        Err(_) => return Err(FieldError::new("action", format!("unknown value {}", a.action))),
+        Err(_) => {
+            return Err(FieldError::new(
+                "action",
+                format!("unknown value {}", a.action),
+            ));
+        }
     };
     let mut rules = Vec::with_capacity(a.groups.len());
     for (g, group) in a.groups.iter().enumerate() {
@@ -157,13 +167,28 @@ mod tests {
     fn every_field_lands() {
         let p = translate(proto()).expect("valid");
         assert_eq!(p.key().to_string(), "default/allow-sleep");
-        assert_eq!((p.scope, p.action, p.dry_run), (Scope::WorkloadSelector, Action::Deny, true));
+        assert_eq!(
+            (p.scope, p.action, p.dry_run),
+            (Scope::WorkloadSelector, Action::Deny, true)
+        );
         assert_eq!(p.rules.len(), 1);
         let clauses = &p.rules[0].clauses;
-        assert_eq!(clauses.len(), 2, "a group's rules are the rule's AND'd clauses");
+        assert_eq!(
+            clauses.len(),
+            2,
+            "a group's rules are the rule's AND'd clauses"
+        );
         let first = &clauses[0].matches[0];
-        assert_eq!(first.principals, [StringMatch::Exact("cluster.local/ns/default/sa/sleep".into())]);
-        assert_eq!(first.source_ips, ["198.18.0.0/15".parse::<Cidr>().expect("cidr")]);
+        assert_eq!(
+            first.principals,
+            [StringMatch::Exact(
+                "cluster.local/ns/default/sa/sleep".into()
+            )]
+        );
+        assert_eq!(
+            first.source_ips,
+            ["198.18.0.0/15".parse::<Cidr>().expect("cidr")]
+        );
         let second = &clauses[1].matches[0];
         assert_eq!(second.destination_ports, [8080]);
         assert_eq!(second.not_namespaces, [StringMatch::Presence]);
@@ -175,13 +200,23 @@ mod tests {
         let mut p = proto();
         p.groups[0].rules[0].matches[0].source_ips[0].length = 33;
         let err = translate(p).expect_err("prefix");
-        assert_eq!(err.field, "groups[0].rules[0].matches[0].source_ips[0].length");
+        assert_eq!(
+            err.field,
+            "groups[0].rules[0].matches[0].source_ips[0].length"
+        );
         let mut p = proto();
-        p.groups[0].rules[1].matches[0].destination_ports.push(65536);
+        p.groups[0].rules[1].matches[0]
+            .destination_ports
+            .push(65536);
         let err = translate(p).expect_err("port");
-        assert_eq!(err.field, "groups[0].rules[1].matches[0].destination_ports[1]");
+        assert_eq!(
+            err.field,
+            "groups[0].rules[1].matches[0].destination_ports[1]"
+        );
         let mut p = proto();
-        p.groups[0].rules[0].matches[0].principals.push(pb::StringMatch::default());
+        p.groups[0].rules[0].matches[0]
+            .principals
+            .push(pb::StringMatch::default());
         let err = translate(p).expect_err("no match type");
         assert_eq!(err.field, "groups[0].rules[0].matches[0].principals[1]");
         let mut p = proto();

@@ -118,7 +118,9 @@ impl XdsSource {
         let mut backoff = Backoff::new(self.config.backoff_initial, self.config.backoff_max);
         let mut synced_reported = false;
         loop {
-            let end = self.stream_once(&mut state, sink.as_ref(), &mut synced_reported).await;
+            let end = self
+                .stream_once(&mut state, sink.as_ref(), &mut synced_reported)
+                .await;
             if end.progressed {
                 backoff.reset();
             }
@@ -162,7 +164,11 @@ impl XdsSource {
                 initial_resource_versions: state.versions(ty),
                 ..Default::default()
             };
-            debug!(type_url = ty.type_url(), held = initial.initial_resource_versions.len(), "subscribing");
+            debug!(
+                type_url = ty.type_url(),
+                held = initial.initial_resource_versions.len(),
+                "subscribing"
+            );
             // The receiver is alive: it was just made.
             let _ = requests.unbounded_send(initial);
         }
@@ -213,8 +219,14 @@ impl XdsSource {
         let answer = match state.apply(&response) {
             Ok(applied) => {
                 state.record_ack(type_url, nonce, &response.system_version_info);
-                debug!(type_url, nonce, resources = applied.updated, removed = applied.removed,
-                    changed = applied.changed, "applied; ACK");
+                debug!(
+                    type_url,
+                    nonce,
+                    resources = applied.updated,
+                    removed = applied.removed,
+                    changed = applied.changed,
+                    "applied; ACK"
+                );
                 if applied.changed || first {
                     let (view, new_warnings) = state.view();
                     for warning in new_warnings {
@@ -274,7 +286,12 @@ impl StreamEnd {
 /// A gRPC status on one line, with its transport cause if any.
 fn describe(status: &tonic::Status) -> String {
     match std::error::Error::source(status) {
-        Some(cause) => format!("{:?}: {}: {}", status.code(), status.message(), error_chain(cause)),
+        Some(cause) => format!(
+            "{:?}: {}: {}",
+            status.code(),
+            status.message(),
+            error_chain(cause)
+        ),
         None => format!("{:?}: {}", status.code(), status.message()),
     }
 }
@@ -310,7 +327,9 @@ fn normalize_address(address: &str) -> Result<String, XdsError> {
     } else {
         format!("https://{trimmed}")
     };
-    let uri: http::Uri = url.parse().map_err(|e: http::uri::InvalidUri| err(e.to_string()))?;
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| err(e.to_string()))?;
     if uri.scheme_str() != Some("https") {
         return Err(err(
             "only https is supported (the token must not travel in the clear)".into(),
@@ -385,7 +404,11 @@ mod tests {
         let steps = [100, 200, 400, 400, 400];
         for (wait, step) in waits.iter().zip(steps) {
             let step = Duration::from_millis(step);
-            assert!(*wait >= step / 2 && *wait <= step, "{wait:?} not in [{:?}, {step:?}]", step / 2);
+            assert!(
+                *wait >= step / 2 && *wait <= step,
+                "{wait:?} not in [{:?}, {step:?}]",
+                step / 2
+            );
         }
         b.reset();
         assert!(b.next() <= Duration::from_millis(100));

@@ -115,7 +115,12 @@ pub struct XdsConfig {
 
 impl XdsConfig {
     /// The defaults for everything but the three settings and the node.
-    pub fn new(address: impl Into<String>, root_cert: PathBuf, token_file: PathBuf, node: XdsNode) -> Self {
+    pub fn new(
+        address: impl Into<String>,
+        root_cert: PathBuf,
+        token_file: PathBuf,
+        node: XdsNode,
+    ) -> Self {
         Self {
             address: address.into(),
             root_cert,
@@ -175,7 +180,9 @@ impl FieldError {
 pub(crate) fn ip_from_bytes(bytes: &[u8], field: impl Into<String>) -> Result<IpAddr, FieldError> {
     match bytes.len() {
         4 => Ok(IpAddr::from(<[u8; 4]>::try_from(bytes).unwrap_or_default())),
-        16 => Ok(IpAddr::from(<[u8; 16]>::try_from(bytes).unwrap_or_default())),
+        16 => Ok(IpAddr::from(
+            <[u8; 16]>::try_from(bytes).unwrap_or_default(),
+        )),
         n => Err(FieldError::new(
             field,
             format!("{n} bytes; an IP address has 4 (IPv4) or 16 (IPv6)"),
@@ -188,7 +195,10 @@ pub(crate) fn port(value: u32, zero_ok: bool, field: impl Into<String>) -> Resul
     match u16::try_from(value) {
         Ok(0) if !zero_ok => Err(FieldError::new(field, "port 0")),
         Ok(port) => Ok(port),
-        Err(_) => Err(FieldError::new(field, format!("{value} is not a port (1-65535)"))),
+        Err(_) => Err(FieldError::new(
+            field,
+            format!("{value} is not a port (1-65535)"),
+        )),
     }
 }
 
@@ -237,7 +247,13 @@ mod tests {
         let names: Vec<&str> = metadata.fields.keys().map(String::as_str).collect();
         assert_eq!(
             names,
-            ["CLUSTER_ID", "INSTANCE_IPS", "NAME", "NAMESPACE", "NODE_NAME"]
+            [
+                "CLUSTER_ID",
+                "INSTANCE_IPS",
+                "NAME",
+                "NAMESPACE",
+                "NODE_NAME"
+            ]
         );
     }
 
@@ -255,7 +271,10 @@ mod tests {
         assert_eq!(port(0, true, "p"), Ok(0));
         assert!(port(0, false, "p").is_err());
         assert!(port(70000, true, "p").is_err());
-        assert_eq!(ResourceType::from_type_url(ADDRESS_TYPE_URL), Some(ResourceType::Address));
+        assert_eq!(
+            ResourceType::from_type_url(ADDRESS_TYPE_URL),
+            Some(ResourceType::Address)
+        );
         assert_eq!(ResourceType::from_type_url("type.googleapis.com/x"), None);
     }
 }

@@ -13,8 +13,8 @@ use shunt_proto::istio::workload as pb;
 
 use super::{FieldError, ip_from_bytes, port, workload::gateway};
 use crate::state::{
-    Endpoint, LoadBalancing, LoadBalancingMode, LoadBalancingScope, Service, ServicePort,
-    Workload, WorkloadStatus,
+    Endpoint, LoadBalancing, LoadBalancingMode, LoadBalancingScope, Service, ServicePort, Workload,
+    WorkloadStatus,
 };
 
 /// Translates one service (without endpoints: see [`attach_endpoints`]).
@@ -168,7 +168,11 @@ pub(crate) fn attach_endpoints<'a>(
         .enumerate()
         .filter_map(|(i, s)| match &s.waypoint {
             Some(crate::state::GatewayAddress {
-                destination: crate::state::GatewayDestination::Hostname { namespace, hostname },
+                destination:
+                    crate::state::GatewayDestination::Hostname {
+                        namespace,
+                        hostname,
+                    },
                 ..
             }) => Some((i, format!("{namespace}/{hostname}"))),
             _ => None,
@@ -253,8 +257,17 @@ mod tests {
         assert_eq!(s.key().to_string(), "default/web");
         assert_eq!(s.hostname, "web.default.svc.cluster.local");
         assert_eq!(s.vips, [ip("198.19.100.1"), ip("198.19.100.2")]);
-        assert_eq!(s.vip_networks, BTreeMap::from([(ip("198.19.100.2"), "net-b".to_string())]));
-        assert_eq!(s.ports[1], ServicePort { port: 443, target_port: None });
+        assert_eq!(
+            s.vip_networks,
+            BTreeMap::from([(ip("198.19.100.2"), "net-b".to_string())])
+        );
+        assert_eq!(
+            s.ports[1],
+            ServicePort {
+                port: 443,
+                target_port: None
+            }
+        );
         assert_eq!(s.subject_alt_names.len(), 1);
         let lb = s.load_balancing.expect("load balancing");
         assert_eq!(lb.mode, LoadBalancingMode::Failover);
@@ -271,21 +284,33 @@ mod tests {
             backend("sick", "198.18.2.3", &[(80, 0)], false),
         ];
         let mut stray = backend("stray", "198.18.2.4", &[], true);
-        stray.services = BTreeMap::from([("default/gone.default.svc.cluster.local".into(), BTreeMap::new())]);
+        stray.services = BTreeMap::from([(
+            "default/gone.default.svc.cluster.local".into(),
+            BTreeMap::new(),
+        )]);
         let warnings = attach_endpoints(&mut services, workloads.iter().chain([&stray]));
         assert_eq!(warnings.len(), 1, "{warnings:?}");
-        assert!(warnings[0].contains("default/gone.default.svc.cluster.local"), "{warnings:?}");
+        assert!(
+            warnings[0].contains("default/gone.default.svc.cluster.local"),
+            "{warnings:?}"
+        );
         let web = &services[0];
         let vip: SocketAddr = "198.19.100.1:80".parse().expect("addr");
         let targets: Vec<SocketAddr> = web.ready_targets(vip).into_iter().map(|(_, a)| a).collect();
         assert_eq!(
             targets,
-            ["198.18.2.1:8080".parse().expect("a"), "198.18.2.2:9090".parse().expect("b")],
+            [
+                "198.18.2.1:8080".parse().expect("a"),
+                "198.18.2.2:9090".parse().expect("b")
+            ],
             "the unhealthy workload is not an endpoint"
         );
         let tls: SocketAddr = "198.19.100.1:443".parse().expect("addr");
         let targets: Vec<SocketAddr> = web.ready_targets(tls).into_iter().map(|(_, a)| a).collect();
-        assert_eq!(targets, ["198.18.2.1:8443".parse::<SocketAddr>().expect("a")]);
+        assert_eq!(
+            targets,
+            ["198.18.2.1:8443".parse::<SocketAddr>().expect("a")]
+        );
     }
 
     #[test]
@@ -296,12 +321,18 @@ mod tests {
         assert_eq!(err.field, "addresses[1].address");
         let mut p = proto();
         p.ports[1].service_port = 80;
-        assert_eq!(translate(p).expect_err("twice").field, "ports[1].service_port");
+        assert_eq!(
+            translate(p).expect_err("twice").field,
+            "ports[1].service_port"
+        );
         let mut p = proto();
         p.hostname.clear();
         assert_eq!(translate(p).expect_err("hostname").field, "hostname");
         let mut p = proto();
-        p.load_balancing = Some(pb::LoadBalancing { routing_preference: vec![42], mode: 0 });
+        p.load_balancing = Some(pb::LoadBalancing {
+            routing_preference: vec![42],
+            mode: 0,
+        });
         assert_eq!(
             translate(p).expect_err("scope").field,
             "load_balancing.routing_preference[0]"

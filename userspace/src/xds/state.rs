@@ -40,8 +40,8 @@ const MAX_ERRORS_LISTED: usize = 10;
 /// One resource of the Address type.
 #[derive(Clone, Debug, PartialEq)]
 enum AddressEntry {
-    Workload(Workload),
-    Service(Service),
+    Workload(Box<Workload>),
+    Service(Box<Service>),
 }
 
 #[derive(Clone, Debug)]
@@ -64,7 +64,9 @@ pub struct Applied {
 /// Why a response was not applied (the NACK's message).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Rejected {
-    #[error("unknown type URL {0:?}: shunt subscribes to {ADDRESS_TYPE_URL} and {AUTHORIZATION_TYPE_URL}")]
+    #[error(
+        "unknown type URL {0:?}: shunt subscribes to {ADDRESS_TYPE_URL} and {AUTHORIZATION_TYPE_URL}"
+    )]
     UnknownType(String),
     #[error("{}", list_errors(.0))]
     Resources(Vec<ResourceError>),
@@ -250,13 +252,16 @@ impl XdsState {
         let mut decoded = Vec::with_capacity(response.resources.len());
         for (i, resource) in response.resources.iter().enumerate() {
             let name = if resource.name.is_empty() {
-                errors.push(FieldError::new("name", "empty").in_resource(&format!("resources[{i}]")));
+                errors
+                    .push(FieldError::new("name", "empty").in_resource(&format!("resources[{i}]")));
                 continue;
             } else {
                 resource.name.as_str()
             };
             if !names.insert(name) {
-                errors.push(FieldError::new("name", "listed twice in one response").in_resource(name));
+                errors.push(
+                    FieldError::new("name", "listed twice in one response").in_resource(name),
+                );
                 continue;
             }
             match decode(ty, name, resource.resource.as_ref()) {
@@ -267,8 +272,11 @@ impl XdsState {
         for name in &response.removed_resources {
             if names.contains(name.as_str()) {
                 errors.push(
-                    FieldError::new("removed_resources", "also sent as a resource in the same response")
-                        .in_resource(name),
+                    FieldError::new(
+                        "removed_resources",
+                        "also sent as a resource in the same response",
+                    )
+                    .in_resource(name),
                 );
             }
         }
@@ -286,12 +294,17 @@ impl XdsState {
             let version = version.to_owned();
             match entry {
                 Decoded::Address(value) => {
-                    changed |= self.addresses.get(name).is_none_or(|old| old.value != *value);
-                    self.addresses.insert(name.to_owned(), Held { version, value: *value });
+                    changed |= self
+                        .addresses
+                        .get(name)
+                        .is_none_or(|old| old.value != value);
+                    self.addresses
+                        .insert(name.to_owned(), Held { version, value });
                 }
                 Decoded::Policy(value) => {
                     changed |= self.policies.get(name).is_none_or(|old| old.value != value);
-                    self.policies.insert(name.to_owned(), Held { version, value });
+                    self.policies
+                        .insert(name.to_owned(), Held { version, value });
                 }
             }
         }
@@ -382,8 +395,8 @@ impl XdsState {
         let mut services = Vec::new();
         for held in self.addresses.values() {
             match &held.value {
-                AddressEntry::Workload(w) => workloads.push(w.clone()),
-                AddressEntry::Service(s) => services.push(s.clone()),
+                AddressEntry::Workload(w) => workloads.push(w.as_ref().clone()),
+                AddressEntry::Service(s) => services.push(s.as_ref().clone()),
             }
         }
         let mut warnings = service::attach_endpoints(&mut services, workloads.iter());
@@ -391,7 +404,11 @@ impl XdsState {
         let policies: Vec<Policy> = self.policies.values().map(|h| h.value.clone()).collect();
         let known: HashSet<String> = self.policies.keys().cloned().collect();
         for w in &workloads {
-            for p in w.authorization_policies.iter().filter(|p| !known.contains(*p)) {
+            for p in w
+                .authorization_policies
+                .iter()
+                .filter(|p| !known.contains(*p))
+            {
                 warnings.push(format!(
                     "workload {} ({}) names policy {p}, which istiod has not sent",
                     w.key(),
@@ -460,11 +477,15 @@ impl XdsState {
 
 /// One resource, decoded and translated.
 enum Decoded {
-    Address(Box<AddressEntry>),
+    Address(AddressEntry),
     Policy(Policy),
 }
 
-fn decode(ty: ResourceType, name: &str, any: Option<&prost_types::Any>) -> Result<Decoded, FieldError> {
+fn decode(
+    ty: ResourceType,
+    name: &str,
+    any: Option<&prost_types::Any>,
+) -> Result<Decoded, FieldError> {
     let any = any.ok_or_else(|| FieldError::new("resource", "missing"))?;
     if any.type_url != ty.type_url() {
         return Err(FieldError::new(
@@ -473,23 +494,28 @@ fn decode(ty: ResourceType, name: &str, any: Option<&prost_types::Any>) -> Resul
         ));
     }
     let undecodable = |e: prost::DecodeError| {
-        FieldError::new("resource.value", format!("does not decode as {}: {e}", ty.type_url()))
+        FieldError::new(
+            "resource.value",
+            format!("does not decode as {}: {e}", ty.type_url()),
+        )
     };
     match ty {
         ResourceType::Address => {
-            let address = workload_pb::Address::decode(any.value.as_slice()).map_err(undecodable)?;
+            let address =
+                workload_pb::Address::decode(any.value.as_slice()).map_err(undecodable)?;
             match address.r#type {
                 Some(workload_pb::address::Type::Workload(w)) => workload::translate(w, name)
-                    .map(|w| Decoded::Address(Box::new(AddressEntry::Workload(w))))
+                    .map(|w| Decoded::Address(AddressEntry::Workload(Box::new(w))))
                     .map_err(|e| e.under("workload")),
                 Some(workload_pb::address::Type::Service(s)) => service::translate(s)
-                    .map(|s| Decoded::Address(Box::new(AddressEntry::Service(s))))
+                    .map(|s| Decoded::Address(AddressEntry::Service(Box::new(s))))
                     .map_err(|e| e.under("service")),
                 None => Err(FieldError::new("type", "neither workload nor service")),
             }
         }
         ResourceType::Authorization => {
-            let policy = security_pb::Authorization::decode(any.value.as_slice()).map_err(undecodable)?;
+            let policy =
+                security_pb::Authorization::decode(any.value.as_slice()).map_err(undecodable)?;
             authorization::translate(policy).map(Decoded::Policy)
         }
     }
@@ -501,8 +527,12 @@ fn duplicate_addresses(decoded: &[(&str, &str, Decoded)]) -> Vec<ResourceError> 
     let mut owners: HashMap<(&str, IpAddr), &str> = HashMap::new();
     let mut errors = Vec::new();
     for (name, _, entry) in decoded {
-        let Decoded::Address(entry) = entry else { continue };
-        let AddressEntry::Workload(w) = entry.as_ref() else { continue };
+        let Decoded::Address(entry) = entry else {
+            continue;
+        };
+        let AddressEntry::Workload(w) = entry else {
+            continue;
+        };
         for (i, ip) in w.ips.iter().enumerate() {
             if let Some(first) = owners.insert((w.network.as_str(), *ip), name) {
                 errors.push(
@@ -548,14 +578,16 @@ mod tests {
 
     fn workload_resource(name: &str, ip: [u8; 4]) -> Resource {
         let address = workload_pb::Address {
-            r#type: Some(workload_pb::address::Type::Workload(workload_pb::Workload {
-                uid: name.into(),
-                name: name.into(),
-                namespace: "default".into(),
-                addresses: vec![ip.to_vec()],
-                tunnel_protocol: workload_pb::TunnelProtocol::Hbone as i32,
-                ..Default::default()
-            })),
+            r#type: Some(workload_pb::address::Type::Workload(
+                workload_pb::Workload {
+                    uid: name.into(),
+                    name: name.into(),
+                    namespace: "default".into(),
+                    addresses: vec![ip.to_vec()],
+                    tunnel_protocol: workload_pb::TunnelProtocol::Hbone as i32,
+                    ..Default::default()
+                },
+            )),
         };
         Resource {
             name: name.into(),
@@ -582,7 +614,10 @@ mod tests {
     fn applies_whole_or_not_at_all() {
         let mut state = XdsState::new("a", "n");
         let applied = state
-            .apply(&response(vec![workload_resource("a", [198, 18, 0, 1])], &[]))
+            .apply(&response(
+                vec![workload_resource("a", [198, 18, 0, 1])],
+                &[],
+            ))
             .expect("valid");
         assert!(applied.changed);
         let mut bad = workload_resource("c", [198, 18, 0, 3]);
@@ -590,22 +625,37 @@ mod tests {
             any.value = vec![0xff, 0xff];
         }
         let err = state
-            .apply(&response(vec![workload_resource("b", [198, 18, 0, 2]), bad], &["a"]))
+            .apply(&response(
+                vec![workload_resource("b", [198, 18, 0, 2]), bad],
+                &["a"],
+            ))
             .expect_err("undecodable");
-        assert!(err.to_string().contains("resource \"c\": resource.value: does not decode"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("resource \"c\": resource.value: does not decode"),
+            "{err}"
+        );
         let (view, _) = state.view();
         let names: Vec<&str> = view.workloads.iter().map(|w| w.name.as_str()).collect();
         assert_eq!(names, ["a"], "nothing of the rejected response applied");
 
         let err = state
             .apply(&response(
-                vec![workload_resource("b", [198, 18, 0, 2]), workload_resource("c", [198, 18, 0, 2])],
+                vec![
+                    workload_resource("b", [198, 18, 0, 2]),
+                    workload_resource("c", [198, 18, 0, 2]),
+                ],
                 &[],
             ))
             .expect_err("duplicate address");
-        assert!(err.to_string().contains("also claimed by resource \"b\""), "{err}");
+        assert!(
+            err.to_string().contains("also claimed by resource \"b\""),
+            "{err}"
+        );
 
-        let applied = state.apply(&response(vec![], &["a", "never-held"])).expect("removal");
+        let applied = state
+            .apply(&response(vec![], &["a", "never-held"]))
+            .expect("removal");
         assert_eq!((applied.changed, applied.removed), (true, 1));
         assert!(state.view().0.workloads.is_empty());
     }
@@ -616,8 +666,16 @@ mod tests {
         let mut r = response(vec![], &[]);
         r.type_url = "type.googleapis.com/envoy.config.cluster.v3.Cluster".into();
         assert!(matches!(state.apply(&r), Err(Rejected::UnknownType(_))));
-        state.apply(&response(vec![workload_resource("a", [198, 18, 0, 1])], &[])).expect("valid");
-        assert_eq!(state.versions(ResourceType::Address), HashMap::from([("a".into(), "1".into())]));
+        state
+            .apply(&response(
+                vec![workload_resource("a", [198, 18, 0, 1])],
+                &[],
+            ))
+            .expect("valid");
+        assert_eq!(
+            state.versions(ResourceType::Address),
+            HashMap::from([("a".into(), "1".into())])
+        );
         assert!(!state.synced());
         state.record_ack(ADDRESS_TYPE_URL, "n1", "v");
         state.record_ack(AUTHORIZATION_TYPE_URL, "n2", "v");

@@ -81,8 +81,16 @@ pub(crate) fn translate(w: pb::Workload, resource_name: &str) -> Result<Workload
         }
         let mut ports = BTreeMap::new();
         for (i, p) in list.ports.iter().enumerate() {
-            let service_port = port(p.service_port, false, format!("{field}.ports[{i}].service_port"))?;
-            let target_port = port(p.target_port, true, format!("{field}.ports[{i}].target_port"))?;
+            let service_port = port(
+                p.service_port,
+                false,
+                format!("{field}.ports[{i}].service_port"),
+            )?;
+            let target_port = port(
+                p.target_port,
+                true,
+                format!("{field}.ports[{i}].target_port"),
+            )?;
             if ports.insert(service_port, target_port).is_some() {
                 return Err(FieldError::new(
                     format!("{field}.ports[{i}].service_port"),
@@ -229,7 +237,10 @@ mod tests {
         let w = translate(proto(), "ignored").expect("valid");
         assert_eq!(w.key().to_string(), "default/web-0");
         assert_eq!(w.uid, "Kubernetes//Pod/default/web-0");
-        assert_eq!(w.ips, ["198.18.2.10".parse::<std::net::IpAddr>().expect("ip")]);
+        assert_eq!(
+            w.ips,
+            ["198.18.2.10".parse::<std::net::IpAddr>().expect("ip")]
+        );
         assert_eq!(w.tunnel, TunnelProtocol::Hbone);
         assert!(w.wants_mesh(), "HBONE workloads are mesh workloads");
         assert_eq!(
@@ -237,8 +248,14 @@ mod tests {
             "spiffe://example.org/ns/default/sa/web"
         );
         assert_eq!(w.node, "node-b");
-        assert_eq!((w.canonical_name.as_str(), w.canonical_revision.as_str()), ("web", "v1"));
-        assert_eq!((w.network.as_str(), w.cluster_id.as_str()), ("net-a", "Kubernetes"));
+        assert_eq!(
+            (w.canonical_name.as_str(), w.canonical_revision.as_str()),
+            ("web", "v1")
+        );
+        assert_eq!(
+            (w.network.as_str(), w.cluster_id.as_str()),
+            ("net-a", "Kubernetes")
+        );
         assert_eq!(w.status, WorkloadStatus::Unhealthy);
         assert_eq!(w.authorization_policies, ["default/allow-sleep"]);
         assert_eq!(
@@ -261,19 +278,43 @@ mod tests {
         assert!(!w.wants_mesh());
     }
 
+    /// How a test case spoils a valid workload.
+    type Breakage = Box<dyn Fn(&mut pb::Workload)>;
+
     #[test]
     fn errors_name_the_field() {
-        let cases: Vec<(Box<dyn Fn(&mut pb::Workload)>, &str, &str)> = vec![
-            (Box::new(|p| p.addresses.push(vec![1, 2, 3, 4, 5])), "addresses[1]", "5 bytes"),
-            (Box::new(|p| p.addresses.push(vec![198, 18, 2, 10])), "addresses[1]", "repeats addresses[0]"),
+        let cases: Vec<(Breakage, &str, &str)> = vec![
+            (
+                Box::new(|p| p.addresses.push(vec![1, 2, 3, 4, 5])),
+                "addresses[1]",
+                "5 bytes",
+            ),
+            (
+                Box::new(|p| p.addresses.push(vec![198, 18, 2, 10])),
+                "addresses[1]",
+                "repeats addresses[0]",
+            ),
             (Box::new(|p| p.name.clear()), "name", "empty"),
-            (Box::new(|p| p.trust_domain = "Bad/TD".into()), "trust_domain", "not a valid trust domain"),
-            (Box::new(|p| p.tunnel_protocol = 9), "tunnel_protocol", "unknown value 9"),
+            (
+                Box::new(|p| p.trust_domain = "Bad/TD".into()),
+                "trust_domain",
+                "not a valid trust domain",
+            ),
+            (
+                Box::new(|p| p.tunnel_protocol = 9),
+                "tunnel_protocol",
+                "unknown value 9",
+            ),
             (Box::new(|p| p.status = 4), "status", "unknown value 4"),
-            (Box::new(|p| p.waypoint = Some(pb::GatewayAddress::default())), "waypoint.destination", "neither"),
+            (
+                Box::new(|p| p.waypoint = Some(pb::GatewayAddress::default())),
+                "waypoint.destination",
+                "neither",
+            ),
             (
                 Box::new(|p| {
-                    p.services.insert("no-slash".into(), pb::PortList::default());
+                    p.services
+                        .insert("no-slash".into(), pb::PortList::default());
                 }),
                 "services[\"no-slash\"]",
                 "namespace/hostname",
@@ -282,7 +323,12 @@ mod tests {
                 Box::new(|p| {
                     p.services.insert(
                         "a/b".into(),
-                        pb::PortList { ports: vec![pb::Port { service_port: 70000, target_port: 0 }] },
+                        pb::PortList {
+                            ports: vec![pb::Port {
+                                service_port: 70000,
+                                target_port: 0,
+                            }],
+                        },
                     );
                 }),
                 "services[\"a/b\"].ports[0].service_port",

@@ -94,7 +94,12 @@ impl Pki {
 
     /// The source's settings against `addr`, with short waits for tests.
     pub fn config(&self, addr: SocketAddr) -> XdsConfig {
-        let mut config = XdsConfig::new(addr.to_string(), self.root_file(), self.token_file(), node());
+        let mut config = XdsConfig::new(
+            addr.to_string(),
+            self.root_file(),
+            self.token_file(),
+            node(),
+        );
         config.connect_timeout = Duration::from_secs(2);
         config.backoff_initial = Duration::from_millis(50);
         config.backoff_max = Duration::from_millis(400);
@@ -157,7 +162,10 @@ impl AggregatedDiscoveryService for Ads {
                         return;
                     }
                 }
-                shared.seen.lock().expect("lock").push(Seen { connection, request });
+                shared.seen.lock().expect("lock").push(Seen {
+                    connection,
+                    request,
+                });
             }
         });
         Ok(Response::new(Box::pin(rx)))
@@ -165,7 +173,10 @@ impl AggregatedDiscoveryService for Ads {
 }
 
 fn check_node(request: &DeltaDiscoveryRequest) -> Result<(), String> {
-    let node = request.node.as_ref().ok_or("no node on the first request")?;
+    let node = request
+        .node
+        .as_ref()
+        .ok_or("no node on the first request")?;
     if node.id != NODE_ID {
         return Err(format!("node id {:?}", node.id));
     }
@@ -183,7 +194,10 @@ fn check_node(request: &DeltaDiscoveryRequest) -> Result<(), String> {
     ];
     for (key, value) in expected {
         if string(key) != value {
-            return Err(format!("metadata {key} = {:?}, expected {value:?}", string(key)));
+            return Err(format!(
+                "metadata {key} = {:?}, expected {value:?}",
+                string(key)
+            ));
         }
     }
     Ok(())
@@ -219,7 +233,9 @@ impl FakeIstiod {
     }
 
     async fn start_at(pki: &Pki, addr: SocketAddr, shared: Arc<Shared>) -> Self {
-        let listener = tokio::net::TcpListener::bind(addr).await.expect("bind loopback");
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .expect("bind loopback");
         Self::serve(pki, listener, shared)
     }
 
@@ -230,7 +246,10 @@ impl FakeIstiod {
             .expect("server TLS")
             .add_service(AggregatedDiscoveryServiceServer::new(Ads(shared.clone())));
         let task = tokio::spawn(async move {
-            if let Err(e) = server.serve_with_incoming(TcpIncoming::from(listener)).await {
+            if let Err(e) = server
+                .serve_with_incoming(TcpIncoming::from(listener))
+                .await
+            {
                 eprintln!("fake istiod stopped: {e}");
             }
         });
@@ -288,28 +307,33 @@ impl FakeIstiod {
 
     /// Waits (bounded) for a request answering `nonce`.
     pub async fn answer_to(&self, nonce: &str) -> DeltaDiscoveryRequest {
-        let found = wait_for(&format!("an answer to nonce {nonce}"), || {
+        wait_for(&format!("an answer to nonce {nonce}"), || {
             self.seen()
                 .into_iter()
                 .find(|s| s.request.response_nonce == nonce)
                 .map(|s| s.request)
         })
-        .await;
-        found
+        .await
     }
 
     /// Waits (bounded) for the initial requests of stream `connection`, one
     /// per type, keyed by type URL.
-    pub async fn initial_requests(&self, connection: u64) -> HashMap<String, DeltaDiscoveryRequest> {
-        wait_for(&format!("both initial requests on stream {connection}"), || {
-            let initial: HashMap<String, DeltaDiscoveryRequest> = self
-                .seen()
-                .into_iter()
-                .filter(|s| s.connection == connection && s.request.response_nonce.is_empty())
-                .map(|s| (s.request.type_url.clone(), s.request))
-                .collect();
-            (initial.len() == 2).then_some(initial)
-        })
+    pub async fn initial_requests(
+        &self,
+        connection: u64,
+    ) -> HashMap<String, DeltaDiscoveryRequest> {
+        wait_for(
+            &format!("both initial requests on stream {connection}"),
+            || {
+                let initial: HashMap<String, DeltaDiscoveryRequest> = self
+                    .seen()
+                    .into_iter()
+                    .filter(|s| s.connection == connection && s.request.response_nonce.is_empty())
+                    .map(|s| (s.request.type_url.clone(), s.request))
+                    .collect();
+                (initial.len() == 2).then_some(initial)
+            },
+        )
         .await
     }
 }
@@ -364,7 +388,12 @@ pub fn policy(p: security_pb::Authorization, version: &str) -> Resource {
     any_resource(&name, version, AUTHORIZATION_TYPE_URL, p.encode_to_vec())
 }
 
-pub fn response(type_url: &str, nonce: &str, resources: Vec<Resource>, removed: &[&str]) -> DeltaDiscoveryResponse {
+pub fn response(
+    type_url: &str,
+    nonce: &str,
+    resources: Vec<Resource>,
+    removed: &[&str],
+) -> DeltaDiscoveryResponse {
     DeltaDiscoveryResponse {
         system_version_info: format!("v-{nonce}"),
         type_url: type_url.into(),
