@@ -24,7 +24,7 @@ use std::{
 
 use anyhow::{Context as _, anyhow, bail};
 use serde::{Deserialize, Serialize};
-use shunt::{admin::PodState, proxy::ProxyStats};
+use shunt::{api::PodState, proxy::ProxyStats};
 use shunt_testbed::{
     Cgroup, Pod, Topology,
     agent::{Agent, WorkloadSpec as PodSpec, workloads_yaml},

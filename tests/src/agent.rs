@@ -16,7 +16,7 @@ use nix::{
     sys::signal::{Signal, kill},
     unistd::Pid,
 };
-use shunt::admin::NodeStatus;
+use shunt::api::NodeStatus;
 
 use crate::{Cgroup, Node, Pod, Result, TestbedError, Topology};
 
@@ -330,6 +330,15 @@ impl Agent {
             .arg("--ca-dir")
             .arg(&self.ca_dir)
             .args(["--reload-interval", "1"])
+            // Hooks and counters in the agent's status are as its last
+            // verify pass read them: every second here (unless the test
+            // chooses), so that `status_after_verify` waits little.
+            .args(
+                (!extra_args.contains(&"--verify-interval"))
+                    .then_some(["--verify-interval", "1"])
+                    .into_iter()
+                    .flatten(),
+            )
             .arg("--admin-addr")
             .arg(self.endpoints.admin.to_string())
             .arg("--metrics-addr")
@@ -398,8 +407,31 @@ impl Agent {
             .map_err(|e| TestbedError::Invalid(e.to_string()))
     }
 
-    /// Polls the status until `done` holds, failing after `timeout` with the
-    /// last status (or error) and the agent's log.
+    /// The status once a verify pass that started after this call has
+    /// finished: its hooks and counters are read after whatever the caller
+    /// did before (a pass under way at the call counts once, hence two).
+    pub fn status_after_verify(&self, timeout: Duration) -> Result<NodeStatus> {
+        let passes = self.status()?.verify_passes;
+        let start = Instant::now();
+        loop {
+            let status = self.status()?;
+            if status.verify_passes >= passes + 2 {
+                return Ok(status);
+            }
+            if start.elapsed() >= timeout {
+                return Err(TestbedError::Invalid(format!(
+                    "no verify pass within {timeout:?} (passes: {passes} then {}); agent log:\n{}",
+                    status.verify_passes,
+                    self.logs()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Polls the status until `done` holds (on a status of an agent that
+    /// has reconciled its first list), failing after `timeout` with the last
+    /// status (or error) and the agent's log.
     pub fn wait_for(
         &mut self,
         what: &str,
@@ -418,6 +450,9 @@ impl Agent {
                 )));
             }
             match self.status() {
+                // Before the agent reconciled its first list of pods, its
+                // status lists none: that proves nothing either way.
+                Ok(status) if !status.synced => last = format!("{status:?}"),
                 Ok(status) if done(&status) => return Ok(status),
                 Ok(status) => last = format!("{status:?}"),
                 Err(e) => last = e.to_string(),
@@ -524,7 +559,7 @@ pub fn mesh_pods_enrolled(status: &NodeStatus) -> bool {
         .pods
         .iter()
         .filter(|p| p.dataplane_mode == "ambient")
-        .all(|p| p.state == shunt::admin::PodState::Enrolled)
+        .all(|p| p.state == shunt::api::PodState::Enrolled)
 }
 
 /// One node whose pods `client` and `server` are in the mesh and

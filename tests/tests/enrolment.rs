@@ -11,7 +11,7 @@ use std::{
     time::Duration,
 };
 
-use shunt::admin::{NodeStatus, PodState, PodStatus};
+use shunt::api::{NodeStatus, PodState, PodStatus};
 use shunt_testbed::{
     Pod, Topology,
     agent::{Agent, WorkloadSpec, workloads_yaml},
@@ -135,13 +135,15 @@ fn enrolled_pod_counts_exactly_what_crosses_eth0() {
     // The TC programs count what the interface itself counts: take the
     // interface's counters now, move real bytes both ways, compare deltas.
     let before = link(client);
+    // Counters in the status are as the last verify pass read them.
+    let status = agent.status_after_verify(TIMEOUT).expect("status");
     let before_counters = pod_status(&status, client).counters.expect("counters");
     echo_roundtrip(client, server, 7001, 256 * 1024);
     echo_roundtrip(outsider, client, 7002, 64 * 1024);
     // Let the last ACKs of the closing handshakes land before both counts
     // are read, so neither side of the comparison misses them.
     let after = quiet_link(client);
-    let status = agent.status().expect("status");
+    let status = agent.status_after_verify(TIMEOUT).expect("status");
     let counters = pod_status(&status, client).counters.expect("counters");
     let delta = |a: u64, b: u64| a - b;
     assert_eq!(

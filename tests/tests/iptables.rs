@@ -26,7 +26,7 @@ use nix::sys::{
     time::TimeVal,
 };
 use shunt::{
-    admin::PodState,
+    api::PodState,
     redirect::{
         Capture, PodTarget, RedirectMode, Redirector, Verification,
         iptables::{Backend, CHAIN_OUTPUT, CHAIN_PREROUTING, IptablesOptions, IptablesRedirector},

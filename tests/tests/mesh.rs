@@ -13,7 +13,7 @@ use std::{
 };
 
 use serde_json::Value;
-use shunt::admin::{NodeStatus, PodState};
+use shunt::api::{NodeStatus, PodState};
 use shunt_testbed::{
     Cgroup, Topology,
     agent::{Agent, WorkloadSpec, workloads_yaml},

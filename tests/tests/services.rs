@@ -12,7 +12,7 @@ use std::{
 };
 
 use serde_json::Value;
-use shunt::admin::{NodeStatus, PodState};
+use shunt::api::{NodeStatus, PodState};
 use shunt_testbed::{
     Cgroup, Topology,
     agent::{Agent, ServiceSpec, WorkloadSpec, services_yaml, workloads_yaml},

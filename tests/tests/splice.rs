@@ -15,7 +15,7 @@ use std::{
 };
 
 use serde_json::Value;
-use shunt::admin::{Counters, NodeStatus, PodState};
+use shunt::api::{Counters, NodeStatus, PodState};
 use shunt_testbed::{
     Cgroup, Pod, Topology,
     agent::{Agent, MeshNode, WorkloadSpec, workloads_yaml},
@@ -97,7 +97,7 @@ fn enrolled(status: &NodeStatus, pod: &Pod) -> bool {
 }
 
 fn counters(node: &Node) -> Counters {
-    let status = node.agent.status().expect("status");
+    let status = node.agent.status_after_verify(TIMEOUT).expect("status");
     status
         .pods
         .iter()
@@ -374,7 +374,7 @@ fn with_splice_opt_in_only_pods_that_opt_in_are_spliced() {
 
 /// The spliced bytes the agent counted for `pod`.
 fn spliced_bytes(agent: &Agent, pod: &Pod) -> u64 {
-    let status = agent.status().expect("status");
+    let status = agent.status_after_verify(TIMEOUT).expect("status");
     status
         .pods
         .iter()

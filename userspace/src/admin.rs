@@ -10,7 +10,12 @@
 //!   (`RUST_LOG` syntax); `?reset` restores the one the agent started with;
 //!   without parameters it shows the filter in force.
 
-use std::{collections::BTreeMap, net::IpAddr, path::PathBuf, time::SystemTime};
+use std::{
+    collections::BTreeMap,
+    net::IpAddr,
+    path::PathBuf,
+    sync::{Arc, RwLock},
+};
 
 use axum::{
     Json, Router,
@@ -22,127 +27,61 @@ use serde::{Deserialize, Serialize};
 use tracing::{debug, error, info};
 
 use crate::{
-    agent::{SharedAgent, lock},
+    api::{CertificateStatus, NodeStatus, PodStatus},
     redirect::{Hook, RedirectMode},
+    snapshot::{NodeSnapshot, SnapshotReader},
+    state::{PodState, WorkloadStore},
 };
 
-/// `GET /status`: the node and every pod of it.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct NodeStatus {
-    pub node: String,
-    /// Redirection mode in use (`ebpf` or `iptables`).
-    pub mode: String,
-    pub trust_domain: String,
-    /// The builtin proxy's counters (absent without one).
-    #[serde(default)]
-    pub proxy: Option<crate::proxy::ProxyStats>,
-    /// The istiod connection, with `--xds-address`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub xds: Option<crate::xds::XdsSummary>,
-    pub pods: Vec<PodStatus>,
-}
-
-/// One pod of this node.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct PodStatus {
-    pub namespace: String,
-    pub name: String,
-    pub ips: Vec<IpAddr>,
-    pub service_account: String,
-    pub identity: String,
-    pub dataplane_mode: String,
-    pub state: PodState,
-    pub netns: Option<PathBuf>,
-    pub netns_cookie: Option<u64>,
-    pub hooks: Vec<Hook>,
-    /// Kernel counters; present while the pod is enrolled.
-    pub counters: Option<Counters>,
-    /// The current certificate of the pod's identity (with the builtin
-    /// proxy, once issued).
-    #[serde(default)]
-    pub certificate: Option<CertificateStatus>,
-}
-
-/// A workload certificate's validity.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CertificateStatus {
-    /// Seconds since the epoch.
-    pub not_before: i64,
-    pub not_after: i64,
-}
-
-impl From<&crate::identity::WorkloadCert> for CertificateStatus {
-    fn from(cert: &crate::identity::WorkloadCert) -> Self {
-        Self {
-            not_before: crate::metrics::unix_seconds(cert.not_before()),
-            not_after: crate::metrics::unix_seconds(cert.not_after()),
-        }
+/// `GET /status` from a snapshot: every pod of the node, with its hooks and
+/// counters as last verified and its identity's certificate as it is now.
+pub fn node_status(node: &NodeSnapshot) -> NodeStatus {
+    let pods = node
+        .pods
+        .iter()
+        .map(|pod| {
+            let workload = &pod.workload;
+            let identity = workload.identity(&node.trust_domain);
+            let kernel = pod.kernel.as_ref();
+            PodStatus {
+                namespace: workload.namespace.clone(),
+                name: workload.name.clone(),
+                ips: workload.ips.clone(),
+                service_account: workload.service_account.clone(),
+                identity: identity.to_string(),
+                dataplane_mode: workload.dataplane_mode.to_string(),
+                state: pod.state.clone(),
+                netns: workload.netns.clone(),
+                netns_cookie: kernel.map(|k| k.netns_cookie),
+                hooks: kernel.map(|k| k.hooks.clone()).unwrap_or_default(),
+                counters: kernel.map(|k| k.counters.into()),
+                certificate: node
+                    .certificates
+                    .get(&identity)
+                    .map(|cert| CertificateStatus::from(cert.as_ref())),
+            }
+        })
+        .collect();
+    NodeStatus {
+        node: node.node.clone(),
+        mode: node.mode.to_string(),
+        trust_domain: node.trust_domain.to_string(),
+        synced: node.synced,
+        proxy: node.proxy.clone(),
+        verify_passes: node.verify_passes,
+        xds: None,
+        pods,
     }
 }
 
-/// What the agent did with a pod.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "state", content = "reason", rename_all = "kebab-case")]
-pub enum PodState {
-    /// Redirection is in place.
-    Enrolled,
-    /// The pod opts in but is not enrolled yet; the reason says why.
-    Pending(String),
-    /// The pod opted out (or never opted in); nothing was touched.
-    NotInMesh,
-    /// Something failed; the reason says what.
-    Error(String),
-}
-
-/// Per-pod traffic counters as the TC programs on `eth0` saw them.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Counters {
-    pub packets_in: u64,
-    pub bytes_in: u64,
-    pub packets_out: u64,
-    pub bytes_out: u64,
-    /// Outbound connects rewritten to the proxy (eBPF mode).
-    #[serde(default)]
-    pub outbound_redirected: u64,
-    /// Inbound connections steered to the proxy (eBPF mode).
-    #[serde(default)]
-    pub inbound_redirected: u64,
-    /// Outbound connects refused because the proxy listener was missing.
-    #[serde(default)]
-    pub outbound_fail_closed: u64,
-    /// Inbound packets dropped because the proxy listener was missing.
-    #[serde(default)]
-    pub inbound_fail_closed: u64,
-    /// Payload bytes moved between app and proxy sockets by sk_msg.
-    #[serde(default)]
-    pub spliced_bytes: u64,
-    /// Connection directions that stopped splicing (reader too far behind,
-    /// or no peer to splice into) and went on over the TCP stack.
-    #[serde(default)]
-    pub splice_fallbacks: u64,
-}
-
-impl From<shunt_common::PodCounters> for Counters {
-    fn from(c: shunt_common::PodCounters) -> Self {
-        Self {
-            packets_in: c.packets_in,
-            bytes_in: c.bytes_in,
-            packets_out: c.packets_out,
-            bytes_out: c.bytes_out,
-            outbound_redirected: c.outbound_redirected,
-            inbound_redirected: c.inbound_redirected,
-            outbound_fail_closed: c.outbound_fail_closed,
-            inbound_fail_closed: c.inbound_fail_closed,
-            spliced_bytes: c.spliced_bytes,
-            splice_fallbacks: c.splice_fallbacks,
-        }
-    }
-}
-
-/// What the admin API reads from.
+/// What the admin API reads from: the reconciler's snapshots (never the
+/// reconciler itself), the workload store (with the builtin proxy), the pin
+/// dir.
 #[derive(Clone)]
 pub struct AdminState {
-    pub agent: SharedAgent,
+    pub reader: SnapshotReader,
+    /// Every workload the proxy knows (absent without the builtin proxy).
+    pub store: Option<Arc<RwLock<WorkloadStore>>>,
     /// The eBPF mode's pin dir (`--bpf-pin-dir`), for `/debug/bpf`.
     pub bpf_pin_dir: PathBuf,
 }
@@ -160,25 +99,11 @@ pub async fn serve(listener: tokio::net::TcpListener, state: AdminState) {
     }
 }
 
-/// Runs `read` on a blocking thread (reading hooks enters pod namespaces).
-async fn blocking<T: Send + 'static>(
-    what: &'static str,
-    read: impl FnOnce() -> T + Send + 'static,
-) -> Result<Json<T>, (StatusCode, String)> {
-    debug!(target: "shunt::admin", request = what, "admin request");
-    tokio::task::spawn_blocking(read)
-        .await
-        .map(Json)
-        .map_err(|e| {
-            (
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("{what} failed: {e}"),
-            )
-        })
-}
-
-async fn status(State(state): State<AdminState>) -> Result<Json<NodeStatus>, (StatusCode, String)> {
-    blocking("status", move || lock(&state.agent).status()).await
+async fn status(State(state): State<AdminState>) -> Json<NodeStatus> {
+    debug!(target: "shunt::admin", request = "status", "admin request");
+    let mut status = node_status(&state.reader.read());
+    status.xds = state.reader.xds().map(|x| x.summary());
+    Json(status)
 }
 
 /// `GET /config_dump`: what the agent was given and what it made of it.
@@ -205,7 +130,7 @@ pub struct ConfigDump {
     /// ACK/NACK per type and why) and every resource it sent, with its
     /// version: where each workload, service and policy came from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub xds: Option<crate::xds::XdsStatus>,
+    pub xds: Option<crate::api::XdsStatus>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -243,77 +168,74 @@ pub struct EnrolledDump {
     pub hooks: Vec<Hook>,
 }
 
-async fn config_dump(
-    State(state): State<AdminState>,
-) -> Result<Json<ConfigDump>, (StatusCode, String)> {
-    blocking("config_dump", move || {
-        let agent = lock(&state.agent);
-        let td = agent.trust_domain().clone();
-        let states: BTreeMap<_, _> = agent.pods().map(|(w, s)| (w.key(), s.clone())).collect();
-        let dump = |w: &crate::state::Workload| WorkloadDump {
-            namespace: w.namespace.clone(),
-            name: w.name.clone(),
-            service_account: w.service_account.clone(),
-            identity: w.identity(&td).to_string(),
-            ips: w.ips.clone(),
-            node: w.node.clone(),
-            netns: w.netns.clone(),
-            dataplane_mode: w.dataplane_mode.to_string(),
-            state: states.get(&w.key()).cloned(),
-            uid: w.uid.clone(),
-        };
-        let mut workloads: Vec<WorkloadDump> = match agent.proxy() {
-            Some(handle) => handle
-                .workloads
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .iter()
-                .map(dump)
-                .collect(),
-            None => agent.pods().map(|(w, _)| dump(w)).collect(),
-        };
-        workloads.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-        let (identities, proxied) = match agent.proxy() {
-            Some(handle) => {
-                let ids = handle.proxy.identities();
-                (
-                    ids.identities()
-                        .into_iter()
-                        .map(|id| IdentityDump {
-                            certificate: ids.current(&id).as_deref().map(CertificateStatus::from),
-                            identity: id.to_string(),
-                        })
-                        .collect(),
-                    handle
-                        .proxy
-                        .pods()
-                        .iter()
-                        .map(ToString::to_string)
-                        .collect(),
-                )
-            }
-            None => (Vec::new(), Vec::new()),
-        };
-        let enrolled = agent
-            .redirector()
-            .list()
-            .into_iter()
-            .map(EnrolledDump::from)
-            .collect();
-        ConfigDump {
-            node: agent.node().to_string(),
-            mode: agent.redirector().mode().to_string(),
-            trust_domain: td.to_string(),
-            synced: agent.synced(),
-            log_filter: crate::logging::current_filter(),
-            workloads,
-            identities,
-            enrolled,
-            proxied,
-            xds: agent.xds().map(|x| x.snapshot()),
-        }
+async fn config_dump(State(state): State<AdminState>) -> Json<ConfigDump> {
+    debug!(target: "shunt::admin", request = "config_dump", "admin request");
+    let node = state.reader.read();
+    let td = &node.trust_domain;
+    let states: BTreeMap<_, _> = node
+        .pods
+        .iter()
+        .map(|p| (p.workload.key(), p.state.clone()))
+        .collect();
+    let dump = |w: &crate::state::Workload| WorkloadDump {
+        namespace: w.namespace.clone(),
+        name: w.name.clone(),
+        service_account: w.service_account.clone(),
+        identity: w.identity(td).to_string(),
+        ips: w.ips.clone(),
+        node: w.node.clone(),
+        netns: w.netns.clone(),
+        dataplane_mode: w.dataplane_mode.to_string(),
+        state: states.get(&w.key()).cloned(),
+        uid: w.uid.clone(),
+    };
+    let mut workloads: Vec<WorkloadDump> = match &state.store {
+        Some(store) => store
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(dump)
+            .collect(),
+        None => node.pods.iter().map(|p| dump(&p.workload)).collect(),
+    };
+    workloads.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    let identities = node
+        .certificates
+        .iter()
+        .map(|(id, cert)| IdentityDump {
+            identity: id.to_string(),
+            certificate: Some(CertificateStatus::from(cert.as_ref())),
+        })
+        .chain(state.reader.proxy().into_iter().flat_map(|proxy| {
+            // Identities registered but not issued yet.
+            proxy
+                .identities()
+                .identities()
+                .into_iter()
+                .filter(|id| !node.certificates.contains_key(id))
+                .map(|id| IdentityDump {
+                    identity: id.to_string(),
+                    certificate: None,
+                })
+        }))
+        .collect();
+    let proxied = state
+        .reader
+        .proxy()
+        .map(|proxy| proxy.pods().iter().map(ToString::to_string).collect())
+        .unwrap_or_default();
+    Json(ConfigDump {
+        node: node.node.clone(),
+        mode: node.mode.to_string(),
+        trust_domain: td.to_string(),
+        synced: node.synced,
+        log_filter: crate::logging::current_filter(),
+        workloads,
+        identities,
+        enrolled: node.enrolled().cloned().map(EnrolledDump::from).collect(),
+        proxied,
+        xds: state.reader.xds().map(|x| x.snapshot()),
     })
-    .await
 }
 
 impl From<crate::redirect::EnrolledPod> for EnrolledDump {
@@ -343,23 +265,28 @@ pub struct DebugBpf {
 async fn debug_bpf(
     State(state): State<AdminState>,
 ) -> Result<Json<DebugBpf>, (StatusCode, String)> {
-    blocking("debug_bpf", move || {
-        let agent = lock(&state.agent);
-        let mode = agent.redirector().mode();
-        let pods = agent
-            .redirector()
-            .list()
-            .into_iter()
-            .map(EnrolledDump::from)
-            .collect();
-        DebugBpf {
-            mode: mode.to_string(),
-            pinned: (mode == RedirectMode::Ebpf)
-                .then(|| crate::bpf_debug::inspect(&state.bpf_pin_dir)),
-            pods,
-        }
+    debug!(target: "shunt::admin", request = "debug_bpf", "admin request");
+    let node = state.reader.read();
+    let mode = node.mode;
+    let pods = node.enrolled().cloned().map(EnrolledDump::from).collect();
+    // Reading the pins opens files under bpffs (no netns): on a blocking
+    // thread all the same, as it is file I/O.
+    let pin_dir = state.bpf_pin_dir.clone();
+    let pinned = tokio::task::spawn_blocking(move || {
+        (mode == RedirectMode::Ebpf).then(|| crate::bpf_debug::inspect(&pin_dir))
     })
     .await
+    .map_err(|e| {
+        (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("debug_bpf failed: {e}"),
+        )
+    })?;
+    Ok(Json(DebugBpf {
+        mode: mode.to_string(),
+        pinned,
+        pods,
+    }))
 }
 
 #[derive(Debug, Deserialize)]
@@ -408,9 +335,4 @@ async fn logging(
             ),
         )),
     }
-}
-
-/// Seconds from now until `unix` (negative when past).
-pub fn seconds_until(unix: i64, now: SystemTime) -> i64 {
-    unix - crate::metrics::unix_seconds(now)
 }

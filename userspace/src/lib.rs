@@ -1,18 +1,25 @@
 //! shunt: the node agent of a sidecarless service mesh.
 //!
-//! Data flows one way through the modules: a pod source (`control/`) says
-//! which pods exist → the agent (`agent.rs`) reconciles this node's pods →
-//! `proxy/` starts serving each (listeners in its netns, identities from
-//! `identity/`) → `redirect/` enrols it in the kernel, so its traffic
-//! reaches those listeners → the proxy carries it to its peer over HBONE.
-//! `admin.rs`, `status.rs`, `metrics.rs` and `health.rs` only read.
+//! Data flows one way through the modules: sources (`control/`) push this
+//! node's pods and the cluster-wide view through one interface
+//! (`control::SourceSink`) → the reconciler (`agent.rs`) reconciles this
+//! node's pods → `proxy/` starts serving each (listeners in its netns,
+//! identities from `identity/`) → `redirect/` enrols it in the kernel, so
+//! its traffic reaches those listeners → the proxy carries it to its peer
+//! over HBONE. `app/` builds and wires the parts. The reconciler publishes a
+//! `snapshot::NodeSnapshot`; `admin.rs`, `metrics.rs` and `health.rs` only
+//! read that, `status.rs` reads the admin API (`api.rs`). See
+//! docs/ARCHITECTURE.md.
 
 pub mod admin;
 pub mod agent;
+pub mod api;
+pub mod app;
 pub mod authz;
 pub mod bpf_debug;
 pub mod cli;
 pub mod control;
+pub mod crypto;
 pub mod error;
 pub mod health;
 pub mod identity;
@@ -21,6 +28,7 @@ pub mod metrics;
 pub mod netns;
 pub mod proxy;
 pub mod redirect;
+pub mod snapshot;
 pub mod state;
 pub mod status;
 pub mod tls;

@@ -41,6 +41,6 @@ fn run_agent(args: shunt::cli::AgentArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(shunt::agent::run(args))?;
+    runtime.block_on(shunt::app::run(args))?;
     Ok(())
 }

@@ -9,10 +9,11 @@
 //!   Istio's labels so existing dashboards work), fed by the proxy through
 //!   [`ConnectionObserver`]; the enrolment latency histogram and redirection
 //!   repairs, fed by the agent;
-//! - read at scrape time from what the agent owns ([`Snapshot`]): pods by
-//!   state and mode, each enrolled pod's kernel counters (from the
-//!   redirector's maps or rules), certificate expiry per identity, the pod
-//!   source's health, readiness.
+//! - read at scrape time from the reconciler's last [`NodeSnapshot`]
+//!   ([`NodeGauges`]): pods by state and mode, each enrolled pod's kernel
+//!   counters (as its verify pass read them from the redirector's maps or
+//!   rules), certificate expiry per identity, the pod source's health,
+//!   readiness. A scrape enters no netns and waits on no reconcile.
 //!
 //! Istio's conventions, as ztunnel follows them: `reporter` is `source` on
 //! the client's node and `destination` on the server's (a connection between
@@ -24,7 +25,7 @@
 use std::{
     collections::BTreeMap,
     sync::{Arc, OnceLock, RwLock},
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::Duration,
 };
 
 use prometheus_client::{
@@ -33,13 +34,13 @@ use prometheus_client::{
     registry::Registry,
 };
 
+pub use crate::api::unix_seconds;
 use crate::{
-    admin::PodState,
-    agent::{NodeAgent, SharedAgent, lock},
     control::kube::SourceStats,
     health::Readiness,
     proxy::{ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, ProxyStats},
     redirect::EnrolledPod,
+    snapshot::{NodeSnapshot, SnapshotReader},
     state::{Workload, WorkloadKey, WorkloadStore},
 };
 
@@ -198,8 +199,8 @@ impl Metrics {
     }
 
     /// The whole exposition: what was recorded, then `snapshot` (read from
-    /// the agent just before), then the EOF marker.
-    pub fn encode(&self, snapshot: Option<&Snapshot>) -> String {
+    /// the node's snapshot just before), then the EOF marker.
+    pub fn encode(&self, snapshot: Option<&NodeGauges>) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = text::encode_registry(&mut out, &self.inner.registry);
@@ -211,10 +212,9 @@ impl Metrics {
         out
     }
 
-    /// Reads the agent (blocking: kernel reads) and encodes everything.
-    pub fn scrape_blocking(&self, agent: &SharedAgent) -> String {
-        let snapshot = Snapshot::of(&lock(agent));
-        self.encode(Some(&snapshot))
+    /// Encodes everything, the node's part from `node`.
+    pub fn scrape(&self, node: &NodeSnapshot) -> String {
+        self.encode(Some(&NodeGauges::of(node)))
     }
 }
 
@@ -358,9 +358,9 @@ impl ConnectionObserver for TcpObserver {
     }
 }
 
-/// What the agent owns, read at scrape time.
+/// The node's part of the exposition, taken from its snapshot.
 #[derive(Clone, Debug, Default)]
-pub struct Snapshot {
+pub struct NodeGauges {
     /// Redirection mode in use.
     pub mode: String,
     /// Pods of this node by state (`enrolled`, `pending`, `not_in_mesh`,
@@ -374,47 +374,29 @@ pub struct Snapshot {
     pub ready: bool,
 }
 
-impl Snapshot {
-    /// Reads the agent (kernel reads: call on a blocking thread).
-    pub fn of(agent: &NodeAgent) -> Self {
-        let enrolled = agent.redirector().list();
+impl NodeGauges {
+    pub fn of(node: &NodeSnapshot) -> Self {
         let mut pods_by_state: BTreeMap<&'static str, i64> =
             ["enrolled", "pending", "not_in_mesh", "error"]
                 .into_iter()
                 .map(|s| (s, 0))
                 .collect();
-        for (_, state) in agent.pods() {
-            let name = match state {
-                PodState::Enrolled => "enrolled",
-                PodState::Pending(_) => "pending",
-                PodState::NotInMesh => "not_in_mesh",
-                PodState::Error(_) => "error",
-            };
-            *pods_by_state.entry(name).or_default() += 1;
+        for pod in node.pods.iter() {
+            *pods_by_state.entry(pod.state.metric_name()).or_default() += 1;
         }
-        let certificates = agent
-            .proxy()
-            .map(|handle| {
-                let identities = handle.proxy.identities();
-                identities
-                    .identities()
-                    .into_iter()
-                    .filter_map(|id| {
-                        let cert = identities.current(&id)?;
-                        Some((id.to_string(), unix_seconds(cert.not_after())))
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        let ready = Readiness::evaluate(agent, &enrolled).ready();
+        let certificates = node
+            .certificates
+            .iter()
+            .map(|(id, cert)| (id.to_string(), unix_seconds(cert.not_after())))
+            .collect();
         Self {
-            mode: agent.redirector().mode().to_string(),
+            mode: node.mode.to_string(),
             pods_by_state,
-            enrolled,
+            enrolled: node.enrolled().cloned().collect(),
             certificates,
-            proxy: agent.proxy().map(|h| h.proxy.stats()),
-            synced: agent.synced(),
-            ready,
+            proxy: node.proxy.clone(),
+            synced: node.synced,
+            ready: Readiness::evaluate(node).ready(),
         }
     }
 
@@ -452,7 +434,7 @@ impl Snapshot {
         );
         registry.register(
             "pods_not_redirected",
-            "Enrolled pods with a hook (program, link or rule) missing right now",
+            "Enrolled pods with a hook (program, link or rule) missing when last verified",
             not_redirected,
         );
 
@@ -638,16 +620,8 @@ struct ResultLabels {
     result: String,
 }
 
-/// Seconds since the epoch (negative before it).
-pub fn unix_seconds(t: SystemTime) -> i64 {
-    match t.duration_since(UNIX_EPOCH) {
-        Ok(d) => d.as_secs() as i64,
-        Err(e) => -(e.duration().as_secs() as i64),
-    }
-}
-
 /// Serves `/metrics` until the process exits.
-pub async fn serve(listener: tokio::net::TcpListener, agent: SharedAgent, metrics: Metrics) {
+pub async fn serve(listener: tokio::net::TcpListener, reader: SnapshotReader, metrics: Metrics) {
     use axum::{
         Router,
         extract::State,
@@ -655,19 +629,15 @@ pub async fn serve(listener: tokio::net::TcpListener, agent: SharedAgent, metric
         response::IntoResponse,
         routing::get,
     };
-    async fn scrape(State((agent, metrics)): State<(SharedAgent, Metrics)>) -> impl IntoResponse {
-        match tokio::task::spawn_blocking(move || metrics.scrape_blocking(&agent)).await {
-            Ok(body) => (StatusCode::OK, [(header::CONTENT_TYPE, CONTENT_TYPE)], body),
-            Err(e) => (
-                StatusCode::INTERNAL_SERVER_ERROR,
-                [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
-                format!("scrape failed: {e}\n"),
-            ),
-        }
+    async fn scrape(
+        State((reader, metrics)): State<(SnapshotReader, Metrics)>,
+    ) -> impl IntoResponse {
+        let body = metrics.scrape(&reader.read());
+        (StatusCode::OK, [(header::CONTENT_TYPE, CONTENT_TYPE)], body)
     }
     let app = Router::new()
         .route("/metrics", get(scrape))
-        .with_state((agent, metrics));
+        .with_state((reader, metrics));
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!(error = %e, "metrics endpoint stopped");
     }
@@ -832,7 +802,7 @@ mod tests {
         let metrics = Metrics::new();
         metrics.enrolled(Duration::from_millis(3));
         metrics.repaired();
-        let snapshot = Snapshot {
+        let snapshot = NodeGauges {
             mode: "ebpf".into(),
             pods_by_state: [("enrolled", 1), ("not_in_mesh", 2)].into_iter().collect(),
             enrolled: vec![EnrolledPod {

@@ -9,7 +9,18 @@ use std::{
     fs::File,
     os::fd::{AsFd, AsRawFd},
     path::{Path, PathBuf},
+    sync::atomic::{AtomicU64, Ordering},
 };
+
+/// How many times [`NetNs::run`] entered a namespace in this process.
+static ENTERED: AtomicU64 = AtomicU64::new(0);
+
+/// How many times this process has run code inside a network namespace
+/// through [`NetNs::run`] (the cost the reconciler pays per pod; observers
+/// must never add to it).
+pub fn entries() -> u64 {
+    ENTERED.load(Ordering::Relaxed)
+}
 
 use nix::sched::{CloneFlags, setns};
 
@@ -69,6 +80,7 @@ impl NetNs {
     {
         std::thread::scope(|scope| {
             let handle = scope.spawn(|| {
+                ENTERED.fetch_add(1, Ordering::Relaxed);
                 setns(self.file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|source| {
                     NetNsError::Enter {
                         path: self.path.clone(),

@@ -3,7 +3,7 @@
 use std::{fmt::Write as _, net::SocketAddr, time::Duration};
 
 use crate::{
-    admin::{NodeStatus, PodState},
+    api::{NodeStatus, PodState},
     cli::StatusArgs,
 };
 
@@ -185,7 +185,7 @@ pub fn render_table_at(status: &NodeStatus, now: std::time::SystemTime) -> Strin
             .collect::<Vec<_>>()
             .join(",");
         let expires = match &pod.certificate {
-            Some(cert) => lifetime(crate::admin::seconds_until(cert.not_after, now)),
+            Some(cert) => lifetime(crate::api::seconds_until(cert.not_after, now)),
             None => "-".to_string(),
         };
         let [pi, bi, po, bo, redirected, fail_closed, spliced] = counters;
@@ -254,7 +254,7 @@ mod tests {
     use std::time::{Duration, UNIX_EPOCH};
 
     use super::*;
-    use crate::admin::{CertificateStatus, Counters, PodStatus};
+    use crate::api::{CertificateStatus, Counters, PodStatus};
 
     #[test]
     fn table_shows_every_column_per_pod() {
@@ -263,8 +263,10 @@ mod tests {
             node: "node-a".into(),
             mode: "ebpf".into(),
             trust_domain: "cluster.local".into(),
+            synced: true,
             proxy: None,
             xds: None,
+            verify_passes: 3,
             pods: vec![
                 PodStatus {
                     namespace: "default".into(),

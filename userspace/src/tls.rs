@@ -12,17 +12,17 @@
 //! Session resumption is off: a resumed session skips certificate checks,
 //! and every connection must prove the identity it speaks for.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use rustls::{
     CertificateError, ClientConfig, DigitallySignedStruct, DistinguishedName, Error as TlsError,
     ServerConfig, SignatureScheme,
     client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
-    crypto::CryptoProvider,
     server::danger::{ClientCertVerified, ClientCertVerifier},
 };
 use rustls_pki_types::{CertificateDer, ServerName, TrustAnchor, UnixTime};
 
+pub use crate::crypto::{provider, uri_sans};
 use crate::{
     identity::WorkloadCert,
     state::{SpiffeId, TrustDomain},
@@ -30,21 +30,6 @@ use crate::{
 
 /// The only ALPN protocol HBONE uses.
 pub const ALPN_H2: &[u8] = b"h2";
-
-/// rustls' *ring* provider restricted to the TLS 1.3 AES-GCM suites.
-pub fn provider() -> Arc<CryptoProvider> {
-    static PROVIDER: OnceLock<Arc<CryptoProvider>> = OnceLock::new();
-    PROVIDER
-        .get_or_init(|| {
-            let mut provider = rustls::crypto::ring::default_provider();
-            provider.cipher_suites = vec![
-                rustls::crypto::ring::cipher_suite::TLS13_AES_256_GCM_SHA384,
-                rustls::crypto::ring::cipher_suite::TLS13_AES_128_GCM_SHA256,
-            ];
-            Arc::new(provider)
-        })
-        .clone()
-}
 
 /// Errors building TLS configurations.
 #[derive(Debug, thiserror::Error)]
@@ -80,21 +65,6 @@ impl TrustRoots {
             anchors: Arc::new(anchors),
         })
     }
-}
-
-/// The URI SANs of a certificate, in order.
-pub fn uri_sans<'a>(cert: &'a x509_parser::certificate::X509Certificate<'_>) -> Vec<&'a str> {
-    let Ok(Some(san)) = cert.subject_alternative_name() else {
-        return Vec::new();
-    };
-    san.value
-        .general_names
-        .iter()
-        .filter_map(|n| match n {
-            x509_parser::extensions::GeneralName::URI(u) => Some(*u),
-            _ => None,
-        })
-        .collect()
 }
 
 /// The SPIFFE id of a leaf certificate: its single `spiffe://` URI SAN.

@@ -21,28 +21,32 @@ mod fake_cri;
 use std::{
     collections::BTreeMap,
     path::PathBuf,
-    sync::{Arc, Mutex, OnceLock},
+    sync::{Arc, Mutex, OnceLock, RwLock},
     time::{Duration, Instant},
 };
 
 use fake_apiserver::{FakeApiServer, Kind, endpoint_slice, namespace, pod, service};
 use serde_json::{Value, json};
 use shunt::{
-    admin::PodState,
-    agent::{NodeAgent, SharedAgent, lock},
-    control::kube::{
-        ChainResolver, ClusterWorkloads, CriOptions, CriResolver, KubeOptions, KubeSource,
-        MapResolver, NetnsResolver, ProcScanResolver, SourceStats, pod::REDIRECTION_ANNOTATION,
+    agent::{NodeAgent, Reconciler, ReconcilerInputs},
+    app::{AgentSink, Latest, own_store},
+    control::{
+        SourceSink,
+        kube::{
+            ChainResolver, ClusterWorkloads, CriOptions, CriResolver, KubeOptions, KubeSource,
+            MapResolver, NetnsResolver, ProcScanResolver, SourceStats, pod::REDIRECTION_ANNOTATION,
+        },
     },
     redirect::{
         Capture, EnrolledPod, OriginalDst, OriginalDstError, PodTarget, RedirectError,
         RedirectMode, Redirector, Verification,
         ebpf::{EbpfOptions, EbpfRedirector, SpliceMode},
     },
-    state::{TrustDomain, WorkloadKey},
+    snapshot::NodeSnapshot,
+    state::{PodState, TrustDomain, WorkloadKey, WorkloadStore},
 };
 use shunt_testbed::{Cgroup, Pod, Topology, inspect, require_root};
-use tokio::task::JoinHandle;
+use tokio::{sync::watch, task::JoinHandle};
 
 const NODE: &str = "node-a";
 /// Upper bound for anything the agent should do after a change.
@@ -124,49 +128,69 @@ impl Drop for PinDir {
     }
 }
 
-/// The agent's side: its redirector (real eBPF), the shared agent, and the
-/// running Kubernetes source.
+/// The agent's side: the reconciler (real eBPF, or a recording redirector
+/// for the bulk tests) with its published snapshots, and the running
+/// Kubernetes source pushing into it through the agent's own sink.
 struct Agent {
-    agent: SharedAgent,
+    reconciler: Reconciler,
+    snapshots: watch::Receiver<Arc<NodeSnapshot>>,
     source: JoinHandle<()>,
     stats: Arc<SourceStats>,
 }
 
 impl Agent {
+    /// Starts a reconciler owning `agent` (verifying every `verify_every`)
+    /// and `source` pushing into it.
+    fn start(agent: NodeAgent, source: KubeSource, verify_every: Duration) -> Self {
+        let (pods, pods_rx) = watch::channel(None);
+        let reconciler = Reconciler::spawn(
+            agent,
+            ReconcilerInputs {
+                pods: pods_rx,
+                store_applied: None,
+                verify_every,
+            },
+            tokio::runtime::Handle::current(),
+        )
+        .expect("reconcile thread");
+        let sink: Arc<dyn SourceSink> = Arc::new(AgentSink::new(pods, None));
+        let stats = source.stats();
+        let snapshots = reconciler.snapshots();
+        let source = tokio::spawn(source.run(sink, reconciler.snapshots()));
+        Agent {
+            reconciler,
+            snapshots,
+            source,
+            stats,
+        }
+    }
+
     /// Stops the source. With `unenrol`, unenrols everything like a clean
     /// shutdown; without, leaves the kernel as a crashed agent would.
     async fn stop(self, unenrol: bool) {
         self.source.abort();
         let _ = self.source.await;
-        if unenrol {
-            let agent = self.agent.clone();
-            tokio::task::spawn_blocking(move || lock(&agent).unenrol_all())
-                .await
-                .expect("unenrol");
-        }
+        self.reconciler.stop(unenrol).await;
     }
 
     fn state(&self, pod: &str, ns: &str) -> Option<PodState> {
-        let agent = self.agent.clone();
         let key = WorkloadKey::new(ns, pod);
-        tokio::task::block_in_place(|| lock(&agent).pod_states().remove(&key))
+        self.snapshots.borrow().pod(&key).map(|p| p.state.clone())
     }
 
     fn enrolled(&self, pod: &str, ns: &str) -> bool {
         self.state(pod, ns) == Some(PodState::Enrolled)
     }
 
-    /// The netns the agent's status reports for pod `name`.
+    /// The netns the agent's snapshot shows for pod `name`.
     async fn netns_of(&self, name: &str) -> Option<PathBuf> {
-        let agent = self.agent.clone();
-        let status = tokio::task::spawn_blocking(move || lock(&agent).status())
-            .await
-            .expect("status");
-        status
+        self.snapshots
+            .borrow()
             .pods
             .iter()
-            .find(|p| p.name == name)
-            .unwrap_or_else(|| panic!("{name} in status"))
+            .find(|p| p.workload.name == name)
+            .unwrap_or_else(|| panic!("{name} in the snapshot"))
+            .workload
             .netns
             .clone()
     }
@@ -262,23 +286,19 @@ impl Harness {
             ..EbpfOptions::new(&self.pin_dir.0)
         };
         let redirector = EbpfRedirector::load(&ebpf_options).expect("load eBPF");
-        let agent: SharedAgent = Arc::new(Mutex::new(NodeAgent::new(
+        let agent = NodeAgent::new(
             NODE.into(),
             TrustDomain::default(),
             Box::new(redirector),
             Capture::default(),
-        )));
+        );
         let client = self.server.client(self.dir.path()).await;
         let mut opts = KubeOptions::new(NODE);
         options(&mut opts);
-        let source = KubeSource::new(client, opts, resolver);
-        let stats = source.stats();
-        let task = tokio::spawn(source.run(agent.clone()));
-        Agent {
-            agent,
-            source: task,
-            stats,
-        }
+        // The reconciler verifies (and repairs) as often as the source
+        // resyncs: a test that shortens one shortens both.
+        let verify_every = opts.resync;
+        Agent::start(agent, KubeSource::new(client, opts, resolver), verify_every)
     }
 
     /// Starts a process for testbed pod `name` (see [`PodProcess`]) and
@@ -512,15 +532,12 @@ async fn splice_annotation_changes_take_effect_on_a_running_pod() {
         .start_agent_spliced(Arc::new(h.resolver.clone()), SpliceMode::On, |_| {})
         .await;
     let spliced = |agent: &Agent| {
-        let shared = agent.agent.clone();
-        tokio::task::block_in_place(|| {
-            lock(&shared)
-                .status()
-                .pods
-                .iter()
-                .find(|p| p.name == "web")
-                .is_some_and(|p| p.hooks.iter().any(|hook| hook.name == "splice"))
-        })
+        agent
+            .snapshots
+            .borrow()
+            .pod(&WorkloadKey::new("shop", "web"))
+            .and_then(|p| p.kernel.as_ref())
+            .is_some_and(|k| k.hooks.iter().any(|hook| hook.name == "splice"))
     };
     wait_for("web enrolled and spliced", TIMEOUT, || {
         agent.enrolled("web", "shop") && spliced(&agent)
@@ -777,8 +794,9 @@ async fn api_server_outage_keeps_pods_enrolled_and_the_agent_catches_up() {
         .apply(Kind::Namespace, namespace("shop", ambient()));
     h.serve_pod("shop", "a", json!({}));
     h.serve_pod("shop", "b", json!({}));
-    // A short resync so that several forced reconciles happen during the
-    // outage: they must keep (repair), not drop, what is enrolled.
+    // A short resync (and verify interval) so that several verify passes
+    // happen during the outage: they must keep (repair), not drop, what is
+    // enrolled.
     let agent = h.start_agent(|o| o.resync = Duration::from_secs(2)).await;
     wait_for("a and b enrolled", TIMEOUT, || {
         agent.enrolled("a", "shop") && agent.enrolled("b", "shop")
@@ -1066,7 +1084,7 @@ async fn shunt_agent_binary_without_workloads_watches_kubernetes() {
         .args(["status", "--json", "--admin-addr", &admin.to_string()])
         .output()
         .expect("shunt status");
-    let status: shunt::admin::NodeStatus =
+    let status: shunt::api::NodeStatus =
         serde_json::from_slice(&status.stdout).expect("status JSON");
     let web = status
         .pods
@@ -1149,6 +1167,18 @@ impl Redirector for RecordingRedirector {
         Ok(Verification::Redirected)
     }
 
+    fn inspect(&self, pod: &WorkloadKey) -> Option<EnrolledPod> {
+        let (key, netns) = self.enrolled.get_key_value(pod)?;
+        Some(EnrolledPod {
+            key: key.clone(),
+            netns: netns.clone(),
+            netns_cookie: 0,
+            mode: RedirectMode::Ebpf,
+            hooks: Vec::new(),
+            counters: Default::default(),
+        })
+    }
+
     fn list(&self) -> Vec<EnrolledPod> {
         self.enrolled
             .iter()
@@ -1216,19 +1246,19 @@ async fn burst_of_1000_pod_events_is_debounced() {
     server.apply(Kind::Namespace, namespace("burst", ambient()));
     let redirector = RecordingRedirector::default();
     let enrols = redirector.enrols.clone();
-    let agent: SharedAgent = Arc::new(Mutex::new(NodeAgent::new(
+    let agent = NodeAgent::new(
         NODE.into(),
         TrustDomain::default(),
         Box::new(redirector),
         Capture::default(),
-    )));
+    );
     let source = KubeSource::new(
         server.client(dir.path()).await,
         KubeOptions::new(NODE),
         Arc::new(resolver.clone()),
     );
-    let stats = source.stats();
-    let task = tokio::spawn(source.run(agent.clone()));
+    let agent = Agent::start(agent, source, Duration::from_secs(10));
+    let stats = agent.stats.clone();
     wait_for("watches open", TIMEOUT, || server.open_watches() >= 2).await;
     let rss_before = rss_kib();
 
@@ -1242,8 +1272,8 @@ async fn burst_of_1000_pod_events_is_debounced() {
         let ip = format!("198.18.{}.{}", 10 + i / 250, 1 + i % 250);
         server.apply(Kind::Pod, pod("burst", &name, NODE, Some(&ip), json!({})));
     }
-    let all_enrolled = |agent: &SharedAgent| {
-        let states = tokio::task::block_in_place(|| lock(agent).pod_states());
+    let all_enrolled = |agent: &Agent| {
+        let states = agent.snapshots.borrow().pod_states();
         states.len() == PODS && states.values().all(|s| *s == PodState::Enrolled)
     };
     wait_for("1000 pods enrolled", Duration::from_secs(60), || {
@@ -1274,7 +1304,7 @@ async fn burst_of_1000_pod_events_is_debounced() {
         settled
     );
     assert_eq!(server.patches().len(), PODS, "exactly one patch per pod");
-    task.abort();
+    agent.stop(false).await;
 }
 
 /// Cluster-wide discovery: every pod with an IP, on any node, with its
@@ -1295,15 +1325,12 @@ async fn cluster_workloads_track_every_pods_ip_and_identity() {
     );
     server.apply(Kind::Pod, pod("shop", "unscheduled", "", None, json!({})));
     let discovery = ClusterWorkloads::new(server.client(dir.path()).await);
-    let mut snapshots = discovery.subscribe();
-    let task = tokio::spawn(discovery.run());
+    let (store, sink) = cluster_store();
+    let task = tokio::spawn(discovery.run(sink));
     let ip = |s: &str| s.parse::<std::net::IpAddr>().expect("ip");
-    wait_for("both pods discovered", TIMEOUT, || {
-        snapshots.borrow_and_update().len() == 2
-    })
-    .await;
+    wait_for("both pods discovered", TIMEOUT, || read(&store).len() == 2).await;
     {
-        let store = snapshots.borrow();
+        let store = read(&store);
         let a = store.by_ip(ip("198.18.1.10")).expect("a by IP");
         assert_eq!((a.name.as_str(), a.node.as_str()), ("a", "node-a"));
         assert!(a.wants_mesh());
@@ -1316,7 +1343,7 @@ async fn cluster_workloads_track_every_pods_ip_and_identity() {
     }
     server.delete(Kind::Pod, "shop", "a");
     wait_for("a gone from discovery", TIMEOUT, || {
-        snapshots.borrow().by_ip(ip("198.18.1.10")).is_none()
+        read(&store).by_ip(ip("198.18.1.10")).is_none()
     })
     .await;
     task.abort();
@@ -1359,19 +1386,18 @@ async fn cluster_services_follow_services_and_endpointslices() {
     server.apply(Kind::Service, malformed);
 
     let discovery = ClusterWorkloads::new(server.client(dir.path()).await);
-    let mut snapshots = discovery.subscribe();
-    let task = tokio::spawn(discovery.run());
+    let (store, sink) = cluster_store();
+    let task = tokio::spawn(discovery.run(sink));
     let addr = |s: &str| s.parse::<std::net::SocketAddr>().expect("addr");
     wait_for("service web discovered", TIMEOUT, || {
-        snapshots
-            .borrow_and_update()
+        read(&store)
             .services()
             .by_addr(addr("198.19.100.1:80"))
             .is_some()
     })
     .await;
     {
-        let store = snapshots.borrow();
+        let store = read(&store);
         assert_eq!(store.services().len(), 1, "headless and malformed skipped");
         let web = store
             .services()
@@ -1404,8 +1430,7 @@ async fn cluster_services_follow_services_and_endpointslices() {
         slice["endpoints"][1]["conditions"]["ready"] = json!(true);
     });
     wait_for("second endpoint ready after the relist", TIMEOUT, || {
-        snapshots
-            .borrow_and_update()
+        read(&store)
             .services()
             .by_addr(addr("198.19.100.1:80"))
             .is_some_and(|web| web.ready_targets(addr("198.19.100.1:80")).len() == 2)
@@ -1414,8 +1439,7 @@ async fn cluster_services_follow_services_and_endpointslices() {
 
     server.delete(Kind::EndpointSlice, "shop", "web-abc");
     wait_for("endpoints gone with their slice", TIMEOUT, || {
-        snapshots
-            .borrow_and_update()
+        read(&store)
             .services()
             .by_addr(addr("198.19.100.1:80"))
             .is_some_and(|web| web.endpoints.is_empty())
@@ -1423,13 +1447,29 @@ async fn cluster_services_follow_services_and_endpointslices() {
     .await;
     server.delete(Kind::Service, "shop", "web");
     wait_for("service gone", TIMEOUT, || {
-        snapshots.borrow_and_update().services().is_empty()
+        read(&store).services().is_empty()
     })
     .await;
     assert_eq!(
-        snapshots.borrow().len(),
+        read(&store).len(),
         1,
         "the pod is still known: services and pods are separate"
     );
     task.abort();
+}
+
+/// A workload store with the agent's own writer behind the agent's sink:
+/// what a cluster source pushes lands there as it would in the agent.
+fn cluster_store() -> (Arc<RwLock<WorkloadStore>>, Arc<dyn SourceSink>) {
+    let store = Arc::new(RwLock::new(WorkloadStore::new()));
+    let views = Arc::new(Latest::default());
+    let (applied, _) = watch::channel(0);
+    tokio::spawn(own_store(store.clone(), views.clone(), applied));
+    // No reconciler listens to this node's pods here.
+    let (pods, _) = watch::channel(None);
+    (store, Arc::new(AgentSink::new(pods, Some(views))))
+}
+
+fn read(store: &RwLock<WorkloadStore>) -> std::sync::RwLockReadGuard<'_, WorkloadStore> {
+    store.read().unwrap_or_else(|p| p.into_inner())
 }

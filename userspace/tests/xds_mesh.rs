@@ -20,7 +20,7 @@ use std::{
 };
 
 use fake_istiod::{FakeIstiod, Pki, pod, response, service, workload};
-use shunt::admin::PodState;
+use shunt::state::PodState;
 use shunt::xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL};
 use shunt_proto::istio::workload as workload_pb;
 use shunt_testbed::{

@@ -24,7 +24,7 @@ use std::{
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
-use shunt::admin::{NodeStatus, PodState, PodStatus};
+use shunt::api::{NodeStatus, PodState, PodStatus};
 use shunt_testbed::{
     Cgroup, NETNS_DIR, Pod, Topology,
     agent::{ADMIN_ADDR, Agent, WorkloadSpec, workloads_yaml},

@@ -1,6 +1,13 @@
-//! Pod sources: where the agent learns which pods exist — a local workloads
-//! file ([`local`]) or the Kubernetes API ([`kube`]) — and the interface
-//! every discovery source pushes through ([`SourceSink`]).
+//! Sources: where the agent learns which pods exist and what the cluster
+//! looks like — a local workloads file ([`local`]) or the Kubernetes API
+//! ([`kube`]) (istiod's xDS when it lands).
+//!
+//! Every source pushes through one narrow interface, [`SourceSink`]: this
+//! node's pods ([`NodePods`], what enrolment acts on) go to the reconciler,
+//! the cluster-wide view ([`ClusterView`], what the proxy looks peers up in)
+//! goes to the one task that owns the workload store. Sources never see the
+//! agent, and nothing calls back into them.
+pub mod file;
 pub mod kube;
 pub mod local;
 

@@ -75,17 +75,6 @@ impl IstioCaConfig {
     }
 }
 
-impl From<&crate::cli::AgentArgs> for IstioCaConfig {
-    /// `--ca-address`, `--ca-root-cert` and `--ca-token-file`.
-    fn from(args: &crate::cli::AgentArgs) -> Self {
-        Self::new(
-            args.ca_address.clone(),
-            args.ca_root_cert.clone(),
-            args.ca_token_file.clone(),
-        )
-    }
-}
-
 /// Why the Istio CA could not be set up or did not sign.
 #[derive(Debug, thiserror::Error)]
 pub enum IstioCaError {
@@ -342,7 +331,7 @@ impl IstioCa {
 
         // A CA that maps the caller to a different identity (or ignores
         // ImpersonatedIdentity) must not make a workload speak as another.
-        let uris = crate::tls::uri_sans(&parsed);
+        let uris = crate::crypto::uri_sans(&parsed);
         if uris != [identity.as_str()] {
             return Err(bad(format!(
                 "leaf URI SANs are {uris:?}, expected exactly [{identity}]"

@@ -78,7 +78,7 @@ impl WorkloadCert {
         let leaf = chain.first().ok_or_else(|| bad("empty chain".into()))?;
         let (_, parsed) = x509_parser::parse_x509_certificate(leaf)
             .map_err(|e| bad(format!("unparsable leaf: {e}")))?;
-        let uris = crate::tls::uri_sans(&parsed);
+        let uris = crate::crypto::uri_sans(&parsed);
         if uris != [identity.as_str()] {
             return Err(bad(format!(
                 "URI SANs are {uris:?}, expected exactly [{identity}]"
@@ -87,7 +87,7 @@ impl WorkloadCert {
         let not_before = asn1_to_system(parsed.validity().not_before);
         let not_after = asn1_to_system(parsed.validity().not_after);
         let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key_pkcs8));
-        let signing_key = crate::tls::provider()
+        let signing_key = crate::crypto::provider()
             .key_provider
             .load_private_key(key)
             .map_err(|source| IdentityError::Key {

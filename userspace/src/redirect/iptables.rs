@@ -408,8 +408,20 @@ impl IptablesRedirector {
         Ok(())
     }
 
+    fn enrolled_pod(&self, key: &WorkloadKey, enrolment: &Enrolment) -> EnrolledPod {
+        let (hooks, counters) = self.read_pod(key, enrolment);
+        EnrolledPod {
+            key: key.clone(),
+            netns: enrolment.netns.path().to_path_buf(),
+            netns_cookie: enrolment.cookie,
+            mode: RedirectMode::Iptables,
+            hooks,
+            counters,
+        }
+    }
+
     /// Hooks and counters of one enrolled pod, read from its netns.
-    fn inspect(&self, pod: &WorkloadKey, enrolment: &Enrolment) -> (Vec<Hook>, PodCounters) {
+    fn read_pod(&self, pod: &WorkloadKey, enrolment: &Enrolment) -> (Vec<Hook>, PodCounters) {
         let mut hooks = Vec::new();
         let mut counters = PodCounters::default();
         for (rules, tools) in self.families(&enrolment.capture) {
@@ -546,18 +558,13 @@ impl Redirector for IptablesRedirector {
     fn list(&self) -> Vec<EnrolledPod> {
         self.pods
             .iter()
-            .map(|(key, enrolment)| {
-                let (hooks, counters) = self.inspect(key, enrolment);
-                EnrolledPod {
-                    key: key.clone(),
-                    netns: enrolment.netns.path().to_path_buf(),
-                    netns_cookie: enrolment.cookie,
-                    mode: RedirectMode::Iptables,
-                    hooks,
-                    counters,
-                }
-            })
+            .map(|(key, enrolment)| self.enrolled_pod(key, enrolment))
             .collect()
+    }
+
+    fn inspect(&self, pod: &WorkloadKey) -> Option<EnrolledPod> {
+        let (key, enrolment) = self.pods.get_key_value(pod)?;
+        Some(self.enrolled_pod(key, enrolment))
     }
 
     /// Scans the named namespaces (`/var/run/netns`) for jumps tagged with

@@ -166,8 +166,14 @@ pub trait Redirector: Send {
     fn unenrol(&mut self, pod: &WorkloadKey) -> Result<(), RedirectError>;
     /// Checks that the pod's hooks are still in place.
     fn verify(&self, pod: &WorkloadKey) -> Result<Verification, RedirectError>;
-    /// Every enrolled pod with its hooks and counters.
+    /// Every enrolled pod with its hooks and counters (enters every
+    /// enrolled pod's netns: the reconciler's verify pass calls it, never
+    /// an observer).
     fn list(&self) -> Vec<EnrolledPod>;
+    /// One enrolled pod with its hooks and counters (enters its netns only).
+    fn inspect(&self, pod: &WorkloadKey) -> Option<EnrolledPod> {
+        self.list().into_iter().find(|p| &p.key == pod)
+    }
     /// Whether `pod` is enrolled (cheap: no kernel round trip needed).
     fn is_enrolled(&self, pod: &WorkloadKey) -> bool {
         self.list().iter().any(|p| &p.key == pod)

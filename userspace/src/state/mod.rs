@@ -4,9 +4,11 @@
 //! produced them (the local workloads file or the Kubernetes watch),
 //! so that reconciling, enrolment and the proxy never see a source's format.
 
+mod pod_state;
 mod service;
 mod store;
 
+pub use pod_state::PodState;
 pub use service::{
     Endpoint, LoadBalancing, LoadBalancingMode, LoadBalancingScope, Service, ServicePort,
     ServiceStore,

@@ -17,7 +17,7 @@ use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
 
 use super::{lenient::Lenient, pod::REDIRECTION_ANNOTATION};
-use crate::{admin::PodState, state::WorkloadKey};
+use crate::state::{PodState, WorkloadKey};
 
 /// The annotation's value once the pod's traffic is redirected.
 pub const ENABLED: &str = "enabled";

@@ -4,31 +4,35 @@
 //!
 //! A pod watch without a field selector plus a namespace watch (for the
 //! dataplane-mode label), reduced to facts like the node source's, and
-//! debounced into full [`WorkloadStore`] snapshots published on a
-//! `tokio::sync::watch` channel: readers borrow an immutable snapshot and
-//! never lock against the writer. Pods without an IP yet are left out (there
-//! is nothing to route to). Services join the snapshot once their two
-//! watches have listed, independently of the pods: a cluster where the agent
-//! may not list services (an older RBAC) still gets pod discovery. Kept
-//! separate from the node source on purpose:
-//! the node source must keep its narrow field-selected watch (what this node
-//! enrols must not wait on a cluster-sized list), and a consumer that does
-//! not need discovery (no proxy) does not pay for it.
+//! debounced into complete [`ClusterView`]s pushed through the
+//! [`SourceSink`] (the workload store's owner applies them). Pods without
+//! an IP yet are left out (there is nothing to route to). Services join the
+//! view once their two watches have listed, independently of the pods: a
+//! cluster where the agent may not list services (an older RBAC) still gets
+//! pod discovery. Kept separate from the node source on purpose: the node
+//! source must keep its narrow field-selected watch (what this node enrols
+//! must not wait on a cluster-sized list), and a consumer that does not need
+//! discovery (no proxy) does not pay for it.
 
 use std::{sync::Arc, time::Duration};
 
 use ::kube::Client;
-use tokio::{sync::watch, time::Instant};
+use tokio::time::Instant;
 use tracing::{debug, info};
 
 use super::{SourceStats, Step, Watches, service::ServiceWatches, sleep_until};
-use crate::state::{Workload, WorkloadStore};
+use crate::{
+    control::{ClusterView, SourceSink},
+    state::Workload,
+};
 
-/// Keeps a [`WorkloadStore`] of every pod in the cluster.
+/// Name of this source in readiness and logs.
+pub const SOURCE: &str = "kubernetes-cluster";
+
+/// Discovers every pod and service of the cluster.
 pub struct ClusterWorkloads {
     client: Client,
     debounce: Duration,
-    publish: watch::Sender<Arc<WorkloadStore>>,
     stats: Arc<SourceStats>,
 }
 
@@ -37,25 +41,19 @@ impl ClusterWorkloads {
         Self {
             client,
             debounce: Duration::from_millis(100),
-            publish: watch::Sender::new(Arc::new(WorkloadStore::new())),
             stats: Arc::default(),
         }
-    }
-
-    /// A receiver of the current snapshot (empty until the first list).
-    pub fn subscribe(&self) -> watch::Receiver<Arc<WorkloadStore>> {
-        self.publish.subscribe()
     }
 
     pub fn stats(&self) -> Arc<SourceStats> {
         self.stats.clone()
     }
 
-    /// Watches until the future is dropped.
-    pub async fn run(self) {
+    /// Watches and pushes until the future is dropped.
+    pub async fn run(self, sink: Arc<dyn SourceSink>) {
         let mut watch = Watches::new(&self.client, None, self.stats.clone());
         let mut services = ServiceWatches::new(&self.client, self.stats.clone());
-        let mut store = WorkloadStore::new();
+        let mut last: Option<ClusterView> = None;
         let mut deadline: Option<Instant> = None;
         loop {
             let armed = deadline;
@@ -76,33 +74,36 @@ impl ClusterWorkloads {
                 },
                 _ = sleep_until(armed), if armed.is_some() => {
                     deadline = None;
-                    let mut changed = false;
-                    if watch.view.listed() {
-                        let view = &watch.view;
-                        let workloads: Vec<Workload> = view
-                            .pods
+                    if !watch.view.listed() && !services.listed() {
+                        continue;
+                    }
+                    let view = &watch.view;
+                    let workloads: Vec<Workload> = if view.listed() {
+                        view.pods
                             .values()
                             .filter(|facts| !facts.ips.is_empty())
                             .map(|facts| facts.to_workload(view.namespaces.get(&facts.key.namespace)))
-                            .collect();
-                        let changes = store.replace_all(workloads);
-                        if !changes.is_empty() {
-                            changed = true;
-                            debug!(added = changes.added.len(), removed = changes.removed.len(), updated = changes.updated.len(), "cluster workloads changed");
-                            if !store.is_empty() && changes.added.len() == store.len() {
-                                info!(workloads = store.len(), "cluster workloads listed");
-                            }
-                        }
+                            .collect()
+                    } else {
+                        Vec::new()
+                    };
+                    let next = ClusterView {
+                        workloads,
+                        services: if services.listed() { services.services() } else { Vec::new() },
+                        // Kubernetes' AuthorizationPolicy objects are not
+                        // watched (yet).
+                        policies: Vec::new(),
+                    };
+                    if last.as_ref() == Some(&next) {
+                        continue;
                     }
-                    if services.listed() && store.replace_services(services.services()) {
-                        changed = true;
-                        debug!(services = store.services().len(), "cluster services changed");
+                    debug!(workloads = next.workloads.len(), services = next.services.len(), "cluster view changed");
+                    if last.is_none() {
+                        info!(workloads = next.workloads.len(), services = next.services.len(), "cluster workloads listed");
+                        sink.synced(SOURCE);
                     }
-                    if changed {
-                        // Publish a copy: the store is this loop's, readers
-                        // get an immutable snapshot.
-                        self.publish.send_replace(Arc::new(store.clone()));
-                    }
+                    last = Some(next.clone());
+                    sink.cluster(next);
                 }
             }
         }

@@ -1,11 +1,11 @@
-//! The Kubernetes pod source: watches the API server and keeps the agent's
-//! node in line with it.
+//! The Kubernetes pod source: watches the API server and pushes this
+//! node's pods through the [`SourceSink`].
 //!
 //! ```text
-//! watch pods (fieldSelector spec.nodeName=NODE) ─┐                  ┌─> NodeAgent::reconcile
-//! watch namespaces (for their label) ────────────┼─> caches ─(debounce)─> snapshot ─┤
-//!                                                │   of facts       └─> annotations (merge patch)
-//! resync timer (repairs, retries pending pods) ──┘
+//! watch pods (fieldSelector spec.nodeName=NODE) ─┐
+//! watch namespaces (for their label) ────────────┼─> caches ─(debounce)─> NodePods ─> SourceSink::node_pods
+//! resync timer (retries netns, annotations) ─────┘   of facts
+//! reconciler's NodeSnapshot (watch channel) ─────────> annotations (merge patch)
 //! ```
 //!
 //! - Two kube-rs watchers (list, then watch from the list's resource version;
@@ -17,33 +17,34 @@
 //!   (e.g. restarted mid-stream) must not unenrol pods it simply has not
 //!   heard of yet, nor judge a pod before its namespace's label is known.
 //! - Each change arms a debounce timer (default 100 ms, not extended by later
-//!   events, so the delay is bounded); when it fires, one full snapshot of
-//!   this node's pods goes to [`NodeAgent::reconcile`], which is idempotent.
-//!   A burst of 1000 events thus makes a handful of reconciles.
-//! - A snapshot identical to the previous one is not reconciled, except by
-//!   the resync timer (default 10 s), which re-enrols every mesh pod (the
-//!   redirector verifies and repairs what is in place) and retries pods left
-//!   pending.
+//!   events, so the delay is bounded); when it fires, one full list of this
+//!   node's pods is pushed ([`SourceSink::node_pods`]); the reconciler's
+//!   apply is idempotent. A burst of 1000 events thus makes a handful of
+//!   reconciles.
+//! - A list identical to the previous one is not pushed. The resync timer
+//!   (default 10 s) looks for the netns of pods that had none and retries
+//!   failed annotation patches; verifying and repairing what is enrolled is
+//!   the reconciler's own verify pass.
 //! - While the API server is unreachable nothing changes: the caches keep the
 //!   last complete view, so every enrolled pod stays enrolled; once it is
 //!   back the watchers relist (or resume) and the agent catches up.
-//! - After the first reconcile, pinned state that a previous agent left for
-//!   pods no longer listed is removed (`NodeAgent::remove_stale`); pods
-//!   still listed are re-adopted in place, so a restart flaps nothing.
+//! - After the first complete list, the reconciler removes pinned state
+//!   that a previous agent left for pods no longer listed; pods still
+//!   listed are re-adopted in place, so a restart flaps nothing.
 //! - A pod's netns is found by a [`NetnsResolver`] (see [`netns`] and
 //!   [`cri`]), once per pod UID, when the pod wants the mesh and has an IP.
-//! - After each reconcile, pods whose `ambient.istio.io/redirection`
-//!   annotation disagrees with their state are patched (see [`annotate`]).
+//! - After each reconcile (each [`NodeSnapshot`] the reconciler publishes),
+//!   pods whose `ambient.istio.io/redirection` annotation disagrees with
+//!   their state are patched (see [`annotate`]). The states come from the
+//!   snapshot: the source never reaches into the reconciler.
 //!
 //! Objects the agent cannot parse are logged with their name and skipped;
 //! they never stop the watch (see [`lenient`]).
 //!
 //! Cluster-wide workload discovery (every pod's IPs and identity, for the
 //! proxy) is [`ClusterWorkloads`]: a third watcher, on all pods, plus
-//! watchers of Services and EndpointSlices ([`service`]), that keeps a
-//! [`crate::state::WorkloadStore`] of workloads and services up to date.
-//!
-//! [`NodeAgent::reconcile`]: crate::agent::NodeAgent::reconcile
+//! watchers of Services and EndpointSlices ([`service`]), that pushes the
+//! cluster-wide view ([`SourceSink::cluster`]).
 
 pub mod annotate;
 mod cache;
@@ -63,6 +64,8 @@ use std::{
     time::Duration,
 };
 
+use tokio::sync::watch;
+
 use ::kube::{
     Api, Client, Config,
     runtime::{WatchStreamExt as _, watcher},
@@ -77,10 +80,10 @@ pub use cri::{ChainResolver, CriOptions, CriResolver};
 pub use lenient::Lenient;
 pub use netns::{MapResolver, NetnsResolver, PodRef, ProcScanResolver};
 
+use super::{NodePods, SourceSink};
 use crate::{
-    admin::PodState,
-    agent::{SharedAgent, lock},
-    state::{TrustDomain, Workload, WorkloadKey},
+    snapshot::NodeSnapshot,
+    state::{PodState, TrustDomain, Workload, WorkloadKey},
 };
 use cache::ObjectCache;
 use pod::{NamespaceFacts, PodFacts};
@@ -112,14 +115,17 @@ pub struct KubeOptions {
     /// How long after a change the snapshot is taken (changes meanwhile are
     /// included).
     pub debounce: Duration,
-    /// How often every mesh pod is re-enrolled (verify and repair) even
-    /// without changes.
+    /// How often pods without a known netns are looked up again and failed
+    /// annotation patches retried.
     pub resync: Duration,
     /// Whether to maintain the `ambient.istio.io/redirection` annotation.
     pub annotate: bool,
     /// How many annotation patches may be in flight at once.
     pub patch_concurrency: usize,
 }
+
+/// Name of this source in readiness and logs.
+pub const SOURCE: &str = "kubernetes";
 
 impl KubeOptions {
     pub fn new(node: impl Into<String>) -> Self {
@@ -137,7 +143,7 @@ impl KubeOptions {
 /// Counters of what the source did (for tests, benchmarks and logs).
 #[derive(Debug, Default)]
 pub struct SourceStats {
-    /// Snapshots handed to `NodeAgent::reconcile`.
+    /// Lists of this node's pods pushed to the reconciler.
     pub reconciles: AtomicU64,
     /// Annotation patches that succeeded.
     pub patches: AtomicU64,
@@ -169,10 +175,15 @@ impl KubeSource {
         self.stats.clone()
     }
 
-    /// Watches and reconciles until the future is dropped (the agent's
-    /// shutdown). Errors are logged and retried, never returned: a node
-    /// agent must outlive API server trouble.
-    pub async fn run(self, agent: SharedAgent) {
+    /// Watches and pushes until the future is dropped (the agent's
+    /// shutdown); annotates pods after each snapshot the reconciler
+    /// publishes on `snapshots`. Errors are logged and retried, never
+    /// returned: a node agent must outlive API server trouble.
+    pub async fn run(
+        self,
+        sink: Arc<dyn SourceSink>,
+        mut snapshots: watch::Receiver<Arc<NodeSnapshot>>,
+    ) {
         let pods_api: Api<Lenient<Pod>> = Api::all(self.client.clone());
         let mut watch = Watches::new(
             &self.client,
@@ -184,8 +195,8 @@ impl KubeSource {
             last: None,
             sent: annotate::Sent::default(),
             pods_api,
-            stale_removed: false,
         };
+        let mut reconciler_running = true;
         let mut resync = tokio::time::interval(self.options.resync);
         resync.set_missed_tick_behavior(MissedTickBehavior::Delay);
         resync.tick().await; // the first tick is immediate: nothing is listed yet
@@ -203,18 +214,28 @@ impl KubeSource {
                 },
                 _ = sleep_until(armed), if armed.is_some() => {
                     deadline = None;
-                    self.sync(&agent, &watch.view, &mut state, false).await;
+                    self.sync(sink.as_ref(), &watch.view, &mut state).await;
                 }
                 _ = resync.tick() => {
-                    self.sync(&agent, &watch.view, &mut state, true).await;
+                    self.sync(sink.as_ref(), &watch.view, &mut state).await;
+                    let states = snapshots.borrow().pod_states();
+                    self.annotate(&watch.view, &mut state, &states).await;
+                }
+                changed = snapshots.changed(), if reconciler_running => {
+                    if changed.is_err() {
+                        reconciler_running = false;
+                        continue;
+                    }
+                    let states = snapshots.borrow_and_update().pod_states();
+                    self.annotate(&watch.view, &mut state, &states).await;
                 }
             }
         }
     }
 
-    /// Takes a snapshot of this node's pods, reconciles it, then fixes
-    /// annotations.
-    async fn sync(&self, agent: &SharedAgent, watch: &View, state: &mut SyncState, force: bool) {
+    /// Takes this node's pods from the caches and pushes them, unless they
+    /// are what was pushed last.
+    async fn sync(&self, sink: &dyn SourceSink, watch: &View, state: &mut SyncState) {
         if !watch.listed() {
             debug!("not every watch has listed yet; nothing to reconcile");
             return;
@@ -240,41 +261,19 @@ impl KubeSource {
                 workload
             })
             .collect();
-
-        let changed = state.last.as_ref() != Some(&workloads);
-        let reconcile = (force || changed).then(|| {
-            state.last = Some(workloads.clone());
-            (self.options.trust_domain.clone(), workloads)
-        });
-        if reconcile.is_some() {
-            self.stats.reconciles.fetch_add(1, Ordering::Relaxed);
-            debug!(forced = force && !changed, "reconciling this node's pods");
+        if state.last.as_ref() == Some(&workloads) {
+            return;
         }
-        // After the first reconcile of a complete listing, whatever a
-        // previous agent left pinned for pods not listed is stale.
-        let remove_stale = reconcile.is_some() && !state.stale_removed;
-        state.stale_removed |= remove_stale;
-        let agent = agent.clone();
-        let states = tokio::task::spawn_blocking(move || {
-            let mut agent = lock(&agent);
-            if let Some((trust_domain, workloads)) = reconcile {
-                agent.reconcile(trust_domain, workloads);
-            }
-            if remove_stale {
-                agent.remove_stale();
-            }
-            agent.pod_states()
-        })
-        .await;
-        let states = match states {
-            Ok(states) => states,
-            Err(error) => {
-                error!(%error, "reconcile panicked");
-                return;
-            }
-        };
-        if self.options.annotate {
-            self.annotate(watch, state, &states).await;
+        let first = state.last.is_none();
+        state.last = Some(workloads.clone());
+        self.stats.reconciles.fetch_add(1, Ordering::Relaxed);
+        debug!(pods = workloads.len(), "pushing this node's pods");
+        sink.node_pods(NodePods {
+            trust_domain: self.options.trust_domain.clone(),
+            pods: workloads,
+        });
+        if first {
+            sink.synced(SOURCE);
         }
     }
 
@@ -379,12 +378,10 @@ impl KubeSource {
 /// What the source's loop owns between syncs, besides the watches.
 struct SyncState {
     netns: Arc<Mutex<netns::NetnsCache>>,
-    /// The last snapshot reconciled.
+    /// The last list pushed.
     last: Option<Vec<Workload>>,
     sent: annotate::Sent,
     pods_api: Api<Lenient<Pod>>,
-    /// Whether `NodeAgent::remove_stale` ran (once, after the first sync).
-    stale_removed: bool,
 }
 
 /// A pod watch (optionally narrowed by a field selector) and a namespace

@@ -291,6 +291,73 @@ impl EbpfRedirector {
 
     /// Loads the pod's instance of the TC programs and attaches it inside
     /// the pod's netns.
+    /// One enrolled pod's hooks (its TC filters read in its netns; the
+    /// socket programs' and splice's presence passed in, read once per
+    /// listing) and counters (from the pinned map).
+    fn enrolled_pod(
+        &self,
+        key: &WorkloadKey,
+        enrolment: &Enrolment,
+        sockets: [bool; cgroup::PROGRAMS.len()],
+        splice_present: bool,
+    ) -> EnrolledPod {
+        let present = enrolment
+            .netns
+            .run(tc::present)
+            .ok()
+            .and_then(Result::ok)
+            .unwrap_or([false; 2]);
+        let mut hooks: Vec<Hook> = tc::programs()
+            .into_iter()
+            .zip(present)
+            .map(|((name, attach_type), present)| Hook {
+                name: format!("tc {}", tc::direction(attach_type)),
+                attachment: format!(
+                    "{name}: netlink clsact filter on eth0, priority {TC_PRIORITY}, handle 0:1"
+                ),
+                present,
+            })
+            .collect();
+        if enrolment.config.flags & PodConfig::REDIRECT_OUTBOUND != 0 {
+            hooks.extend(
+                cgroup::PROGRAMS
+                    .into_iter()
+                    .zip(sockets)
+                    .map(|(name, present)| Hook {
+                        name: name.trim_start_matches("shunt_").to_string(),
+                        attachment: format!(
+                            "{name}: BPF link on cgroup {}",
+                            self.cgroup_root.display()
+                        ),
+                        present,
+                    }),
+            );
+        }
+        // Only pods whose connections are spliced (see `--splice`
+        // and the pod's `shunt.io/splice`) show the hook.
+        if self.splice() && enrolment.config.flags & PodConfig::NO_SPLICE == 0 {
+            hooks.push(Hook {
+                name: "splice".to_string(),
+                attachment: format!(
+                    "{}: sk_msg on map {}; {}: raw tracepoint {}",
+                    shunt_common::programs::SPLICE_MSG,
+                    maps::SPLICE_SOCKS,
+                    shunt_common::programs::SPLICE_RECV,
+                    shunt_common::programs::SPLICE_RECV_TARGET
+                ),
+                present: splice_present,
+            });
+        }
+        EnrolledPod {
+            key: key.clone(),
+            netns: enrolment.netns.path().to_path_buf(),
+            netns_cookie: enrolment.cookie,
+            mode: RedirectMode::Ebpf,
+            hooks,
+            counters: self.read_counters(enrolment.slot),
+        }
+    }
+
     fn attach_tc(
         &mut self,
         pod: &WorkloadKey,
@@ -541,56 +608,15 @@ impl Redirector for EbpfRedirector {
         let splice_present = self.splice() && splice::present(&self.pin_dir);
         self.pods
             .iter()
-            .map(|(key, enrolment)| {
-                let present = enrolment
-                    .netns
-                    .run(tc::present)
-                    .ok()
-                    .and_then(Result::ok)
-                    .unwrap_or([false; 2]);
-                let mut hooks: Vec<Hook> = tc::programs()
-                    .into_iter()
-                    .zip(present)
-                    .map(|((name, attach_type), present)| Hook {
-                        name: format!("tc {}", tc::direction(attach_type)),
-                        attachment: format!(
-                            "{name}: netlink clsact filter on eth0, priority {TC_PRIORITY}, handle 0:1"
-                        ),
-                        present,
-                    })
-                    .collect();
-                if enrolment.config.flags & PodConfig::REDIRECT_OUTBOUND != 0 {
-                    hooks.extend(cgroup::PROGRAMS.into_iter().zip(sockets).map(|(name, present)| Hook {
-                        name: name.trim_start_matches("shunt_").to_string(),
-                        attachment: format!("{name}: BPF link on cgroup {}", self.cgroup_root.display()),
-                        present,
-                    }));
-                }
-                // Only pods whose connections are spliced (see `--splice`
-                // and the pod's `shunt.io/splice`) show the hook.
-                if self.splice() && enrolment.config.flags & PodConfig::NO_SPLICE == 0 {
-                    hooks.push(Hook {
-                        name: "splice".to_string(),
-                        attachment: format!(
-                            "{}: sk_msg on map {}; {}: raw tracepoint {}",
-                            shunt_common::programs::SPLICE_MSG,
-                            maps::SPLICE_SOCKS,
-                            shunt_common::programs::SPLICE_RECV,
-                            shunt_common::programs::SPLICE_RECV_TARGET
-                        ),
-                        present: splice_present,
-                    });
-                }
-                EnrolledPod {
-                    key: key.clone(),
-                    netns: enrolment.netns.path().to_path_buf(),
-                    netns_cookie: enrolment.cookie,
-                    mode: RedirectMode::Ebpf,
-                    hooks,
-                    counters: self.read_counters(enrolment.slot),
-                }
-            })
+            .map(|(key, enrolment)| self.enrolled_pod(key, enrolment, sockets, splice_present))
             .collect()
+    }
+
+    fn inspect(&self, pod: &WorkloadKey) -> Option<EnrolledPod> {
+        let (key, enrolment) = self.pods.get_key_value(pod)?;
+        let sockets = cgroup::present(&self.pin_dir);
+        let splice_present = self.splice() && splice::present(&self.pin_dir);
+        Some(self.enrolled_pod(key, enrolment, sockets, splice_present))
     }
 
     fn is_enrolled(&self, pod: &WorkloadKey) -> bool {

@@ -1,0 +1,260 @@
+//! The admin API's wire types, shared by the server (`admin.rs`) and its
+//! client (`shunt status`, the testbed): what `GET /status` answers.
+
+use std::{
+    net::IpAddr,
+    path::PathBuf,
+    time::{SystemTime, UNIX_EPOCH},
+};
+
+use serde::{Deserialize, Serialize};
+
+pub use crate::state::PodState;
+use crate::{proxy::ProxyStats, redirect::Hook};
+
+/// `GET /status`: the node and every pod of it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct NodeStatus {
+    pub node: String,
+    /// Redirection mode in use (`ebpf` or `iptables`).
+    pub mode: String,
+    pub trust_domain: String,
+    /// Whether the pod source has handed over its first complete list and it
+    /// was reconciled: before that, `pods` is empty for want of a list, not
+    /// because the node has none.
+    #[serde(default)]
+    pub synced: bool,
+    /// The builtin proxy's counters (absent without one).
+    #[serde(default)]
+    pub proxy: Option<ProxyStats>,
+    /// How many verify passes have read the pods' hooks and counters so far:
+    /// a client that wants counters read after some moment waits until this
+    /// has grown by two (one pass may have been under way at that moment).
+    #[serde(default)]
+    pub verify_passes: u64,
+    /// The istiod connection, with `--xds-address`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xds: Option<XdsSummary>,
+    pub pods: Vec<PodStatus>,
+}
+
+/// One pod of this node.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PodStatus {
+    pub namespace: String,
+    pub name: String,
+    pub ips: Vec<IpAddr>,
+    pub service_account: String,
+    pub identity: String,
+    pub dataplane_mode: String,
+    pub state: PodState,
+    pub netns: Option<PathBuf>,
+    pub netns_cookie: Option<u64>,
+    /// As the last verify pass (or the enrolment) found them.
+    pub hooks: Vec<Hook>,
+    /// Kernel counters as the last verify pass read them; present while the
+    /// pod is enrolled.
+    pub counters: Option<Counters>,
+    /// The current certificate of the pod's identity (with the builtin
+    /// proxy, once issued).
+    #[serde(default)]
+    pub certificate: Option<CertificateStatus>,
+}
+
+/// A workload certificate's validity.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CertificateStatus {
+    /// Seconds since the epoch.
+    pub not_before: i64,
+    pub not_after: i64,
+}
+
+impl From<&crate::identity::WorkloadCert> for CertificateStatus {
+    fn from(cert: &crate::identity::WorkloadCert) -> Self {
+        Self {
+            not_before: unix_seconds(cert.not_before()),
+            not_after: unix_seconds(cert.not_after()),
+        }
+    }
+}
+
+/// Per-pod traffic counters as the TC programs on `eth0` saw them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Counters {
+    pub packets_in: u64,
+    pub bytes_in: u64,
+    pub packets_out: u64,
+    pub bytes_out: u64,
+    /// Outbound connects rewritten to the proxy (eBPF mode).
+    #[serde(default)]
+    pub outbound_redirected: u64,
+    /// Inbound connections steered to the proxy (eBPF mode).
+    #[serde(default)]
+    pub inbound_redirected: u64,
+    /// Outbound connects refused because the proxy listener was missing.
+    #[serde(default)]
+    pub outbound_fail_closed: u64,
+    /// Inbound packets dropped because the proxy listener was missing.
+    #[serde(default)]
+    pub inbound_fail_closed: u64,
+    /// Payload bytes moved between app and proxy sockets by sk_msg.
+    #[serde(default)]
+    pub spliced_bytes: u64,
+    /// Connection directions that stopped splicing (reader too far behind,
+    /// or no peer to splice into) and went on over the TCP stack.
+    #[serde(default)]
+    pub splice_fallbacks: u64,
+}
+
+impl From<shunt_common::PodCounters> for Counters {
+    fn from(c: shunt_common::PodCounters) -> Self {
+        Self {
+            packets_in: c.packets_in,
+            bytes_in: c.bytes_in,
+            packets_out: c.packets_out,
+            bytes_out: c.bytes_out,
+            outbound_redirected: c.outbound_redirected,
+            inbound_redirected: c.inbound_redirected,
+            outbound_fail_closed: c.outbound_fail_closed,
+            inbound_fail_closed: c.inbound_fail_closed,
+            spliced_bytes: c.spliced_bytes,
+            splice_fallbacks: c.splice_fallbacks,
+        }
+    }
+}
+
+/// Seconds since the epoch (negative before it).
+pub fn unix_seconds(t: SystemTime) -> i64 {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => d.as_secs() as i64,
+        Err(e) => -(e.duration().as_secs() as i64),
+    }
+}
+
+/// Seconds from `now` until `unix` (negative when past).
+pub fn seconds_until(unix: i64, now: SystemTime) -> i64 {
+    unix - unix_seconds(now)
+}
+
+// --- The istiod connection (`--xds-address`; written by `xds::client`) ---
+
+/// The last accepted response of a type.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AckRecord {
+    pub nonce: String,
+    pub system_version_info: String,
+    /// Seconds since the epoch.
+    pub at: i64,
+}
+
+/// The last rejected response of a type.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NackRecord {
+    pub nonce: String,
+    pub reason: String,
+    pub at: i64,
+}
+
+/// One type's exchange.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TypeStatus {
+    pub type_url: String,
+    /// Resources held now.
+    pub resources: usize,
+    /// Whether a response of this type was applied since the start.
+    pub received: bool,
+    pub last_ack: Option<AckRecord>,
+    pub last_nack: Option<NackRecord>,
+}
+
+/// One held resource: where a workload, service or policy came from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResourceStatus {
+    /// `workload`, `service` or `authorization`.
+    pub kind: String,
+    /// The xDS resource name (a workload's uid, `namespace/hostname`,
+    /// `namespace/name`).
+    pub name: String,
+    pub version: String,
+}
+
+/// The istiod connection and what it sent, for `/config_dump` and
+/// `shunt status`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct XdsStatus {
+    pub address: String,
+    pub node_id: String,
+    pub connected: bool,
+    /// Seconds since the epoch when the current stream opened.
+    pub connected_since: Option<i64>,
+    /// Streams opened since the start.
+    pub connections: u64,
+    /// Why the last stream ended or could not open.
+    pub last_error: Option<String>,
+    /// Both types received once (readiness).
+    pub synced: bool,
+    pub types: Vec<TypeStatus>,
+    /// What could not be resolved across resources (a workload naming a
+    /// service istiod has not sent, an address claimed twice).
+    pub warnings: Vec<String>,
+    pub resources: Vec<ResourceStatus>,
+}
+
+/// The istiod connection in one line's worth (`shunt status`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct XdsSummary {
+    pub address: String,
+    pub connected: bool,
+    pub connected_since: Option<i64>,
+    pub synced: bool,
+    pub last_error: Option<String>,
+    pub workloads: usize,
+    pub services: usize,
+    pub policies: usize,
+    /// The reason of the latest NACK of any type.
+    pub last_nack: Option<String>,
+    pub warnings: usize,
+}
+
+/// A shared, read-only view of the status; the client is its one writer.
+#[derive(Clone, Debug, Default)]
+pub struct XdsStatusHandle(std::sync::Arc<std::sync::RwLock<XdsStatus>>);
+
+impl XdsStatusHandle {
+    pub fn snapshot(&self) -> XdsStatus {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Whether both types were received once (cheap: no copy).
+    pub fn is_synced(&self) -> bool {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).synced
+    }
+
+    /// The connection and counts, without the resource list (`shunt
+    /// status`, readiness).
+    pub fn summary(&self) -> XdsSummary {
+        let status = self.0.read().unwrap_or_else(|p| p.into_inner());
+        let count = |kind: &str| status.resources.iter().filter(|r| r.kind == kind).count();
+        XdsSummary {
+            address: status.address.clone(),
+            connected: status.connected,
+            connected_since: status.connected_since,
+            synced: status.synced,
+            last_error: status.last_error.clone(),
+            workloads: count("workload"),
+            services: count("service"),
+            policies: count("authorization"),
+            last_nack: status
+                .types
+                .iter()
+                .filter_map(|t| t.last_nack.as_ref())
+                .max_by_key(|n| n.at)
+                .map(|n| n.reason.clone()),
+            warnings: status.warnings.len(),
+        }
+    }
+
+    pub(crate) fn set(&self, status: XdsStatus) {
+        *self.0.write().unwrap_or_else(|p| p.into_inner()) = status;
+    }
+}

@@ -1,0 +1,553 @@
+//! The composition root (as ztunnel's `app.rs`): builds every part of the
+//! agent and wires them; nothing else constructs or connects them.
+//!
+//! ```text
+//!  sources (control/)                    AgentSink (SourceSink)
+//!  file │ kube pods │ kube cluster ──┬─ node_pods ──> reconcile thread (agent::NodeAgent)
+//!                                    │                  │  redirect/ (enrol, verify)
+//!                                    │                  │  proxy/ (listeners per pod)
+//!                                    │                  └─> NodeSnapshot (watch) ──> metrics, readiness,
+//!                                    │                                               admin, annotations
+//!                                    └─ cluster ────> store owner ──> WorkloadStore ──> proxy lookups
+//! ```
+
+mod sink;
+mod store;
+
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    sync::{Arc, RwLock},
+    time::Duration,
+};
+
+use tokio::{
+    signal::unix::{SignalKind, signal},
+    sync::watch,
+};
+use tracing::{Instrument as _, error, info, info_span, warn};
+
+pub use sink::AgentSink;
+pub use store::{Latest, apply as apply_cluster_view, own_store};
+
+use crate::{
+    agent::{NodeAgent, ProxyHandle, Reconciler, ReconcilerInputs},
+    cli::{AgentArgs, CriSocket, OnExit, OnOff, ProxyKind},
+    control::{SourceSink, file::FileSource, kube},
+    proxy::Proxy,
+    redirect::{
+        RedirectMode, Redirector,
+        ebpf::{EbpfOptions, EbpfRedirector, LoadError},
+    },
+    snapshot::SnapshotReader,
+    state::{TrustDomain, WorkloadStore},
+};
+
+/// Errors that stop the agent from starting.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("Kubernetes pod source: {0}")]
+    Kube(#[from] kube::KubeSourceError),
+    #[error(transparent)]
+    Workloads(#[from] crate::control::local::WorkloadsFileError),
+    #[error("eBPF redirection: {0}")]
+    Ebpf(#[from] LoadError),
+    #[error("iptables redirection: {0}")]
+    Iptables(#[from] crate::redirect::iptables::IptablesError),
+    #[error("--cgroup-root {path}: {problem}")]
+    CgroupRoot { path: PathBuf, problem: String },
+    #[error("admin API on {addr}: {source}")]
+    Admin {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("{what} endpoint on {addr}: {source}")]
+    Serve {
+        what: &'static str,
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot install signal handlers: {0}")]
+    Signals(std::io::Error),
+    #[error("cannot start the reconcile thread: {0}")]
+    Thread(std::io::Error),
+    #[error("identity: {0}")]
+    Identity(crate::identity::IdentityError),
+    #[error("istiod xDS source: {0}")]
+    Xds(#[from] crate::xds::XdsError),
+    #[error(
+        "--xds-address needs this agent's pod IP for its xDS node id: set --instance-ip (env INSTANCE_IP, from the downward API's status.podIP)"
+    )]
+    XdsNoInstanceIp,
+    #[error("proxy: {0}")]
+    Proxy(crate::proxy::ProxyError),
+}
+
+/// Where the agent learns its pods.
+enum PodSource {
+    /// `--workloads FILE`, loaded and validated.
+    File(FileSource),
+    /// The Kubernetes API (see `control::kube`).
+    Kube(::kube::Client),
+}
+
+/// The builtin proxy and the store it looks workloads up in.
+struct ProxyParts {
+    proxy: Proxy,
+    store: Arc<RwLock<WorkloadStore>>,
+}
+
+/// `shunt agent`: runs until SIGINT or SIGTERM, then stops as `--on-exit`
+/// says.
+pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
+    let source = match &args.workloads {
+        Some(path) => PodSource::File(FileSource::load(
+            path,
+            &args.node_name,
+            Duration::from_secs(args.reload_interval.max(1)),
+        )?),
+        // Configured before anything is loaded, so that a missing
+        // configuration fails fast.
+        None => PodSource::Kube(kube::client().await?),
+    };
+    let trust_domain = match &source {
+        PodSource::File(file) => file.trust_domain().clone(),
+        PodSource::Kube(_) => args.trust_domain.clone(),
+    };
+    // Checked before anything is set up, like the pod source.
+    let xds = xds_source(&args)?;
+    check_cgroup_root(args.cgroup_root.as_deref())?;
+    let redirector = redirector(&args)?;
+
+    let proxy = match (args.capture, args.proxy) {
+        (OnOff::On, ProxyKind::Builtin) => {
+            Some(start_proxy(&args, &trust_domain, redirector.original_dst_resolver()).await?)
+        }
+        (OnOff::On, ProxyKind::External) => {
+            info!("captured traffic goes to an external proxy's listeners in each pod's netns");
+            None
+        }
+        (OnOff::Off, _) => None,
+    };
+    let metrics = crate::metrics::Metrics::new();
+    let mut node_agent = NodeAgent::new(
+        args.node_name.clone(),
+        trust_domain.clone(),
+        redirector,
+        args.capture.into(),
+    )
+    .with_metrics(metrics.clone());
+
+    // The workload store and its one writer (only the builtin proxy reads it).
+    let (cluster_views, store_applied) = match &proxy {
+        Some(parts) => {
+            parts
+                .proxy
+                .set_observer(metrics.connection_observer(parts.store.clone()));
+            node_agent = node_agent.with_proxy(ProxyHandle {
+                proxy: parts.proxy.clone(),
+                runtime: tokio::runtime::Handle::current(),
+            });
+            let views = Arc::new(Latest::default());
+            let (applied, store_applied) = watch::channel(0);
+            tokio::spawn(
+                own_store(parts.store.clone(), views.clone(), applied)
+                    .instrument(info_span!("store")),
+            );
+            (Some(views), Some(store_applied))
+        }
+        None => (None, None),
+    };
+
+    // The reconciler, and the sink every source pushes through.
+    let (pods, pods_rx) = watch::channel(None);
+    let reconciler = Reconciler::spawn(
+        node_agent,
+        ReconcilerInputs {
+            pods: pods_rx,
+            store_applied,
+            verify_every: Duration::from_secs(args.verify_interval.max(1)),
+        },
+        tokio::runtime::Handle::current(),
+    )
+    .map_err(AgentError::Thread)?;
+    let sink: Arc<dyn SourceSink> = Arc::new(AgentSink::new(pods, cluster_views));
+    // With istiod, the cluster view is istiod's alone: the pod source only
+    // says which of this node's pods to enrol.
+    let pod_sink: Arc<dyn SourceSink> = match &xds {
+        Some(_) => Arc::new(NodePodsOnly(sink.clone())),
+        None => sink.clone(),
+    };
+
+    // Observers: they read the published snapshots only.
+    let mut reader = SnapshotReader::new(
+        reconciler.snapshots(),
+        proxy.as_ref().map(|p| p.proxy.clone()),
+    );
+    if let Some(xds) = &xds {
+        reader = reader.with_xds(xds.status());
+    }
+    let observers = Observers {
+        reader,
+        store: proxy.as_ref().map(|p| p.store.clone()),
+        metrics: metrics.clone(),
+        bpf_pin_dir: args.bpf_pin_dir.clone(),
+    };
+    let bound = observers
+        .serve(ObserverAddrs {
+            admin: args.admin_addr,
+            metrics: args.metrics_addr,
+            readiness: args.readiness_addr,
+        })
+        .await?;
+    info!(admin = %bound.admin, metrics = %bound.metrics, readiness = %bound.readiness, "admin API, metrics and readiness endpoints listening");
+
+    // Sources.
+    let mut sources = tokio::task::JoinSet::new();
+    if let Some(xds) = xds {
+        // Never returns: istiod away is waited out, keeping what it sent.
+        sources.spawn(xds.run(sink.clone()).instrument(info_span!("xds")));
+    }
+    match source {
+        PodSource::File(file) => {
+            sources.spawn(
+                file.run(pod_sink.clone())
+                    .instrument(info_span!("workloads_file")),
+            );
+        }
+        PodSource::Kube(client) => {
+            let mut options = kube::KubeOptions::new(args.node_name.clone());
+            options.trust_domain = trust_domain.clone();
+            let pods = kube::KubeSource::new(
+                client.clone(),
+                options,
+                Arc::new(netns_resolver(args.cri_socket.as_ref())),
+            );
+            metrics.watch_kube(pods.stats());
+            sources.spawn(
+                pods.run(pod_sink.clone(), reconciler.snapshots())
+                    .instrument(info_span!("kube")),
+            );
+            // The proxy must know every pod of the cluster (who a peer IP
+            // is, which identity it speaks), not only this node's. With
+            // --xds-address istiod tells it instead.
+            if proxy.is_some() && args.xds_address.is_none() {
+                let discovery = kube::ClusterWorkloads::new(client);
+                sources.spawn(
+                    discovery
+                        .run(sink.clone())
+                        .instrument(info_span!("discovery")),
+                );
+            }
+        }
+    }
+
+    let mut sigterm = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
+    let mut sigint = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
+    tokio::select! {
+        _ = sigterm.recv() => info!("SIGTERM: stopping"),
+        _ = sigint.recv() => info!("SIGINT: stopping"),
+        _ = sources.join_next() => error!("a pod source stopped; stopping"),
+    }
+    sources.abort_all();
+    shutdown(reconciler, proxy.map(|p| p.proxy), &args).await
+}
+
+/// `--xds-address`: the istiod source, configured (not connected yet).
+fn xds_source(args: &AgentArgs) -> Result<Option<crate::xds::XdsSource>, AgentError> {
+    let Some(address) = &args.xds_address else {
+        return Ok(None);
+    };
+    let node = crate::xds::XdsNode {
+        ip: args.instance_ip.ok_or(AgentError::XdsNoInstanceIp)?,
+        pod_name: args.pod_name.clone(),
+        pod_namespace: args.pod_namespace.clone(),
+        node_name: args.node_name.clone(),
+        cluster_id: args.cluster_id.clone(),
+    };
+    let config = crate::xds::XdsConfig::new(
+        address.clone(),
+        args.xds_root_cert.clone(),
+        args.xds_token.clone(),
+        node,
+    );
+    let source = crate::xds::XdsSource::new(config)?;
+    info!(address = %address, root = %args.xds_root_cert.display(), token = %args.xds_token.display(),
+        "the cluster view (workloads, services, policies) comes from istiod over xDS");
+    Ok(Some(source))
+}
+
+/// A pod source's sink when another source (istiod) owns the cluster view:
+/// this node's pods pass, the pod source's own cluster view does not.
+struct NodePodsOnly(Arc<dyn SourceSink>);
+
+impl SourceSink for NodePodsOnly {
+    fn node_pods(&self, pods: crate::control::NodePods) {
+        self.0.node_pods(pods);
+    }
+
+    fn cluster(&self, _view: crate::control::ClusterView) {}
+
+    fn synced(&self, source: &'static str) {
+        self.0.synced(source);
+    }
+}
+
+/// The redirector `--redirect` asks for (`auto`: eBPF when the kernel has
+/// every hook, else iptables).
+fn redirector(args: &AgentArgs) -> Result<Box<dyn Redirector>, AgentError> {
+    let iptables = || -> Result<Box<dyn Redirector>, AgentError> {
+        let mut options = crate::redirect::iptables::IptablesOptions::new(args.node_name.clone());
+        options.probe_source = args.probe_source;
+        let iptables = crate::redirect::iptables::IptablesRedirector::new(options)?;
+        info!(mode = "iptables", requested = %args.redirect, backend = %iptables.backend(), "redirection ready: netfilter rules in each pod's netns");
+        Ok(Box::new(iptables))
+    };
+    Ok(match args.redirect {
+        RedirectMode::Iptables => iptables()?,
+        RedirectMode::Auto | RedirectMode::Ebpf => {
+            let options = EbpfOptions {
+                pin_dir: args.bpf_pin_dir.clone(),
+                cgroup_root: args.cgroup_root.clone(),
+                probe_source: args.probe_source,
+                splice: args.splice,
+                splice_backlog: args.splice_backlog,
+                preserve_source: args.preserve_source == OnOff::On,
+            };
+            match EbpfRedirector::load(&options) {
+                Ok(mut ebpf) => {
+                    info!(mode = "ebpf", requested = %args.redirect, pin_dir = %args.bpf_pin_dir.display(), cgroup_root = %ebpf.cgroup_root().display(), "redirection ready: every eBPF hook it needs is available");
+                    forward_kernel_logs(&mut ebpf);
+                    Box::new(ebpf)
+                }
+                // Only a kernel that lacks a hook falls back; any other
+                // failure (bpffs, pins, cgroup) is reported, not papered over.
+                Err(LoadError::Features(missing)) if args.redirect == RedirectMode::Auto => {
+                    warn!(reason = %missing, "eBPF redirection is not possible on this kernel; --redirect auto falls back to iptables");
+                    iptables()?
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    })
+}
+
+/// Where the observers listen.
+#[derive(Clone, Copy, Debug)]
+pub struct ObserverAddrs {
+    /// The admin API (`--admin-addr`).
+    pub admin: SocketAddr,
+    /// `/metrics` (`--metrics-addr`).
+    pub metrics: SocketAddr,
+    /// `/healthz/ready` (`--readiness-addr`).
+    pub readiness: SocketAddr,
+}
+
+/// What the admin API, `/metrics` and `/healthz/ready` read: the
+/// reconciler's snapshots, the workload store, the metrics registry, the pin
+/// dir. Nothing here reaches the reconciler.
+pub struct Observers {
+    pub reader: SnapshotReader,
+    /// Every workload the proxy knows (absent without the builtin proxy).
+    pub store: Option<Arc<RwLock<WorkloadStore>>>,
+    pub metrics: crate::metrics::Metrics,
+    pub bpf_pin_dir: PathBuf,
+}
+
+impl Observers {
+    /// Binds the three endpoints and serves them in the background; returns
+    /// the addresses bound (port 0 picks a free one).
+    pub async fn serve(self, addrs: ObserverAddrs) -> Result<ObserverAddrs, AgentError> {
+        let listener = tokio::net::TcpListener::bind(addrs.admin)
+            .await
+            .map_err(|source| AgentError::Admin {
+                addr: addrs.admin,
+                source,
+            })?;
+        let admin = local_addr(&listener, "admin", addrs.admin)?;
+        let admin_state = crate::admin::AdminState {
+            reader: self.reader.clone(),
+            store: self.store,
+            bpf_pin_dir: self.bpf_pin_dir,
+        };
+        tokio::spawn(crate::admin::serve(listener, admin_state).instrument(info_span!("admin")));
+
+        let listener = bind("metrics", addrs.metrics).await?;
+        let metrics = local_addr(&listener, "metrics", addrs.metrics)?;
+        let serve = crate::metrics::serve(listener, self.reader.clone(), self.metrics);
+        tokio::spawn(serve.instrument(info_span!("metrics")));
+
+        let listener = bind("readiness", addrs.readiness).await?;
+        let readiness = local_addr(&listener, "readiness", addrs.readiness)?;
+        tokio::spawn(
+            crate::health::serve(listener, self.reader).instrument(info_span!("readiness")),
+        );
+        Ok(ObserverAddrs {
+            admin,
+            metrics,
+            readiness,
+        })
+    }
+}
+
+async fn bind(what: &'static str, addr: SocketAddr) -> Result<tokio::net::TcpListener, AgentError> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| AgentError::Serve { what, addr, source })
+}
+
+fn local_addr(
+    listener: &tokio::net::TcpListener,
+    what: &'static str,
+    addr: SocketAddr,
+) -> Result<SocketAddr, AgentError> {
+    listener
+        .local_addr()
+        .map_err(|source| AgentError::Serve { what, addr, source })
+}
+
+/// The identity manager (with its CA) and the proxy on top of it.
+async fn start_proxy(
+    args: &AgentArgs,
+    trust_domain: &TrustDomain,
+    original_dst: Arc<dyn crate::redirect::OriginalDst>,
+) -> Result<ProxyParts, AgentError> {
+    let istio = crate::identity::istio::IstioCaConfig::new(
+        args.ca_address.clone(),
+        args.ca_root_cert.clone(),
+        args.ca_token_file.clone(),
+    );
+    let ca = crate::identity::ca_from_args(args.ca, &args.ca_dir, trust_domain, istio)
+        .await
+        .map_err(AgentError::Identity)?;
+    let identities = crate::identity::IdentityManager::new(ca, Default::default());
+    let store = Arc::new(RwLock::new(WorkloadStore::new()));
+    let config = crate::proxy::ProxyConfig {
+        trust_domain: trust_domain.clone(),
+        inbound_plaintext: args.inbound_plaintext,
+        preserve_source: args.preserve_source == OnOff::On,
+        ..Default::default()
+    };
+    let proxy =
+        Proxy::new(config, identities, store.clone(), original_dst).map_err(AgentError::Proxy)?;
+    info!(ca = ?args.ca, ca_dir = %args.ca_dir.display(), inbound_plaintext = %args.inbound_plaintext, preserve_source = ?args.preserve_source, "proxy ready: pods get listeners on 15001, 15006 and 15008 as they enrol");
+    Ok(ProxyParts { proxy, store })
+}
+
+/// With `--on-exit unenrol`, unenrols every pod (no new connection is
+/// captured); with `keep`, leaves redirection to the next agent. Then lets
+/// the proxy's connections in flight finish within the grace period, and
+/// reports the agent stopped.
+async fn shutdown(
+    reconciler: Reconciler,
+    proxy: Option<Proxy>,
+    args: &AgentArgs,
+) -> Result<(), AgentError> {
+    let unenrol = match args.on_exit {
+        OnExit::Unenrol => true,
+        OnExit::Keep => {
+            info!(
+                "leaving every pod enrolled for the next agent (--on-exit keep); pods without a proxy fail closed until it starts"
+            );
+            false
+        }
+    };
+    reconciler.stop(unenrol).await;
+    if let Some(proxy) = proxy {
+        let cut = proxy.drain(Duration::from_secs(args.drain_seconds)).await;
+        if cut > 0 {
+            warn!(
+                connections = cut,
+                "connections still open after the drain period were cut"
+            );
+        }
+    }
+    info!("agent stopped");
+    Ok(())
+}
+
+/// Pods' netns come from the container runtime when one is configured or
+/// found, else (and for whatever it cannot place) from /proc (the agent
+/// runs with hostPID).
+fn netns_resolver(socket: Option<&CriSocket>) -> kube::ChainResolver {
+    use kube::{ChainResolver, CriOptions, CriResolver, ProcScanResolver, cri};
+    let socket = match socket {
+        Some(CriSocket::None) => {
+            info!("--cri-socket none: pods' network namespaces are found through /proc");
+            None
+        }
+        Some(CriSocket::Path(path)) => {
+            if !path.exists() {
+                warn!(socket = %path.display(), "the --cri-socket does not exist (yet); until the runtime listens there, pods' network namespaces are found through /proc");
+            }
+            Some(path.clone())
+        }
+        None => {
+            let found = cri::detect_socket();
+            if found.is_none() {
+                info!(tried = ?cri::DEFAULT_SOCKETS, "no container runtime socket found: pods' network namespaces are found through /proc");
+            }
+            found
+        }
+    };
+    let cri = socket.and_then(|socket| {
+        match CriResolver::new(&socket, tokio::runtime::Handle::current(), CriOptions::default()) {
+            Ok(cri) => {
+                info!(socket = %socket.display(), "pods' network namespaces are asked of the container runtime (CRI), then /proc");
+                Some(cri)
+            }
+            Err(error) => {
+                warn!(%error, "pods' network namespaces are found through /proc");
+                None
+            }
+        }
+    });
+    ChainResolver::new(cri, ProcScanResolver::default())
+}
+
+fn check_cgroup_root(path: Option<&Path>) -> Result<(), AgentError> {
+    let Some(path) = path else { return Ok(()) };
+    const CGROUP2_SUPER_MAGIC: i64 = 0x63677270;
+    let problem = |problem: &str| AgentError::CgroupRoot {
+        path: path.to_path_buf(),
+        problem: problem.to_string(),
+    };
+    match nix::sys::statfs::statfs(path) {
+        Ok(fs) if fs.filesystem_type().0 == CGROUP2_SUPER_MAGIC => Ok(()),
+        Ok(_) => Err(problem("not a directory of a cgroup v2 filesystem")),
+        Err(e) => Err(problem(&e.to_string())),
+    }
+}
+
+/// Forwards aya-log records from the eBPF programs into `tracing` (through
+/// the `log` bridge the subscriber installed).
+fn forward_kernel_logs(redirector: &mut EbpfRedirector) {
+    let logger = match aya_log::EbpfLogger::init(redirector.ebpf_mut()) {
+        Ok(logger) => logger,
+        Err(e) => {
+            warn!(error = %e, "kernel-side logs will not be shown");
+            return;
+        }
+    };
+    // SAFETY: the logger owns its ring buffer's fd and keeps it open, with
+    // the same value, until it is dropped together with the AsyncFd.
+    let registered = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE)
+    };
+    let mut logger = match registered {
+        Ok(fd) => fd,
+        Err(e) => {
+            warn!(error = %e, "kernel-side logs will not be shown");
+            return;
+        }
+    };
+    tokio::spawn(async move {
+        loop {
+            let Ok(mut guard) = logger.readable_mut().await else {
+                return;
+            };
+            guard.get_inner_mut().flush();
+            guard.clear_ready();
+        }
+    });
+}
