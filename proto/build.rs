@@ -4,11 +4,21 @@
 
 use std::path::Path;
 
-const PROTOS: &[&str] = &["istio/ca.proto", "istio/zds.proto", "cri/runtime.proto"];
+const PROTOS: &[&str] = &[
+    "istio/ca.proto",
+    "istio/workload.proto",
+    "istio/authorization.proto",
+    "istio/zds.proto",
+    "envoy/service/discovery/v3/discovery.proto",
+    "cri/runtime.proto",
+];
+
+/// Imported by the files above; listed so that edits rebuild.
+const IMPORTED: &[&str] = &["envoy/config/core/v3/base.proto", "google/rpc/status.proto"];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    for proto in PROTOS {
+    for proto in PROTOS.iter().chain(IMPORTED) {
         println!("cargo:rerun-if-changed={}", root.join(proto).display());
     }
     // protox ships google/protobuf/*.proto itself; only our own directory

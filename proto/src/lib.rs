@@ -3,6 +3,11 @@
 //!
 //! - [`istio::ca`]: Istio's certificate signing service
 //!   (`istio.v1.auth.IstioCertificateService`), used by `--ca istio`.
+//! - [`istio::workload`], [`istio::security`]: the resources istiod serves
+//!   a node proxy over xDS (workloads and services; L4 authorization).
+//! - [`envoy::service::discovery::v3`]: the delta aggregated discovery
+//!   service they travel in (with [`envoy::config::core::v3::Node`] and
+//!   [`google::rpc::Status`]), used by `--xds-address`.
 //! - [`cri`]: the Kubernetes container runtime's `runtime.v1.RuntimeService`
 //!   (only the sandbox calls), used to find pods' network namespaces.
 //! - [`istio::zds`]: ztunnel's ZDS messages (no service: they travel over a
@@ -22,6 +27,47 @@ pub mod istio {
         // Generated code: its docs come from the .proto comments.
         #![allow(clippy::all, missing_docs)]
         tonic::include_proto!("istio.workload.zds");
+    }
+
+    /// `istio.workload`: workloads and services (`Address`).
+    pub mod workload {
+        #![allow(clippy::all, missing_docs)]
+        tonic::include_proto!("istio.workload");
+    }
+
+    /// `istio.security`: L4 authorization policies (`Authorization`).
+    pub mod security {
+        #![allow(clippy::all, missing_docs)]
+        tonic::include_proto!("istio.security");
+    }
+}
+
+/// Envoy's xDS API (the parts shunt speaks). The module tree follows the
+/// package names: generated code refers across packages by relative path.
+pub mod envoy {
+    pub mod config {
+        pub mod core {
+            pub mod v3 {
+                #![allow(clippy::all, missing_docs)]
+                tonic::include_proto!("envoy.config.core.v3");
+            }
+        }
+    }
+    pub mod service {
+        pub mod discovery {
+            pub mod v3 {
+                #![allow(clippy::all, missing_docs)]
+                tonic::include_proto!("envoy.service.discovery.v3");
+            }
+        }
+    }
+}
+
+/// `google.rpc.Status`, the error detail of an xDS NACK.
+pub mod google {
+    pub mod rpc {
+        #![allow(clippy::all, missing_docs)]
+        tonic::include_proto!("google.rpc");
     }
 }
 
@@ -142,6 +188,120 @@ mod tests {
             list.encode_to_vec(),
             [
                 0x0a, 12, 0x12, 2, 0x08, 1, 0x1a, 6, 0x0a, 1, b'k', 0x12, 1, b'v'
+            ]
+        );
+    }
+
+    /// Istio's field numbers: istiod's bytes must decode into the same
+    /// fields.
+    #[test]
+    fn workload_wire_layout_matches_istio() {
+        use std::collections::HashMap;
+
+        use super::istio::workload::{Address, Port, PortList, Workload, address};
+        let workload = Workload {
+            uid: "u".into(),
+            addresses: vec![vec![198, 18, 0, 1]],
+            tunnel_protocol: super::istio::workload::TunnelProtocol::Hbone as i32,
+            services: HashMap::from([(
+                "s".into(),
+                PortList {
+                    ports: vec![Port {
+                        service_port: 80,
+                        target_port: 0,
+                    }],
+                },
+            )]),
+            ..Default::default()
+        };
+        let address = Address {
+            r#type: Some(address::Type::Workload(workload)),
+        };
+        // Address.workload = 1 { addresses = 3, tunnel_protocol = 5 (varint 1),
+        // uid = 20 (tag 0xa2 0x01), services = 22 (tag 0xb2 0x01) {key = 1,
+        // value = 2 { ports = 1 { service_port = 1 } } } }.
+        assert_eq!(
+            address.encode_to_vec(),
+            [
+                0x0a, 24, 0x1a, 4, 198, 18, 0, 1, 0x28, 1, 0xa2, 0x01, 1, b'u', 0xb2, 0x01, 9,
+                0x0a, 1, b's', 0x12, 4, 0x0a, 2, 0x08, 80
+            ]
+        );
+    }
+
+    #[test]
+    fn authorization_wire_layout_matches_istio() {
+        use super::istio::security::{
+            Action, Authorization, Group, Match, Rules, StringMatch, string_match,
+        };
+        let policy = Authorization {
+            name: "p".into(),
+            action: Action::Deny as i32,
+            groups: vec![Group {
+                rules: vec![Rules {
+                    matches: vec![Match {
+                        principals: vec![StringMatch {
+                            match_type: Some(string_match::MatchType::Presence(())),
+                        }],
+                        destination_ports: vec![80],
+                        ..Default::default()
+                    }],
+                }],
+            }],
+            ..Default::default()
+        };
+        // name = 1, action = 4 (varint 1), groups = 5 { rules = 1 {
+        // matches = 2 { principals = 3 { presence = 4 {} },
+        // destination_ports = 9 (packed) } } }.
+        assert_eq!(
+            policy.encode_to_vec(),
+            [
+                0x0a, 1, b'p', 0x20, 1, 0x2a, 11, 0x0a, 9, 0x12, 7, 0x1a, 2, 0x22, 0, 0x4a, 1, 80
+            ]
+        );
+    }
+
+    #[test]
+    fn delta_discovery_layout_matches_envoy() {
+        use super::envoy::service::discovery::v3::{
+            DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource,
+            aggregated_discovery_service_server::SERVICE_NAME,
+        };
+        assert_eq!(
+            SERVICE_NAME,
+            "envoy.service.discovery.v3.AggregatedDiscoveryService"
+        );
+        let request = DeltaDiscoveryRequest {
+            type_url: "t".into(),
+            response_nonce: "n".into(),
+            error_detail: Some(super::google::rpc::Status {
+                code: 3,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        // type_url = 2, response_nonce = 6, error_detail = 7 { code = 1 }.
+        assert_eq!(
+            request.encode_to_vec(),
+            [0x12, 1, b't', 0x32, 1, b'n', 0x3a, 2, 0x08, 3]
+        );
+        let response = DeltaDiscoveryResponse {
+            resources: vec![Resource {
+                name: "r".into(),
+                version: "v".into(),
+                ..Default::default()
+            }],
+            type_url: "t".into(),
+            nonce: "n".into(),
+            removed_resources: vec!["x".into()],
+            ..Default::default()
+        };
+        // resources = 2 { version = 1, name = 3 }, type_url = 4, nonce = 5,
+        // removed_resources = 6.
+        assert_eq!(
+            response.encode_to_vec(),
+            [
+                0x12, 6, 0x0a, 1, b'v', 0x1a, 1, b'r', 0x22, 1, b't', 0x2a, 1, b'n', 0x32, 1, b'x'
             ]
         );
     }

@@ -79,6 +79,7 @@ pub fn node_status(node: &NodeSnapshot, policies: Option<&PolicySet>) -> NodeSta
         synced: node.synced,
         proxy: node.proxy.clone(),
         verify_passes: node.verify_passes,
+        xds: None,
         pods,
     }
 }
@@ -125,7 +126,9 @@ pub async fn serve(listener: tokio::net::TcpListener, state: AdminState) {
 async fn status(State(state): State<AdminState>) -> Json<NodeStatus> {
     debug!(target: "shunt::admin", request = "status", "admin request");
     let policies = state.policies();
-    Json(node_status(&state.reader.read(), policies.as_deref()))
+    let mut status = node_status(&state.reader.read(), policies.as_deref());
+    status.xds = state.reader.xds().map(|x| x.summary());
+    Json(status)
 }
 
 /// `GET /config_dump`: what the agent was given and what it made of it.
@@ -148,6 +151,11 @@ pub struct ConfigDump {
     pub enrolled: Vec<EnrolledDump>,
     /// Pods the proxy serves (listeners bound in their netns).
     pub proxied: Vec<String>,
+    /// With `--xds-address`: istiod's connection (connected since, last
+    /// ACK/NACK per type and why) and every resource it sent, with its
+    /// version: where each workload, service and policy came from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xds: Option<crate::api::XdsStatus>,
     /// Every authorization policy the proxy enforces, in key order.
     #[serde(default)]
     pub policies: Vec<PolicyDump>,
@@ -204,6 +212,10 @@ pub struct WorkloadDump {
     /// The authorization policies that apply to it (`namespace/name`).
     #[serde(default)]
     pub policies: Vec<String>,
+    /// The source's id (xDS: the resource name, e.g.
+    /// `Kubernetes//Pod/default/web-0`); empty when the source has none.
+    #[serde(default)]
+    pub uid: String,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -247,6 +259,7 @@ async fn config_dump(State(state): State<AdminState>) -> Json<ConfigDump> {
         netns: w.netns.clone(),
         dataplane_mode: w.dataplane_mode.to_string(),
         state: states.get(&w.key()).cloned(),
+        uid: w.uid.clone(),
     };
     let mut workloads: Vec<WorkloadDump> = match &state.store {
         Some(store) => store
@@ -297,6 +310,7 @@ async fn config_dump(State(state): State<AdminState>) -> Json<ConfigDump> {
             .iter()
             .flat_map(|set| set.iter().map(PolicyDump::from))
             .collect(),
+        xds: state.reader.xds().map(|x| x.snapshot()),
     })
 }
 

@@ -32,6 +32,9 @@ pub struct NodeStatus {
     /// has grown by two (one pass may have been under way at that moment).
     #[serde(default)]
     pub verify_passes: u64,
+    /// The istiod connection, with `--xds-address`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xds: Option<XdsSummary>,
     pub pods: Vec<PodStatus>,
 }
 
@@ -134,4 +137,127 @@ pub fn unix_seconds(t: SystemTime) -> i64 {
 /// Seconds from `now` until `unix` (negative when past).
 pub fn seconds_until(unix: i64, now: SystemTime) -> i64 {
     unix - unix_seconds(now)
+}
+
+// --- The istiod connection (`--xds-address`; written by `xds::client`) ---
+
+/// The last accepted response of a type.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AckRecord {
+    pub nonce: String,
+    pub system_version_info: String,
+    /// Seconds since the epoch.
+    pub at: i64,
+}
+
+/// The last rejected response of a type.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NackRecord {
+    pub nonce: String,
+    pub reason: String,
+    pub at: i64,
+}
+
+/// One type's exchange.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TypeStatus {
+    pub type_url: String,
+    /// Resources held now.
+    pub resources: usize,
+    /// Whether a response of this type was applied since the start.
+    pub received: bool,
+    pub last_ack: Option<AckRecord>,
+    pub last_nack: Option<NackRecord>,
+}
+
+/// One held resource: where a workload, service or policy came from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResourceStatus {
+    /// `workload`, `service` or `authorization`.
+    pub kind: String,
+    /// The xDS resource name (a workload's uid, `namespace/hostname`,
+    /// `namespace/name`).
+    pub name: String,
+    pub version: String,
+}
+
+/// The istiod connection and what it sent, for `/config_dump` and
+/// `shunt status`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct XdsStatus {
+    pub address: String,
+    pub node_id: String,
+    pub connected: bool,
+    /// Seconds since the epoch when the current stream opened.
+    pub connected_since: Option<i64>,
+    /// Streams opened since the start.
+    pub connections: u64,
+    /// Why the last stream ended or could not open.
+    pub last_error: Option<String>,
+    /// Both types received once (readiness).
+    pub synced: bool,
+    pub types: Vec<TypeStatus>,
+    /// What could not be resolved across resources (a workload naming a
+    /// service istiod has not sent, an address claimed twice).
+    pub warnings: Vec<String>,
+    pub resources: Vec<ResourceStatus>,
+}
+
+/// The istiod connection in one line's worth (`shunt status`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct XdsSummary {
+    pub address: String,
+    pub connected: bool,
+    pub connected_since: Option<i64>,
+    pub synced: bool,
+    pub last_error: Option<String>,
+    pub workloads: usize,
+    pub services: usize,
+    pub policies: usize,
+    /// The reason of the latest NACK of any type.
+    pub last_nack: Option<String>,
+    pub warnings: usize,
+}
+
+/// A shared, read-only view of the status; the client is its one writer.
+#[derive(Clone, Debug, Default)]
+pub struct XdsStatusHandle(std::sync::Arc<std::sync::RwLock<XdsStatus>>);
+
+impl XdsStatusHandle {
+    pub fn snapshot(&self) -> XdsStatus {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Whether both types were received once (cheap: no copy).
+    pub fn is_synced(&self) -> bool {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).synced
+    }
+
+    /// The connection and counts, without the resource list (`shunt
+    /// status`, readiness).
+    pub fn summary(&self) -> XdsSummary {
+        let status = self.0.read().unwrap_or_else(|p| p.into_inner());
+        let count = |kind: &str| status.resources.iter().filter(|r| r.kind == kind).count();
+        XdsSummary {
+            address: status.address.clone(),
+            connected: status.connected,
+            connected_since: status.connected_since,
+            synced: status.synced,
+            last_error: status.last_error.clone(),
+            workloads: count("workload"),
+            services: count("service"),
+            policies: count("authorization"),
+            last_nack: status
+                .types
+                .iter()
+                .filter_map(|t| t.last_nack.as_ref())
+                .max_by_key(|n| n.at)
+                .map(|n| n.reason.clone()),
+            warnings: status.warnings.len(),
+        }
+    }
+
+    pub(crate) fn set(&self, status: XdsStatus) {
+        *self.0.write().unwrap_or_else(|p| p.into_inner()) = status;
+    }
 }

@@ -233,6 +233,63 @@ pub struct AgentArgs {
     )]
     pub ca_token_file: PathBuf,
 
+    /// istiod's xDS address (`host:port`, istiod serves it on 15012): take
+    /// the cluster-wide view (every workload, service and authorization
+    /// policy) from istiod over delta xDS, as ztunnel does, instead of
+    /// watching Services and pods of other nodes (or the file's other
+    /// entries). This node's pods (enrolment, netns) still come from the pod
+    /// watch or --workloads. The agent is not ready until istiod has sent
+    /// both workloads and policies once.
+    #[arg(long, env = "XDS_ADDRESS", value_name = "HOST:PORT")]
+    pub xds_address: Option<String>,
+
+    /// PEM root certificate(s) istiod's serving certificate must chain to
+    /// (the mesh root; the istio-ca-root-cert ConfigMap). Only with
+    /// --xds-address.
+    #[arg(
+        long,
+        value_name = "FILE",
+        default_value = "/var/run/secrets/istio/root-cert.pem"
+    )]
+    pub xds_root_cert: PathBuf,
+
+    /// File with the bearer token sent to istiod (a service account token
+    /// with the istio-ca audience), re-read on every (re)connect so rotated
+    /// tokens are picked up. Only with --xds-address.
+    #[arg(
+        long,
+        value_name = "FILE",
+        default_value = "/var/run/secrets/tokens/istio-token"
+    )]
+    pub xds_token: PathBuf,
+
+    /// Istio's cluster id of this cluster (istiod's CLUSTER_ID), sent in the
+    /// xDS node metadata.
+    #[arg(
+        long,
+        env = "CLUSTER_ID",
+        value_name = "ID",
+        default_value = "Kubernetes"
+    )]
+    pub cluster_id: String,
+
+    /// This agent's pod name, namespace and IP (from the downward API), from
+    /// which the xDS node id `ztunnel~<ip>~<pod>.<ns>~<ns>.svc.cluster.local`
+    /// is made. The IP is required with --xds-address.
+    #[arg(long, env = "POD_NAME", value_name = "NAME", default_value = "shunt")]
+    pub pod_name: String,
+
+    #[arg(
+        long,
+        env = "POD_NAMESPACE",
+        value_name = "NAMESPACE",
+        default_value = "istio-system"
+    )]
+    pub pod_namespace: String,
+
+    #[arg(long, env = "INSTANCE_IP", value_name = "IP")]
+    pub instance_ip: Option<std::net::IpAddr>,
+
     #[command(flatten)]
     pub log: LogArgs,
 }

@@ -8,7 +8,9 @@
 //!   not make the agent unready: one broken pod must not stall a DaemonSet
 //!   rollout that waits for readiness node by node);
 //! - every enrolled pod's identity has a valid certificate (when the builtin
-//!   proxy runs; without it there is nothing to present).
+//!   proxy runs; without it there is nothing to present);
+//! - with `--xds-address`, istiod has sent workloads and policies once (a
+//!   later disconnect keeps readiness: what it sent is kept).
 //!
 //! The answer is 200 or 503, with one line per check either way. It is
 //! computed from the reconciler's last [`NodeSnapshot`]: answering enters no
@@ -156,11 +158,47 @@ impl Readiness {
     }
 }
 
+/// Whether istiod has sent both resource types once (`--xds-address`). A
+/// later disconnect keeps readiness: what istiod sent is kept.
+pub fn xds_check(xds: &crate::api::XdsStatusHandle) -> Check {
+    let summary = xds.summary();
+    Check {
+        name: "xds",
+        ok: summary.synced,
+        detail: if summary.synced {
+            format!(
+                "istiod {}: {} workload(s), {} service(s), {} policy(ies){}",
+                summary.address,
+                summary.workloads,
+                summary.services,
+                summary.policies,
+                if summary.connected {
+                    ""
+                } else {
+                    "; reconnecting (keeping what it sent)"
+                }
+            )
+        } else {
+            format!(
+                "waiting for istiod {} to send workloads and policies{}",
+                summary.address,
+                summary
+                    .last_error
+                    .map(|e| format!(": {e}"))
+                    .unwrap_or_default()
+            )
+        },
+    }
+}
+
 /// Serves `/healthz/ready` until the process exits.
 pub async fn serve(listener: tokio::net::TcpListener, reader: SnapshotReader) {
     use axum::{Router, extract::State, http::StatusCode, routing::get};
     async fn ready(State(reader): State<SnapshotReader>) -> (StatusCode, String) {
-        let readiness = Readiness::evaluate(&reader.read());
+        let mut readiness = Readiness::evaluate(&reader.read());
+        if let Some(xds) = reader.xds() {
+            readiness.checks.push(xds_check(xds));
+        }
         let code = if readiness.ready() {
             StatusCode::OK
         } else {

@@ -32,3 +32,4 @@ pub mod snapshot;
 pub mod state;
 pub mod status;
 pub mod tls;
+pub mod xds;

@@ -124,11 +124,28 @@ fn certificates(proxy: &Proxy) -> BTreeMap<SpiffeId, Arc<WorkloadCert>> {
 pub struct SnapshotReader {
     snapshots: watch::Receiver<Arc<NodeSnapshot>>,
     proxy: Option<Proxy>,
+    /// With `--xds-address`: istiod's connection and what it sent.
+    xds: Option<crate::api::XdsStatusHandle>,
 }
 
 impl SnapshotReader {
     pub fn new(snapshots: watch::Receiver<Arc<NodeSnapshot>>, proxy: Option<Proxy>) -> Self {
-        Self { snapshots, proxy }
+        Self {
+            snapshots,
+            proxy,
+            xds: None,
+        }
+    }
+
+    /// Also reads istiod's connection status (readiness, admin API).
+    pub fn with_xds(mut self, xds: crate::api::XdsStatusHandle) -> Self {
+        self.xds = Some(xds);
+        self
+    }
+
+    /// istiod's connection, with `--xds-address`.
+    pub fn xds(&self) -> Option<&crate::api::XdsStatusHandle> {
+        self.xds.as_ref()
     }
 
     /// The latest snapshot, with the proxy's counters and certificates as

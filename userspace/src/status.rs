@@ -91,6 +91,29 @@ pub fn render_table_at(status: &NodeStatus, now: std::time::SystemTime) -> Strin
             p.bytes_in
         );
     }
+    if let Some(x) = &status.xds {
+        let since = x
+            .connected_since
+            .map(|t| format!("connected for {}s", crate::metrics::unix_seconds(now) - t))
+            .unwrap_or_else(|| "not connected".into());
+        let _ = writeln!(
+            out,
+            "istiod {}: {since}, {}; workloads {} services {} policies {}{}{}",
+            x.address,
+            if x.synced { "synced" } else { "not synced" },
+            x.workloads,
+            x.services,
+            x.policies,
+            x.last_error
+                .as_deref()
+                .map(|e| format!("; last error: {e}"))
+                .unwrap_or_default(),
+            x.last_nack
+                .as_deref()
+                .map(|n| format!("; last NACK: {n}"))
+                .unwrap_or_default(),
+        );
+    }
     const HEADER: [&str; 14] = [
         "POD",
         "IP",
@@ -261,6 +284,7 @@ mod tests {
             trust_domain: "cluster.local".into(),
             synced: true,
             proxy: None,
+            xds: None,
             verify_passes: 3,
             pods: vec![
                 PodStatus {

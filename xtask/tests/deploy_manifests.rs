@@ -659,16 +659,6 @@ fn struct_fields(source: &str, name: &str) -> Vec<(String, String, String)> {
     out
 }
 
-/// Issue 14's xDS flags, which the `xds` branch adds to cli.rs (name, value
-/// type, env var). Until that is merged, deploy/istio/ and the chart's
-/// Istio values are checked against these; once cli.rs declares a flag, its
-/// declaration is used instead (and this list can go).
-const PENDING_XDS_FLAGS: &[(&str, &str, Option<&str>)] = &[
-    ("--xds-address", "String", Some("XDS_ADDRESS")),
-    ("--xds-root-cert", "PathBuf", None),
-    ("--xds-token", "PathBuf", None),
-];
-
 /// Every flag of `shunt agent`, by `--name`.
 fn agent_flags() -> BTreeMap<String, Flag> {
     let cli = read("userspace/src/cli.rs");
@@ -699,14 +689,6 @@ fn agent_flags() -> BTreeMap<String, Flag> {
                 },
             );
         }
-    }
-    for (name, ty, env) in PENDING_XDS_FLAGS {
-        out.entry(name.to_string()).or_insert_with(|| Flag {
-            ty: ty.to_string(),
-            env: env.map(str::to_string),
-            default: None,
-            optional: true,
-        });
     }
     out
 }
@@ -1806,7 +1788,7 @@ fn samples_join_the_mesh_and_match_what_xtask_run_expects() {
     );
     // Until the agent learns other nodes' pods, HBONE is only used towards
     // pods of the same node: the client must run beside the server.
-    let discovery_wired = read("userspace/src/agent.rs").contains("ClusterWorkloads");
+    let discovery_wired = read("userspace/src/app/mod.rs").contains("ClusterWorkloads");
     if !discovery_wired {
         let affinity = client
             .affinity

@@ -73,6 +73,12 @@ pub enum AgentError {
     Thread(std::io::Error),
     #[error("identity: {0}")]
     Identity(crate::identity::IdentityError),
+    #[error("istiod xDS source: {0}")]
+    Xds(#[from] crate::xds::XdsError),
+    #[error(
+        "--xds-address needs this agent's pod IP for its xDS node id: set --instance-ip (env INSTANCE_IP, from the downward API's status.podIP)"
+    )]
+    XdsNoInstanceIp,
     #[error("proxy: {0}")]
     Proxy(crate::proxy::ProxyError),
     #[error("ZDS (--proxy ztunnel): {0}")]
@@ -110,6 +116,8 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         PodSource::File(file) => file.trust_domain().clone(),
         PodSource::Kube(_) => args.trust_domain.clone(),
     };
+    // Checked before anything is set up, like the pod source.
+    let xds = xds_source(&args)?;
     check_cgroup_root(args.cgroup_root.as_deref())?;
     let redirector = redirector(&args)?;
 
@@ -178,12 +186,21 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     )
     .map_err(AgentError::Thread)?;
     let sink: Arc<dyn SourceSink> = Arc::new(AgentSink::new(pods, cluster_views));
+    // With istiod, the cluster view is istiod's alone: the pod source only
+    // says which of this node's pods to enrol.
+    let pod_sink: Arc<dyn SourceSink> = match &xds {
+        Some(_) => Arc::new(NodePodsOnly(sink.clone())),
+        None => sink.clone(),
+    };
 
     // Observers: they read the published snapshots only.
-    let reader = SnapshotReader::new(
+    let mut reader = SnapshotReader::new(
         reconciler.snapshots(),
         proxy.as_ref().map(|p| p.proxy.clone()),
     );
+    if let Some(xds) = &xds {
+        reader = reader.with_xds(xds.status());
+    }
     let observers = Observers {
         reader,
         store: proxy.as_ref().map(|p| p.store.clone()),
@@ -201,10 +218,14 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
 
     // Sources.
     let mut sources = tokio::task::JoinSet::new();
+    if let Some(xds) = xds {
+        // Never returns: istiod away is waited out, keeping what it sent.
+        sources.spawn(xds.run(sink.clone()).instrument(info_span!("xds")));
+    }
     match source {
         PodSource::File(file) => {
             sources.spawn(
-                file.run(sink.clone())
+                file.run(pod_sink.clone())
                     .instrument(info_span!("workloads_file")),
             );
         }
@@ -218,12 +239,13 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             );
             metrics.watch_kube(pods.stats());
             sources.spawn(
-                pods.run(sink.clone(), reconciler.snapshots())
+                pods.run(pod_sink.clone(), reconciler.snapshots())
                     .instrument(info_span!("kube")),
             );
             // The proxy must know every pod of the cluster (who a peer IP
-            // is, which identity it speaks), not only this node's.
-            if proxy.is_some() {
+            // is, which identity it speaks), not only this node's. With
+            // --xds-address istiod tells it instead.
+            if proxy.is_some() && args.xds_address.is_none() {
                 let discovery = kube::ClusterWorkloads::new(client);
                 sources.spawn(
                     discovery
@@ -243,6 +265,46 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     }
     sources.abort_all();
     shutdown(reconciler, proxy.map(|p| p.proxy), &args).await
+}
+
+/// `--xds-address`: the istiod source, configured (not connected yet).
+fn xds_source(args: &AgentArgs) -> Result<Option<crate::xds::XdsSource>, AgentError> {
+    let Some(address) = &args.xds_address else {
+        return Ok(None);
+    };
+    let node = crate::xds::XdsNode {
+        ip: args.instance_ip.ok_or(AgentError::XdsNoInstanceIp)?,
+        pod_name: args.pod_name.clone(),
+        pod_namespace: args.pod_namespace.clone(),
+        node_name: args.node_name.clone(),
+        cluster_id: args.cluster_id.clone(),
+    };
+    let config = crate::xds::XdsConfig::new(
+        address.clone(),
+        args.xds_root_cert.clone(),
+        args.xds_token.clone(),
+        node,
+    );
+    let source = crate::xds::XdsSource::new(config)?;
+    info!(address = %address, root = %args.xds_root_cert.display(), token = %args.xds_token.display(),
+        "the cluster view (workloads, services, policies) comes from istiod over xDS");
+    Ok(Some(source))
+}
+
+/// A pod source's sink when another source (istiod) owns the cluster view:
+/// this node's pods pass, the pod source's own cluster view does not.
+struct NodePodsOnly(Arc<dyn SourceSink>);
+
+impl SourceSink for NodePodsOnly {
+    fn node_pods(&self, pods: crate::control::NodePods) {
+        self.0.node_pods(pods);
+    }
+
+    fn cluster(&self, _view: crate::control::ClusterView) {}
+
+    fn synced(&self, source: &'static str) {
+        self.0.synced(source);
+    }
 }
 
 /// The redirector `--redirect` asks for (`auto`: eBPF when the kernel has

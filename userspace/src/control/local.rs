@@ -680,6 +680,7 @@ fn check_services(
                 vips,
                 ports,
                 endpoints,
+                ..Default::default()
             });
         }
     }

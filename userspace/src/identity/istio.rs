@@ -410,7 +410,7 @@ impl CertificateAuthority for IstioCa {
 
 /// `https://host:port` from what the user gave. Plain `http` is refused: the
 /// bearer token would cross the network in the clear.
-fn normalize_address(address: &str) -> Result<String, IstioCaError> {
+pub(crate) fn normalize_address(address: &str) -> Result<String, IstioCaError> {
     let err = |reason: &str| IstioCaError::Address {
         address: address.to_string(),
         reason: reason.into(),
@@ -444,7 +444,7 @@ fn normalize_address(address: &str) -> Result<String, IstioCaError> {
 
 /// An error and its sources on one line ("a: b: c"), because tonic's own
 /// messages ("transport error") say little without their causes.
-fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     let mut out = error.to_string();
     let mut source = error.source();
     while let Some(e) = source {

@@ -9,7 +9,10 @@ mod service;
 mod store;
 
 pub use pod_state::PodState;
-pub use service::{Endpoint, Service, ServicePort, ServiceStore};
+pub use service::{
+    Endpoint, LoadBalancing, LoadBalancingMode, LoadBalancingScope, Service, ServicePort,
+    ServiceStore,
+};
 pub use store::{WorkloadChanges, WorkloadStore};
 
 use std::{collections::BTreeMap, fmt, net::IpAddr, path::PathBuf, str::FromStr};
@@ -231,6 +234,22 @@ pub struct Workload {
     /// The services it backs, by `namespace/hostname`: service port →
     /// target port (0: the service's own target port).
     pub services: BTreeMap<String, BTreeMap<u16, u16>>,
+    /// The gateway that reaches it from other networks (xDS
+    /// `network_gateway`), if any.
+    pub network_gateway: Option<GatewayAddress>,
+    /// Where it runs (xDS `locality`; locality-aware load balancing).
+    pub locality: Option<Locality>,
+    /// Its DNS name, for workloads known by name rather than address (xDS
+    /// `hostname`); empty otherwise.
+    pub hostname: String,
+}
+
+/// A workload's region, zone and subzone (`istio.workload.Locality`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Locality {
+    pub region: String,
+    pub zone: String,
+    pub subzone: String,
 }
 
 /// How peers reach a workload (`istio.workload.TunnelProtocol`).

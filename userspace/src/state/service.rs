@@ -12,10 +12,13 @@ use std::{
     sync::Arc,
 };
 
-use super::WorkloadKey;
+use super::{GatewayAddress, WorkloadKey};
 
 /// A service with at least one cluster IP.
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// The fields after `endpoints` come from istiod (`istio.workload.Service`);
+/// the other sources leave their defaults.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Service {
     pub name: String,
     pub namespace: String,
@@ -24,6 +27,49 @@ pub struct Service {
     /// TCP ports only (the proxy carries nothing else).
     pub ports: Vec<ServicePort>,
     pub endpoints: Vec<Endpoint>,
+    /// The fully qualified name (`web.default.svc.cluster.local`); empty
+    /// when the source does not say.
+    pub hostname: String,
+    /// The network of each VIP that is not on the local network (the
+    /// local one, empty in xDS, is the default and not listed).
+    pub vip_networks: BTreeMap<IpAddr, String>,
+    /// Identities the endpoints may present besides their own (SPIFFE URIs
+    /// without the scheme, as istiod sends them).
+    pub subject_alt_names: Vec<String>,
+    /// The waypoint that serves the service (L7), if any.
+    pub waypoint: Option<GatewayAddress>,
+    /// How endpoints are preferred; `None`: any ready endpoint.
+    pub load_balancing: Option<LoadBalancing>,
+}
+
+/// Locality-aware endpoint choice (`istio.workload.LoadBalancing`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LoadBalancing {
+    /// Scopes an endpoint should share with the client, most important
+    /// first.
+    pub routing_preference: Vec<LoadBalancingScope>,
+    pub mode: LoadBalancingMode,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LoadBalancingScope {
+    Region,
+    Zone,
+    Subzone,
+    Node,
+    Cluster,
+    Network,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum LoadBalancingMode {
+    /// Not given (istiod's `UNSPECIFIED_MODE`): as `Failover`.
+    #[default]
+    Unspecified,
+    /// Only endpoints that match every scope.
+    Strict,
+    /// The best-matching endpoints first, the others when none is ready.
+    Failover,
 }
 
 /// One port of a service.
@@ -196,6 +242,7 @@ mod tests {
                 target_port: Some(target),
             }],
             endpoints: Vec::new(),
+            ..Default::default()
         }
     }
 

@@ -296,7 +296,7 @@ fn chart_values_do_what_they_say() {
             .and_then(|e| e.value.clone())
     };
     assert_eq!(env("EXTRA").as_deref(), Some("x"));
-    assert_eq!(env("ISTIO_META_CLUSTER_ID").as_deref(), Some("east"));
+    assert_eq!(env("CLUSTER_ID").as_deref(), Some("east"));
     let cpu = agent
         .resources
         .as_ref()

@@ -35,7 +35,7 @@ const NODE_PROXY_ENV: &[(&str, Option<&str>)] = &[
     ("POD_NAMESPACE", Some("metadata.namespace")),
     ("INSTANCE_IP", Some("status.podIP")),
     ("SERVICE_ACCOUNT", Some("spec.serviceAccountName")),
-    ("ISTIO_META_CLUSTER_ID", None),
+    ("CLUSTER_ID", None),
 ];
 
 pub fn overlay() -> Vec<Object> {

@@ -236,6 +236,7 @@ pub(crate) fn join<'a>(
                     })
                     .collect(),
                 endpoints,
+                ..Default::default()
             }
         })
         .collect()

@@ -1,0 +1,341 @@
+//! `istio.workload.Service` → [`state::Service`](crate::state::Service),
+//! and a service's endpoints from the workloads that name it.
+//!
+//! istiod sends no endpoint list: each workload's `services` map says which
+//! services it backs (`namespace/hostname` → service port → target port).
+//! A target port of 0 there means the service's own target port; a service
+//! target port of 0 means "named port: ask each workload". Unhealthy
+//! workloads are not endpoints.
+
+use std::collections::{BTreeMap, HashMap};
+
+use shunt_proto::istio::workload as pb;
+
+use super::{FieldError, ip_from_bytes, port, workload::gateway};
+use crate::state::{
+    Endpoint, LoadBalancing, LoadBalancingMode, LoadBalancingScope, Service, ServicePort, Workload,
+    WorkloadStatus,
+};
+
+/// Translates one service (without endpoints: see [`attach_endpoints`]).
+pub(crate) fn translate(s: pb::Service) -> Result<Service, FieldError> {
+    for (field, value) in [
+        ("name", &s.name),
+        ("namespace", &s.namespace),
+        ("hostname", &s.hostname),
+    ] {
+        if value.is_empty() {
+            return Err(FieldError::new(field, "empty"));
+        }
+    }
+    let mut vips = Vec::with_capacity(s.addresses.len());
+    let mut vip_networks = BTreeMap::new();
+    for (i, a) in s.addresses.iter().enumerate() {
+        let ip = ip_from_bytes(&a.address, format!("addresses[{i}].address"))?;
+        if let Some(first) = vips.iter().position(|known| *known == ip) {
+            return Err(FieldError::new(
+                format!("addresses[{i}].address"),
+                format!("{ip} repeats addresses[{first}]"),
+            ));
+        }
+        vips.push(ip);
+        if !a.network.is_empty() {
+            vip_networks.insert(ip, a.network.clone());
+        }
+    }
+    let mut ports: Vec<ServicePort> = Vec::with_capacity(s.ports.len());
+    for (i, p) in s.ports.iter().enumerate() {
+        let service_port = port(p.service_port, false, format!("ports[{i}].service_port"))?;
+        let target_port = port(p.target_port, true, format!("ports[{i}].target_port"))?;
+        if ports.iter().any(|known| known.port == service_port) {
+            return Err(FieldError::new(
+                format!("ports[{i}].service_port"),
+                format!("port {service_port} is listed twice"),
+            ));
+        }
+        ports.push(ServicePort {
+            port: service_port,
+            target_port: (target_port != 0).then_some(target_port),
+        });
+    }
+    let waypoint = s
+        .waypoint
+        .as_ref()
+        .map(|g| gateway(g).map_err(|e| e.under("waypoint")))
+        .transpose()?;
+    let load_balancing = s.load_balancing.as_ref().map(load_balancing).transpose()?;
+    Ok(Service {
+        name: s.name,
+        namespace: s.namespace,
+        vips,
+        ports,
+        endpoints: Vec::new(),
+        hostname: s.hostname,
+        vip_networks,
+        subject_alt_names: s.subject_alt_names,
+        waypoint,
+        load_balancing,
+    })
+}
+
+fn load_balancing(lb: &pb::LoadBalancing) -> Result<LoadBalancing, FieldError> {
+    use pb::load_balancing::{Mode, Scope};
+    let mode = match Mode::try_from(lb.mode) {
+        Ok(Mode::UnspecifiedMode) => LoadBalancingMode::Unspecified,
+        Ok(Mode::Strict) => LoadBalancingMode::Strict,
+        Ok(Mode::Failover) => LoadBalancingMode::Failover,
+        Err(_) => {
+            return Err(FieldError::new(
+                "load_balancing.mode",
+                format!("unknown value {}", lb.mode),
+            ));
+        }
+    };
+    let mut routing_preference = Vec::with_capacity(lb.routing_preference.len());
+    for (i, value) in lb.routing_preference.iter().enumerate() {
+        let scope = match Scope::try_from(*value) {
+            Ok(Scope::Region) => LoadBalancingScope::Region,
+            Ok(Scope::Zone) => LoadBalancingScope::Zone,
+            Ok(Scope::Subzone) => LoadBalancingScope::Subzone,
+            Ok(Scope::Node) => LoadBalancingScope::Node,
+            Ok(Scope::Cluster) => LoadBalancingScope::Cluster,
+            Ok(Scope::Network) => LoadBalancingScope::Network,
+            Ok(Scope::UnspecifiedScope) | Err(_) => {
+                return Err(FieldError::new(
+                    format!("load_balancing.routing_preference[{i}]"),
+                    format!("unknown scope {value}"),
+                ));
+            }
+        };
+        routing_preference.push(scope);
+    }
+    Ok(LoadBalancing {
+        routing_preference,
+        mode,
+    })
+}
+
+/// `namespace/hostname`: how workloads and xDS name a service.
+pub(crate) fn service_key(s: &Service) -> String {
+    format!("{}/{}", s.namespace, s.hostname)
+}
+
+/// Fills each service's endpoints from the healthy workloads that name it,
+/// in workload order. Returns what could not be resolved, for the log and
+/// `/config_dump` (a workload naming a service istiod has not sent (yet),
+/// a waypoint naming an unknown service).
+pub(crate) fn attach_endpoints<'a>(
+    services: &mut [Service],
+    workloads: impl IntoIterator<Item = &'a Workload>,
+) -> Vec<String> {
+    let mut warnings = Vec::new();
+    let index: HashMap<String, usize> = services
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (service_key(s), i))
+        .collect();
+    for w in workloads {
+        for (key, ports) in &w.services {
+            let Some(&i) = index.get(key) else {
+                warnings.push(format!(
+                    "workload {} ({}) names service {key}, which istiod has not sent",
+                    w.key(),
+                    w.uid
+                ));
+                continue;
+            };
+            if w.status == WorkloadStatus::Unhealthy {
+                continue;
+            }
+            // A target port of 0 defers to the service's (ServicePort).
+            let ports: BTreeMap<u16, u16> = ports
+                .iter()
+                .filter(|(_, target)| **target != 0)
+                .map(|(p, t)| (*p, *t))
+                .collect();
+            for ip in &w.ips {
+                services[i].endpoints.push(Endpoint {
+                    ip: *ip,
+                    ready: true,
+                    pod: Some(w.key()),
+                    ports: ports.clone(),
+                });
+            }
+        }
+    }
+    let waypoint_hosts: Vec<(usize, String)> = services
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| match &s.waypoint {
+            Some(crate::state::GatewayAddress {
+                destination:
+                    crate::state::GatewayDestination::Hostname {
+                        namespace,
+                        hostname,
+                    },
+                ..
+            }) => Some((i, format!("{namespace}/{hostname}"))),
+            _ => None,
+        })
+        .collect();
+    for (i, waypoint) in waypoint_hosts {
+        if !index.contains_key(&waypoint) {
+            warnings.push(format!(
+                "service {} names waypoint {waypoint}, which istiod has not sent",
+                service_key(&services[i])
+            ));
+        }
+    }
+    warnings
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, SocketAddr};
+
+    use super::*;
+
+    fn proto() -> pb::Service {
+        pb::Service {
+            name: "web".into(),
+            namespace: "default".into(),
+            hostname: "web.default.svc.cluster.local".into(),
+            addresses: vec![
+                pb::NetworkAddress {
+                    network: String::new(),
+                    address: vec![198, 19, 100, 1],
+                },
+                pb::NetworkAddress {
+                    network: "net-b".into(),
+                    address: vec![198, 19, 100, 2],
+                },
+            ],
+            ports: vec![
+                pb::Port {
+                    service_port: 80,
+                    target_port: 8080,
+                },
+                pb::Port {
+                    service_port: 443,
+                    target_port: 0,
+                },
+            ],
+            subject_alt_names: vec!["spiffe://cluster.local/ns/default/sa/other".into()],
+            load_balancing: Some(pb::LoadBalancing {
+                routing_preference: vec![pb::load_balancing::Scope::Zone as i32],
+                mode: pb::load_balancing::Mode::Failover as i32,
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().expect("test IP")
+    }
+
+    fn backend(name: &str, addr: &str, ports: &[(u16, u16)], healthy: bool) -> Workload {
+        Workload {
+            name: name.into(),
+            namespace: "default".into(),
+            ips: vec![ip(addr)],
+            status: if healthy {
+                WorkloadStatus::Healthy
+            } else {
+                WorkloadStatus::Unhealthy
+            },
+            services: BTreeMap::from([(
+                "default/web.default.svc.cluster.local".to_string(),
+                ports.iter().copied().collect(),
+            )]),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn every_field_lands() {
+        let s = translate(proto()).expect("valid");
+        assert_eq!(s.key().to_string(), "default/web");
+        assert_eq!(s.hostname, "web.default.svc.cluster.local");
+        assert_eq!(s.vips, [ip("198.19.100.1"), ip("198.19.100.2")]);
+        assert_eq!(
+            s.vip_networks,
+            BTreeMap::from([(ip("198.19.100.2"), "net-b".to_string())])
+        );
+        assert_eq!(
+            s.ports[1],
+            ServicePort {
+                port: 443,
+                target_port: None
+            }
+        );
+        assert_eq!(s.subject_alt_names.len(), 1);
+        let lb = s.load_balancing.expect("load balancing");
+        assert_eq!(lb.mode, LoadBalancingMode::Failover);
+        assert_eq!(lb.routing_preference, [LoadBalancingScope::Zone]);
+    }
+
+    #[test]
+    fn endpoints_come_from_healthy_workloads() {
+        let mut services = vec![translate(proto()).expect("valid")];
+        let workloads = [
+            // Target 0: the service's own target port.
+            backend("a", "198.18.2.1", &[(80, 0), (443, 8443)], true),
+            backend("b", "198.18.2.2", &[(80, 9090)], true),
+            backend("sick", "198.18.2.3", &[(80, 0)], false),
+        ];
+        let mut stray = backend("stray", "198.18.2.4", &[], true);
+        stray.services = BTreeMap::from([(
+            "default/gone.default.svc.cluster.local".into(),
+            BTreeMap::new(),
+        )]);
+        let warnings = attach_endpoints(&mut services, workloads.iter().chain([&stray]));
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].contains("default/gone.default.svc.cluster.local"),
+            "{warnings:?}"
+        );
+        let web = &services[0];
+        let vip: SocketAddr = "198.19.100.1:80".parse().expect("addr");
+        let targets: Vec<SocketAddr> = web.ready_targets(vip).into_iter().map(|(_, a)| a).collect();
+        assert_eq!(
+            targets,
+            [
+                "198.18.2.1:8080".parse().expect("a"),
+                "198.18.2.2:9090".parse().expect("b")
+            ],
+            "the unhealthy workload is not an endpoint"
+        );
+        let tls: SocketAddr = "198.19.100.1:443".parse().expect("addr");
+        let targets: Vec<SocketAddr> = web.ready_targets(tls).into_iter().map(|(_, a)| a).collect();
+        assert_eq!(
+            targets,
+            ["198.18.2.1:8443".parse::<SocketAddr>().expect("a")]
+        );
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let mut p = proto();
+        p.addresses[1].address = vec![1, 2, 3, 4, 5];
+        let err = translate(p).expect_err("5 bytes");
+        assert_eq!(err.field, "addresses[1].address");
+        let mut p = proto();
+        p.ports[1].service_port = 80;
+        assert_eq!(
+            translate(p).expect_err("twice").field,
+            "ports[1].service_port"
+        );
+        let mut p = proto();
+        p.hostname.clear();
+        assert_eq!(translate(p).expect_err("hostname").field, "hostname");
+        let mut p = proto();
+        p.load_balancing = Some(pb::LoadBalancing {
+            routing_preference: vec![42],
+            mode: 0,
+        });
+        assert_eq!(
+            translate(p).expect_err("scope").field,
+            "load_balancing.routing_preference[0]"
+        );
+    }
+}

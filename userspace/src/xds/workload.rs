@@ -1,0 +1,346 @@
+//! `istio.workload.Workload` → [`state::Workload`](crate::state::Workload).
+//!
+//! Every field shunt has a place for is kept, including those later work
+//! uses (waypoint, network gateway, policies, locality). A workload istiod
+//! reaches over HBONE is a mesh workload (`DataplaneMode::Ambient`: the
+//! proxy opens HBONE to it); one with tunnel protocol NONE is passthrough.
+
+use std::collections::BTreeMap;
+
+use shunt_proto::istio::workload as pb;
+
+use super::{FieldError, ip_from_bytes, port};
+use crate::state::{
+    DataplaneMode, GatewayAddress, GatewayDestination, Locality, TrustDomain, TunnelProtocol,
+    Workload, WorkloadStatus,
+};
+
+/// The HBONE port when istiod leaves `hbone_mtls_port` at 0.
+pub const DEFAULT_HBONE_PORT: u16 = 15008;
+
+/// Translates one workload; `resource_name` stands in for a missing uid.
+pub(crate) fn translate(w: pb::Workload, resource_name: &str) -> Result<Workload, FieldError> {
+    if w.name.is_empty() {
+        return Err(FieldError::new("name", "empty"));
+    }
+    if w.namespace.is_empty() {
+        return Err(FieldError::new("namespace", "empty"));
+    }
+    let mut ips = Vec::with_capacity(w.addresses.len());
+    for (i, bytes) in w.addresses.iter().enumerate() {
+        let ip = ip_from_bytes(bytes, format!("addresses[{i}]"))?;
+        if let Some(first) = ips.iter().position(|known| *known == ip) {
+            return Err(FieldError::new(
+                format!("addresses[{i}]"),
+                format!("{ip} repeats addresses[{first}]"),
+            ));
+        }
+        ips.push(ip);
+    }
+    let tunnel = match pb::TunnelProtocol::try_from(w.tunnel_protocol) {
+        Ok(pb::TunnelProtocol::Hbone) => TunnelProtocol::Hbone,
+        Ok(pb::TunnelProtocol::None) => TunnelProtocol::None,
+        Err(_) => {
+            return Err(FieldError::new(
+                "tunnel_protocol",
+                format!("unknown value {}", w.tunnel_protocol),
+            ));
+        }
+    };
+    let status = match pb::WorkloadStatus::try_from(w.status) {
+        Ok(pb::WorkloadStatus::Healthy) => WorkloadStatus::Healthy,
+        Ok(pb::WorkloadStatus::Unhealthy) => WorkloadStatus::Unhealthy,
+        Err(_) => {
+            return Err(FieldError::new(
+                "status",
+                format!("unknown value {}", w.status),
+            ));
+        }
+    };
+    let trust_domain = match w.trust_domain.as_str() {
+        "" => None,
+        name => Some(
+            TrustDomain::new(name).map_err(|e| FieldError::new("trust_domain", e.to_string()))?,
+        ),
+    };
+    let waypoint = w
+        .waypoint
+        .as_ref()
+        .map(|g| gateway(g).map_err(|e| e.under("waypoint")))
+        .transpose()?;
+    let network_gateway = w
+        .network_gateway
+        .as_ref()
+        .map(|g| gateway(g).map_err(|e| e.under("network_gateway")))
+        .transpose()?;
+    let mut services = BTreeMap::new();
+    for (key, list) in &w.services {
+        let field = format!("services[{key:?}]");
+        if !is_namespaced_hostname(key) {
+            return Err(FieldError::new(field, "not namespace/hostname"));
+        }
+        let mut ports = BTreeMap::new();
+        for (i, p) in list.ports.iter().enumerate() {
+            let service_port = port(
+                p.service_port,
+                false,
+                format!("{field}.ports[{i}].service_port"),
+            )?;
+            let target_port = port(
+                p.target_port,
+                true,
+                format!("{field}.ports[{i}].target_port"),
+            )?;
+            if ports.insert(service_port, target_port).is_some() {
+                return Err(FieldError::new(
+                    format!("{field}.ports[{i}].service_port"),
+                    format!("port {service_port} is listed twice"),
+                ));
+            }
+        }
+        services.insert(key.clone(), ports);
+    }
+    let uid = if w.uid.is_empty() {
+        resource_name.to_owned()
+    } else {
+        w.uid
+    };
+    Ok(Workload {
+        name: w.name,
+        namespace: w.namespace,
+        service_account: w.service_account,
+        ips,
+        node: w.node,
+        // Only the node-local pod source knows where a pod's netns is.
+        netns: None,
+        dataplane_mode: match tunnel {
+            TunnelProtocol::Hbone => DataplaneMode::Ambient,
+            TunnelProtocol::None => DataplaneMode::None,
+        },
+        splice: None,
+        uid,
+        // istiod does not send labels: it resolves selectors itself.
+        labels: BTreeMap::new(),
+        trust_domain,
+        tunnel,
+        canonical_name: w.canonical_name,
+        canonical_revision: w.canonical_revision,
+        network: w.network,
+        cluster_id: w.cluster_id,
+        status,
+        waypoint,
+        authorization_policies: w.authorization_policies,
+        services,
+        network_gateway,
+        locality: w.locality.map(|l| Locality {
+            region: l.region,
+            zone: l.zone,
+            subzone: l.subzone,
+        }),
+        hostname: w.hostname,
+    })
+}
+
+/// `namespace/hostname`, both parts non-empty.
+pub(crate) fn is_namespaced_hostname(key: &str) -> bool {
+    key.split_once('/')
+        .is_some_and(|(ns, host)| !ns.is_empty() && !host.is_empty() && !host.contains('/'))
+}
+
+/// `istio.workload.GatewayAddress` (a waypoint or network gateway).
+pub(crate) fn gateway(g: &pb::GatewayAddress) -> Result<GatewayAddress, FieldError> {
+    let destination = match &g.destination {
+        Some(pb::gateway_address::Destination::Hostname(h)) => {
+            if h.namespace.is_empty() || h.hostname.is_empty() {
+                return Err(FieldError::new(
+                    "hostname",
+                    "namespace and hostname must both be set",
+                ));
+            }
+            GatewayDestination::Hostname {
+                namespace: h.namespace.clone(),
+                hostname: h.hostname.clone(),
+            }
+        }
+        Some(pb::gateway_address::Destination::Address(a)) => GatewayDestination::Address {
+            network: a.network.clone(),
+            ip: ip_from_bytes(&a.address, "address.address")?,
+        },
+        None => {
+            return Err(FieldError::new(
+                "destination",
+                "neither hostname nor address is set",
+            ));
+        }
+    };
+    let hbone_mtls_port = match port(g.hbone_mtls_port, true, "hbone_mtls_port")? {
+        0 => DEFAULT_HBONE_PORT,
+        port => port,
+    };
+    Ok(GatewayAddress {
+        destination,
+        hbone_mtls_port,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn proto() -> pb::Workload {
+        pb::Workload {
+            uid: "Kubernetes//Pod/default/web-0".into(),
+            name: "web-0".into(),
+            namespace: "default".into(),
+            addresses: vec![vec![198, 18, 2, 10]],
+            network: "net-a".into(),
+            tunnel_protocol: pb::TunnelProtocol::Hbone as i32,
+            trust_domain: "example.org".into(),
+            service_account: "web".into(),
+            waypoint: Some(pb::GatewayAddress {
+                destination: Some(pb::gateway_address::Destination::Hostname(
+                    pb::NamespacedHostname {
+                        namespace: "default".into(),
+                        hostname: "waypoint.default.svc.cluster.local".into(),
+                    },
+                )),
+                hbone_mtls_port: 0,
+            }),
+            node: "node-b".into(),
+            canonical_name: "web".into(),
+            canonical_revision: "v1".into(),
+            services: HashMap::from([(
+                "default/web.default.svc.cluster.local".into(),
+                pb::PortList {
+                    ports: vec![pb::Port {
+                        service_port: 80,
+                        target_port: 8080,
+                    }],
+                },
+            )]),
+            authorization_policies: vec!["default/allow-sleep".into()],
+            status: pb::WorkloadStatus::Unhealthy as i32,
+            cluster_id: "Kubernetes".into(),
+            locality: Some(pb::Locality {
+                region: "r".into(),
+                zone: "z".into(),
+                subzone: String::new(),
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn every_field_lands() {
+        let w = translate(proto(), "ignored").expect("valid");
+        assert_eq!(w.key().to_string(), "default/web-0");
+        assert_eq!(w.uid, "Kubernetes//Pod/default/web-0");
+        assert_eq!(
+            w.ips,
+            ["198.18.2.10".parse::<std::net::IpAddr>().expect("ip")]
+        );
+        assert_eq!(w.tunnel, TunnelProtocol::Hbone);
+        assert!(w.wants_mesh(), "HBONE workloads are mesh workloads");
+        assert_eq!(
+            w.identity(&TrustDomain::default()).as_str(),
+            "spiffe://example.org/ns/default/sa/web"
+        );
+        assert_eq!(w.node, "node-b");
+        assert_eq!(
+            (w.canonical_name.as_str(), w.canonical_revision.as_str()),
+            ("web", "v1")
+        );
+        assert_eq!(
+            (w.network.as_str(), w.cluster_id.as_str()),
+            ("net-a", "Kubernetes")
+        );
+        assert_eq!(w.status, WorkloadStatus::Unhealthy);
+        assert_eq!(w.authorization_policies, ["default/allow-sleep"]);
+        assert_eq!(
+            w.services["default/web.default.svc.cluster.local"],
+            BTreeMap::from([(80, 8080)])
+        );
+        let waypoint = w.waypoint.expect("waypoint");
+        assert_eq!(waypoint.hbone_mtls_port, DEFAULT_HBONE_PORT);
+        assert_eq!(w.locality.map(|l| l.zone), Some("z".into()));
+    }
+
+    #[test]
+    fn uid_defaults_to_the_resource_name_and_none_is_passthrough() {
+        let mut p = proto();
+        p.uid.clear();
+        p.tunnel_protocol = pb::TunnelProtocol::None as i32;
+        let w = translate(p, "res-name").expect("valid");
+        assert_eq!(w.uid, "res-name");
+        assert_eq!(w.tunnel, TunnelProtocol::None);
+        assert!(!w.wants_mesh());
+    }
+
+    /// How a test case spoils a valid workload.
+    type Breakage = Box<dyn Fn(&mut pb::Workload)>;
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases: Vec<(Breakage, &str, &str)> = vec![
+            (
+                Box::new(|p| p.addresses.push(vec![1, 2, 3, 4, 5])),
+                "addresses[1]",
+                "5 bytes",
+            ),
+            (
+                Box::new(|p| p.addresses.push(vec![198, 18, 2, 10])),
+                "addresses[1]",
+                "repeats addresses[0]",
+            ),
+            (Box::new(|p| p.name.clear()), "name", "empty"),
+            (
+                Box::new(|p| p.trust_domain = "Bad/TD".into()),
+                "trust_domain",
+                "not a valid trust domain",
+            ),
+            (
+                Box::new(|p| p.tunnel_protocol = 9),
+                "tunnel_protocol",
+                "unknown value 9",
+            ),
+            (Box::new(|p| p.status = 4), "status", "unknown value 4"),
+            (
+                Box::new(|p| p.waypoint = Some(pb::GatewayAddress::default())),
+                "waypoint.destination",
+                "neither",
+            ),
+            (
+                Box::new(|p| {
+                    p.services
+                        .insert("no-slash".into(), pb::PortList::default());
+                }),
+                "services[\"no-slash\"]",
+                "namespace/hostname",
+            ),
+            (
+                Box::new(|p| {
+                    p.services.insert(
+                        "a/b".into(),
+                        pb::PortList {
+                            ports: vec![pb::Port {
+                                service_port: 70000,
+                                target_port: 0,
+                            }],
+                        },
+                    );
+                }),
+                "services[\"a/b\"].ports[0].service_port",
+                "not a port",
+            ),
+        ];
+        for (break_it, field, reason) in cases {
+            let mut p = proto();
+            break_it(&mut p);
+            let err = translate(p, "r").expect_err(field);
+            assert_eq!(err.field, field);
+            assert!(err.reason.contains(reason), "{field}: {}", err.reason);
+        }
+    }
+}
