@@ -60,8 +60,17 @@ fn proxy_stats(agent: &Agent) -> Option<ProxyStats> {
 }
 
 /// Payload bytes the kernel spliced between the client pod and its proxy.
-fn client_spliced_bytes(agent: &Agent) -> Option<u64> {
-    let status = agent.status().ok()?;
+///
+/// The agent reads kernel counters on its verify passes, not per request:
+/// `fresh` waits for a pass that started after this call (what the bytes
+/// just moved need); otherwise the last pass's figure is taken (enough for
+/// the baseline, which the previous measurement's fresh read left current).
+fn client_spliced_bytes(agent: &Agent, fresh: bool) -> Option<u64> {
+    let status = if fresh {
+        agent.status_after_verify(Duration::from_secs(15)).ok()?
+    } else {
+        agent.status().ok()?
+    };
     let client = status.pods.iter().find(|p| p.name == CLIENT)?;
     Some(client.counters?.spliced_bytes)
 }
@@ -272,7 +281,9 @@ fn measure(
     let target_node = bed.pods[target].node().name().to_string();
     let before_client = bed.agent_on(client_node).and_then(proxy_stats);
     let before_server = bed.agent_on(&target_node).and_then(proxy_stats);
-    let spliced_before = bed.agent_on(client_node).and_then(client_spliced_bytes);
+    let spliced_before = bed
+        .agent_on(client_node)
+        .and_then(|agent| client_spliced_bytes(agent, false));
 
     let port = if workload.kind == WorkloadKind::Stream {
         SINK_PORT
@@ -310,7 +321,11 @@ fn measure(
             before_server,
             &mut problems,
         );
-        let spliced_after = bed.agent_on(client_node).and_then(client_spliced_bytes);
+        // Only the splice path waits for a verify pass: elsewhere nothing
+        // is ever spliced, and the last pass's zero is the answer.
+        let spliced_after = bed
+            .agent_on(client_node)
+            .and_then(|agent| client_spliced_bytes(agent, bed.mode == Mode::EbpfSplice));
         check.spliced_bytes = spliced_after
             .zip(spliced_before)
             .map_or(0, |(after, before)| after.saturating_sub(before));
