@@ -5,7 +5,10 @@
 //! file, which names no service. A connect from the client pod to the VIP
 //! lands on the healthy endpoint on node-b over HBONE, never on the
 //! unhealthy one; after a delta push removes the endpoint, new connections
-//! are refused.
+//! are refused. Then authorization from istiod alone: an `Authorization`
+//! resource (ALLOW for one principal) bound to a pod makes its proxy answer
+//! another identity's CONNECT with 401 while the allowed one passes, until
+//! istiod removes it.
 //!
 //! Run as root: `cargo build -p shunt --bins && SHUNT_BIN=… cargo test -p
 //! shunt --test xds_mesh`.
@@ -19,13 +22,14 @@ use std::{
     time::{Duration, Instant},
 };
 
-use fake_istiod::{FakeIstiod, Pki, pod, response, service, workload};
+use fake_istiod::{FakeIstiod, Pki, pod, policy, response, service, workload};
+use serde_json::Value;
 use shunt::state::PodState;
 use shunt::xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL};
-use shunt_proto::istio::workload as workload_pb;
+use shunt_proto::istio::{security as security_pb, workload as workload_pb};
 use shunt_testbed::{
     Topology,
-    agent::{Agent, WorkloadSpec, workloads_yaml},
+    agent::{Agent, WorkloadSpec, http, workloads_yaml},
     apps::EchoServer,
     require_root,
 };
@@ -58,8 +62,14 @@ fn backend(p: &shunt_testbed::Pod, healthy: bool) -> workload_pb::Workload {
 /// One echo round trip through the VIP from the client pod's netns;
 /// `Err` when the connection is refused or reset.
 fn echo_via_vip(client: &shunt_testbed::Pod, payload: &[u8]) -> std::io::Result<Vec<u8>> {
+    echo(client, SocketAddr::from((VIP, 80)), payload)
+}
+
+/// One echo round trip to `to` from the client pod's netns; `Err` when the
+/// connection is refused or reset.
+fn echo(client: &shunt_testbed::Pod, to: SocketAddr, payload: &[u8]) -> std::io::Result<Vec<u8>> {
     let mut conn = client
-        .connect_tcp(SocketAddr::from((VIP, 80)), Duration::from_secs(5))
+        .connect_tcp(to, Duration::from_secs(5))
         .map_err(|e| std::io::Error::other(e.to_string()))?;
     conn.set_read_timeout(Some(Duration::from_secs(5)))?;
     conn.write_all(payload)?;
@@ -102,21 +112,7 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone() {
         WorkloadSpec::for_pod(&sick, true),
     ]);
     let common = ["--redirect", "iptables", "--log-format", "json"];
-    let mut xds_args = common.to_vec();
-    xds_args.extend([
-        "--xds-address",
-        &xds_address,
-        "--xds-root-cert",
-        &root,
-        "--xds-token",
-        &token,
-        "--instance-ip",
-        "198.18.0.5",
-        "--pod-name",
-        "shunt-x1",
-        "--pod-namespace",
-        "istio-system",
-    ]);
+    let xds_args = xds_args(&common, &xds_address, &root, &token);
     let mut agent_a = blocking(|| Agent::start(&topo, &node_a, &yaml, &xds_args)).expect("agent a");
     let mut agent_b = blocking(|| Agent::start(&topo, &node_b, &yaml, &common)).expect("agent b");
 
@@ -237,6 +233,240 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone() {
         "no new connection reached the removed endpoint"
     );
 
+    for agent in [&mut agent_a, &mut agent_b] {
+        let exit = blocking(|| agent.stop()).expect("stop");
+        assert!(exit.success(), "{}", agent.logs());
+    }
+}
+
+/// The agent's start arguments with `--xds-address` (istiod on `istiod`,
+/// its root and token from `pki`), as the fake istiod checks them.
+fn xds_args<'a>(
+    common: &[&'a str],
+    istiod: &'a str,
+    root: &'a str,
+    token: &'a str,
+) -> Vec<&'a str> {
+    let mut args = common.to_vec();
+    args.extend([
+        "--xds-address",
+        istiod,
+        "--xds-root-cert",
+        root,
+        "--xds-token",
+        token,
+        "--instance-ip",
+        "198.18.0.5",
+        "--pod-name",
+        "shunt-x1",
+        "--pod-namespace",
+        "istio-system",
+    ]);
+    args
+}
+
+/// ALLOW to the workloads that name it, from `principal` only.
+fn allow_only(principal: &str) -> security_pb::Authorization {
+    security_pb::Authorization {
+        name: "allow-client".into(),
+        namespace: "default".into(),
+        scope: security_pb::Scope::WorkloadSelector as i32,
+        action: security_pb::Action::Allow as i32,
+        groups: vec![security_pb::Group {
+            rules: vec![security_pb::Rules {
+                matches: vec![security_pb::Match {
+                    principals: vec![security_pb::StringMatch {
+                        match_type: Some(security_pb::string_match::MatchType::Exact(
+                            principal.into(),
+                        )),
+                    }],
+                    ..Default::default()
+                }],
+            }],
+        }],
+        dry_run: false,
+    }
+}
+
+/// The access-log lines (JSON) of `agent` for inbound HBONE.
+fn inbound_lines(agent: &Agent) -> Vec<Value> {
+    agent
+        .logs()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["target"] == "shunt::access" && l["fields"]["direction"] == "inbound")
+        .collect()
+}
+
+fn field<'a>(line: &'a Value, name: &str) -> &'a str {
+    line["fields"][name].as_str().unwrap_or("")
+}
+
+/// Authorization from istiod alone, end to end in iptables mode: the
+/// server (node-a, whose agent takes its cluster view from istiod) is bound
+/// to an ALLOW for the client's principal. A client with another identity
+/// (node-b) gets 401 on its CONNECT (the app never sees it; node-a's access
+/// log names the policy), the allowed one passes; once istiod removes the
+/// policy (and the agent says so in /config_dump), the other client passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_istiod_policy_answers_other_identities_with_401_until_removed() {
+    require_root().expect("kernel tests need root");
+    let mut topo = Topology::new("xds-authz").expect("topology");
+    topo.add_node("node-a").expect("node");
+    topo.add_node("node-b").expect("node");
+    let server = topo.add_pod("node-a", "server").expect("pod");
+    let client = topo.add_pod("node-b", "client").expect("pod");
+    let other = topo.add_pod("node-b", "other").expect("pod");
+    let node_a = topo.node("node-a").expect("node").clone();
+    let node_b = topo.node("node-b").expect("node").clone();
+
+    let pki = Pki::new();
+    let listener = node_a
+        .listen_tcp("127.0.0.1:0".parse().expect("addr"))
+        .expect("listener in node-a");
+    let istiod = FakeIstiod::start_on(&pki, listener);
+    let (address, root, token) = (
+        istiod.addr.to_string(),
+        pki.root_file().display().to_string(),
+        pki.token_file().display().to_string(),
+    );
+    // The file enrols the pods (service accounts sa-<pod>); it names no
+    // policy.
+    let yaml = workloads_yaml(&[
+        WorkloadSpec::for_pod(&server, true),
+        WorkloadSpec::for_pod(&client, true),
+        WorkloadSpec::for_pod(&other, true),
+    ]);
+    let common = ["--redirect", "iptables", "--log-format", "json"];
+    let args_a = xds_args(&common, &address, &root, &token);
+    let mut agent_a = blocking(|| Agent::start(&topo, &node_a, &yaml, &args_a)).expect("agent a");
+    let mut agent_b = blocking(|| Agent::start(&topo, &node_b, &yaml, &common)).expect("agent b");
+    istiod.initial_requests(1).await;
+
+    // istiod: the three pods, the server bound to the policy, and the policy.
+    let mut server_pb = pod("default", server.name(), server.ip().octets(), "node-a");
+    server_pb.service_account = "sa-server".into();
+    server_pb.authorization_policies = vec!["default/allow-client".into()];
+    let mut pods = vec![workload(server_pb, "1")];
+    for p in [&client, &other] {
+        let mut w = pod("default", p.name(), p.ip().octets(), "node-b");
+        w.service_account = format!("sa-{}", p.name());
+        pods.push(workload(w, "1"));
+    }
+    istiod.push(response(ADDRESS_TYPE_URL, "a1", pods, &[]));
+    istiod.push(response(
+        AUTHORIZATION_TYPE_URL,
+        "p1",
+        vec![policy(
+            allow_only("cluster.local/ns/default/sa/sa-client"),
+            "1",
+        )],
+        &[],
+    ));
+    assert_eq!(istiod.answer_to("a1").await.error_detail, None);
+    assert_eq!(istiod.answer_to("p1").await.error_detail, None);
+    for agent in [&mut agent_a, &mut agent_b] {
+        blocking(|| {
+            agent.wait_for("mesh pods enrolled", TIMEOUT, |s| {
+                s.pods.iter().all(|p| p.state == PodState::Enrolled)
+            })
+        })
+        .expect("enrolled");
+    }
+    let policies_on_a = |agent: &Agent| -> Option<Vec<String>> {
+        let (code, body) = http(
+            &node_a,
+            "GET",
+            agent.endpoints().admin.port(),
+            "/config_dump",
+        )
+        .ok()?;
+        let dump: Value = serde_json::from_str(&body).ok().filter(|_| code == 200)?;
+        Some(
+            dump["policies"]
+                .as_array()?
+                .iter()
+                .map(|p| {
+                    format!(
+                        "{}/{}",
+                        p["namespace"].as_str().unwrap_or(""),
+                        p["name"].as_str().unwrap_or("")
+                    )
+                })
+                .collect(),
+        )
+    };
+    let deadline = Instant::now() + TIMEOUT;
+    while blocking(|| policies_on_a(&agent_a)).as_deref()
+        != Some(&["default/allow-client".to_owned()][..])
+    {
+        assert!(
+            Instant::now() < deadline,
+            "istiod's policy never applied on node-a:\n{}",
+            agent_a.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let app = EchoServer::on(&server, 8080).expect("echo");
+    let to = SocketAddr::from((server.ip(), 8080));
+    let payload = vec![7u8; 4096];
+    let back = blocking(|| echo(&client, to, &payload))
+        .unwrap_or_else(|e| panic!("the allowed client: {e}\n{}", agent_a.logs()));
+    assert_eq!(back, payload, "the allowed principal passes");
+    let denied = blocking(|| echo(&other, to, &payload));
+    assert!(
+        !matches!(&denied, Ok(back) if *back == payload),
+        "another identity got through: {denied:?}"
+    );
+    assert_eq!(app.peers().len(), 1, "the app saw only the allowed client");
+    let other_id = "spiffe://cluster.local/ns/default/sa/sa-other";
+    let deadline = Instant::now() + TIMEOUT;
+    let line = loop {
+        if let Some(line) = inbound_lines(&agent_a)
+            .into_iter()
+            .find(|l| field(l, "src.identity") == other_id && field(l, "result") == "denied")
+        {
+            break line;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no denied inbound line on node-a:\n{}",
+            agent_a.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(field(&line, "reason").starts_with("401 "), "{line}");
+    assert_eq!(field(&line, "policy"), "default/allow-client", "{line}");
+
+    // istiod removes the policy: once node-a has applied the removal, the
+    // other identity passes.
+    istiod.push(response(
+        AUTHORIZATION_TYPE_URL,
+        "p2",
+        vec![],
+        &["default/allow-client"],
+    ));
+    assert_eq!(istiod.answer_to("p2").await.error_detail, None);
+    let deadline = Instant::now() + TIMEOUT;
+    while blocking(|| policies_on_a(&agent_a)).as_deref() != Some(&[][..]) {
+        assert!(
+            Instant::now() < deadline,
+            "the removal never applied on node-a:\n{}",
+            agent_a.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let back = blocking(|| echo(&other, to, &payload)).unwrap_or_else(|e| {
+        panic!(
+            "the other client after the removal: {e}\n{}",
+            agent_a.logs()
+        )
+    });
+    assert_eq!(back, payload, "no policy: every identity passes");
+    assert_eq!(app.peers().len(), 2);
+
+    drop(app);
     for agent in [&mut agent_a, &mut agent_b] {
         let exit = blocking(|| agent.stop()).expect("stop");
         assert!(exit.success(), "{}", agent.logs());

@@ -1455,7 +1455,11 @@ fn check_rolling_update(objects: &[Object]) {
 ///   (`Api::all`), for service discovery;
 /// - userspace/src/control/kube/annotate.rs, `patch`: a JSON merge patch of
 ///   the `ambient.istio.io/redirection` annotation
-///   (`Api::<Pod>::namespaced(..).patch`).
+///   (`Api::<Pod>::namespaced(..).patch`);
+/// - userspace/src/control/kube/policy.rs, `PolicyWatch::new`: a kube-rs
+///   `watcher` on Istio's security.istio.io authorizationpolicies
+///   (`Api::all`), a resource of the file's own (`impl Resource for`, with
+///   `const GROUP` and `const PLURAL`).
 ///
 /// `rbac_rules_cover_exactly_the_agents_api_calls` checks this list against
 /// the code as well as against deploy/rbac.yaml.
@@ -1464,6 +1468,11 @@ const AGENT_API_CALLS: &[(&str, &str, &[&str])] = &[
     ("", "namespaces", &["list", "watch"]),
     ("", "services", &["list", "watch"]),
     ("discovery.k8s.io", "endpointslices", &["list", "watch"]),
+    (
+        "security.istio.io",
+        "authorizationpolicies",
+        &["list", "watch"],
+    ),
 ];
 
 /// (group, resource) of a k8s-openapi type named in the agent's code.
@@ -1487,9 +1496,14 @@ fn api_resource(module: &str, name: &str) -> (String, String) {
 }
 
 /// The k8s-openapi resource types a source names
-/// (`k8s_openapi::api::core::v1::{Namespace, Pod}` and the like).
+/// (`k8s_openapi::api::core::v1::{Namespace, Pod}` and the like), and a
+/// resource the source defines itself (`impl Resource for`, named by its
+/// `const GROUP` and `const PLURAL`).
 fn api_types(source: &str) -> Vec<(String, String)> {
     let mut out = Vec::new();
+    if source.contains("impl Resource for ") {
+        out.push((rust_const(source, "GROUP"), rust_const(source, "PLURAL")));
+    }
     for (at, _) in source.match_indices("k8s_openapi::api::") {
         let rest = &source[at + "k8s_openapi::api::".len()..];
         let mut parts = rest.splitn(3, "::");
@@ -1685,6 +1699,16 @@ fn the_code_scan_sees_calls_and_types() {
     assert!(types.contains(&(String::new(), "pods".into())));
     assert!(types.contains(&(String::new(), "namespaces".into())));
     assert!(types.contains(&("discovery.k8s.io".into(), "endpointslices".into())));
+    let own = "pub const GROUP: &str = \"security.istio.io\";\n\
+               pub const PLURAL: &str = \"authorizationpolicies\";\n\
+               impl Resource for AuthorizationPolicyObject {}";
+    assert_eq!(
+        api_types(own),
+        [(
+            "security.istio.io".to_string(),
+            "authorizationpolicies".to_string()
+        )]
+    );
     assert_eq!(
         api_verbs(source),
         ["list", "patch", "watch"].into_iter().collect()

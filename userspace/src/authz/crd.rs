@@ -87,6 +87,36 @@ pub struct PolicyError {
     pub stand_in: Option<Box<Policy>>,
 }
 
+impl PolicyError {
+    /// What takes the broken policy's place, in words, for the line that
+    /// reports it (every source says it the same way).
+    pub fn instead(&self) -> String {
+        match self.stand_in.as_deref() {
+            Some(p) if p.action == Action::Allow => format!(
+                "an ALLOW policy with no rule (allows nothing) takes its place for {}",
+                scope_in_words(p)
+            ),
+            Some(p) => format!(
+                "a DENY-all policy takes its place for {}",
+                scope_in_words(p)
+            ),
+            None => "nothing takes its place (a node proxy does not enforce its action)".into(),
+        }
+    }
+}
+
+/// The workloads a policy's scope covers, in words.
+fn scope_in_words(p: &Policy) -> String {
+    match (&p.scope, &p.selector) {
+        (Scope::Global, _) => "every workload of the mesh".into(),
+        (Scope::WorkloadSelector, Some(labels)) => {
+            let labels: Vec<String> = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            format!("the workloads labelled {}", labels.join(","))
+        }
+        _ => format!("every workload of namespace {}", p.namespace),
+    }
+}
+
 /// Translates one object; `default_namespace` is the namespace of an
 /// object without `metadata.namespace` (`default`, as `kubectl apply`).
 pub fn translate(

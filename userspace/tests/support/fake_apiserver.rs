@@ -8,6 +8,11 @@
 //!   token from before a change answers HTTP 410 Expired, as a real server
 //!   does once the snapshot is gone); `fieldSelector` (`a.b=v`, `a.b!=v`,
 //!   comma-separated) is honoured.
+//! - `GET /apis/security.istio.io/v1/authorizationpolicies` likewise (list
+//!   items keep `apiVersion` and `kind`, as a real server's custom-resource
+//!   lists do), unless [`FakeApiServer::set_served`] took the CRD away: then
+//!   `404 page not found` in plain text, what kube-apiserver answers for a
+//!   group/version it does not serve.
 //! - `...?watch=true&resourceVersion=N`: newline-delimited
 //!   `{"type":"ADDED"|"MODIFIED"|"DELETED"|"BOOKMARK"|"ERROR","object":…}`,
 //!   replaying history after N, then live. A resource version older than the
@@ -59,6 +64,7 @@ pub enum Kind {
     Namespace,
     Service,
     EndpointSlice,
+    AuthorizationPolicy,
 }
 
 impl Kind {
@@ -68,12 +74,14 @@ impl Kind {
             Kind::Namespace => "Namespace",
             Kind::Service => "Service",
             Kind::EndpointSlice => "EndpointSlice",
+            Kind::AuthorizationPolicy => "AuthorizationPolicy",
         }
     }
 
     fn api_version(self) -> &'static str {
         match self {
             Kind::EndpointSlice => "discovery.k8s.io/v1",
+            Kind::AuthorizationPolicy => "security.istio.io/v1",
             _ => "v1",
         }
     }
@@ -117,6 +125,8 @@ struct Inner {
     watches: Vec<Watch>,
     patches: Vec<PatchRecord>,
     requests: Vec<RequestRecord>,
+    /// Kinds whose resource is not served (a CRD not installed).
+    unserved: std::collections::BTreeSet<Kind>,
 }
 
 /// The server. Dropping it stops it.
@@ -362,6 +372,18 @@ impl FakeApiServer {
         });
     }
 
+    /// Serves `kind` or not (installs or removes its CRD). Removing it
+    /// also cuts its open watches, as the API server does.
+    pub fn set_served(&self, kind: Kind, served: bool) {
+        let mut inner = self.lock();
+        if served {
+            inner.unserved.remove(&kind);
+        } else {
+            inner.unserved.insert(kind);
+            inner.watches.retain(|w| w.kind != kind);
+        }
+    }
+
     pub fn open_watches(&self) -> usize {
         self.lock().watches.len()
     }
@@ -549,6 +571,20 @@ async fn handle(inner: &Arc<Mutex<Inner>>, req: Request<Incoming>) -> Response<B
         (&Method::GET, ["apis", "discovery.k8s.io", "v1", "endpointslices"]) => {
             list_or_watch(inner, Kind::EndpointSlice, &query)
         }
+        (&Method::GET, ["apis", "security.istio.io", "v1", "authorizationpolicies"]) => {
+            if lock(inner).unserved.contains(&Kind::AuthorizationPolicy) {
+                return Response::builder()
+                    .status(StatusCode::NOT_FOUND)
+                    .header("content-type", "text/plain; charset=utf-8")
+                    .body(
+                        Full::new(Bytes::from_static(b"404 page not found\n"))
+                            .map_err(|never| match never {})
+                            .boxed(),
+                    )
+                    .expect("valid response");
+            }
+            list_or_watch(inner, Kind::AuthorizationPolicy, &query)
+        }
         (&Method::PATCH, ["api", "v1", "namespaces", ns, "pods", name]) => {
             let body = match req.into_body().collect().await {
                 Ok(body) => body.to_bytes(),
@@ -612,9 +648,13 @@ fn list_or_watch(
         .skip(offset)
         .take(limit)
         .map(|v| {
-            // Items of a list carry no kind/apiVersion.
+            // Items of a built-in type's list carry no kind/apiVersion
+            // (a custom resource's do).
             let mut v = (*v).clone();
-            if let Some(o) = v.as_object_mut() {
+            if let Some(o) = v
+                .as_object_mut()
+                .filter(|_| kind != Kind::AuthorizationPolicy)
+            {
                 o.remove("kind");
                 o.remove("apiVersion");
             }
@@ -787,6 +827,15 @@ pub fn pod(namespace: &str, name: &str, node: &str, ip: Option<&str>, labels: Va
         pod["status"]["podIPs"] = json!([{"ip": ip}]);
     }
     pod
+}
+
+/// An `AuthorizationPolicy` with `spec`, as `kubectl apply` would store it.
+pub fn authorization_policy(namespace: &str, name: &str, spec: Value) -> Value {
+    json!({
+        "metadata": {"name": name, "namespace": namespace, "generation": 1,
+                     "creationTimestamp": "2026-12-01T00:00:00Z"},
+        "spec": spec
+    })
 }
 
 /// A namespace with `labels`.

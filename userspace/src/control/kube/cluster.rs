@@ -1,6 +1,7 @@
 //! Cluster-wide workload discovery: every pod's IPs, identity and node, for
-//! the proxy (which must know who a peer IP is and where it runs), and every
-//! service's VIPs and endpoints (see [`super::service`]).
+//! the proxy (which must know who a peer IP is and where it runs), every
+//! service's VIPs and endpoints (see [`super::service`]), and Istio's
+//! `AuthorizationPolicy` objects (see [`super::policy`]).
 //!
 //! A pod watch without a field selector plus a namespace watch (for the
 //! dataplane-mode label), reduced to facts like the node source's, and
@@ -9,10 +10,15 @@
 //! an IP yet are left out (there is nothing to route to). Services join the
 //! view once their two watches have listed, independently of the pods: a
 //! cluster where the agent may not list services (an older RBAC) still gets
-//! pod discovery. Kept separate from the node source on purpose: the node
-//! source must keep its narrow field-selected watch (what this node enrols
-//! must not wait on a cluster-sized list), and a consumer that does not need
-//! discovery (no proxy) does not pay for it.
+//! pod discovery. Policies join the same way, and never hold discovery back
+//! for long: the first view waits for the policy list only until it is
+//! listed, known absent (no CRD: 404), refused or failing, and at most
+//! [`POLICY_LIST_WAIT`], so that a pod is not served without its policies
+//! merely because one list answered before another. Kept separate from the
+//! node source on purpose: the node source must keep its narrow
+//! field-selected watch (what this node enrols must not wait on a
+//! cluster-sized list), and a consumer that does not need discovery (no
+//! proxy) does not pay for it.
 
 use std::{sync::Arc, time::Duration};
 
@@ -20,7 +26,9 @@ use ::kube::Client;
 use tokio::time::Instant;
 use tracing::{debug, info};
 
-use super::{SourceStats, Step, Watches, service::ServiceWatches, sleep_until};
+use super::{
+    SourceStats, Step, Watches, policy::PolicyWatch, service::ServiceWatches, sleep_until,
+};
 use crate::{
     control::{ClusterView, SourceSink},
     state::Workload,
@@ -28,6 +36,11 @@ use crate::{
 
 /// Name of this source in readiness and logs.
 pub const SOURCE: &str = "kubernetes-cluster";
+
+/// How long the first cluster view may wait for the `AuthorizationPolicy`
+/// list (see the module docs); after that it goes without, and the
+/// policies join when they come.
+pub const POLICY_LIST_WAIT: Duration = Duration::from_secs(5);
 
 /// Discovers every pod and service of the cluster.
 pub struct ClusterWorkloads {
@@ -53,6 +66,8 @@ impl ClusterWorkloads {
     pub async fn run(self, sink: Arc<dyn SourceSink>) {
         let mut watch = Watches::new(&self.client, None, self.stats.clone());
         let mut services = ServiceWatches::new(&self.client, self.stats.clone());
+        let mut policies = PolicyWatch::new(&self.client, self.stats.clone());
+        let started = Instant::now();
         let mut last: Option<ClusterView> = None;
         let mut deadline: Option<Instant> = None;
         loop {
@@ -72,9 +87,21 @@ impl ClusterWorkloads {
                     Step::Unchanged => {}
                     Step::Ended => return,
                 },
+                step = policies.step() => match step {
+                    Step::Changed => {
+                        deadline.get_or_insert_with(|| Instant::now() + self.debounce);
+                    }
+                    Step::Unchanged => {}
+                    Step::Ended => return,
+                },
                 _ = sleep_until(armed), if armed.is_some() => {
                     deadline = None;
                     if !watch.view.listed() && !services.listed() {
+                        continue;
+                    }
+                    if !policies.settled() && started.elapsed() < POLICY_LIST_WAIT {
+                        // Look again shortly: bounded by POLICY_LIST_WAIT.
+                        deadline = Some(Instant::now() + self.debounce);
                         continue;
                     }
                     let view = &watch.view;
@@ -90,16 +117,14 @@ impl ClusterWorkloads {
                     let next = ClusterView {
                         workloads,
                         services: if services.listed() { services.services() } else { Vec::new() },
-                        // Kubernetes' AuthorizationPolicy objects are not
-                        // watched (yet).
-                        policies: Vec::new(),
+                        policies: policies.policies(),
                     };
                     if last.as_ref() == Some(&next) {
                         continue;
                     }
                     debug!(workloads = next.workloads.len(), services = next.services.len(), "cluster view changed");
                     if last.is_none() {
-                        info!(workloads = next.workloads.len(), services = next.services.len(), "cluster workloads listed");
+                        info!(workloads = next.workloads.len(), services = next.services.len(), policies = next.policies.len(), "cluster workloads listed");
                         sink.synced(SOURCE);
                     }
                     last = Some(next.clone());

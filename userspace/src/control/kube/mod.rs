@@ -43,8 +43,9 @@
 //!
 //! Cluster-wide workload discovery (every pod's IPs and identity, for the
 //! proxy) is [`ClusterWorkloads`]: a third watcher, on all pods, plus
-//! watchers of Services and EndpointSlices ([`service`]), that pushes the
-//! cluster-wide view ([`SourceSink::cluster`]).
+//! watchers of Services and EndpointSlices ([`service`]) and of Istio's
+//! `AuthorizationPolicy` objects ([`policy`]), that pushes the cluster-wide
+//! view ([`SourceSink::cluster`]).
 
 pub mod annotate;
 mod cache;
@@ -53,6 +54,7 @@ pub mod cri;
 pub mod lenient;
 pub mod netns;
 pub mod pod;
+pub mod policy;
 pub mod service;
 
 use std::{

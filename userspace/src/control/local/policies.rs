@@ -70,16 +70,7 @@ pub(super) fn check(raw: Vec<serde_yaml::Value>) -> (Vec<Policy>, Findings) {
                     .push((entry, format!("not enforced: {reason}")));
             }
             Err(e) => {
-                let instead = match &e.stand_in {
-                    Some(p) if p.action == crate::authz::Action::Allow => format!(
-                        "an ALLOW policy with no rule (allows nothing) takes its place for {}",
-                        scope_of(p)
-                    ),
-                    Some(p) => format!("a DENY-all policy takes its place for {}", scope_of(p)),
-                    None => {
-                        "nothing takes its place (a node proxy does not enforce its action)".into()
-                    }
-                };
+                let instead = e.instead();
                 findings.problems.push(Problem {
                     entry: Some(entry),
                     field: Some(e.field.clone()),
@@ -91,18 +82,6 @@ pub(super) fn check(raw: Vec<serde_yaml::Value>) -> (Vec<Policy>, Findings) {
         }
     }
     (policies, findings)
-}
-
-fn scope_of(p: &Policy) -> String {
-    use crate::authz::Scope;
-    match (&p.scope, &p.selector) {
-        (Scope::Global, _) => "every workload of the mesh".into(),
-        (Scope::WorkloadSelector, Some(labels)) => {
-            let labels: Vec<String> = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
-            format!("the workloads labelled {}", labels.join(","))
-        }
-        _ => format!("every workload of namespace {}", p.namespace),
-    }
 }
 
 #[cfg(test)]

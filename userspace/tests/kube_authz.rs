@@ -1,0 +1,436 @@
+//! Istio `AuthorizationPolicy` objects from the Kubernetes API (the
+//! standalone kube mode's cluster discovery), against the in-test API server
+//! (`support/fake_apiserver.rs`) with the real kube-rs client and watcher.
+//!
+//! - The `shunt agent` binary, given only a kubeconfig: policies created,
+//!   modified and deleted show in its `/config_dump` (what an operator
+//!   reads), a bad policy is named in its log (namespace/name and field)
+//!   and replaced by its fail-closed stand-in while the good one applies.
+//! - Cluster discovery in process, with the CRD not installed (404): pods
+//!   are discovered anyway, the absence is said once however often the list
+//!   is retried, and once the CRD is served its policies reach the store.
+//!
+//! Every wait is bounded; the API server listens on 127.0.0.1 only.
+
+#[path = "support/fake_apiserver.rs"]
+mod fake_apiserver;
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpStream},
+    path::PathBuf,
+    sync::{Arc, Mutex, OnceLock, RwLock},
+    time::{Duration, Instant},
+};
+
+use fake_apiserver::{FakeApiServer, Kind, authorization_policy, namespace, pod};
+use serde_json::{Value, json};
+use shunt::{
+    admin::ConfigDump,
+    app::{AgentSink, Latest, own_store},
+    control::{SourceSink, kube::ClusterWorkloads},
+    state::WorkloadStore,
+};
+use shunt_testbed::{Topology, require_root};
+use tokio::sync::watch;
+
+/// Upper bound for anything the agent should do after a change.
+const TIMEOUT: Duration = Duration::from_secs(20);
+const POLICIES_PATH: &str = "/apis/security.istio.io/v1/authorizationpolicies";
+
+// ---------------------------------------------------------------- logging
+
+/// Log lines of the in-process tests (tracing's subscriber is global).
+fn logs() -> &'static Mutex<Vec<u8>> {
+    static LOGS: OnceLock<Mutex<Vec<u8>>> = OnceLock::new();
+    LOGS.get_or_init(Mutex::default)
+}
+
+struct LogWriter;
+
+impl std::io::Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        logs()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend_from_slice(buf);
+        let _ = std::io::stderr().write_all(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn init_logging() {
+    static INIT: OnceLock<()> = OnceLock::new();
+    INIT.get_or_init(|| {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter("info,shunt=debug")
+            .with_ansi(false)
+            .with_writer(|| LogWriter)
+            .try_init();
+    });
+}
+
+fn log_lines_with(needles: &[&str]) -> Vec<String> {
+    let logs = logs().lock().unwrap_or_else(|p| p.into_inner());
+    String::from_utf8_lossy(&logs)
+        .lines()
+        .filter(|l| needles.iter().all(|n| l.contains(n)))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Waits until `check` holds, polling every 50 ms, for at most `timeout`.
+async fn wait_for(what: &str, timeout: Duration, mut check: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !check() {
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+// ---------------------------------------------------------------- policies
+
+const CLIENT: &str = "cluster.local/ns/shop/sa/client";
+
+/// ALLOW the client's principal to the pods labelled `app: web`.
+fn allow_client() -> Value {
+    authorization_policy(
+        "shop",
+        "allow-client",
+        json!({"selector": {"matchLabels": {"app": "web"}},
+               "action": "ALLOW",
+               "rules": [{"from": [{"source": {"principals": [CLIENT]}}]}]}),
+    )
+}
+
+/// A typo (`principal`): an unknown field.
+fn typo() -> Value {
+    authorization_policy(
+        "shop",
+        "typo",
+        json!({"selector": {"matchLabels": {"app": "web"}},
+               "rules": [{"from": [{"source": {"principal": ["x"]}}]}]}),
+    )
+}
+
+// ---------------------------------------------------------------- the binary
+
+/// Kills (by its PID) and reaps a child process when dropped.
+struct ChildGuard(std::process::Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// A bpf pin dir for one test agent, removed when dropped (also on panic).
+struct PinDir(PathBuf);
+
+impl Drop for PinDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `GET path` on the agent's admin port (loopback, HTTP/1.0).
+fn admin_get(admin: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut stream = TcpStream::connect_timeout(&admin, Duration::from_secs(5))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw)?;
+    let (head, body) = raw
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| std::io::Error::other(format!("no header end in {raw:?}")))?;
+    let code = head
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("bad status line in {head:?}")))?;
+    Ok((code, body.to_owned()))
+}
+
+/// `(namespace/name, action, rules)` of each policy `/config_dump` lists,
+/// and the policies it says apply to workload `shop/web`.
+type Seen = (Vec<(String, String, usize)>, Vec<String>);
+
+fn config_dump(admin: SocketAddr) -> Option<Seen> {
+    let (code, body) = admin_get(admin, "/config_dump").ok()?;
+    if code != 200 {
+        return None;
+    }
+    let dump: ConfigDump = serde_json::from_str(&body).ok()?;
+    let policies = dump
+        .policies
+        .iter()
+        .map(|p| {
+            (
+                format!("{}/{}", p.namespace, p.name),
+                p.action.clone(),
+                p.rules,
+            )
+        })
+        .collect();
+    let web = dump
+        .workloads
+        .iter()
+        .find(|w| w.namespace == "shop" && w.name == "web")?
+        .policies
+        .clone();
+    Some((policies, web))
+}
+
+/// The `shunt agent` binary without `--workloads` takes its cluster view,
+/// policies included, from the Kubernetes API named by `KUBECONFIG`:
+/// created, modified and deleted policies show in `/config_dump`; a bad one
+/// is named in the log with its field, and its stand-in (an ALLOW with no
+/// rule: fail closed) applies beside the good one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kube_policies_follow_create_modify_delete_in_config_dump() {
+    require_root().expect("the agent binary loads eBPF: run as root");
+    let topo = Topology::new("kube-authz").expect("topology");
+    let pin_dir = PinDir(PathBuf::from(format!("/sys/fs/bpf/{}-kube", topo.prefix())));
+    let server = FakeApiServer::start().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    server.apply(
+        Kind::Namespace,
+        namespace("shop", json!({"istio.io/dataplane-mode": "ambient"})),
+    );
+    // On another node: discovered, never enrolled here.
+    server.apply(
+        Kind::Pod,
+        pod(
+            "shop",
+            "web",
+            "node-b",
+            Some("198.18.2.10"),
+            json!({"app": "web"}),
+        ),
+    );
+    server.apply(Kind::AuthorizationPolicy, allow_client());
+    server.apply(Kind::AuthorizationPolicy, typo());
+
+    let kubeconfig = server.write_kubeconfig(dir.path());
+    // The agent runs in the test's own netns: every port it serves goes on
+    // a free loopback port.
+    let free_port = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free loopback port")
+    };
+    let (admin, metrics, readiness) = (free_port(), free_port(), free_port());
+    let log_path = dir.path().join("agent.log");
+    let log = std::fs::File::create(&log_path).expect("log file");
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_shunt"))
+        .arg("agent")
+        .args(["--redirect", "ebpf", "--log-level", "info,shunt=debug"])
+        .arg("--bpf-pin-dir")
+        .arg(&pin_dir.0)
+        .arg("--cgroup-root")
+        .arg(topo.cgroup_root().expect("topology cgroup"))
+        .arg("--admin-addr")
+        .arg(admin.to_string())
+        .arg("--metrics-addr")
+        .arg(metrics.to_string())
+        .arg("--readiness-addr")
+        .arg(readiness.to_string())
+        .arg("--ca-dir")
+        .arg(dir.path().join("ca"))
+        .env("NODE_NAME", "node-a")
+        .env("KUBECONFIG", &kubeconfig)
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .stdout(log.try_clone().expect("log"))
+        .stderr(log)
+        .spawn()
+        .expect("start shunt agent");
+    let _child = ChildGuard(child);
+    let agent_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    let wait_dump = |what: &str, want: Seen| {
+        let start = Instant::now();
+        let mut last = None;
+        loop {
+            let seen = config_dump(admin);
+            if seen.as_ref() == Some(&want) {
+                return;
+            }
+            if seen.is_some() {
+                last = seen;
+            }
+            assert!(
+                start.elapsed() < TIMEOUT,
+                "{what}: /config_dump shows {last:?}, wanted {want:?}; the agent's log:\n{}",
+                agent_log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let entry =
+        |name: &str, action: &str, rules: usize| (name.to_owned(), action.to_owned(), rules);
+
+    tokio::task::block_in_place(|| {
+        wait_dump(
+            "both policies listed",
+            (
+                vec![
+                    entry("shop/allow-client", "ALLOW", 1),
+                    // The stand-in of the broken ALLOW: allows nothing.
+                    entry("shop/typo", "ALLOW", 0),
+                ],
+                vec!["shop/allow-client".into(), "shop/typo".into()],
+            ),
+        )
+    });
+    let log = agent_log();
+    let named: Vec<&str> = log
+        .lines()
+        .filter(|l| {
+            l.contains(
+                "AuthorizationPolicy shop/typo: field `spec.rules[0].from[0].source.principal`: unknown field",
+            )
+        })
+        .collect();
+    assert!(!named.is_empty(), "the bad policy is named: {log}");
+    assert!(
+        named[0].contains(
+            "the policy is ignored and an ALLOW policy with no rule (allows nothing) takes its place for the workloads labelled app=web"
+        ),
+        "{}",
+        named[0]
+    );
+
+    // Modified: now a DENY with two rules.
+    server.update(Kind::AuthorizationPolicy, "shop", "allow-client", |p| {
+        p["spec"]["action"] = json!("DENY");
+        p["spec"]["rules"] = json!([
+            {"to": [{"operation": {"ports": ["22"]}}]},
+            {"from": [{"source": {"namespaces": ["untrusted"]}}]}
+        ]);
+    });
+    tokio::task::block_in_place(|| {
+        wait_dump(
+            "the modification applied",
+            (
+                vec![
+                    entry("shop/allow-client", "DENY", 2),
+                    entry("shop/typo", "ALLOW", 0),
+                ],
+                vec!["shop/allow-client".into(), "shop/typo".into()],
+            ),
+        )
+    });
+
+    // Deleted: gone from the dump and from the workload's list.
+    server.delete(Kind::AuthorizationPolicy, "shop", "allow-client");
+    tokio::task::block_in_place(|| {
+        wait_dump(
+            "the deletion applied",
+            (
+                vec![entry("shop/typo", "ALLOW", 0)],
+                vec!["shop/typo".into()],
+            ),
+        )
+    });
+}
+
+// ---------------------------------------------------------------- no CRD
+
+/// A workload store with the agent's own writer behind the agent's sink.
+fn cluster_store() -> (Arc<RwLock<WorkloadStore>>, Arc<dyn SourceSink>) {
+    let store = Arc::new(RwLock::new(WorkloadStore::new()));
+    let views = Arc::new(Latest::default());
+    let (applied, _) = watch::channel(0);
+    tokio::spawn(own_store(store.clone(), views.clone(), applied, || {}));
+    let (pods, _) = watch::channel(None);
+    (store, Arc::new(AgentSink::new(pods, Some(views))))
+}
+
+fn policy_names(store: &RwLock<WorkloadStore>) -> Vec<String> {
+    store
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .policies()
+        .iter()
+        .map(|p| p.key().to_string())
+        .collect()
+}
+
+/// Istio not installed (the API server answers 404 for the CRD's group):
+/// discovery goes on without policies (pods reach the store), the absence
+/// is said once while the list is retried; once the CRD is served, its
+/// policies apply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_crd_discovery_goes_on_and_policies_come_when_it_is_installed() {
+    init_logging();
+    let server = FakeApiServer::start().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    server.set_served(Kind::AuthorizationPolicy, false);
+    server.apply(Kind::Namespace, namespace("shop", json!({})));
+    server.apply(
+        Kind::Pod,
+        pod(
+            "shop",
+            "web",
+            "node-b",
+            Some("198.18.2.10"),
+            json!({"app": "web"}),
+        ),
+    );
+    let discovery = ClusterWorkloads::new(server.client(dir.path()).await);
+    let (store, sink) = cluster_store();
+    let task = tokio::spawn(discovery.run(sink));
+
+    wait_for("the pod discovered without the CRD", TIMEOUT, || {
+        store.read().unwrap_or_else(|p| p.into_inner()).len() == 1
+    })
+    .await;
+    let list_attempts = || {
+        server
+            .requests()
+            .iter()
+            .filter(|r| r.path == POLICIES_PATH)
+            .count()
+    };
+    wait_for("the policy list retried twice", TIMEOUT, || {
+        list_attempts() >= 3
+    })
+    .await;
+    let absent = log_lines_with(&["AuthorizationPolicy CRD", "is not installed"]);
+    assert_eq!(
+        absent.len(),
+        1,
+        "said once over {} attempts: {absent:#?}",
+        list_attempts()
+    );
+    assert!(policy_names(&store).is_empty());
+
+    // Istio is installed, with a policy: it applies at the next retry.
+    server.set_served(Kind::AuthorizationPolicy, true);
+    server.apply(Kind::AuthorizationPolicy, allow_client());
+    wait_for(
+        "the policy in the store once the CRD is served",
+        TIMEOUT,
+        || policy_names(&store) == ["shop/allow-client"],
+    )
+    .await;
+    assert_eq!(
+        log_lines_with(&["authorizationpolicies.security.istio.io is served now"]).len(),
+        1
+    );
+    assert_eq!(
+        store.read().unwrap_or_else(|p| p.into_inner()).len(),
+        1,
+        "the pod stayed"
+    );
+    task.abort();
+}
