@@ -91,6 +91,13 @@ struct RunArgs {
     /// default, access log included.
     #[arg(long, default_value = "info")]
     agent_log: String,
+    /// Measure with these numbers of AuthorizationPolicies on the
+    /// destination, in turn (e.g. `0,10,1000`): generated ALLOW policies
+    /// selecting the server pods, applied through the workloads file; only
+    /// the last one admits the client, so each check evaluates them all.
+    /// Mesh paths only; reported in a table of its own.
+    #[arg(long, value_delimiter = ',')]
+    policies: Vec<usize>,
 }
 
 #[derive(Args)]
@@ -314,6 +321,7 @@ fn run(args: RunArgs) -> anyhow::Result<bool> {
         bench_bin: std::env::current_exe()?,
         workspace: workspace.clone(),
         logs_dir: Some(out.join("raw").join(format!("{name}-agent-logs"))),
+        policies: args.policies.clone(),
     };
     let result = measure::run(&options);
     let _ = std::fs::remove_dir_all(&scratch);

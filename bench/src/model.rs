@@ -237,6 +237,11 @@ pub struct Record {
     /// the proxy saw every connection and byte (mesh paths).
     pub verified: bool,
     pub problems: Vec<String>,
+    /// With `--policies`: how many AuthorizationPolicies guarded the
+    /// destination during this measurement (`None`: the run did not vary
+    /// them, and the agents had none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policies: Option<usize>,
 }
 
 /// Everything one run produced.
@@ -261,4 +266,8 @@ pub struct RunResults {
     /// What the operator noted about the run (`shunt-bench render --note`).
     #[serde(default)]
     pub notes: Vec<String>,
+    /// `--policies`: the numbers of AuthorizationPolicies on the
+    /// destination each repetition was measured with (empty: not varied).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub policies: Vec<usize>,
 }

@@ -9,7 +9,7 @@ use std::{
     path::Path,
     process::{Child, Stdio},
     sync::mpsc,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, anyhow, bail};
@@ -22,6 +22,11 @@ use shunt_testbed::{
 use crate::model::{Dest, ECHO_PORT, Locality, Mode, PathSpec, SINK_PORT};
 
 pub(super) const CLIENT: &str = "client";
+/// The client pod's identity as policies name it (`WorkloadSpec::for_pod`
+/// gives it service account `sa-client`).
+const CLIENT_PRINCIPAL: &str = "cluster.local/ns/default/sa/sa-client";
+/// The server pods in the mesh: what `--policies` guards.
+const MESH_SERVERS: [&str; 2] = ["same-mesh", "cross-mesh"];
 
 /// The agent's `--redirect` mode for `mode` (and what its status reports).
 fn redirect_mode(mode: Mode) -> &'static str {
@@ -73,6 +78,8 @@ pub(super) struct Bed {
     pub(super) agents_cgroup: Option<AgentsCgroup>,
     pub(super) apps: Cgroup,
     pub(super) pods: BTreeMap<&'static str, Pod>,
+    /// The agents' workloads file as first written (empty without agents).
+    workloads: String,
     /// Owns the namespaces (dropped last).
     _topo: Topology,
 }
@@ -108,12 +115,14 @@ impl Bed {
         }
         let apps = Cgroup::create(&topo, "apps")?;
         let mut agents = Vec::new();
+        let mut workloads = String::new();
         if mode != Mode::Direct {
             let specs: Vec<PodSpec> = layout
                 .iter()
                 .map(|&(_, name, ambient)| PodSpec::for_pod(&pods[name], ambient))
                 .collect();
             let yaml = workloads_yaml(&specs);
+            workloads = yaml.clone();
             for node_name in ["node-a", "node-b"] {
                 let node = topo
                     .node(node_name)
@@ -154,6 +163,7 @@ impl Bed {
             agents_cgroup,
             apps,
             pods,
+            workloads,
             _topo: topo,
         };
         for &(_, name, _) in layout {
@@ -196,6 +206,44 @@ impl Bed {
             Ok(line) => bail!("the server in {pod} said {line:?} instead of ready"),
             Err(_) => bail!("the server in {pod} did not get ready within 20 s"),
         }
+    }
+
+    /// Rewrites every agent's workloads file with `count` generated
+    /// policies on the mesh servers (see [`super::policies`]) and waits
+    /// (bounded) until each agent's status shows exactly them on its server
+    /// pod. Nothing to do without agents.
+    pub(super) fn set_policies(&self, count: usize) -> anyhow::Result<()> {
+        let yaml = super::policies::workloads_with_policies(
+            &self.workloads,
+            &MESH_SERVERS,
+            CLIENT_PRINCIPAL,
+            count,
+        );
+        for (_, agent) in &self.agents {
+            agent.write_workloads(&yaml)?;
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for (node, agent) in &self.agents {
+            loop {
+                let status = agent.status()?;
+                let servers: Vec<usize> = status
+                    .pods
+                    .iter()
+                    .filter(|p| MESH_SERVERS.contains(&p.name.as_str()))
+                    .map(|p| p.policies.len())
+                    .collect();
+                if !servers.is_empty() && servers.iter().all(|&n| n == count) {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    bail!(
+                        "the agent on {node} shows {servers:?} policies on its server pod, not {count}, after 60 s"
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        Ok(())
     }
 
     pub(super) fn agent_pids(&self) -> Vec<u32> {

@@ -12,8 +12,14 @@
 //! ```
 //!
 //! The direct topology has no agent at all: it is the physical limit.
+//!
+//! With `--policies N,M,…` every repetition measures each workload and path
+//! once per count of AuthorizationPolicies on the destination (see
+//! [`policies`]), applied through the agents' workloads files before the
+//! paths run, so the counts are interleaved like the paths.
 
 mod bed;
+mod policies;
 
 use std::{
     collections::BTreeMap,
@@ -53,6 +59,9 @@ pub struct Options {
     /// Where to keep the agents' logs when a measurement fails (they go
     /// with the topology otherwise).
     pub logs_dir: Option<PathBuf>,
+    /// Numbers of AuthorizationPolicies on the destination to measure
+    /// with, in turn (empty: none, and the agents' files name none).
+    pub policies: Vec<usize>,
 }
 
 fn proxy_stats(agent: &Agent) -> Option<ProxyStats> {
@@ -111,6 +120,15 @@ pub fn run(options: &Options) -> anyhow::Result<RunResults> {
     if workloads.is_empty() || paths.is_empty() {
         bail!("nothing to run: no workload or no path matches the filters");
     }
+    if !options.policies.is_empty() && paths.iter().any(|p| p.mode == Mode::Direct) {
+        bail!("--policies needs mesh paths only: a direct path has no agent to enforce them");
+    }
+    // `None`: the run does not vary policies.
+    let levels: Vec<Option<usize>> = if options.policies.is_empty() {
+        vec![None]
+    } else {
+        options.policies.iter().copied().map(Some).collect()
+    };
     eprintln!(
         "shunt-bench: {} paths × {} workloads × {} placements × {} repetitions; agent {} (log wrapper)",
         paths.len(),
@@ -137,40 +155,55 @@ pub fn run(options: &Options) -> anyhow::Result<RunResults> {
     }
 
     let cpu_start = sys::CpuTimes::read().unwrap_or_default();
-    let total = options.reps * options.placements.len() * workloads.len() * paths.len();
+    let total =
+        options.reps * options.placements.len() * levels.len() * workloads.len() * paths.len();
     let mut records = Vec::with_capacity(total);
     let measuring = Instant::now();
     for rep in 0..options.reps {
         for &placement in &options.placements {
-            for (wi, workload) in workloads.iter().enumerate() {
-                // Paths interleaved, in an order that rotates between
-                // workloads and repetitions so none always goes first.
-                let shift = (rep * 3 + wi) % paths.len();
-                let order: Vec<PathSpec> = paths[shift..]
-                    .iter()
-                    .chain(&paths[..shift])
-                    .copied()
-                    .collect();
-                for path in order {
-                    let bed = &beds[&path.mode];
-                    let record = measure(options, bed, path, workload, placement, rep);
-                    let done = records.len() + 1;
-                    let eta =
-                        measuring.elapsed().as_secs_f64() / done as f64 * (total - done) as f64;
-                    eprintln!(
-                        "[{done}/{total} rep {} {} {}] {:<20} {}{}",
-                        rep + 1,
-                        placement.name(),
-                        workload.id,
-                        path.id(),
-                        crate::report::one_line(&record, workload),
-                        if done % 10 == 0 {
-                            format!("  (eta {:.0}s)", eta)
-                        } else {
-                            String::new()
-                        }
-                    );
-                    records.push(record);
+            for &level in &levels {
+                if let Some(count) = level {
+                    for bed in beds.values() {
+                        bed.set_policies(count).with_context(|| {
+                            format!(
+                                "applying {count} policies in the {} topology",
+                                bed.mode.name()
+                            )
+                        })?;
+                    }
+                }
+                for (wi, workload) in workloads.iter().enumerate() {
+                    // Paths interleaved, in an order that rotates between
+                    // workloads and repetitions so none always goes first.
+                    let shift = (rep * 3 + wi) % paths.len();
+                    let order: Vec<PathSpec> = paths[shift..]
+                        .iter()
+                        .chain(&paths[..shift])
+                        .copied()
+                        .collect();
+                    for path in order {
+                        let bed = &beds[&path.mode];
+                        let mut record = measure(options, bed, path, workload, placement, rep);
+                        record.policies = level;
+                        let done = records.len() + 1;
+                        let eta =
+                            measuring.elapsed().as_secs_f64() / done as f64 * (total - done) as f64;
+                        eprintln!(
+                            "[{done}/{total} rep {} {} {}{}] {:<20} {}{}",
+                            rep + 1,
+                            placement.name(),
+                            workload.id,
+                            level.map(|n| format!(" {n} policies")).unwrap_or_default(),
+                            path.id(),
+                            crate::report::one_line(&record, workload),
+                            if done % 10 == 0 {
+                                format!("  (eta {:.0}s)", eta)
+                            } else {
+                                String::new()
+                            }
+                        );
+                        records.push(record);
+                    }
                 }
             }
         }
@@ -204,6 +237,7 @@ pub fn run(options: &Options) -> anyhow::Result<RunResults> {
         machine_cpu: cpu_end.delta(&cpu_start),
         records,
         notes: Vec::new(),
+        policies: options.policies.clone(),
     })
 }
 
@@ -357,6 +391,7 @@ fn measure(
         agent_hwm_kib: memory.iter().map(|m| m.1).collect(),
         load_average: sys::load_average(),
         problems,
+        policies: None,
     }
 }
 

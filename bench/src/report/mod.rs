@@ -4,12 +4,14 @@
 //! only the model ([`crate::model::RunResults`]), so a report can be
 //! written again from a run's raw JSON (`shunt-bench render`).
 
+mod policies;
 mod stats;
 mod tables;
 mod targets;
 
 use std::fmt::Write as _;
 
+pub use policies::policies_table;
 pub use stats::{
     Index, Metrics, Pick, Stat, metrics, pick_agent, pick_cpu, pick_p50, pick_p90, pick_p99,
     pick_p999, pick_rate,
@@ -95,6 +97,15 @@ pub fn markdown(results: &RunResults, svg_name: &str) -> String {
         );
         md.push_str(&detail_tables(&index, placement));
         md.push_str("\n</details>\n\n");
+        if !results.policies.is_empty() {
+            let _ = writeln!(
+                md,
+                "### Authorization policies on the destination ({})\n",
+                placement.name()
+            );
+            md.push_str(&policies_table(results, placement));
+            md.push_str("\nGenerated ALLOW policies selecting the server pods by label (`--policies`, applied through the agents' workloads files before each count's measurements); only the last names the client's principal, so every connection is checked against all of them and admitted. Medians over repetitions, ±x% = half the min–max range; the last column is the ratio of the most to the fewest policies, paired within each repetition, median (min–max). The tables above show the fewest.\n\n");
+        }
     }
     md.push_str(&stalls(results));
     if !failures.is_empty() {

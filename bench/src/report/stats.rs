@@ -182,7 +182,10 @@ pub struct Index<'a> {
 impl<'a> Index<'a> {
     pub fn new(results: &'a RunResults) -> Index<'a> {
         let mut by_key: BTreeMap<_, Vec<&Record>> = BTreeMap::new();
-        for r in &results.records {
+        // A run that varied the policies on the destination (`--policies`)
+        // shows its fewest here; `policies_table` shows them all.
+        let baseline = results.policies.iter().min().copied();
+        for r in results.records.iter().filter(|r| r.policies == baseline) {
             by_key
                 .entry((r.placement, r.workload.clone(), r.path))
                 .or_default()

@@ -46,6 +46,7 @@ fn record(path: PathSpec, workload: &str, rep: usize, rate: u64, latency_us: u64
         load_average: "0.00 0.00 0.00".into(),
         verified: true,
         problems: Vec::new(),
+        policies: None,
     }
 }
 
@@ -68,6 +69,7 @@ fn run(paths: Vec<PathSpec>, reps: usize, records: Vec<Record>) -> RunResults {
         machine_cpu: CpuTimes::default(),
         records,
         notes: Vec::new(),
+        policies: Vec::new(),
     }
 }
 
