@@ -323,8 +323,9 @@ impl Shared {
         use std::os::fd::{AsRawFd, FromRawFd};
         // SAFETY: the fd is open and owned by `stream`, which outlives the
         // view; ManuallyDrop keeps the view from closing it.
-        let view =
-            std::mem::ManuallyDrop::new(unsafe { std::net::TcpStream::from_raw_fd(stream.as_raw_fd()) });
+        let view = std::mem::ManuallyDrop::new(unsafe {
+            std::net::TcpStream::from_raw_fd(stream.as_raw_fd())
+        });
         match self.original_dst.original_dst(&view) {
             Ok(dst) => Ok((stream, dst)),
             Err(e) => Err(format!("no original destination: {e}")),
