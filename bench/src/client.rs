@@ -46,6 +46,9 @@ pub enum WorkloadKind {
     Stream,
     /// Fixed request rate over several persistent connections (open loop).
     Rate,
+    /// `conns` connections, one exchange each, then all held idle: the
+    /// agents' memory per idle connection.
+    Idle,
 }
 
 #[derive(Clone, Debug)]
@@ -190,6 +193,12 @@ pub struct ClientReport {
     /// while it ran.
     pub tcp_mem_base_pages: u64,
     pub tcp_mem_peak_pages: u64,
+    /// Idle workload: the agents' summed VmRSS (KiB) before the
+    /// connections were opened, and while they were all held open.
+    #[serde(default)]
+    pub agents_rss_before_kib: u64,
+    #[serde(default)]
+    pub agents_rss_held_kib: u64,
 }
 
 pub fn new_histogram() -> Histogram<u64> {
@@ -249,6 +258,8 @@ struct Measured {
     elapsed: Duration,
     histogram: Option<Histogram<u64>>,
     cost: Cost,
+    /// Idle workload: agents' RSS before and while held (KiB).
+    agents_rss_kib: Option<(u64, u64)>,
 }
 
 /// Runs the workload and returns the report (errors become `ok: false`).
@@ -315,6 +326,10 @@ pub fn run(args: ClientArgs) -> ClientReport {
                 })
                 .unwrap_or_default();
             report.cost = m.cost;
+            if let Some((before, held)) = m.agents_rss_kib {
+                report.agents_rss_before_kib = before;
+                report.agents_rss_held_kib = held;
+            }
         }
         Err(e) => report.error = Some(format!("{e:#}")),
     }
@@ -327,6 +342,7 @@ async fn workload(args: &ClientArgs) -> anyhow::Result<Measured> {
         WorkloadKind::Crr => connect_request_response(args).await,
         WorkloadKind::Stream => stream(args).await,
         WorkloadKind::Rate => fixed_rate(args).await,
+        WorkloadKind::Idle => idle(args).await,
     }
 }
 
@@ -403,6 +419,7 @@ async fn request_response(args: &ClientArgs) -> anyhow::Result<Measured> {
         elapsed,
         histogram: Some(hist),
         cost: after.cost_since(&before),
+        agents_rss_kib: None,
     })
 }
 
@@ -470,6 +487,77 @@ async fn connect_request_response(args: &ClientArgs) -> anyhow::Result<Measured>
         elapsed,
         histogram: Some(hist),
         cost: after.cost_since(&before),
+        agents_rss_kib: None,
+    })
+}
+
+/// The summed VmRSS (KiB) of the processes in the agents' cgroup (0 for a
+/// path without agents).
+fn agents_rss_kib(cgroup: Option<&std::path::Path>) -> anyhow::Result<u64> {
+    let Some(cgroup) = cgroup else {
+        return Ok(0);
+    };
+    let procs = std::fs::read_to_string(cgroup.join("cgroup.procs"))
+        .with_context(|| format!("reading {}/cgroup.procs", cgroup.display()))?;
+    Ok(procs
+        .lines()
+        .filter_map(|l| l.trim().parse::<u32>().ok())
+        .filter_map(sys::process_memory_kib)
+        .map(|(rss, _)| rss)
+        .sum())
+}
+
+/// Opens `conns` connections one after another, one checked exchange of
+/// `size` bytes on each (so each reached the server through the proxies),
+/// holds them all open and idle for `seconds`, reads the agents' memory,
+/// then closes them in order (half-close, wait for the server's close).
+async fn idle(args: &ClientArgs) -> anyhow::Result<Measured> {
+    let pattern = Pattern::new();
+    let size = args.size.clamp(1, crate::pattern::MAX_SLICE);
+    let mut buf = vec![0u8; size];
+    let rss_before = agents_rss_kib(args.agents_cgroup.as_deref())?;
+    let mut hist = new_histogram();
+    let mut intact = true;
+    let watch = Watch::new(args);
+    let before = watch.snapshot();
+    let start = Instant::now();
+    let mut open = Vec::with_capacity(args.conns);
+    for k in 0..args.conns as u64 {
+        let began = Instant::now();
+        let mut stream = connect(args.addr)
+            .await
+            .with_context(|| format!("opening idle connection {k}"))?;
+        intact &= exchange(&mut stream, &pattern, k, size, &mut buf).await?;
+        let _ = hist.record(began.elapsed().as_nanos() as u64);
+        open.push(stream);
+    }
+    // The workload's duration is how long they stay idle.
+    tokio::time::sleep(Duration::from_secs_f64(args.seconds)).await;
+    let rss_held = agents_rss_kib(args.agents_cgroup.as_deref())?;
+    let elapsed = start.elapsed();
+    let after = watch.snapshot();
+    for stream in &mut open {
+        stream.shutdown().await.context("half-closing")?;
+    }
+    for stream in &mut open {
+        let mut rest = [0u8; 1];
+        let n = stream
+            .read(&mut rest)
+            .await
+            .context("waiting for the server to close")?;
+        intact &= n == 0;
+    }
+    let n = open.len() as u64;
+    Ok(Measured {
+        txns: n,
+        connections: n,
+        bytes_sent: n * size as u64,
+        bytes_received: n * size as u64,
+        intact,
+        elapsed,
+        histogram: Some(hist),
+        cost: after.cost_since(&before),
+        agents_rss_kib: Some((rss_before, rss_held)),
     })
 }
 
@@ -514,6 +602,7 @@ async fn stream(args: &ClientArgs) -> anyhow::Result<Measured> {
         elapsed,
         histogram: None,
         cost: after.cost_since(&before),
+        agents_rss_kib: None,
     })
 }
 
@@ -599,5 +688,6 @@ async fn fixed_rate(args: &ClientArgs) -> anyhow::Result<Measured> {
         elapsed,
         histogram: Some(hist),
         cost: after.cost_since(&before),
+        agents_rss_kib: None,
     })
 }

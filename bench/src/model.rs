@@ -198,6 +198,15 @@ pub fn workloads(quick: bool) -> Vec<Workload> {
             1000.0,
             long,
         ),
+        w(
+            "idle10k",
+            "10,000 idle connections (one 1 B exchange each, then held)",
+            WorkloadKind::Idle,
+            1,
+            if quick { 200 } else { 10_000 },
+            0.0,
+            if quick { 0.1 } else { 1.0 },
+        ),
     ]
 }
 

@@ -290,6 +290,17 @@ pub struct AgentArgs {
     #[arg(long, env = "INSTANCE_IP", value_name = "IP")]
     pub instance_ip: Option<std::net::IpAddr>,
 
+    // Proxy efficiency (issue 19, docs/BENCHMARKS.md "Proxy efficiency").
+    /// Worker threads of the agent's async runtime, where the proxy's data
+    /// path runs. 0: one per CPU the agent may run on (tokio's default).
+    #[arg(
+        long,
+        env = "SHUNT_WORKER_THREADS",
+        value_name = "N",
+        default_value_t = 0
+    )]
+    pub worker_threads: usize,
+
     #[command(flatten)]
     pub log: LogArgs,
 }

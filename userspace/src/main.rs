@@ -38,9 +38,13 @@ fn run_agent(args: shunt::cli::AgentArgs) -> anyhow::Result<()> {
         Some(&stop_signals),
         None,
     )?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
+    // The proxy's data path runs on these workers: how many is a measured
+    // choice (docs/BENCHMARKS.md, "Proxy efficiency").
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if args.worker_threads > 0 {
+        runtime.worker_threads(args.worker_threads);
+    }
+    let runtime = runtime.enable_all().build()?;
     runtime.block_on(shunt::app::run(args))?;
     Ok(())
 }

@@ -507,6 +507,7 @@ fn run_client(
         WorkloadKind::Crr => "crr",
         WorkloadKind::Stream => "stream",
         WorkloadKind::Rate => "rate",
+        WorkloadKind::Idle => "idle",
     };
     let cpu_list: Vec<String> = cpus.iter().map(usize::to_string).collect();
     let mut cmd: Command = bed.pods[CLIENT].command(&options.bench_bin);

@@ -16,7 +16,9 @@ pub use stats::{
     Index, Metrics, Pick, Stat, metrics, pick_agent, pick_cpu, pick_p50, pick_p90, pick_p99,
     pick_p999, pick_rate,
 };
-pub use tables::{cost_table, detail_tables, headline_table, human, one_line, path_label};
+pub use tables::{
+    cost_table, detail_tables, headline_table, human, idle_memory_table, one_line, path_label,
+};
 pub use targets::{
     Target, iptables_vs_direct_table, ratio_cell, target_cells, targets, targets_table,
 };
@@ -90,6 +92,7 @@ pub fn markdown(results: &RunResults, svg_name: &str) -> String {
         md.push_str("\nPath CPU = the cgroup `cpu.stat` usage of the path's processes (both agents of its topology, the load generator, the servers; softirq work done in their context included, as this kernel has no IRQ time accounting) plus the `ksoftirqd` threads. Cores = CPU-seconds per second of the run, of the machine's ");
         let _ = write!(md, "{}", m.cpus);
         md.push_str("; machine usr / sys / softirq is `/proc/stat` for the whole machine (usr includes nice, sys includes irq), and other work = machine busy − path, i.e. what else ran on the shared machine meanwhile.\n\n");
+        md.push_str(&idle_memory_table(&index, placement));
         let _ = writeln!(
             md,
             "<details><summary>Every workload, {} placement</summary>\n",

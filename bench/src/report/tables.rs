@@ -229,10 +229,70 @@ pub fn cost_table(index: &Index, placement: Placement) -> String {
     md
 }
 
+/// The agents' memory per idle connection (the idle workloads), one row
+/// per path with agents: the largest growth over the repetitions (later
+/// repetitions reuse memory freed by earlier ones, so the first is the
+/// honest one and the largest).
+pub fn idle_memory_table(index: &Index, placement: Placement) -> String {
+    let mut md = String::new();
+    for w in index
+        .results
+        .workloads
+        .iter()
+        .filter(|w| w.kind == WorkloadKind::Idle)
+    {
+        let _ = writeln!(
+            md,
+            "\n**{}** ({}): both agents of the path together\n",
+            w.title, w.id
+        );
+        md.push_str("| path | connections held | agents' RSS before → held, MiB | growth MiB | KiB per connection | MiB per 10,000 | verified |\n");
+        md.push_str("|---|--:|--:|--:|--:|--:|--:|\n");
+        for &path in &index.results.paths {
+            let recs = index.records(placement, &w.id, path);
+            let ok = recs.iter().filter(|r| r.verified).count();
+            let worst = recs
+                .iter()
+                .filter(|r| r.verified && r.report.agents_rss_held_kib > 0)
+                .max_by_key(|r| {
+                    r.report
+                        .agents_rss_held_kib
+                        .saturating_sub(r.report.agents_rss_before_kib)
+                });
+            let Some(r) = worst else {
+                continue;
+            };
+            let held = r.report.connections.max(1);
+            let grew = r
+                .report
+                .agents_rss_held_kib
+                .saturating_sub(r.report.agents_rss_before_kib);
+            let per_conn = grew as f64 / held as f64;
+            let _ = writeln!(
+                md,
+                "| {} | {} | {:.1} → {:.1} | {:.1} | {:.2} | {:.1} | {ok}/{} |",
+                path_label(&path),
+                r.report.connections,
+                r.report.agents_rss_before_kib as f64 / 1024.0,
+                r.report.agents_rss_held_kib as f64 / 1024.0,
+                grew as f64 / 1024.0,
+                per_conn,
+                per_conn * 10_000.0 / 1024.0,
+                recs.len()
+            );
+        }
+    }
+    md
+}
+
 /// Every workload's full numbers for one placement.
 pub fn detail_tables(index: &Index, placement: Placement) -> String {
     let mut md = String::new();
     for w in &index.results.workloads {
+        if w.kind == WorkloadKind::Idle {
+            // Memory, not speed: see idle_memory_table.
+            continue;
+        }
         let unit = match w.kind {
             WorkloadKind::Stream => "Gbit/s",
             WorkloadKind::Crr => "conn/s",

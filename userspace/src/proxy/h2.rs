@@ -1,16 +1,10 @@
-//! HTTP/2 for HBONE: ztunnel's settings, a byte-stream view of a CONNECT
-//! stream, and keepalive.
+//! HTTP/2 for HBONE: ztunnel's settings, a CONNECT stream's halves (moved
+//! by `relay`), and keepalive.
 
-use std::{
-    io,
-    pin::Pin,
-    task::{Context, Poll, ready},
-    time::Duration,
-};
+use std::{io, time::Duration};
 
-use bytes::{Buf, Bytes};
+use bytes::Bytes;
 use h2::{Reason, RecvStream, SendStream};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// HTTP/2 settings (DESIGN: ztunnel's, observed on the wire).
 #[derive(Clone, Debug)]
@@ -86,14 +80,14 @@ pub(crate) async fn keepalive(mut ping_pong: h2::PingPong, settings: H2Settings)
     }
 }
 
-/// One CONNECT stream as a byte stream: reads are the peer's DATA frames,
-/// writes become DATA frames within flow control, shutdown sends
-/// END_STREAM (a TCP half-close on the far side).
+/// One CONNECT stream, whose bytes `relay` moves to and from a TCP
+/// connection: the peer's DATA frames in, DATA frames within flow control
+/// out, END_STREAM as a TCP half-close on the far side.
 pub(crate) struct H2Stream {
-    send: SendStream<Bytes>,
-    recv: RecvStream,
-    /// Unread rest of the last DATA frame.
-    pending: Bytes,
+    pub(super) send: SendStream<Bytes>,
+    pub(super) recv: RecvStream,
+    /// Unwritten rest of the last DATA frame received.
+    pub(super) pending: Bytes,
 }
 
 impl H2Stream {
@@ -118,96 +112,5 @@ pub(crate) fn h2_to_io(e: h2::Error) -> io::Error {
             .unwrap_or_else(|| io::Error::other("h2 I/O error"))
     } else {
         io::Error::other(e)
-    }
-}
-
-impl AsyncRead for H2Stream {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        while self.pending.is_empty() {
-            match ready!(self.recv.poll_data(cx)) {
-                Some(Ok(data)) => {
-                    // Hand the window back as soon as the bytes are ours:
-                    // the copy buffer, not h2, bounds what is in flight.
-                    let len = data.len();
-                    if let Err(e) = self.recv.flow_control().release_capacity(len) {
-                        return Poll::Ready(Err(h2_to_io(e)));
-                    }
-                    self.pending = data;
-                }
-                // END_STREAM: EOF for the reader.
-                None => return Poll::Ready(Ok(())),
-                Some(Err(e)) => {
-                    return Poll::Ready(match e.reason() {
-                        // The peer finished abruptly but cleanly.
-                        Some(Reason::NO_ERROR) | Some(Reason::CANCEL) => Err(io::Error::new(
-                            io::ErrorKind::ConnectionReset,
-                            e.to_string(),
-                        )),
-                        _ => Err(h2_to_io(e)),
-                    });
-                }
-            }
-        }
-        let n = self.pending.len().min(buf.remaining());
-        buf.put_slice(&self.pending[..n]);
-        self.pending.advance(n);
-        Poll::Ready(Ok(()))
-    }
-}
-
-impl AsyncWrite for H2Stream {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        if buf.is_empty() {
-            return Poll::Ready(Ok(0));
-        }
-        self.send.reserve_capacity(buf.len());
-        // Errors from poll_capacity/send_data are reported by poll_reset,
-        // which says why the stream died.
-        let capacity = loop {
-            match ready!(self.send.poll_capacity(cx)) {
-                // Capacity rose and was used up again: wait for more (the
-                // next poll registers the waker).
-                Some(Ok(0)) => continue,
-                other => break other,
-            }
-        };
-        let written = match capacity {
-            Some(Ok(0)) => None,
-            Some(Ok(n)) => self
-                .send
-                .send_data(Bytes::copy_from_slice(&buf[..n]), false)
-                .ok()
-                .map(|()| n),
-            Some(Err(_)) | None => None,
-        };
-        if let Some(n) = written {
-            return Poll::Ready(Ok(n));
-        }
-        Poll::Ready(Err(match ready!(self.send.poll_reset(cx)) {
-            Ok(reason) => io::Error::new(
-                io::ErrorKind::BrokenPipe,
-                format!("stream reset by peer: {reason}"),
-            ),
-            Err(e) => h2_to_io(e),
-        }))
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        // h2 writes frames as the connection task gets to them.
-        Poll::Ready(Ok(()))
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        // END_STREAM; an already-reset stream is a clean shutdown too.
-        let _ = self.send.send_data(Bytes::new(), true);
-        Poll::Ready(Ok(()))
     }
 }

@@ -26,7 +26,7 @@ use http::{Method, Request, Response, StatusCode};
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
-use super::{AccessLog, Decision, Outcome, PROXY_PORTS, PodState, Shared, copy_both, h2::H2Stream};
+use super::{AccessLog, Decision, Outcome, PROXY_PORTS, PodState, Shared, h2::H2Stream};
 
 /// Answer to a request that is not CONNECT. DESIGN.md records ztunnel
 /// answering 400 on the wire (issue 4 said 405); the observed wire contract
@@ -247,7 +247,8 @@ async fn serve_stream(
     let mut h2s = H2Stream::new(send, request.into_body());
     log.open(&shared);
     let copied = tokio::select! {
-        copied = copy_both(&mut h2s, &mut upstream, shared.config.copy_buffer) => copied,
+        // (application → peer, peer → application)
+        copied = super::relay::relay(&mut upstream, &mut h2s) => copied,
         decision = super::revoked(&shared, changes, &target_pod.key, connection) => {
             // A policy change denies it now: cut both sides.
             h2s.reset(h2::Reason::CANCEL);
@@ -258,7 +259,7 @@ async fn serve_stream(
         }
     };
     match copied {
-        Ok((sent, received)) => {
+        Ok((received, sent)) => {
             log.bytes_sent = sent;
             log.bytes_received = received;
             log.outcome = Outcome::Success;

@@ -20,6 +20,7 @@ mod observe;
 mod outbound;
 mod policy;
 mod pool;
+mod relay;
 mod socket;
 
 pub use h2::H2Settings;
@@ -311,21 +312,24 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    /// Asks the redirector where a redirected connection was going. The
-    /// trait takes a std socket; the round trip through std only
-    /// re-registers the fd with the reactor.
+    /// Asks the redirector where a redirected connection was going.
     pub fn original_dst_of(
         &self,
         stream: tokio::net::TcpStream,
     ) -> Result<(tokio::net::TcpStream, std::net::SocketAddr), String> {
-        let std = stream
-            .into_std()
-            .map_err(|e| format!("cannot inspect the connection: {e}"))?;
-        let dst = self.original_dst.original_dst(&std);
-        let stream = tokio::net::TcpStream::from_std(std)
-            .map_err(|e| format!("cannot resume the connection: {e}"))?;
-        dst.map(|dst| (stream, dst))
-            .map_err(|e| format!("no original destination: {e}"))
+        // A borrowed view of the socket, not `into_std`: that would take
+        // it out of the reactor and put it back (two epoll_ctl calls per
+        // connection).
+        use std::os::fd::{AsRawFd, FromRawFd};
+        // SAFETY: the fd is open and owned by `stream`, which outlives the
+        // view; ManuallyDrop keeps the view from closing it.
+        let view = std::mem::ManuallyDrop::new(unsafe {
+            std::net::TcpStream::from_raw_fd(stream.as_raw_fd())
+        });
+        match self.original_dst.original_dst(&view) {
+            Ok(dst) => Ok((stream, dst)),
+            Err(e) => Err(format!("no original destination: {e}")),
+        }
     }
 
     /// The local (enrolled on this proxy) pod owning `ip`.

@@ -130,7 +130,7 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
         }
     };
     log.open(&shared);
-    match copy_both(&mut app, &mut h2s, shared.config.copy_buffer).await {
+    match super::relay::relay(&mut app, &mut h2s).await {
         Ok((sent, received)) => {
             log.bytes_sent = sent;
             log.bytes_received = received;

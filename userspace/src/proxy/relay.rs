@@ -1,0 +1,206 @@
+//! The HBONE data path: bytes between a TCP connection (the application's,
+//! or the one to it) and a CONNECT stream, both directions in one task.
+//!
+//! Unlike a generic copy (`tokio::io::copy_bidirectional`, two 64 KiB
+//! buffers per connection for its whole life), this keeps no buffer while a
+//! connection is idle, and copies each byte once in userspace:
+//!
+//! - TCP → HTTP/2: when the socket is readable, one read into the worker
+//!   thread's scratch buffer, and the bytes read are copied once into the
+//!   `Bytes` handed to h2 (which h2 owns until it has framed and encrypted
+//!   them). What flow control does not let through yet waits in that `Bytes`
+//!   (at most one read, [`SCRATCH`] bytes), and the socket is not read again
+//!   until it has gone.
+//! - HTTP/2 → TCP: each DATA frame's `Bytes` (h2's own, from the decrypted
+//!   record) is written to the socket as it is; no copy buffer at all. At
+//!   most one frame is held; its window is handed back as it is taken, as
+//!   before (h2's receive window bounds what is queued).
+//!
+//! Half-close as before: EOF from TCP sends END_STREAM, END_STREAM shuts
+//! the socket's write half; the relay ends when both directions have.
+
+use std::{
+    cell::RefCell,
+    future::poll_fn,
+    io,
+    pin::Pin,
+    task::{Context, Poll, ready},
+};
+
+use bytes::{Buf, Bytes};
+use h2::{Reason, RecvStream, SendStream};
+use tokio::{io::AsyncWrite, net::TcpStream};
+
+use super::h2::{H2Stream, h2_to_io};
+
+/// Largest single read from a TCP socket (the old per-connection copy
+/// buffer's size: smaller capped throughput in measurements).
+pub(crate) const SCRATCH: usize = 64 * 1024;
+
+thread_local! {
+    /// One read buffer per worker thread, shared by every connection it
+    /// runs: a connection only uses it within one poll, to copy out what
+    /// it read.
+    static SCRATCH_BUFFER: RefCell<Box<[u8]>> = RefCell::new(vec![0u8; SCRATCH].into_boxed_slice());
+}
+
+/// Moves bytes both ways between `tcp` and `stream` until both directions
+/// have ended. Returns the bytes TCP → HTTP/2 and HTTP/2 → TCP.
+pub(crate) async fn relay(tcp: &mut TcpStream, stream: &mut H2Stream) -> io::Result<(u64, u64)> {
+    let mut up = Up::default();
+    let mut down = Down::default();
+    poll_fn(|cx| {
+        let up_done = match up.poll(cx, tcp, &mut stream.send) {
+            Poll::Ready(Ok(())) => true,
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+            Poll::Pending => false,
+        };
+        let down_done = match down.poll(cx, tcp, &mut stream.recv, &mut stream.pending) {
+            Poll::Ready(Ok(())) => true,
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+            Poll::Pending => false,
+        };
+        if up_done && down_done {
+            Poll::Ready(Ok((up.bytes, down.bytes)))
+        } else {
+            Poll::Pending
+        }
+    })
+    .await
+}
+
+/// TCP → HTTP/2.
+#[derive(Default)]
+struct Up {
+    /// Read from TCP, not yet given to h2 (waiting for window).
+    pending: Bytes,
+    /// TCP said EOF; END_STREAM goes out once `pending` has.
+    eof: bool,
+    done: bool,
+    bytes: u64,
+}
+
+impl Up {
+    fn poll(
+        &mut self,
+        cx: &mut Context<'_>,
+        tcp: &mut TcpStream,
+        send: &mut SendStream<Bytes>,
+    ) -> Poll<io::Result<()>> {
+        if self.done {
+            return Poll::Ready(Ok(()));
+        }
+        loop {
+            if !self.pending.is_empty() {
+                send.reserve_capacity(self.pending.len());
+                match ready!(send.poll_capacity(cx)) {
+                    // Capacity rose and was used up again: wait for more
+                    // (the next poll registers the waker).
+                    Some(Ok(0)) => continue,
+                    Some(Ok(n)) => {
+                        let chunk = self.pending.split_to(n.min(self.pending.len()));
+                        let len = chunk.len() as u64;
+                        if send.send_data(chunk, false).is_err() {
+                            return Poll::Ready(Err(ready!(reset_error(send, cx))));
+                        }
+                        self.bytes += len;
+                        continue;
+                    }
+                    Some(Err(_)) | None => return Poll::Ready(Err(ready!(reset_error(send, cx)))),
+                }
+            }
+            if self.eof {
+                // END_STREAM; an already-reset stream is a clean end too.
+                let _ = send.send_data(Bytes::new(), true);
+                self.done = true;
+                return Poll::Ready(Ok(()));
+            }
+            ready!(tcp.poll_read_ready(cx))?;
+            let read = SCRATCH_BUFFER.with(|scratch| {
+                let mut scratch = scratch.borrow_mut();
+                tcp.try_read(&mut scratch[..])
+                    .map(|n| Bytes::copy_from_slice(&scratch[..n]))
+            });
+            match read {
+                Ok(data) if data.is_empty() => self.eof = true,
+                Ok(data) => self.pending = data,
+                // Readiness was stale (tokio cleared it): wait again.
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+}
+
+/// Why sending on the stream failed: the peer's reset reason, or the
+/// connection's error.
+fn reset_error(send: &mut SendStream<Bytes>, cx: &mut Context<'_>) -> Poll<io::Error> {
+    Poll::Ready(match ready!(send.poll_reset(cx)) {
+        Ok(reason) => io::Error::new(
+            io::ErrorKind::BrokenPipe,
+            format!("stream reset by peer: {reason}"),
+        ),
+        Err(e) => h2_to_io(e),
+    })
+}
+
+/// HTTP/2 → TCP.
+#[derive(Default)]
+struct Down {
+    /// END_STREAM came; the socket's write half is shut once `pending` is
+    /// written.
+    eof: bool,
+    done: bool,
+    bytes: u64,
+}
+
+impl Down {
+    fn poll(
+        &mut self,
+        cx: &mut Context<'_>,
+        tcp: &mut TcpStream,
+        recv: &mut RecvStream,
+        pending: &mut Bytes,
+    ) -> Poll<io::Result<()>> {
+        if self.done {
+            return Poll::Ready(Ok(()));
+        }
+        loop {
+            while !pending.is_empty() {
+                let n = ready!(Pin::new(&mut *tcp).poll_write(cx, pending))?;
+                if n == 0 {
+                    return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+                }
+                pending.advance(n);
+                self.bytes += n as u64;
+            }
+            if self.eof {
+                ready!(Pin::new(&mut *tcp).poll_shutdown(cx))?;
+                self.done = true;
+                return Poll::Ready(Ok(()));
+            }
+            match ready!(recv.poll_data(cx)) {
+                Some(Ok(data)) => {
+                    // Hand the window back as soon as the frame is ours:
+                    // one frame per stream is held here, and h2's window
+                    // bounds what waits behind it.
+                    if let Err(e) = recv.flow_control().release_capacity(data.len()) {
+                        return Poll::Ready(Err(h2_to_io(e)));
+                    }
+                    *pending = data;
+                }
+                // END_STREAM: EOF.
+                None => self.eof = true,
+                Some(Err(e)) => {
+                    return Poll::Ready(Err(match e.reason() {
+                        // The peer finished abruptly but cleanly.
+                        Some(Reason::NO_ERROR) | Some(Reason::CANCEL) => {
+                            io::Error::new(io::ErrorKind::ConnectionReset, e.to_string())
+                        }
+                        _ => h2_to_io(e),
+                    }));
+                }
+            }
+        }
+    }
+}
