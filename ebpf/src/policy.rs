@@ -102,7 +102,10 @@ fn count(key: PolicyDenialKey) {
         unsafe { *counter += 1 };
         return;
     }
-    if POLICY_DENIALS.insert(&key, &1u64, BPF_NOEXIST as u64).is_err() {
+    if POLICY_DENIALS
+        .insert(&key, &1u64, BPF_NOEXIST as u64)
+        .is_err()
+    {
         // Another program on this CPU cannot have raced us, but a
         // concurrent insert from another CPU creates the entry (this CPU's
         // value zero): count into it.

@@ -108,12 +108,13 @@ pub fn slot_counters(pin_dir: &Path, slot: u32) -> Result<PodCounters> {
     Ok(total)
 }
 
-/// The kernel's authorization verdicts pinned under `pin_dir`, IPv4
-/// entries only: (source slot, destination, port; 0 = any other port) →
-/// (denied, the agent's number of the deciding policy).
-pub fn policy_verdicts(
-    pin_dir: &Path,
-) -> Result<BTreeMap<(u32, std::net::Ipv4Addr, u16), (bool, u32)>> {
+/// The kernel's authorization verdicts, IPv4 entries only: (source slot,
+/// destination, port; 0 = any other port) → (denied, the agent's number of
+/// the deciding policy).
+pub type PolicyVerdicts = BTreeMap<(u32, std::net::Ipv4Addr, u16), (bool, u32)>;
+
+/// The kernel's authorization verdicts pinned under `pin_dir`.
+pub fn policy_verdicts(pin_dir: &Path) -> Result<PolicyVerdicts> {
     let map = open_pinned(pin_dir, maps::POLICY_VERDICTS)?;
     let map: BpfHashMap<MapData, PolicyVerdictKey, PolicyVerdict> =
         BpfHashMap::try_from(Map::HashMap(map))
