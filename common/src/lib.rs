@@ -51,6 +51,17 @@ pub const MAX_ORIGINAL_DSTS: u32 = 65536;
 /// simply stops splicing, see `SpliceFlow`).
 pub const MAX_SPLICE_SOCKETS: u32 = 65536;
 
+/// Compiled authorization verdicts the connect programs can hold (hash,
+/// allocated as used). An entry is one (source pod, destination pod IP,
+/// port or "any other port") whose verdict differs from "allow"; 131,072
+/// cover every pair of 110 pods (the kubelet's default maximum per node)
+/// with ten named ports each. A full map only loses the early refusal:
+/// the proxy still enforces (see `docs/authz.md`).
+pub const MAX_POLICY_VERDICTS: u32 = 131072;
+
+/// (source pod, policy) pairs whose kernel denials are counted at once.
+pub const MAX_POLICY_DENIAL_COUNTERS: u32 = 16384;
+
 /// Names of the maps, as they appear in the ELF object and under the pin dir.
 pub mod maps {
     /// `HashMap<u64 netns cookie, PodSlot>`: which network namespaces are
@@ -86,8 +97,16 @@ pub mod maps {
     /// which only has the kernel's socket pointer, finds its flow.
     pub const SPLICE_KEYS: &str = "SHUNT_SPLICE_KEYS";
 
+    /// `HashMap<PolicyVerdictKey, PolicyVerdict>`: the authorization
+    /// verdicts compiled for connects between this node's enrolled pods,
+    /// checked by connect4/6 (`ebpf/src/policy.rs`).
+    pub const POLICY_VERDICTS: &str = "SHUNT_POLICY_VERDICTS";
+    /// `PerCpuHashMap<PolicyDenialKey, u64>`: connects the kernel refused,
+    /// per source pod and deciding policy.
+    pub const POLICY_DENIALS: &str = "SHUNT_POLICY_DENIALS";
+
     /// Every map the agent pins (and every pod's program instance shares).
-    pub const ALL: [&str; 11] = [
+    pub const ALL: [&str; 13] = [
         ENROLLED,
         POD_COUNTERS,
         POD_CONFIG,
@@ -99,6 +118,8 @@ pub mod maps {
         SPLICE_SOCKS,
         SPLICE_FLOWS,
         SPLICE_KEYS,
+        POLICY_VERDICTS,
+        POLICY_DENIALS,
     ];
 }
 
@@ -369,6 +390,54 @@ impl PodCounters {
     }
 }
 
+/// Key of [`maps::POLICY_VERDICTS`]: a connect from the pod in `slot` to
+/// `addr`:`port`. Addresses in network order (IPv4 in `addr[0]`, the rest
+/// zero; a v4-mapped IPv6 destination is keyed as IPv4), port in host
+/// order; port [`PolicyVerdictKey::ANY_OTHER_PORT`] holds the verdict of
+/// every port no entry of its own names.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PolicyVerdictKey {
+    pub slot: u32,
+    pub port: u16,
+    /// `AF_INET` (2) or `AF_INET6` (10).
+    pub family: u16,
+    pub addr: [u32; 4],
+}
+
+impl PolicyVerdictKey {
+    /// The port of the entry that holds "every other port" (no connect
+    /// goes to port 0).
+    pub const ANY_OTHER_PORT: u16 = 0;
+}
+
+/// Value of [`maps::POLICY_VERDICTS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PolicyVerdict {
+    /// [`PolicyVerdict::ALLOW`] or [`PolicyVerdict::DENY`].
+    pub action: u32,
+    /// The deciding policy's number (the agent's own numbering; 0: none),
+    /// the key of the denial counter.
+    pub policy: u32,
+}
+
+impl PolicyVerdict {
+    /// The connect goes on to the proxy as without an entry (an allowed
+    /// port under a denying "any other port").
+    pub const ALLOW: u32 = 0;
+    /// connect() fails with EPERM, counted in [`maps::POLICY_DENIALS`].
+    pub const DENY: u32 = 1;
+}
+
+/// Key of [`maps::POLICY_DENIALS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PolicyDenialKey {
+    pub slot: u32,
+    pub policy: u32,
+}
+
 #[cfg(feature = "user")]
 mod user {
     // SAFETY: each type is `#[repr(C)]`, contains only integers (or arrays
@@ -385,6 +454,9 @@ mod user {
     unsafe impl aya::Pod for super::PodRecord {}
     unsafe impl aya::Pod for super::SpliceKey {}
     unsafe impl aya::Pod for super::SpliceFlow {}
+    unsafe impl aya::Pod for super::PolicyVerdictKey {}
+    unsafe impl aya::Pod for super::PolicyVerdict {}
+    unsafe impl aya::Pod for super::PolicyDenialKey {}
 }
 
 #[cfg(test)]
@@ -406,6 +478,9 @@ mod tests {
         assert_eq!(core::mem::size_of::<OriginalDst>(), 20);
         assert_eq!(core::mem::size_of::<PodAddrs>(), 20);
         assert_eq!(core::mem::size_of::<SockKey>(), 32);
+        assert_eq!(core::mem::size_of::<PolicyVerdictKey>(), 24);
+        assert_eq!(core::mem::size_of::<PolicyVerdict>(), 8);
+        assert_eq!(core::mem::size_of::<PolicyDenialKey>(), 8);
     }
 
     #[test]

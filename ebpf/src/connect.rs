@@ -45,6 +45,9 @@ pub fn shunt_connect4(ctx: SockAddrContext) -> i32 {
     if u32::from_be(dst) >> 24 == 127 || is_proxy_socket(addr) || excluded(&config, dst, port) {
         return ALLOW;
     }
+    if crate::policy::denied(slot, dst, port) {
+        return REJECT;
+    }
     let original = OriginalDst {
         addr: [dst, 0, 0, 0],
         port,
@@ -90,6 +93,9 @@ pub fn shunt_connect6(ctx: SockAddrContext) -> i32 {
     }
     if v4_mapped && excluded(&config, dst[3], port) || !v4_mapped && port_excluded(&config, port) {
         return ALLOW;
+    }
+    if crate::policy::denied_v6(slot, dst, port) {
+        return REJECT;
     }
     let proxy = if v4_mapped {
         [0, 0, 0xffffu32.to_be(), LOOPBACK_V4.to_be()]

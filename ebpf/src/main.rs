@@ -7,6 +7,7 @@
 
 mod connect;
 mod maps;
+mod policy;
 mod sockops;
 mod splice;
 mod tc_pod;

@@ -6,7 +6,7 @@ use std::{collections::BTreeMap, path::Path};
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData, PerCpuArray};
 use serde_json::Value;
-use shunt_common::{PodCounters, PodSlot, maps};
+use shunt_common::{PodCounters, PodSlot, PolicyVerdict, PolicyVerdictKey, maps};
 
 use crate::{Result, TestbedError, cmd};
 
@@ -106,6 +106,33 @@ pub fn slot_counters(pin_dir: &Path, slot: u32) -> Result<PodCounters> {
         total.add(cpu);
     }
     Ok(total)
+}
+
+/// The kernel's authorization verdicts, IPv4 entries only: (source slot,
+/// destination, port; 0 = any other port) → (denied, the agent's number of
+/// the deciding policy).
+pub type PolicyVerdicts = BTreeMap<(u32, std::net::Ipv4Addr, u16), (bool, u32)>;
+
+/// The kernel's authorization verdicts pinned under `pin_dir`.
+pub fn policy_verdicts(pin_dir: &Path) -> Result<PolicyVerdicts> {
+    let map = open_pinned(pin_dir, maps::POLICY_VERDICTS)?;
+    let map: BpfHashMap<MapData, PolicyVerdictKey, PolicyVerdict> =
+        BpfHashMap::try_from(Map::HashMap(map))
+            .map_err(|e| TestbedError::Invalid(format!("{}: {e}", maps::POLICY_VERDICTS)))?;
+    let mut entries = BTreeMap::new();
+    for entry in map.iter() {
+        let (key, verdict) =
+            entry.map_err(|e| TestbedError::Invalid(format!("{}: {e}", maps::POLICY_VERDICTS)))?;
+        if key.family != 2 {
+            continue;
+        }
+        let addr = std::net::Ipv4Addr::from(key.addr[0].to_ne_bytes());
+        entries.insert(
+            (key.slot, addr, key.port),
+            (verdict.action == PolicyVerdict::DENY, verdict.policy),
+        );
+    }
+    Ok(entries)
 }
 
 fn open_pinned(pin_dir: &Path, name: &str) -> Result<MapData> {

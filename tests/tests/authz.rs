@@ -75,7 +75,17 @@ impl Bed {
             &topology,
             &node,
             &yaml,
-            &["--redirect", mode, "--log-format", "json"],
+            // These tests are about the proxy's enforcement point (401,
+            // access log, DENY metrics): the kernel's, which would refuse
+            // these same-node connects first, is tested in authz_kernel.rs.
+            &[
+                "--redirect",
+                mode,
+                "--log-format",
+                "json",
+                "--kernel-authz",
+                "off",
+            ],
         )
         .expect("agent");
         agent

@@ -32,7 +32,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{debug, error, info};
 
 use crate::{
-    api::{CertificateStatus, NodeStatus, PodStatus},
+    api::{CertificateStatus, KernelDenial, NodeStatus, PodStatus},
     authz::PolicySet,
     redirect::{Hook, RedirectMode},
     snapshot::{NodeSnapshot, SnapshotReader},
@@ -69,6 +69,14 @@ pub fn node_status(node: &NodeSnapshot, policies: Option<&PolicySet>) -> NodeSta
                 policies: policies
                     .map(|set| set.applicable_names(workload))
                     .unwrap_or_default(),
+                kernel_denials: pod
+                    .kernel_denials
+                    .iter()
+                    .map(|(policy, connects)| KernelDenial {
+                        policy: policy.to_string(),
+                        connects: *connects,
+                    })
+                    .collect(),
             }
         })
         .collect();
@@ -80,6 +88,7 @@ pub fn node_status(node: &NodeSnapshot, policies: Option<&PolicySet>) -> NodeSta
         proxy: node.proxy.clone(),
         verify_passes: node.verify_passes,
         xds: None,
+        kernel_authz: node.kernel_authz.clone(),
         pods,
     }
 }

@@ -15,7 +15,7 @@
 use std::{
     collections::BTreeMap,
     path::Path,
-    sync::Arc,
+    sync::{Arc, RwLock},
     time::{Duration, Instant},
 };
 
@@ -23,12 +23,17 @@ use tokio::sync::{oneshot, watch};
 use tracing::{error, info, info_span, warn};
 
 use crate::{
+    api::KernelAuthzStatus,
+    authz::{
+        PolicyKey,
+        kernel::{KernelSource, compile},
+    },
     control::NodePods,
     inpod::{Answer, Answers, Wanted, ZdsPod, ZtunnelLink},
     proxy::{PodNet, Proxy},
     redirect::{Capture, EnrolledPod, PodTarget, Redirector, Verification},
     snapshot::{NodeSnapshot, PodSnapshot},
-    state::{PodState, TrustDomain, Workload, WorkloadKey},
+    state::{PodState, TrustDomain, Workload, WorkloadKey, WorkloadStore},
 };
 
 /// A pod's pending reason until ztunnel acknowledged it.
@@ -49,6 +54,9 @@ struct PodEntry {
     /// Hooks and counters as last read (after its enrolment, or by the
     /// verify pass).
     kernel: Option<EnrolledPod>,
+    /// Its connects the kernel's authorization point refused, per policy
+    /// (read by the verify pass).
+    kernel_denials: Vec<(PolicyKey, u64)>,
 }
 
 /// What the reconciler knows and owns for its node.
@@ -74,6 +82,11 @@ pub struct NodeAgent {
     verify_passes: u64,
     /// Enrolment latency and repairs are recorded here.
     metrics: crate::metrics::Metrics,
+    /// The kernel's authorization point: the store its verdicts are
+    /// compiled from (`None`: off, or this mode has none).
+    kernel_authz: Option<Arc<RwLock<WorkloadStore>>>,
+    /// What the last compile left in the kernel.
+    kernel_authz_status: Option<KernelAuthzStatus>,
 }
 
 impl NodeAgent {
@@ -95,7 +108,22 @@ impl NodeAgent {
             stale_removed: false,
             verify_passes: 0,
             metrics: crate::metrics::Metrics::default(),
+            kernel_authz: None,
+            kernel_authz_status: None,
         }
+    }
+
+    /// Compiles the authorization policies of `store` into the
+    /// redirector's kernel enforcement point (if its mode has one) after
+    /// every reconcile and every change the store owner applies.
+    pub fn with_kernel_authz(mut self, store: Arc<RwLock<WorkloadStore>>) -> Self {
+        self.kernel_authz = Some(store);
+        self
+    }
+
+    /// Whether the verdicts are recompiled when the store changes.
+    pub fn has_kernel_authz(&self) -> bool {
+        self.kernel_authz.is_some()
     }
 
     /// Records enrolment latency and repairs into `metrics`.
@@ -180,6 +208,95 @@ impl NodeAgent {
                 info!(removed, "cleaned up pods a previous agent had enrolled");
             }
         }
+        // Slots came or went: the kernel's verdicts follow.
+        self.compile_verdicts();
+    }
+
+    /// The store owner applied a cluster view (policies or workloads may
+    /// have changed): compiles the kernel's verdicts again.
+    pub fn store_changed(&mut self) {
+        self.compile_verdicts();
+    }
+
+    /// Compiles the verdicts of connects between this node's enrolled pods
+    /// with the one engine and writes them into the kernel (a diff against
+    /// what is there). The reconciler is the table's only writer: it alone
+    /// knows the slots, and reads the policies and workloads from the
+    /// store.
+    fn compile_verdicts(&mut self) {
+        let Some(store) = &self.kernel_authz else {
+            return;
+        };
+        let enrolled: Vec<(&WorkloadKey, &PodEntry, u32)> = self
+            .pods
+            .iter()
+            .filter(|(_, e)| e.state == PodState::Enrolled)
+            .filter_map(|(key, e)| Some((key, e, self.redirector.slot(key)?)))
+            .collect();
+        // The source speaks with the identity its proxy presents; the
+        // destination is judged as the proxy judges it: by the store's
+        // workload, and only for addresses the store gives it (any other
+        // destination is not a mesh peer to the proxy).
+        let identities: Vec<String> = enrolled
+            .iter()
+            .map(|(_, e, _)| e.workload.identity(&self.trust_domain).to_string())
+            .collect();
+        let (policies, destinations) = {
+            let store = store.read().unwrap_or_else(|p| p.into_inner());
+            let destinations: Vec<Workload> = enrolled
+                .iter()
+                .filter_map(|(key, _, _)| store.get(key))
+                .filter(|w| w.wants_mesh())
+                .cloned()
+                .collect();
+            (store.policies().clone(), destinations)
+        };
+        let sources: Vec<KernelSource<'_>> = enrolled
+            .iter()
+            .zip(&identities)
+            .map(|((_, e, slot), identity)| KernelSource {
+                slot: *slot,
+                identity,
+                ips: &e.workload.ips,
+            })
+            .collect();
+        let destinations: Vec<&Workload> = destinations.iter().collect();
+        let table = compile(&policies, &sources, &destinations);
+        let Some(written) = self.redirector.write_verdicts(&table) else {
+            info!(
+                mode = %self.redirector.mode(),
+                "this redirection mode has no kernel enforcement point: the proxy alone enforces authorization"
+            );
+            self.kernel_authz = None;
+            return;
+        };
+        let status = KernelAuthzStatus {
+            policies: table.policies.iter().map(ToString::to_string).collect(),
+            entries: written.entries,
+            left_to_proxy: table.left_to_proxy + written.failed_pairs,
+            error: written.error.clone(),
+        };
+        if let Some(error) = &written.error {
+            warn!(
+                %error,
+                failed_pairs = written.failed_pairs,
+                "the kernel's authorization table could not take every verdict; those pod pairs are left to the proxy, which enforces them"
+            );
+        }
+        if written.inserted + written.deleted > 0
+            || self.kernel_authz_status.as_ref() != Some(&status)
+        {
+            info!(
+                entries = written.entries,
+                inserted = written.inserted,
+                deleted = written.deleted,
+                policies = table.policies.len(),
+                sources = sources.len(),
+                left_to_proxy = status.left_to_proxy,
+                "authorization verdicts compiled into the kernel"
+            );
+        }
+        self.kernel_authz_status = Some(status);
     }
 
     /// Checks every pod of the last list again: repairs what someone
@@ -199,9 +316,15 @@ impl NodeAgent {
             .into_iter()
             .map(|p| (p.key.clone(), p))
             .collect();
+        let mut denials = self.redirector.policy_denials();
         for (key, entry) in self.pods.iter_mut() {
             entry.kernel = listed.remove(key);
+            entry.kernel_denials = denials.remove(key).unwrap_or_default();
         }
+        // Pods retried above may have been enrolled (new slots), and a
+        // table the kernel could not take whole is tried again; unchanged
+        // verdicts write nothing.
+        self.compile_verdicts();
         self.verify_passes += 1;
     }
 
@@ -219,13 +342,18 @@ impl NodeAgent {
             let key = workload.key();
             let _span = info_span!("pod", pod = %key).entered();
             let state = self.converge(&key, &workload);
-            let kernel = self.pods.remove(&key).and_then(|e| e.kernel);
+            let (kernel, kernel_denials) = self
+                .pods
+                .remove(&key)
+                .map(|e| (e.kernel, e.kernel_denials))
+                .unwrap_or_default();
             next.insert(
                 key,
                 PodEntry {
                     workload,
                     state,
                     kernel,
+                    kernel_denials,
                 },
             );
         }
@@ -374,12 +502,14 @@ impl NodeAgent {
                 workload: e.workload.clone(),
                 state: e.state.clone(),
                 kernel: e.kernel.clone(),
+                kernel_denials: e.kernel_denials.clone(),
             })
             .collect();
         NodeSnapshot {
             synced: self.synced,
             pods: Arc::from(pods),
             verify_passes: self.verify_passes,
+            kernel_authz: self.kernel_authz_status.clone(),
             ..NodeSnapshot::empty(
                 self.node.clone(),
                 self.redirector.mode(),
@@ -475,6 +605,8 @@ impl Drop for Reconciler {
 
 enum Wake {
     Pods,
+    StoreChanged,
+    StoreGone,
     ZtunnelAnswered,
     ZtunnelGone,
     SourcesGone,
@@ -493,6 +625,12 @@ fn reconcile_loop(
     let mut next_verify = tokio::time::Instant::now() + verify_every;
     let mut sources_open = true;
     let mut ztunnel_answers = agent.ztunnel_answers();
+    // The kernel's verdicts follow every view the store owner applies
+    // (a receiver of its own: the catch-up wait below marks views seen).
+    let mut store_changes = inputs
+        .store_applied
+        .clone()
+        .filter(|_| agent.has_kernel_authz());
     loop {
         let wake = runtime.block_on(async {
             tokio::select! {
@@ -510,6 +648,15 @@ fn reconcile_loop(
                 } => match changed {
                     Ok(()) => Wake::ZtunnelAnswered,
                     Err(_) => Wake::ZtunnelGone,
+                },
+                changed = async {
+                    match store_changes.as_mut() {
+                        Some(applied) => applied.changed().await,
+                        None => std::future::pending().await,
+                    }
+                } => match changed {
+                    Ok(()) => Wake::StoreChanged,
+                    Err(_) => Wake::StoreGone,
                 },
                 _ = tokio::time::sleep_until(next_verify) => Wake::Verify,
             }
@@ -538,6 +685,11 @@ fn reconcile_loop(
             }
             // (`changed` marked the answers seen.)
             Wake::ZtunnelAnswered => agent.reconverge(),
+            Wake::StoreChanged => agent.store_changed(),
+            Wake::StoreGone => {
+                store_changes = None;
+                continue;
+            }
             Wake::ZtunnelGone => {
                 ztunnel_answers = None;
                 continue;

@@ -35,7 +35,35 @@ pub struct NodeStatus {
     /// The istiod connection, with `--xds-address`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub xds: Option<XdsSummary>,
+    /// The kernel's authorization point (eBPF mode with the builtin
+    /// proxy), as its last compile left it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel_authz: Option<KernelAuthzStatus>,
     pub pods: Vec<PodStatus>,
+}
+
+/// The authorization verdicts compiled into the kernel (`docs/authz.md`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KernelAuthzStatus {
+    /// The policies the table was compiled from (`namespace/name`, dry-run
+    /// ones left out), sorted.
+    pub policies: Vec<String>,
+    /// Entries in the kernel's table.
+    pub entries: usize,
+    /// (source pod, destination address) pairs the kernel cannot know
+    /// exactly or could not hold: the proxy alone decides them.
+    pub left_to_proxy: usize,
+    /// The last write error, if the table could not be written whole.
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
+/// Connects from a pod that the kernel refused, for one policy.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KernelDenial {
+    /// `namespace/name` of the deciding policy.
+    pub policy: String,
+    pub connects: u64,
 }
 
 /// One pod of this node.
@@ -62,6 +90,10 @@ pub struct PodStatus {
     /// The authorization policies that apply to it (`namespace/name`).
     #[serde(default)]
     pub policies: Vec<String>,
+    /// Its connects the kernel refused (EPERM), per policy, as the last
+    /// verify pass read them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kernel_denials: Vec<KernelDenial>,
 }
 
 /// A workload certificate's validity.

@@ -168,6 +168,17 @@ pub struct AgentArgs {
     #[arg(long, value_enum, value_name = "on|off", default_value_t = OnOff::On)]
     pub preserve_source: OnOff,
 
+    // Kernel authorization (issue 15, docs/authz.md).
+    /// The kernel's authorization point (eBPF mode, builtin proxy): the
+    /// authorization policies' verdicts for connects between enrolled pods
+    /// of this node, compiled into a pinned map that connect4/6 check, so a
+    /// denied connect fails at once with EPERM (counted per pod and policy
+    /// in `shunt_pod_policy_denials_total`). The proxy enforces either way:
+    /// `off` leaves every decision to it (a 401 or a reset instead of
+    /// EPERM, with its access log line).
+    #[arg(long, value_enum, value_name = "on|off", default_value_t = OnOff::On)]
+    pub kernel_authz: OnOff,
+
     /// Health-probe source address (kubelet probes, as Istio's
     /// 169.254.7.127) whose inbound traffic always reaches the application.
     #[arg(long, value_name = "IP", default_value = "169.254.7.127")]

@@ -253,6 +253,7 @@ mod tests {
                 workload,
                 state,
                 kernel,
+                kernel_denials: Vec::new(),
             }]),
             ..NodeSnapshot::empty("node-a", RedirectMode::Ebpf, TrustDomain::default())
         }

@@ -42,6 +42,8 @@ pub struct NodeSnapshot {
     pub proxy: Option<ProxyStats>,
     /// The current certificate of every identity the proxy holds.
     pub certificates: BTreeMap<SpiffeId, Arc<WorkloadCert>>,
+    /// The kernel's authorization point, when there is one.
+    pub kernel_authz: Option<crate::api::KernelAuthzStatus>,
 }
 
 /// One pod of this node.
@@ -52,6 +54,9 @@ pub struct PodSnapshot {
     /// The pod as the redirector last saw it (hooks, counters), while it is
     /// enrolled.
     pub kernel: Option<EnrolledPod>,
+    /// Its connects the kernel's authorization point refused, per policy
+    /// (as the last verify pass read them).
+    pub kernel_denials: Vec<(crate::authz::PolicyKey, u64)>,
 }
 
 impl NodeSnapshot {
@@ -66,6 +71,7 @@ impl NodeSnapshot {
             verify_passes: 0,
             proxy: None,
             certificates: BTreeMap::new(),
+            kernel_authz: None,
         }
     }
 

@@ -246,6 +246,43 @@ pub fn render_table_at(status: &NodeStatus, now: std::time::SystemTime) -> Strin
             );
         }
     }
+    // The kernel's authorization point: what it holds, and what it refused.
+    if let Some(kernel) = &status.kernel_authz {
+        let _ = writeln!(
+            out,
+            "kernel authorization: {} entries from {} policies, {} pairs left to the proxy{}",
+            kernel.entries,
+            kernel.policies.len(),
+            kernel.left_to_proxy,
+            kernel
+                .error
+                .as_ref()
+                .map(|e| format!("; write error: {e}"))
+                .unwrap_or_default()
+        );
+    }
+    let refused: Vec<&PodStatus> = status
+        .pods
+        .iter()
+        .filter(|p| !p.kernel_denials.is_empty())
+        .collect();
+    if !refused.is_empty() {
+        let _ = writeln!(out, "connects refused in the kernel (EPERM):");
+        for pod in refused {
+            let counts: Vec<String> = pod
+                .kernel_denials
+                .iter()
+                .map(|d| format!("{} {}", d.policy, d.connects))
+                .collect();
+            let _ = writeln!(
+                out,
+                "  {}/{}: {}",
+                pod.namespace,
+                pod.name,
+                counts.join(", ")
+            );
+        }
+    }
     out
 }
 
@@ -273,7 +310,7 @@ mod tests {
     use std::time::{Duration, UNIX_EPOCH};
 
     use super::*;
-    use crate::api::{CertificateStatus, Counters};
+    use crate::api::{CertificateStatus, Counters, KernelAuthzStatus, KernelDenial};
 
     #[test]
     fn table_shows_every_column_per_pod() {
@@ -285,6 +322,12 @@ mod tests {
             synced: true,
             proxy: None,
             xds: None,
+            kernel_authz: Some(KernelAuthzStatus {
+                policies: vec!["default/allow-client".into()],
+                entries: 2,
+                left_to_proxy: 0,
+                error: None,
+            }),
             verify_passes: 3,
             pods: vec![
                 PodStatus {
@@ -320,6 +363,10 @@ mod tests {
                         not_after: 1_000_000 + 2 * 3600 + 60,
                     }),
                     policies: vec!["default/allow-client".into()],
+                    kernel_denials: vec![KernelDenial {
+                        policy: "default/allow-client".into(),
+                        connects: 4,
+                    }],
                 },
                 PodStatus {
                     namespace: "default".into(),
@@ -335,6 +382,7 @@ mod tests {
                     counters: None,
                     certificate: None,
                     policies: vec![],
+                    kernel_denials: vec![],
                 },
             ],
         };
@@ -374,9 +422,18 @@ mod tests {
             "{table}"
         );
         assert_eq!(
+            lines[6], "kernel authorization: 2 entries from 1 policies, 0 pairs left to the proxy",
+            "{table}"
+        );
+        assert_eq!(lines[7], "connects refused in the kernel (EPERM):");
+        assert_eq!(
+            lines[8], "  default/client: default/allow-client 4",
+            "{table}"
+        );
+        assert_eq!(
             lines.len(),
-            6,
-            "only pods with policies are listed: {table}"
+            9,
+            "only pods with policies or refusals are listed: {table}"
         );
         assert_eq!(lifetime(-300), "EXPIRED 5m0s ago");
         assert_eq!(lifetime(90_000), "in 1d1h");

@@ -159,6 +159,11 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
                 proxy: parts.proxy.clone(),
                 runtime: tokio::runtime::Handle::current(),
             });
+            if args.kernel_authz == OnOff::On {
+                // The reconciler compiles the store's policies into the
+                // kernel (a mode without a kernel point says so and stops).
+                node_agent = node_agent.with_kernel_authz(parts.store.clone());
+            }
             let views = Arc::new(Latest::default());
             let (applied, store_applied) = watch::channel(0);
             let proxy = parts.proxy.clone();

@@ -3,6 +3,7 @@
 //! translates `security.istio.io/v1` objects into the model.
 pub mod crd;
 pub mod engine;
+pub mod kernel;
 pub mod model;
 
 pub use engine::{Connection, Destination, PolicySet, Verdict};

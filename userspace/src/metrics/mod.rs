@@ -234,6 +234,11 @@ mod tests {
             proxy: None,
             synced: true,
             ready: true,
+            kernel_denials: vec![(
+                WorkloadKey::new("default", "client"),
+                "default/allow-client".into(),
+                5,
+            )],
         };
         let kube = Arc::new(SourceStats::default());
         kube.watch_errors
@@ -253,6 +258,7 @@ mod tests {
             "shunt_certificate_expiry_timestamp_seconds{identity=\"spiffe://cluster.local/ns/default/sa/a\"} 1234",
             "shunt_pod_source_synced 1",
             "shunt_ready 1",
+            "shunt_pod_policy_denials_total{namespace=\"default\",pod=\"client\",policy=\"default/allow-client\"} 5",
         ] {
             assert!(
                 text.lines().any(|l| l == line),

@@ -14,7 +14,7 @@ use prometheus_client::{
 use super::unix_seconds;
 use crate::{
     control::kube::SourceStats, health::Readiness, proxy::ProxyStats, redirect::EnrolledPod,
-    snapshot::NodeSnapshot,
+    snapshot::NodeSnapshot, state::WorkloadKey,
 };
 
 /// The node's part of the exposition, taken from its snapshot.
@@ -31,6 +31,9 @@ pub struct NodeGauges {
     pub proxy: Option<ProxyStats>,
     pub synced: bool,
     pub ready: bool,
+    /// Connects the kernel's authorization point refused: (source pod,
+    /// `namespace/name` of the deciding policy, count).
+    pub kernel_denials: Vec<(WorkloadKey, String, u64)>,
 }
 
 impl NodeGauges {
@@ -56,6 +59,16 @@ impl NodeGauges {
             proxy: node.proxy.clone(),
             synced: node.synced,
             ready: Readiness::evaluate(node).ready(),
+            kernel_denials: node
+                .pods
+                .iter()
+                .flat_map(|pod| {
+                    let key = pod.workload.key();
+                    pod.kernel_denials
+                        .iter()
+                        .map(move |(policy, n)| (key.clone(), policy.to_string(), *n))
+                })
+                .collect(),
         }
     }
 
@@ -166,6 +179,22 @@ impl NodeGauges {
             splice_fallbacks,
         );
 
+        let denials = Family::<PodPolicyLabels, Counter>::default();
+        for (pod, policy, count) in &self.kernel_denials {
+            denials
+                .get_or_create(&PodPolicyLabels {
+                    namespace: pod.namespace.clone(),
+                    pod: pod.name.clone(),
+                    policy: policy.clone(),
+                })
+                .inc_by(*count);
+        }
+        registry.register(
+            "pod_policy_denials",
+            "Connects from an enrolled pod that the kernel refused (EPERM) on an authorization policy's verdict, by the deciding policy (the proxy's denials are istio_tcp_connections_closed_total with response_flags=\"DENY\")",
+            denials,
+        );
+
         let expiry = Family::<IdentityLabels, Gauge>::default();
         for (identity, not_after) in &self.certificates {
             expiry
@@ -267,6 +296,13 @@ struct PodDirection {
     namespace: String,
     pod: String,
     direction: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PodPolicyLabels {
+    namespace: String,
+    pod: String,
+    policy: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

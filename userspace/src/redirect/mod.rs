@@ -185,6 +185,43 @@ pub trait Redirector: Send {
     /// A handle the proxy uses to recover where a redirected connection was
     /// going (what `SO_ORIGINAL_DST` answers in the iptables mode).
     fn original_dst_resolver(&self) -> std::sync::Arc<dyn OriginalDst>;
+
+    // The kernel's authorization point (docs/authz.md). Only the eBPF mode
+    // has one: the iptables mode keeps these defaults and the proxy alone
+    // enforces.
+
+    /// The enrolment slot the kernel knows `pod` by, in modes with slots.
+    fn slot(&self, _pod: &WorkloadKey) -> Option<u32> {
+        None
+    }
+    /// Makes `table` the kernel's compiled authorization verdicts; `None`:
+    /// this mode has no kernel enforcement point.
+    fn write_verdicts(
+        &mut self,
+        _table: &crate::authz::kernel::VerdictTable,
+    ) -> Option<VerdictsWritten> {
+        None
+    }
+    /// Connects the kernel refused, per enrolled pod and deciding policy.
+    fn policy_denials(
+        &self,
+    ) -> std::collections::BTreeMap<WorkloadKey, Vec<(crate::authz::PolicyKey, u64)>> {
+        Default::default()
+    }
+}
+
+/// What [`Redirector::write_verdicts`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct VerdictsWritten {
+    /// Entries in the kernel's table now.
+    pub entries: usize,
+    pub inserted: usize,
+    pub deleted: usize,
+    /// (source, destination) pairs the table could not hold (full): they
+    /// were emptied, the proxy decides them.
+    pub failed_pairs: usize,
+    /// The first write error, when some failed.
+    pub error: Option<String>,
 }
 
 /// Recovers the destination an application connected to, for a connection

@@ -2,6 +2,10 @@
 //! side of the eBPF mode (the steps are in the module docs of [`super`]).
 
 use super::{load::loader, *};
+use crate::{
+    authz::{PolicyKey, kernel::VerdictTable},
+    redirect::VerdictsWritten,
+};
 
 impl EbpfRedirector {
     /// The lowest slot no enrolment entry uses.
@@ -195,6 +199,7 @@ impl EbpfRedirector {
         let _ = self.config_map.set(slot, PodConfig::default(), 0);
         let _ = self.addrs_map.set(slot, PodAddrs::default(), 0);
         let _ = self.records_map.remove(&cookie);
+        self.policy.forget_slot(slot);
     }
 }
 
@@ -420,6 +425,22 @@ impl Redirector for EbpfRedirector {
 
     fn original_dst_resolver(&self) -> Arc<dyn OriginalDst> {
         self.original_dst.clone()
+    }
+
+    fn slot(&self, pod: &WorkloadKey) -> Option<u32> {
+        self.pods.get(pod).map(|e| e.slot)
+    }
+
+    fn write_verdicts(&mut self, table: &VerdictTable) -> Option<VerdictsWritten> {
+        Some(self.policy.write(table))
+    }
+
+    fn policy_denials(&self) -> BTreeMap<WorkloadKey, Vec<(PolicyKey, u64)>> {
+        let mut by_slot = self.policy.denials();
+        self.pods
+            .iter()
+            .filter_map(|(key, e)| Some((key.clone(), by_slot.remove(&e.slot)?)))
+            .collect()
     }
 }
 

@@ -94,6 +94,7 @@ impl EbpfRedirector {
         let addrs_map: Array<MapData, PodAddrs> = take_map(&mut ebpf, maps::POD_ADDRS)?;
         let records_map: BpfHashMap<MapData, u64, PodRecord> =
             take_map(&mut ebpf, maps::POD_RECORDS)?;
+        let policy = policy::PolicyMaps::open(&mut ebpf)?;
         cgroup::attach_or_adopt(&mut ebpf, &cgroup_root, pin_dir)?;
         let splice = options.splice;
         if splice != SpliceMode::Off {
@@ -139,6 +140,7 @@ impl EbpfRedirector {
             config_map,
             addrs_map,
             records_map,
+            policy,
             pods: BTreeMap::new(),
             pin_dir: pin_dir.to_path_buf(),
             cgroup_root,
@@ -203,7 +205,7 @@ fn kernel_log_level() -> u8 {
     }
 }
 
-fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, LoadError>
+pub(super) fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, LoadError>
 where
     T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
 {

@@ -17,6 +17,10 @@
 //! 5. records the pod's name and netns path in `SHUNT_POD_RECORDS`, so a
 //!    later agent can clean up after a pod it never heard of.
 //!
+//! With the builtin proxy, the reconciler also hands it the authorization
+//! verdicts compiled for connects between enrolled pods of this node
+//! ([`policy`], checked by `ebpf/src/policy.rs`).
+//!
 //! Everything the datapath needs is the kernel's: TC filters belong to the
 //! qdisc, socket programs to pinned links, state to pinned maps. An agent
 //! that dies leaves redirection working; the next one adopts it.
@@ -27,6 +31,7 @@ mod load;
 mod original_dst;
 mod pin_report;
 mod pins;
+mod policy;
 mod splice;
 mod tc;
 
@@ -85,6 +90,8 @@ pub struct EbpfRedirector {
     config_map: Array<MapData, PodConfig>,
     addrs_map: Array<MapData, PodAddrs>,
     records_map: BpfHashMap<MapData, u64, PodRecord>,
+    /// The kernel's authorization table and its denial counters.
+    policy: policy::PolicyMaps,
     pods: BTreeMap<WorkloadKey, Enrolment>,
     pin_dir: PathBuf,
     cgroup_root: PathBuf,

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use aya::maps::MapData;
 use shunt_common::{
-    GlobalConfig, OriginalDst, PodAddrs, PodConfig, PodCounters, PodRecord, PodSlot, SockKey,
-    SpliceFlow, SpliceKey, maps,
+    GlobalConfig, OriginalDst, PodAddrs, PodConfig, PodCounters, PodRecord, PodSlot,
+    PolicyDenialKey, PolicyVerdict, PolicyVerdictKey, SockKey, SpliceFlow, SpliceKey, maps,
 };
 
 /// A pinned map whose key or value size is not what this agent uses.
@@ -45,6 +45,8 @@ fn layout(name: &str) -> Option<(usize, usize)> {
         maps::SPLICE_SOCKS => (size_of::<SpliceKey>(), size_of::<u32>()),
         maps::SPLICE_FLOWS => (size_of::<SpliceKey>(), size_of::<SpliceFlow>()),
         maps::SPLICE_KEYS => (size_of::<u64>(), size_of::<SpliceKey>()),
+        maps::POLICY_VERDICTS => (size_of::<PolicyVerdictKey>(), size_of::<PolicyVerdict>()),
+        maps::POLICY_DENIALS => (size_of::<PolicyDenialKey>(), size_of::<u64>()),
         _ => return None,
     })
 }
