@@ -20,6 +20,7 @@ use super::{
 use crate::fuzz::{edits, mutate};
 
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const SENTINEL: &[u8; 8] = b"fuzzdone";
 
 fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     let len = payload.len() as u32;
@@ -99,15 +100,32 @@ fn serve(input: Vec<u8>) -> Result<Outcome, String> {
             }
             outcome
         });
+        // The input, then a PING whose answer says the server read it all
+        // (h2 handles frames in order): only then the end of the stream,
+        // which would make h2 drop the requests it has not handed over yet.
+        // A mutated frame length can swallow the PING: then the wait is
+        // short and the end comes anyway.
         let (mut read, mut write) = tokio::io::split(client);
-        let writer = tokio::spawn(async move {
-            let _ = write.write_all(PREFACE).await;
-            let _ = write.write_all(&input).await;
-            let _ = write.shutdown().await;
-        });
+        let _ = write.write_all(PREFACE).await;
+        let _ = write.write_all(&input).await;
+        let _ = write.write_all(&frame(0x6, 0, 0, SENTINEL)).await;
+        let pong = frame(0x6, 0x1, 0, SENTINEL);
         let mut answer = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_millis(200), async {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = read.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+                answer.extend_from_slice(&buf[..n]);
+                if answer.windows(pong.len()).any(|w| w == pong.as_slice()) {
+                    break;
+                }
+            }
+        })
+        .await;
+        let _ = write.shutdown().await;
         let _ = tokio::time::timeout(Duration::from_secs(5), read.read_to_end(&mut answer)).await;
-        writer.abort();
         let mut outcome = match tokio::time::timeout(Duration::from_secs(5), server).await {
             Ok(Ok(outcome)) => outcome,
             Ok(Err(e)) if e.is_panic() => return Err(format!("the server panicked: {e}")),
