@@ -969,7 +969,6 @@ fn scrape(proxy: &shunt::proxy::Proxy) -> String {
     shunt::metrics::Metrics::new().encode(Some(&node))
 }
 
-const END_STREAM: u8 = 0x1;
 const END_HEADERS: u8 = 0x4;
 
 /// One HTTP/2 frame.
@@ -1121,6 +1120,66 @@ fn refusals(proxy: &shunt::proxy::Proxy, reason: &str) -> u64 {
     proxy.stats().refusals.get(reason).copied().unwrap_or(0)
 }
 
+/// The server's frames read so far, by what the test waits for.
+#[derive(Default)]
+struct Frames {
+    /// Stream → the first byte of its response header block (0x88 is
+    /// `:status 200`, HPACK's static entry 8).
+    answered: std::collections::BTreeMap<u32, Option<u8>>,
+    /// Stream → the reason of its RST_STREAM.
+    reset: std::collections::BTreeMap<u32, h2::Reason>,
+    /// Stream → DATA received, and whether it ended.
+    data: std::collections::BTreeMap<u32, (Vec<u8>, bool)>,
+}
+
+/// Reads the server's frames into `frames` until `done` holds (bounded).
+async fn read_frames(
+    tls: &mut tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+    pending: &mut Vec<u8>,
+    frames: &mut Frames,
+    done: impl Fn(&Frames) -> bool,
+) -> Result<(), String> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        while pending.len() >= 9 {
+            let len = u32::from_be_bytes([0, pending[0], pending[1], pending[2]]) as usize;
+            if pending.len() < 9 + len {
+                break;
+            }
+            let (kind, flags) = (pending[3], pending[4]);
+            let stream = u32::from_be_bytes([pending[5] & 0x7f, pending[6], pending[7], pending[8]]);
+            let payload = pending[9..9 + len].to_vec();
+            pending.drain(..9 + len);
+            match kind {
+                0x1 => {
+                    frames.answered.insert(stream, payload.first().copied());
+                }
+                0x3 if len == 4 => {
+                    let code = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
+                    frames.reset.insert(stream, code.into());
+                }
+                0x0 => {
+                    let entry = frames.data.entry(stream).or_default();
+                    entry.0.extend_from_slice(&payload);
+                    entry.1 |= flags & 0x1 != 0;
+                }
+                0x7 => return Err(format!("GOAWAY: {payload:?}")),
+                _ => {}
+            }
+        }
+        if done(frames) {
+            return Ok(());
+        }
+        let mut buf = [0u8; 16 * 1024];
+        match tokio::time::timeout_at(deadline, tls.read(&mut buf)).await {
+            Err(_) => return Err("the awaited frames did not come in time".into()),
+            Ok(Ok(0)) => return Err("the server closed the connection".into()),
+            Ok(Ok(n)) => pending.extend_from_slice(&buf[..n]),
+            Ok(Err(e)) => return Err(format!("read: {e}")),
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_101st_concurrent_stream_is_refused_and_counted() {
     let _serial = serial().await;
@@ -1128,48 +1187,54 @@ async fn the_101st_concurrent_stream_is_refused_and_counted() {
     let proxy = &m.nodes["node-b"].proxy;
     let target = m.addr("server", 15008);
     let app = m.addr("server", 8080).to_string();
-    let tls = tls_from(&m, "outsider", target, good).await;
-    // The client opens 101 streams before it has read the server's
-    // SETTINGS (it may: until then the limit is its own guess).
-    let (mut send, conn) = h2::client::Builder::new()
-        .initial_max_send_streams(200)
-        .handshake::<_, Bytes>(tls)
+    let mut tls = tls_from(&m, "outsider", target, good).await;
+    // The server's SETTINGS first (our ACK must follow it), then 101
+    // CONNECTs at once: h2's own client would hold the 101st back, a
+    // hostile one does not.
+    let mut pending = Vec::new();
+    let mut frames = Frames::default();
+    let mut buf = [0u8; 16 * 1024];
+    let n = tokio::time::timeout(Duration::from_secs(15), tls.read(&mut buf))
         .await
-        .expect("HTTP/2 handshake");
-    let mut opened = Vec::new();
-    for _ in 0..101 {
-        send = send.ready().await.expect("ready");
-        let (response, body) = send
-            .send_request(connect(&app).expect("request"), false)
-            .expect("send");
-        opened.push((response, body));
+        .expect("server SETTINGS in time")
+        .expect("read");
+    pending.extend_from_slice(&buf[..n]);
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    out.extend(h2_frame(0x4, 0, 0, &[]));
+    out.extend(h2_frame(0x4, 0x1, 0, &[]));
+    let streams: Vec<u32> = (0..101).map(|i| 1 + 2 * i).collect();
+    for s in &streams {
+        out.extend(connect_frame(*s, app.as_bytes(), END_HEADERS));
     }
-    let driver = tokio::spawn(conn);
-    let (last, _last_body) = opened.pop().expect("101 streams");
-    match tokio::time::timeout(Duration::from_secs(15), last).await {
-        Ok(Err(e)) if e.reason() == Some(h2::Reason::REFUSED_STREAM) => {}
-        Ok(Err(e)) => panic!("the 101st stream failed otherwise: {e}"),
-        Ok(Ok(r)) => panic!("the 101st stream was answered {}", r.status()),
-        Err(_) => panic!("the 101st stream got no answer"),
+    tls.write_all(&out).await.expect("write");
+    let (first_100, last) = streams.split_at(100);
+    let last = last[0];
+    read_frames(&mut tls, &mut pending, &mut frames, |f| {
+        f.reset.contains_key(&last) && first_100.iter().all(|s| f.answered.contains_key(s))
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}: answered {}, reset {:?}", frames.answered.len(), frames.reset));
+    assert_eq!(frames.reset.get(&last), Some(&h2::Reason::REFUSED_STREAM), "the 101st");
+    assert!(!frames.answered.contains_key(&last), "the 101st was answered");
+    for s in first_100 {
+        assert_eq!(frames.answered.get(s), Some(&Some(0x88)), "stream {s} answered 200");
+        assert!(!frames.reset.contains_key(s), "stream {s} reset");
     }
     // The first 100, all open at once, each carry bytes.
-    let mut streams = Vec::new();
-    for (response, body) in opened {
-        let response = tokio::time::timeout(Duration::from_secs(15), response)
-            .await
-            .expect("answer in time")
-            .expect("answer");
-        assert_eq!(response.status(), StatusCode::OK, "one of the first 100");
-        streams.push((response.into_body(), body));
+    let mut out = Vec::new();
+    for s in first_100 {
+        out.extend(h2_frame(0x0, 0x1, *s, b"ping"));
     }
-    for (recv, body) in streams {
-        match echo_ping(recv, body).await {
-            Ok(()) => {}
-            Err(StreamError::Other(e)) => panic!("one of the first 100 streams: {e}"),
-            Err(StreamError::Connection(e)) => panic!("one of the first 100 streams: {e}"),
-        }
+    tls.write_all(&out).await.expect("write");
+    read_frames(&mut tls, &mut pending, &mut frames, |f| {
+        first_100.iter().all(|s| f.data.get(s).is_some_and(|(_, ended)| *ended))
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {} streams ended", frames.data.values().filter(|d| d.1).count()));
+    for s in first_100 {
+        assert_eq!(frames.data[s].0, b"ping", "stream {s} echoed");
     }
-    driver.abort();
+    drop(tls);
     let counted = mesh::eventually(Duration::from_secs(10), || {
         let s = proxy.stats();
         s.active == 0 && s.inbound_hbone == 101 && s.refused == 1
