@@ -942,7 +942,10 @@ async fn bad_input_is_refused_cleanly() {
         "shunt_proxy_refusals_total{reason=\"h2_continuation_flood\"} 1",
         "shunt_proxy_refusals_total{reason=\"tls\"} 7",
     ] {
-        assert!(text.lines().any(|l| l == line), "{line:?} missing in\n{text}");
+        assert!(
+            text.lines().any(|l| l == line),
+            "{line:?} missing in\n{text}"
+        );
     }
 
     let back = mesh::eventually(Duration::from_secs(20), || mesh::fd_count() <= baseline).await;
@@ -1147,7 +1150,8 @@ async fn read_frames(
                 break;
             }
             let (kind, flags) = (pending[3], pending[4]);
-            let stream = u32::from_be_bytes([pending[5] & 0x7f, pending[6], pending[7], pending[8]]);
+            let stream =
+                u32::from_be_bytes([pending[5] & 0x7f, pending[6], pending[7], pending[8]]);
             let payload = pending[9..9 + len].to_vec();
             pending.drain(..9 + len);
             match kind {
@@ -1213,11 +1217,28 @@ async fn the_101st_concurrent_stream_is_refused_and_counted() {
         f.reset.contains_key(&last) && first_100.iter().all(|s| f.answered.contains_key(s))
     })
     .await
-    .unwrap_or_else(|e| panic!("{e}: answered {}, reset {:?}", frames.answered.len(), frames.reset));
-    assert_eq!(frames.reset.get(&last), Some(&h2::Reason::REFUSED_STREAM), "the 101st");
-    assert!(!frames.answered.contains_key(&last), "the 101st was answered");
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e}: answered {}, reset {:?}",
+            frames.answered.len(),
+            frames.reset
+        )
+    });
+    assert_eq!(
+        frames.reset.get(&last),
+        Some(&h2::Reason::REFUSED_STREAM),
+        "the 101st"
+    );
+    assert!(
+        !frames.answered.contains_key(&last),
+        "the 101st was answered"
+    );
     for s in first_100 {
-        assert_eq!(frames.answered.get(s), Some(&Some(0x88)), "stream {s} answered 200");
+        assert_eq!(
+            frames.answered.get(s),
+            Some(&Some(0x88)),
+            "stream {s} answered 200"
+        );
         assert!(!frames.reset.contains_key(s), "stream {s} reset");
     }
     // The first 100, all open at once, each carry bytes.
@@ -1227,10 +1248,17 @@ async fn the_101st_concurrent_stream_is_refused_and_counted() {
     }
     tls.write_all(&out).await.expect("write");
     read_frames(&mut tls, &mut pending, &mut frames, |f| {
-        first_100.iter().all(|s| f.data.get(s).is_some_and(|(_, ended)| *ended))
+        first_100
+            .iter()
+            .all(|s| f.data.get(s).is_some_and(|(_, ended)| *ended))
     })
     .await
-    .unwrap_or_else(|e| panic!("{e}: {} streams ended", frames.data.values().filter(|d| d.1).count()));
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e}: {} streams ended",
+            frames.data.values().filter(|d| d.1).count()
+        )
+    });
     for s in first_100 {
         assert_eq!(frames.data[s].0, b"ping", "stream {s} echoed");
     }
@@ -1244,7 +1272,10 @@ async fn the_101st_concurrent_stream_is_refused_and_counted() {
     assert_eq!(refusals(proxy, "h2_refused_stream"), 1);
     let text = scrape(proxy);
     let line = "shunt_proxy_refusals_total{reason=\"h2_refused_stream\"} 1";
-    assert!(text.lines().any(|l| l == line), "{line:?} missing in\n{text}");
+    assert!(
+        text.lines().any(|l| l == line),
+        "{line:?} missing in\n{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1372,7 +1403,9 @@ async fn a_good_client_gets_through_idle_handshakes_under_a_low_fd_limit() {
     bed.wait_enrolled();
     let logs = bed.agent.logs();
     assert!(
-        logs.contains("open-files limit raised") && logs.contains("before=256") && logs.contains("soft=1024"),
+        logs.contains("open-files limit raised")
+            && logs.contains("before=256")
+            && logs.contains("soft=1024"),
         "the raise is logged with its figures:\n{logs}"
     );
     let ca = bed.ca();

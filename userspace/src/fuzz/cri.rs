@@ -4,8 +4,8 @@
 
 use std::collections::HashMap;
 
-use prost::Message as _;
 use proptest::prelude::*;
+use prost::Message as _;
 use shunt_proto::cri::{
     LinuxPodSandboxStatus, Namespace, NamespaceMode, NamespaceOption, PodSandboxState,
     PodSandboxStatus, PodSandboxStatusResponse,

@@ -39,11 +39,24 @@ use proptest::prelude::*;
 /// length, so any edit applies to any input.
 #[derive(Clone, Debug)]
 pub(crate) enum Edit {
-    Delete { at: usize, len: usize },
-    Insert { at: usize, bytes: Vec<u8> },
-    Overwrite { at: usize, bytes: Vec<u8> },
+    Delete {
+        at: usize,
+        len: usize,
+    },
+    Insert {
+        at: usize,
+        bytes: Vec<u8>,
+    },
+    Overwrite {
+        at: usize,
+        bytes: Vec<u8>,
+    },
     /// Copies `len` bytes from `from` to `to` (duplicates a piece).
-    Duplicate { from: usize, to: usize, len: usize },
+    Duplicate {
+        from: usize,
+        to: usize,
+        len: usize,
+    },
 }
 
 /// Bytes parsers trip on: type changes, boundaries, syntax of the formats
@@ -76,8 +89,11 @@ fn edit() -> impl Strategy<Value = Edit> {
         (any::<usize>(), 1..16usize).prop_map(|(at, len)| Edit::Delete { at, len }),
         (any::<usize>(), interesting()).prop_map(|(at, bytes)| Edit::Insert { at, bytes }),
         (any::<usize>(), interesting()).prop_map(|(at, bytes)| Edit::Overwrite { at, bytes }),
-        (any::<usize>(), any::<usize>(), 1..32usize)
-            .prop_map(|(from, to, len)| Edit::Duplicate { from, to, len }),
+        (any::<usize>(), any::<usize>(), 1..32usize).prop_map(|(from, to, len)| Edit::Duplicate {
+            from,
+            to,
+            len
+        }),
     ]
 }
 

@@ -2,8 +2,8 @@
 //! or a service) and `istio.security.Authorization`, as protobuf bytes in a
 //! `google.protobuf.Any`, applied a response at a time by [`XdsState`].
 
-use prost::Message as _;
 use proptest::prelude::*;
+use prost::Message as _;
 use shunt_proto::{
     envoy::service::discovery::v3::{DeltaDiscoveryResponse, Resource},
     istio::{security as security_pb, workload as workload_pb},
@@ -14,17 +14,19 @@ use crate::xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL, ResourceType, XdsStat
 
 fn workload(name: &str, ip: [u8; 4]) -> Vec<u8> {
     workload_pb::Address {
-        r#type: Some(workload_pb::address::Type::Workload(workload_pb::Workload {
-            uid: name.into(),
-            name: name.into(),
-            namespace: "default".into(),
-            service_account: "sleep".into(),
-            node: "node-a".into(),
-            addresses: vec![ip.to_vec()],
-            tunnel_protocol: workload_pb::TunnelProtocol::Hbone as i32,
-            authorization_policies: vec!["default/allow-sleep".into()],
-            ..Default::default()
-        })),
+        r#type: Some(workload_pb::address::Type::Workload(
+            workload_pb::Workload {
+                uid: name.into(),
+                name: name.into(),
+                namespace: "default".into(),
+                service_account: "sleep".into(),
+                node: "node-a".into(),
+                addresses: vec![ip.to_vec()],
+                tunnel_protocol: workload_pb::TunnelProtocol::Hbone as i32,
+                authorization_policies: vec!["default/allow-sleep".into()],
+                ..Default::default()
+            },
+        )),
     }
     .encode_to_vec()
 }
@@ -100,7 +102,11 @@ fn response(type_url: &str, resources: Vec<Resource>) -> DeltaDiscoveryResponse 
 /// A state holding version 1 of a workload and a policy.
 fn held() -> XdsState {
     let mut state = XdsState::new("istiod", "node");
-    let mut w = resource(ADDRESS_TYPE_URL, "Kubernetes//Pod/default/a", workload("a", [198, 18, 0, 1]));
+    let mut w = resource(
+        ADDRESS_TYPE_URL,
+        "Kubernetes//Pod/default/a",
+        workload("a", [198, 18, 0, 1]),
+    );
     w.version = "1".into();
     let mut p = resource(AUTHORIZATION_TYPE_URL, "default/allow-sleep", policy());
     p.version = "1".into();
@@ -120,15 +126,27 @@ fn the_seeds_are_valid() {
         .apply(&response(
             ADDRESS_TYPE_URL,
             vec![
-                resource(ADDRESS_TYPE_URL, "Kubernetes//Pod/default/b", workload("b", [198, 18, 0, 2])),
-                resource(ADDRESS_TYPE_URL, "default/web.default.svc.cluster.local", service()),
+                resource(
+                    ADDRESS_TYPE_URL,
+                    "Kubernetes//Pod/default/b",
+                    workload("b", [198, 18, 0, 2]),
+                ),
+                resource(
+                    ADDRESS_TYPE_URL,
+                    "default/web.default.svc.cluster.local",
+                    service(),
+                ),
             ],
         ))
         .expect("valid addresses");
     state
         .apply(&response(
             AUTHORIZATION_TYPE_URL,
-            vec![resource(AUTHORIZATION_TYPE_URL, "default/allow-sleep", policy())],
+            vec![resource(
+                AUTHORIZATION_TYPE_URL,
+                "default/allow-sleep",
+                policy(),
+            )],
         ))
         .expect("valid policy");
 }
@@ -136,8 +154,16 @@ fn the_seeds_are_valid() {
 /// Which seed a mutated resource starts from.
 fn seed(which: u8) -> (&'static str, &'static str, Vec<u8>) {
     match which % 3 {
-        0 => (ADDRESS_TYPE_URL, "Kubernetes//Pod/default/b", workload("b", [198, 18, 0, 2])),
-        1 => (ADDRESS_TYPE_URL, "default/web.default.svc.cluster.local", service()),
+        0 => (
+            ADDRESS_TYPE_URL,
+            "Kubernetes//Pod/default/b",
+            workload("b", [198, 18, 0, 2]),
+        ),
+        1 => (
+            ADDRESS_TYPE_URL,
+            "default/web.default.svc.cluster.local",
+            service(),
+        ),
         _ => (AUTHORIZATION_TYPE_URL, "default/allow-sleep", policy()),
     }
 }

@@ -1,7 +1,7 @@
 //! ZDS messages from ztunnel: its hello, and its answers to our requests.
 
-use prost::Message as _;
 use proptest::prelude::*;
+use prost::Message as _;
 use shunt_proto::istio::zds::{Ack, Version, WorkloadResponse, ZdsHello, workload_response};
 
 use super::{edits, mutate};

@@ -81,7 +81,11 @@ fn serve(input: Vec<u8>) -> Result<Outcome, String> {
         });
         let server = tokio::spawn(async move {
             let mut outcome = Outcome::default();
-            let Ok(mut conn) = H2Settings::default().server().handshake::<_, Bytes>(tap).await else {
+            let Ok(mut conn) = H2Settings::default()
+                .server()
+                .handshake::<_, Bytes>(tap)
+                .await
+            else {
                 return outcome;
             };
             while let Some(Ok((request, mut respond))) = conn.accept().await {
@@ -95,7 +99,10 @@ fn serve(input: Vec<u8>) -> Result<Outcome, String> {
                         status
                     }
                 };
-                let response = http::Response::builder().status(status).body(()).unwrap_or_default();
+                let response = http::Response::builder()
+                    .status(status)
+                    .body(())
+                    .unwrap_or_default();
                 let _ = respond.send_response(response, true);
             }
             outcome

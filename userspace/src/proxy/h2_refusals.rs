@@ -157,9 +157,9 @@ impl FrameParser {
             RefusalReason::H2HeadersTooLarge => format!(
                 "h2 answered stream {stream} 431: request headers over max_header_list_size"
             ),
-            RefusalReason::H2Malformed => format!(
-                "h2 reset stream {stream}: malformed request (RST_STREAM {reason:?})"
-            ),
+            RefusalReason::H2Malformed => {
+                format!("h2 reset stream {stream}: malformed request (RST_STREAM {reason:?})")
+            }
             _ => format!("h2 reset stream {stream}: RST_STREAM {reason:?}"),
         };
         Some(H2Refusal {
@@ -309,8 +309,14 @@ mod tests {
         bytes.extend(rst(11, h2::Reason::FLOW_CONTROL_ERROR));
         bytes.extend(goaway(h2::Reason::NO_ERROR, "")); // drain
         bytes.extend(goaway(h2::Reason::ENHANCE_YOUR_CALM, "too_many_resets"));
-        bytes.extend(goaway(h2::Reason::ENHANCE_YOUR_CALM, "too_many_continuations"));
-        bytes.extend(goaway(h2::Reason::ENHANCE_YOUR_CALM, "header_list_way_too_large"));
+        bytes.extend(goaway(
+            h2::Reason::ENHANCE_YOUR_CALM,
+            "too_many_continuations",
+        ));
+        bytes.extend(goaway(
+            h2::Reason::ENHANCE_YOUR_CALM,
+            "header_list_way_too_large",
+        ));
         bytes.extend(goaway(h2::Reason::PROTOCOL_ERROR, ""));
         let expected = vec![
             RefusalReason::H2RefusedStream,

@@ -158,25 +158,23 @@ async fn serve_connection(
         peer_identity: peer_identity.clone(),
     };
     let tls = FrameTap::new(tls, move |refusal| context.refused(refusal));
-    let mut conn = match tokio::time::timeout_at(
-        first_request_by,
-        shared.config.h2.server().handshake(tls),
-    )
-    .await
-    {
-        Ok(Ok(c)) => c,
-        Ok(Err(e)) => {
-            log.reason = Some(format!("HTTP/2 handshake: {e}"));
-            log.emit(&shared);
-            return;
-        }
-        Err(_) => {
-            log.refusal = Some(RefusalReason::HandshakeTimeout);
-            log.reason = Some("HTTP/2 handshake timed out".into());
-            log.emit(&shared);
-            return;
-        }
-    };
+    let mut conn =
+        match tokio::time::timeout_at(first_request_by, shared.config.h2.server().handshake(tls))
+            .await
+        {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
+                log.reason = Some(format!("HTTP/2 handshake: {e}"));
+                log.emit(&shared);
+                return;
+            }
+            Err(_) => {
+                log.refusal = Some(RefusalReason::HandshakeTimeout);
+                log.reason = Some("HTTP/2 handshake timed out".into());
+                log.emit(&shared);
+                return;
+            }
+        };
     let keepalive = match conn.ping_pong() {
         Some(pp) => {
             futures::future::Either::Left(super::h2::keepalive(pp, shared.config.h2.clone()))

@@ -617,7 +617,9 @@ mod tests {
         }
         drop(a);
         assert_eq!(limits.open_from(peer.ip()), 1);
-        let c = limits.admit(Inbound::Hbone, &s, peer).expect("after a close");
+        let c = limits
+            .admit(Inbound::Hbone, &s, peer)
+            .expect("after a close");
         drop((b, c));
         assert_eq!(limits.open_from(peer.ip()), 0);
     }
@@ -635,7 +637,11 @@ mod tests {
             limits.admit(Inbound::Hbone, &s, peer),
             Err(Refused::FdBudget { .. })
         ));
-        assert_eq!(limits.open_from(peer.ip()), 0, "the refusal gave its slot back");
+        assert_eq!(
+            limits.open_from(peer.ip()),
+            0,
+            "the refusal gave its slot back"
+        );
         // One HBONE connection in its handshake (registered as admit does
         // when fds are plentiful).
         let old = CancellationToken::new();

@@ -937,10 +937,12 @@ impl<'a> AccessLog<'a> {
             Outcome::Success => {}
             Outcome::Refused | Outcome::Denied => {
                 c.refused.fetch_add(1, Ordering::Relaxed);
-                shared.limits.count(self.refusal.unwrap_or(match self.outcome {
-                    Outcome::Denied => RefusalReason::Policy,
-                    _ => RefusalReason::Request,
-                }));
+                shared
+                    .limits
+                    .count(self.refusal.unwrap_or(match self.outcome {
+                        Outcome::Denied => RefusalReason::Policy,
+                        _ => RefusalReason::Request,
+                    }));
             }
             Outcome::Failed => {
                 c.failed.fetch_add(1, Ordering::Relaxed);

@@ -162,7 +162,8 @@ pub async fn hbone_echo(bed: &Bed, ca: &BuiltinCa, from: &Pod) -> Result<(), Str
     let roots = TrustRoots::new(&CertificateAuthority::roots(ca)).map_err(|e| e.to_string())?;
     let server = SpiffeId::for_service_account(&TrustDomain::default(), "default", "sa-server");
     let me = SpiffeId::for_service_account(&TrustDomain::default(), "default", "sa-good");
-    let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(|e| e.to_string())?;
+    let key =
+        rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(|e| e.to_string())?;
     let leaf = ca
         .issue(&me, &key, Duration::from_secs(3600))
         .map_err(|e| e.to_string())?;
@@ -218,7 +219,9 @@ pub async fn hbone_echo(bed: &Bed, ca: &BuiltinCa, from: &Pod) -> Result<(), Str
 /// (captured on 15006), "ping" echoed.
 pub async fn plaintext_echo(bed: &Bed, from: &Pod) -> Result<(), String> {
     let mut s = connect_from(from, bed.app()).map_err(|e| format!("TCP connect: {e}"))?;
-    s.write_all(b"ping").await.map_err(|e| format!("write: {e}"))?;
+    s.write_all(b"ping")
+        .await
+        .map_err(|e| format!("write: {e}"))?;
     s.shutdown().await.map_err(|e| format!("shutdown: {e}"))?;
     let mut got = Vec::new();
     s.read_to_end(&mut got)
