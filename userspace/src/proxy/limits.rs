@@ -451,7 +451,7 @@ pub fn open_files_limit() -> (u64, u64) {
         // Cannot happen for RLIMIT_NOFILE; the classic default then.
         return (1024, 1024);
     }
-    (limit.rlim_cur as u64, limit.rlim_max as u64)
+    (limit.rlim_cur, limit.rlim_max)
 }
 
 /// The reserve for a soft limit of `soft`.
