@@ -179,6 +179,8 @@ pub struct Agent {
     /// Whether dropping this agent removes the pin dir and CA dir it shares
     /// with a successor (only the last agent of a handover does).
     owns_shared: bool,
+    /// `RLIMIT_NOFILE` (soft, hard) the agent process starts with, if set.
+    nofile: Option<(u64, u64)>,
 }
 
 /// Makes agent cgroup names unique within a topology.
@@ -230,6 +232,7 @@ impl Agent {
                 .collect(),
             endpoints: Endpoints::standard(),
             owns_shared: true,
+            nofile: None,
         };
         agent.write_workloads(yaml)?;
         agent.spawn(extra_args)?;
@@ -274,6 +277,7 @@ impl Agent {
             env: self.env.clone(),
             endpoints,
             owns_shared: self.owns_shared,
+            nofile: self.nofile,
         };
         self.owns_shared = false;
         successor.write_workloads(&yaml)?;
@@ -284,6 +288,15 @@ impl Agent {
 
     pub fn endpoints(&self) -> Endpoints {
         self.endpoints
+    }
+
+    /// Stops the agent and starts it again with `RLIMIT_NOFILE` set to
+    /// (soft, hard) from its first instruction (set between fork and exec),
+    /// kept for later restarts.
+    pub fn restart_with_nofile(&mut self, nofile: (u64, u64), extra_args: &[&str]) -> Result<()> {
+        let _stopped = self.stop()?;
+        self.nofile = Some(nofile);
+        self.restart(extra_args)
     }
 
     /// `GET /healthz/ready` on the agent's readiness endpoint, from its
@@ -318,6 +331,23 @@ impl Agent {
         let binary = shunt_binary()?;
         let mut cmd = self.node.command(&binary);
         self.cgroup.place(&mut cmd);
+        if let Some((soft, hard)) = self.nofile {
+            let limit = libc::rlimit {
+                rlim_cur: soft as libc::rlim_t,
+                rlim_max: hard as libc::rlim_t,
+            };
+            // SAFETY: setrlimit is async-signal-safe; the struct is built
+            // before the fork.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::last_os_error())
+                    }
+                });
+            }
+        }
         cmd.arg("agent")
             .args(["--node-name", self.node.name()])
             .arg("--workloads")

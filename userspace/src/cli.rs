@@ -179,6 +179,29 @@ pub struct AgentArgs {
     #[arg(long, value_enum, value_name = "on|off", default_value_t = OnOff::On)]
     pub kernel_authz: OnOff,
 
+    // Limits a hostile peer cannot exhaust (proxy/limits.rs).
+    /// Inbound connections (15008 and 15006 together, every pod of the
+    /// node together) open at once from one source IP. The next one is
+    /// reset at accept, counted (`shunt_proxy_refusals_total{reason=
+    /// "source_limit"}`) and logged (rate-limited). 0: no limit.
+    #[arg(long, value_name = "N", default_value_t = crate::proxy::DEFAULT_MAX_CONNECTIONS_PER_SOURCE)]
+    pub max_connections_per_source: u32,
+
+    /// File descriptors kept free for the listeners' own work. With fewer
+    /// free, a new inbound connection sheds the oldest HBONE connection
+    /// still in its handshake, or is reset when there is none. 0: a
+    /// sixteenth of the open-files limit, between 64 and 4096. (The agent
+    /// raises its soft open-files limit to the hard one at start.)
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub fd_reserve: u64,
+
+    /// An inbound HBONE connection must finish its TLS and HTTP/2
+    /// handshakes and send its first CONNECT within this many seconds of
+    /// being accepted, else it is closed (idle and half-open handshakes are
+    /// shed); outbound handshakes have the same bound.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10)]
+    pub handshake_timeout: u64,
+
     /// Health-probe source address (kubelet probes, as Istio's
     /// 169.254.7.127) whose inbound traffic always reaches the application.
     #[arg(long, value_name = "IP", default_value = "169.254.7.127")]

@@ -33,3 +33,6 @@ pub mod state;
 pub mod status;
 pub mod tls;
 pub mod xds;
+
+#[cfg(test)]
+mod fuzz;

@@ -90,6 +90,15 @@ pub fn render_table_at(status: &NodeStatus, now: std::time::SystemTime) -> Strin
             p.bytes_out,
             p.bytes_in
         );
+        let refusals: Vec<String> = p
+            .refusals
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(reason, n)| format!("{reason} {n}"))
+            .collect();
+        if !refusals.is_empty() {
+            let _ = writeln!(out, "refusals: {}", refusals.join(", "));
+        }
     }
     if let Some(x) = &status.xds {
         let since = x

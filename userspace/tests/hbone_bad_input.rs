@@ -6,14 +6,21 @@
 //! the proxy counted for it (access-log lines, refused, failed), once the
 //! case's tasks have ended.
 //!
-//! One test function (this binary's only one) so the fd count of the
-//! process is not disturbed by other tests running in parallel.
+//! The tests of this binary run one at a time ([`serial`]) so that the fd
+//! count of the process is not disturbed by another running in parallel.
+//!
+//! The limits a hostile peer cannot exhaust (issue 20 part 4) are here too:
+//! the 101st concurrent stream, the per-source limit, rapid reset, and a
+//! real agent under a low `RLIMIT_NOFILE` (that one needs the agent binary:
+//! `cargo build -p shunt --bins`, `SHUNT_BIN`).
 
+#[path = "support/agent_bed.rs"]
+mod agent_bed;
 #[path = "support/mesh.rs"]
 mod mesh;
 
 use std::{
-    net::SocketAddr,
+    net::{SocketAddr, TcpStream as StdTcpStream},
     pin::Pin,
     sync::{
         Arc,
@@ -74,39 +81,39 @@ fn alert(name: &str) -> Expect {
 }
 
 /// How the proxy must account for a case: access-log lines (inbound
-/// connections or streams), of which refused and failed.
+/// connections or streams), of which refused and failed, and the refusal
+/// reason counted (`shunt_proxy_refusals_total{reason}`).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 struct Counted {
     inbound: u64,
     refused: u64,
     failed: u64,
+    reason: Option<&'static str>,
 }
 
-/// One refusal, counted.
-const REFUSED: Counted = Counted {
-    inbound: 1,
-    refused: 1,
-    failed: 0,
-};
+/// One refusal, counted under `reason`: whichever layer refused (TLS, the
+/// proxy's checks, h2 itself), it is in the access log and the counters.
+const fn refused(reason: &'static str) -> Counted {
+    Counted {
+        inbound: 1,
+        refused: 1,
+        failed: 0,
+        reason: Some(reason),
+    }
+}
 /// One stream served.
 const SERVED: Counted = Counted {
     inbound: 1,
     refused: 0,
     failed: 0,
-};
-/// Refused by the h2 library itself before the proxy sees a request (431
-/// for headers over the limit, GOAWAY far over it): the proxy has nothing
-/// to count.
-const REFUSED_BY_H2: Counted = Counted {
-    inbound: 0,
-    refused: 0,
-    failed: 0,
+    reason: None,
 };
 /// The reset stream (failed) and the stream after it (served).
 const RESET_THEN_SERVED: Counted = Counted {
     inbound: 2,
     refused: 0,
     failed: 1,
+    reason: None,
 };
 
 enum Client {
@@ -121,6 +128,9 @@ enum Req {
     ConnectWithHeader(String, usize),
     Get(String),
     Http1AfterTls,
+    /// After TLS: the client preface, an empty SETTINGS, then these raw
+    /// HTTP/2 frames; the answer is the first RST_STREAM or GOAWAY.
+    Raw(Vec<u8>),
     /// CONNECT to the tracked application, move bytes, then RST_STREAM in
     /// the middle of a transfer; then CONNECT to the echo on the same
     /// connection.
@@ -282,10 +292,20 @@ fn h2_frame_types(mut bytes: &[u8]) -> Result<Vec<u8>, String> {
     Ok(types)
 }
 
-/// Runs one case; returns what the client saw.
+/// Runs one case from the outsider pod; returns what the client saw.
 async fn run_case(m: &Mesh, target: SocketAddr, client: Client) -> Result<Expect, String> {
+    run_case_from(m, "outsider", target, client).await
+}
+
+/// Runs one case from the pod `from`.
+async fn run_case_from(
+    m: &Mesh,
+    from: &str,
+    target: SocketAddr,
+    client: Client,
+) -> Result<Expect, String> {
     let mut tcp = m
-        .connect_direct("outsider", target)
+        .connect_direct(from, target)
         .await
         .map_err(|e| format!("tcp: {e}"))?;
     let (config, req) = match client {
@@ -335,6 +355,9 @@ async fn run_case(m: &Mesh, target: SocketAddr, client: Client) -> Result<Expect
         }
     };
     first.truncate(n);
+    if let Req::Raw(frames) = req {
+        return raw_h2_case(tls, first, &frames).await;
+    }
     if let Req::Http1AfterTls = req {
         tls.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             .await
@@ -499,7 +522,7 @@ async fn stream_case(
         Req::ResetMidTransfer { tracked, echo } => {
             return reset_mid_transfer(send, &tracked, &echo).await;
         }
-        Req::Http1AfterTls => unreachable!("handled before HTTP/2"),
+        Req::Http1AfterTls | Req::Raw(_) => unreachable!("handled before HTTP/2"),
     };
     let (response, body) = match send.send_request(request, false) {
         Ok(x) => x,
@@ -612,6 +635,7 @@ fn tracked_echo_server(m: &Mesh, pod: &str, port: u16) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_is_refused_cleanly() {
+    let _serial = serial().await;
     let default_hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         PANICS.fetch_add(1, Ordering::SeqCst);
@@ -682,13 +706,13 @@ async fn bad_input_is_refused_cleanly() {
             "non-TLS bytes",
             Client::Raw(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"),
             Expect::NotTls,
-            REFUSED,
+            refused("tls"),
         ),
         (
             "TLS without a client certificate",
             Client::Tls(Arc::new(no_cert), Req::Connect(app.clone())),
             alert("CertificateRequired"),
-            REFUSED,
+            refused("tls"),
         ),
         (
             "client certificate without a SPIFFE SAN",
@@ -704,7 +728,7 @@ async fn bad_input_is_refused_cleanly() {
                 Req::Connect(app.clone()),
             ),
             alert("CertificateUnknown"),
-            REFUSED,
+            refused("tls"),
         ),
         (
             "wrong trust domain",
@@ -720,7 +744,7 @@ async fn bad_input_is_refused_cleanly() {
                 Req::Connect(app.clone()),
             ),
             alert("CertificateUnknown"),
-            REFUSED,
+            refused("tls"),
         ),
         (
             "expired certificate",
@@ -736,7 +760,7 @@ async fn bad_input_is_refused_cleanly() {
                 Req::Connect(app.clone()),
             ),
             alert("CertificateExpired"),
-            REFUSED,
+            refused("tls"),
         ),
         (
             "certificate from another CA",
@@ -754,31 +778,31 @@ async fn bad_input_is_refused_cleanly() {
             // The other CA has the same name as the mesh's: the chain is
             // built to the mesh's root, whose key did not sign it.
             alert("DecryptError"),
-            REFUSED,
+            refused("tls"),
         ),
         (
             "ALPN http/1.1 instead of h2",
             Client::Tls(Arc::new(http11), Req::Connect(app.clone())),
             alert("NoApplicationProtocol"),
-            REFUSED,
+            refused("tls"),
         ),
         (
             "HTTP/1.1 bytes after ALPN h2",
             Client::Tls(good.clone(), Req::Http1AfterTls),
             Expect::ClosedWithoutAnswer,
-            REFUSED,
+            refused("request"),
         ),
         (
             "malformed authority",
             Client::Tls(good.clone(), Req::Connect("not-an-ip:8080".into())),
             Expect::Status(StatusCode::BAD_REQUEST),
-            REFUSED,
+            refused("request"),
         ),
         (
             "IP not on this node",
             Client::Tls(good.clone(), Req::Connect("198.18.1.200:8080".into())),
             Expect::Status(StatusCode::UNAUTHORIZED),
-            REFUSED,
+            refused("request"),
         ),
         (
             "authority IP differs from the arrival IP",
@@ -787,7 +811,7 @@ async fn bad_input_is_refused_cleanly() {
                 Req::Connect(m.addr("neighbour", 8080).to_string()),
             ),
             Expect::Status(StatusCode::BAD_REQUEST),
-            REFUSED,
+            refused("request"),
         ),
         (
             "target port is the proxy's own",
@@ -796,25 +820,25 @@ async fn bad_input_is_refused_cleanly() {
                 Req::Connect(m.addr("server", 15008).to_string()),
             ),
             Expect::Status(StatusCode::SERVICE_UNAVAILABLE),
-            REFUSED,
+            refused("request"),
         ),
         (
             "application refuses",
             Client::Tls(good.clone(), Req::Connect(m.addr("server", 9).to_string())),
             Expect::Status(StatusCode::SERVICE_UNAVAILABLE),
-            REFUSED,
+            refused("request"),
         ),
         (
             "GET instead of CONNECT",
             Client::Tls(good.clone(), Req::Get(app.clone())),
             Expect::Status(shunt::proxy::NON_CONNECT_STATUS),
-            REFUSED,
+            refused("request"),
         ),
         (
             "oversized headers",
             Client::Tls(good.clone(), Req::ConnectWithHeader(app.clone(), 20 * 1024)),
             Expect::Status(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE),
-            REFUSED_BY_H2,
+            refused("h2_headers_too_large"),
         ),
         // Far over the limit, h2 drops the whole connection rather than
         // decode it.
@@ -825,7 +849,24 @@ async fn bad_input_is_refused_cleanly() {
                 Req::ConnectWithHeader(app.clone(), 256 * 1024),
             ),
             Expect::GoAway(h2::Reason::ENHANCE_YOUR_CALM),
-            REFUSED_BY_H2,
+            refused("h2_header_flood"),
+        ),
+        // A request h2 itself finds malformed: reset by the codec, never
+        // seen by the proxy's checks.
+        (
+            "unparsable :authority",
+            Client::Tls(
+                good.clone(),
+                Req::Raw(connect_frame(1, b"bad authority", END_HEADERS)),
+            ),
+            Expect::StreamReset(Some(h2::Reason::PROTOCOL_ERROR)),
+            refused("h2_malformed"),
+        ),
+        (
+            "CONTINUATION flood",
+            Client::Tls(good.clone(), Req::Raw(continuation_flood(1, 20))),
+            Expect::GoAway(h2::Reason::ENHANCE_YOUR_CALM),
+            refused("h2_continuation_flood"),
         ),
         (
             "stream reset mid-transfer",
@@ -851,14 +892,17 @@ async fn bad_input_is_refused_cleanly() {
     // its tasks have ended (active back to idle) the counters must have
     // moved by exactly the case's amounts, no more, no less.
     let mut failures = Vec::new();
-    let mut expected = {
+    let now = || {
         let s = proxy.stats();
-        Counted {
+        let counted = Counted {
             inbound: s.inbound_hbone,
             refused: s.refused,
             failed: s.failed,
-        }
+            reason: None,
+        };
+        (counted, s.refusals, s.active)
     };
+    let (mut expected, mut expected_reasons, _) = now();
     for (name, client, expect, counts) in cases {
         let got = run_case(&m, target, client).await;
         match &got {
@@ -868,22 +912,20 @@ async fn bad_input_is_refused_cleanly() {
         expected.inbound += counts.inbound;
         expected.refused += counts.refused;
         expected.failed += counts.failed;
-        let now = || {
-            let s = proxy.stats();
-            let counted = Counted {
-                inbound: s.inbound_hbone,
-                refused: s.refused,
-                failed: s.failed,
-            };
-            (counted, s.active)
-        };
-        let settled = mesh::eventually(Duration::from_secs(10), || now() == (expected, idle)).await;
+        if let Some(reason) = counts.reason {
+            *expected_reasons.entry(reason.to_string()).or_default() += 1;
+        }
+        let settled = mesh::eventually(Duration::from_secs(10), || {
+            now() == (expected, expected_reasons.clone(), idle)
+        })
+        .await;
         if !settled {
-            let (counted, active) = now();
+            let (counted, reasons, active) = now();
             failures.push(format!(
-                "{name}: the proxy counted {counted:?} ({active} tasks active), expected {expected:?} ({idle} active)"
+                "{name}: the proxy counted {counted:?} {reasons:?} ({active} tasks active), expected {expected:?} {expected_reasons:?} ({idle} active)"
             ));
             expected = counted;
+            expected_reasons = reasons;
         }
     }
     assert!(
@@ -891,6 +933,20 @@ async fn bad_input_is_refused_cleanly() {
         "cases failed:\n{}",
         failures.join("\n")
     );
+    // h2's own refusals are on /metrics beside the others.
+    let text = scrape(proxy);
+    for line in [
+        "shunt_proxy_refusals_total{reason=\"h2_headers_too_large\"} 1",
+        "shunt_proxy_refusals_total{reason=\"h2_header_flood\"} 1",
+        "shunt_proxy_refusals_total{reason=\"h2_malformed\"} 1",
+        "shunt_proxy_refusals_total{reason=\"h2_continuation_flood\"} 1",
+        "shunt_proxy_refusals_total{reason=\"tls\"} 7",
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "{line:?} missing in\n{text}"
+        );
+    }
 
     let back = mesh::eventually(Duration::from_secs(20), || mesh::fd_count() <= baseline).await;
     assert!(
@@ -899,4 +955,514 @@ async fn bad_input_is_refused_cleanly() {
         mesh::fd_count()
     );
     assert_eq!(PANICS.load(Ordering::SeqCst), 0, "nothing panicked");
+}
+
+/// One test of this binary at a time (see the module doc).
+async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+    static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    SERIAL.lock().await
+}
+
+/// `/metrics` as the agent renders it, with this proxy's counters.
+fn scrape(proxy: &shunt::proxy::Proxy) -> String {
+    let node = shunt::metrics::NodeGauges {
+        proxy: Some(proxy.stats()),
+        ..Default::default()
+    };
+    shunt::metrics::Metrics::new().encode(Some(&node))
+}
+
+const END_HEADERS: u8 = 0x4;
+
+/// One HTTP/2 frame.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len() as u32;
+    let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// HPACK: a literal field without indexing whose name is static-table
+/// entry `index` (1 `:authority`, 2 `:method`), value under 127 bytes, no
+/// Huffman coding.
+fn hpack_literal(index: u8, value: &[u8]) -> Vec<u8> {
+    let mut field = vec![index & 0x0f, value.len() as u8];
+    field.extend_from_slice(value);
+    field
+}
+
+/// A CONNECT's HEADERS frame with any `:authority` bytes (h2's client
+/// refuses to send an invalid one; a hostile peer does not).
+fn connect_frame(stream: u32, authority: &[u8], flags: u8) -> Vec<u8> {
+    let mut block = hpack_literal(2, b"CONNECT");
+    block.extend(hpack_literal(1, authority));
+    h2_frame(0x1, flags, stream, &block)
+}
+
+/// HEADERS without END_HEADERS, its last field's value cut short, then
+/// `count` one-byte CONTINUATION frames that never end the block.
+fn continuation_flood(stream: u32, count: usize) -> Vec<u8> {
+    let mut block = hpack_literal(2, b"CONNECT");
+    // A new-name literal `x` whose value is 2,000 bytes (7-bit prefix 127,
+    // then 1,873 as a varint): within the header list limit, so only the
+    // frame count can stop it.
+    block.extend_from_slice(&[0x00, 0x01, b'x', 0x7f, 0xd1, 0x0e]);
+    let mut frames = h2_frame(0x1, 0, stream, &block);
+    for _ in 0..count {
+        frames.extend(h2_frame(0x9, 0, stream, b"a"));
+    }
+    frames
+}
+
+/// `count` CONNECT streams each reset by the client right after its
+/// HEADERS, in one write: the rapid-reset attack.
+fn rapid_reset(authority: &str, count: u32) -> Vec<u8> {
+    let mut frames = Vec::new();
+    for i in 0..count {
+        let stream = 1 + 2 * i;
+        frames.extend(connect_frame(stream, authority.as_bytes(), END_HEADERS));
+        frames.extend(h2_frame(
+            0x3,
+            0,
+            stream,
+            &u32::from(h2::Reason::CANCEL).to_be_bytes(),
+        ));
+    }
+    frames
+}
+
+/// Writes the client preface, an empty SETTINGS, an ACK of the server's,
+/// and `frames`; reads the server's frames (`first` already read) until it
+/// resets a stream or ends the connection with an error.
+async fn raw_h2_case(
+    mut tls: tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+    first: Vec<u8>,
+    frames: &[u8],
+) -> Result<Expect, String> {
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    out.extend(h2_frame(0x4, 0, 0, &[]));
+    out.extend(h2_frame(0x4, 0x1, 0, &[]));
+    out.extend_from_slice(frames);
+    tls.write_all(&out)
+        .await
+        .map_err(|e| format!("write: {e}"))?;
+    let mut got = first;
+    let mut at = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        while got.len() - at >= 9 {
+            let head = &got[at..at + 9];
+            let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+            if got.len() - at < 9 + len {
+                break;
+            }
+            let kind = head[3];
+            let payload = &got[at + 9..at + 9 + len];
+            match kind {
+                0x3 if len == 4 => {
+                    let code = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
+                    return Ok(Expect::StreamReset(Some(code.into())));
+                }
+                0x7 if len >= 8 => {
+                    let code = u32::from_be_bytes([payload[4], payload[5], payload[6], payload[7]]);
+                    if code != 0 {
+                        return Ok(Expect::GoAway(code.into()));
+                    }
+                }
+                _ => {}
+            }
+            at += 9 + len;
+        }
+        let mut buf = [0u8; 16 * 1024];
+        match tokio::time::timeout_at(deadline, tls.read(&mut buf)).await {
+            Err(_) => return Err("no RST_STREAM or GOAWAY in time".into()),
+            Ok(Ok(0)) => return Err("closed without RST_STREAM or GOAWAY".into()),
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+            Ok(Err(e)) => return Err(format!("read: {e}")),
+        }
+    }
+}
+
+/// A TLS connection from `from` to `target` with `config`.
+async fn tls_from(
+    m: &Mesh,
+    from: &str,
+    target: SocketAddr,
+    config: Arc<ClientConfig>,
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    let tcp = m.connect_direct(from, target).await.expect("tcp");
+    tokio_rustls::TlsConnector::from(config)
+        .connect(ServerName::IpAddress(target.ip().into()), tcp)
+        .await
+        .expect("tls")
+}
+
+/// The mesh of the limit tests: an outsider and another client on node-a,
+/// the server (echo on 8080) on node-b.
+async fn limits_mesh(name: &str, config: ProxyConfig) -> (Mesh, Arc<ClientConfig>) {
+    let m = Mesh::new(
+        name,
+        vec![
+            pod("node-a", "outsider", "legacy", false),
+            pod("node-a", "other", "legacy", false),
+            pod("node-b", "server", "httpbin", true),
+        ],
+        config,
+        shunt::identity::IdentityConfig::default(),
+    )
+    .await;
+    m.echo_server("server", 8080);
+    let roots =
+        TrustRoots::new(&shunt::identity::CertificateAuthority::roots(&*m.ca)).expect("roots");
+    let good = good_client(&m.ca, &roots, &m.identity("server"));
+    (m, good)
+}
+
+fn refusals(proxy: &shunt::proxy::Proxy, reason: &str) -> u64 {
+    proxy.stats().refusals.get(reason).copied().unwrap_or(0)
+}
+
+/// The server's frames read so far, by what the test waits for.
+#[derive(Default)]
+struct Frames {
+    /// Stream → the first byte of its response header block (0x88 is
+    /// `:status 200`, HPACK's static entry 8).
+    answered: std::collections::BTreeMap<u32, Option<u8>>,
+    /// Stream → the reason of its RST_STREAM.
+    reset: std::collections::BTreeMap<u32, h2::Reason>,
+    /// Stream → DATA received, and whether it ended.
+    data: std::collections::BTreeMap<u32, (Vec<u8>, bool)>,
+}
+
+/// Reads the server's frames into `frames` until `done` holds (bounded).
+async fn read_frames(
+    tls: &mut tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+    pending: &mut Vec<u8>,
+    frames: &mut Frames,
+    done: impl Fn(&Frames) -> bool,
+) -> Result<(), String> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        while pending.len() >= 9 {
+            let len = u32::from_be_bytes([0, pending[0], pending[1], pending[2]]) as usize;
+            if pending.len() < 9 + len {
+                break;
+            }
+            let (kind, flags) = (pending[3], pending[4]);
+            let stream =
+                u32::from_be_bytes([pending[5] & 0x7f, pending[6], pending[7], pending[8]]);
+            let payload = pending[9..9 + len].to_vec();
+            pending.drain(..9 + len);
+            match kind {
+                0x1 => {
+                    frames.answered.insert(stream, payload.first().copied());
+                }
+                0x3 if len == 4 => {
+                    let code = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
+                    frames.reset.insert(stream, code.into());
+                }
+                0x0 => {
+                    let entry = frames.data.entry(stream).or_default();
+                    entry.0.extend_from_slice(&payload);
+                    entry.1 |= flags & 0x1 != 0;
+                }
+                0x7 => return Err(format!("GOAWAY: {payload:?}")),
+                _ => {}
+            }
+        }
+        if done(frames) {
+            return Ok(());
+        }
+        let mut buf = [0u8; 16 * 1024];
+        match tokio::time::timeout_at(deadline, tls.read(&mut buf)).await {
+            Err(_) => return Err("the awaited frames did not come in time".into()),
+            Ok(Ok(0)) => return Err("the server closed the connection".into()),
+            Ok(Ok(n)) => pending.extend_from_slice(&buf[..n]),
+            Ok(Err(e)) => return Err(format!("read: {e}")),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_101st_concurrent_stream_is_refused_and_counted() {
+    let _serial = serial().await;
+    let (m, good) = limits_mesh("hbone-streams", ProxyConfig::default()).await;
+    let proxy = &m.nodes["node-b"].proxy;
+    let target = m.addr("server", 15008);
+    let app = m.addr("server", 8080).to_string();
+    let mut tls = tls_from(&m, "outsider", target, good).await;
+    // The server's SETTINGS first (our ACK must follow it), then 101
+    // CONNECTs at once: h2's own client would hold the 101st back, a
+    // hostile one does not.
+    let mut pending = Vec::new();
+    let mut frames = Frames::default();
+    let mut buf = [0u8; 16 * 1024];
+    let n = tokio::time::timeout(Duration::from_secs(15), tls.read(&mut buf))
+        .await
+        .expect("server SETTINGS in time")
+        .expect("read");
+    pending.extend_from_slice(&buf[..n]);
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    out.extend(h2_frame(0x4, 0, 0, &[]));
+    out.extend(h2_frame(0x4, 0x1, 0, &[]));
+    let streams: Vec<u32> = (0..101).map(|i| 1 + 2 * i).collect();
+    for s in &streams {
+        out.extend(connect_frame(*s, app.as_bytes(), END_HEADERS));
+    }
+    tls.write_all(&out).await.expect("write");
+    let (first_100, last) = streams.split_at(100);
+    let last = last[0];
+    read_frames(&mut tls, &mut pending, &mut frames, |f| {
+        f.reset.contains_key(&last) && first_100.iter().all(|s| f.answered.contains_key(s))
+    })
+    .await
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e}: answered {}, reset {:?}",
+            frames.answered.len(),
+            frames.reset
+        )
+    });
+    assert_eq!(
+        frames.reset.get(&last),
+        Some(&h2::Reason::REFUSED_STREAM),
+        "the 101st"
+    );
+    assert!(
+        !frames.answered.contains_key(&last),
+        "the 101st was answered"
+    );
+    for s in first_100 {
+        assert_eq!(
+            frames.answered.get(s),
+            Some(&Some(0x88)),
+            "stream {s} answered 200"
+        );
+        assert!(!frames.reset.contains_key(s), "stream {s} reset");
+    }
+    // The first 100, all open at once, each carry bytes.
+    let mut out = Vec::new();
+    for s in first_100 {
+        out.extend(h2_frame(0x0, 0x1, *s, b"ping"));
+    }
+    tls.write_all(&out).await.expect("write");
+    read_frames(&mut tls, &mut pending, &mut frames, |f| {
+        first_100
+            .iter()
+            .all(|s| f.data.get(s).is_some_and(|(_, ended)| *ended))
+    })
+    .await
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e}: {} streams ended",
+            frames.data.values().filter(|d| d.1).count()
+        )
+    });
+    for s in first_100 {
+        assert_eq!(frames.data[s].0, b"ping", "stream {s} echoed");
+    }
+    drop(tls);
+    let counted = mesh::eventually(Duration::from_secs(10), || {
+        let s = proxy.stats();
+        s.active == 0 && s.inbound_hbone == 101 && s.refused == 1
+    })
+    .await;
+    assert!(counted, "100 served and 1 refused: {:?}", proxy.stats());
+    assert_eq!(refusals(proxy, "h2_refused_stream"), 1);
+    let text = scrape(proxy);
+    let line = "shunt_proxy_refusals_total{reason=\"h2_refused_stream\"} 1";
+    assert!(
+        text.lines().any(|l| l == line),
+        "{line:?} missing in\n{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_over_the_per_source_limit_are_refused_at_accept() {
+    let _serial = serial().await;
+    let config = ProxyConfig {
+        limits: shunt::proxy::LimitsConfig {
+            max_connections_per_source: 3,
+            fd_reserve: 0,
+        },
+        // The held connections must outlive the test's steps.
+        handshake_timeout: Duration::from_secs(120),
+        ..ProxyConfig::default()
+    };
+    let (m, good) = limits_mesh("hbone-per-source", config).await;
+    let proxy = &m.nodes["node-b"].proxy;
+    let target = m.addr("server", 15008);
+    let app = m.addr("server", 8080).to_string();
+
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(m.connect_direct("outsider", target).await.expect("tcp"));
+    }
+    // The kernel completes the fourth's handshake; the proxy resets it as
+    // soon as it accepts it.
+    let mut fourth = m
+        .connect_direct("outsider", target)
+        .await
+        .expect("tcp connect");
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(15), fourth.read(&mut byte))
+        .await
+        .expect("the fourth connection is closed by the proxy");
+    assert!(
+        matches!(read, Ok(0) | Err(_)),
+        "the fourth connection got {read:?}"
+    );
+    let counted = mesh::eventually(Duration::from_secs(10), || {
+        refusals(proxy, "source_limit") == 1
+    })
+    .await;
+    assert!(counted, "refusal counted: {:?}", proxy.stats());
+    // The held ones are still open (in their handshake): had the proxy
+    // refused them, their resets would have come before the fourth's.
+    for s in &held {
+        let mut byte = [0u8; 1];
+        match s.try_read(&mut byte) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            other => panic!("a held connection was closed: {other:?}"),
+        }
+    }
+    // Another source is not limited.
+    let other = run_case_from(
+        &m,
+        "other",
+        target,
+        Client::Tls(good.clone(), Req::Connect(app.clone())),
+    )
+    .await;
+    assert_eq!(other, Ok(Expect::Ok), "a client from another source");
+    // A slot freed, the source gets through again.
+    drop(held.pop());
+    let mut again = Err(String::new());
+    for _ in 0..50 {
+        again = run_case_from(
+            &m,
+            "outsider",
+            target,
+            Client::Tls(good.clone(), Req::Connect(app.clone())),
+        )
+        .await;
+        if again == Ok(Expect::Ok) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(again, Ok(Expect::Ok), "the source after closing one");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rapid_reset_is_stopped_and_counted() {
+    let _serial = serial().await;
+    let (m, good) = limits_mesh("hbone-rapid-reset", ProxyConfig::default()).await;
+    let proxy = &m.nodes["node-b"].proxy;
+    let target = m.addr("server", 15008);
+    let app = m.addr("server", 8080).to_string();
+    let got = run_case(
+        &m,
+        target,
+        Client::Tls(good.clone(), Req::Raw(rapid_reset(&app, 200))),
+    )
+    .await;
+    assert_eq!(got, Ok(Expect::GoAway(h2::Reason::ENHANCE_YOUR_CALM)));
+    let counted = mesh::eventually(Duration::from_secs(10), || {
+        refusals(proxy, "h2_rapid_reset") == 1 && proxy.stats().active == 0
+    })
+    .await;
+    assert!(counted, "rapid reset counted: {:?}", proxy.stats());
+    // The proxy still serves.
+    let after = run_case(&m, target, Client::Tls(good, Req::Connect(app))).await;
+    assert_eq!(after, Ok(Expect::Ok));
+}
+
+/// A real agent whose hard open-files limit is 1,024: it raises its soft
+/// limit (256) to it and says so; 1,000 idle handshakes from one client
+/// (the per-source limit off, the handshake timeout 120 s so none is shed
+/// by time) fill its fd table, yet a well-behaved client still gets
+/// through: the oldest handshakes are shed to make room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_good_client_gets_through_idle_handshakes_under_a_low_fd_limit() {
+    let _serial = serial().await;
+    agent_bed::raise_own_nofile();
+    let args = [
+        "--redirect",
+        "iptables",
+        "--max-connections-per-source",
+        "0",
+        "--handshake-timeout",
+        "120",
+    ];
+    let mut bed = agent_bed::Bed::start("hbone-nofile", &args[2..]).await;
+    bed.agent
+        .restart_with_nofile((256, 1024), &args)
+        .expect("restart under a low fd limit");
+    bed.wait_enrolled();
+    let logs = bed.agent.logs();
+    assert!(
+        logs.contains("open-files limit raised")
+            && logs.contains("before=256")
+            && logs.contains("soft=1024"),
+        "the raise is logged with its figures:\n{logs}"
+    );
+    let ca = bed.ca();
+    agent_bed::hbone_echo(&bed, &ca, &bed.good)
+        .await
+        .expect("before the idle handshakes");
+
+    let flood_pod = bed.flood.clone();
+    let hbone = bed.hbone();
+    let idle = agent_bed::blocking(move || {
+        flood_pod
+            .run(move || {
+                (0..1000)
+                    .filter_map(|_| {
+                        StdTcpStream::connect_timeout(&hbone, Duration::from_secs(5)).ok()
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .expect("flood pod")
+    })
+    .await;
+    assert!(!idle.is_empty(), "no idle connection could be opened");
+    // The fd table reached the reserve: handshakes were shed to make room.
+    let shed = agent_bed::eventually(Duration::from_secs(30), || {
+        bed.refusals("handshake_evicted") > 0
+    })
+    .await;
+    assert!(
+        shed,
+        "no handshake shed with {} idle connections (agent fds {})",
+        idle.len(),
+        bed.agent_fds()
+    );
+    // Well before any idle handshake times out, a good client gets through.
+    let through = tokio::time::timeout(
+        Duration::from_secs(60),
+        agent_bed::hbone_echo(&bed, &ca, &bed.good),
+    )
+    .await;
+    assert!(
+        matches!(through, Ok(Ok(()))),
+        "the good client: {through:?}; agent fds {}",
+        bed.agent_fds()
+    );
+    let plaintext = tokio::time::timeout(
+        Duration::from_secs(60),
+        agent_bed::plaintext_echo(&bed, &bed.good),
+    )
+    .await;
+    assert!(matches!(plaintext, Ok(Ok(()))), "plaintext: {plaintext:?}");
+    assert!(bed.agent_fds() <= 1024);
+    eprintln!(
+        "nofile figures: {} idle connections opened, agent fds {}, handshakes shed {}, refused for fds {}",
+        idle.len(),
+        bed.agent_fds(),
+        bed.refusals("handshake_evicted"),
+        bed.refusals("fd_budget")
+    );
+    drop(idle);
 }

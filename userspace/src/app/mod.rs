@@ -102,6 +102,7 @@ struct ProxyParts {
 /// `shunt agent`: runs until SIGINT or SIGTERM, then stops as `--on-exit`
 /// says.
 pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
+    raise_open_files_limit(&args);
     let source = match &args.workloads {
         Some(path) => PodSource::File(FileSource::load(
             path,
@@ -454,12 +455,40 @@ async fn start_proxy(
         trust_domain: trust_domain.clone(),
         inbound_plaintext: args.inbound_plaintext,
         preserve_source: args.preserve_source == OnOff::On,
+        limits: crate::proxy::LimitsConfig {
+            max_connections_per_source: args.max_connections_per_source,
+            fd_reserve: args.fd_reserve,
+        },
+        handshake_timeout: Duration::from_secs(args.handshake_timeout.max(1)),
         ..Default::default()
     };
     let proxy =
         Proxy::new(config, identities, store.clone(), original_dst).map_err(AgentError::Proxy)?;
     info!(ca = ?args.ca, ca_dir = %args.ca_dir.display(), inbound_plaintext = %args.inbound_plaintext, preserve_source = ?args.preserve_source, "proxy ready: pods get listeners on 15001, 15006 and 15008 as they enrol");
     Ok(ProxyParts { proxy, store })
+}
+
+/// Raises the soft open-files limit to the hard one (a proxy needs two fds
+/// per connection and one more per HBONE stream) and logs the figures.
+fn raise_open_files_limit(args: &AgentArgs) {
+    let limits = crate::proxy::LimitsConfig {
+        max_connections_per_source: args.max_connections_per_source,
+        fd_reserve: args.fd_reserve,
+    };
+    match crate::proxy::raise_open_files_limit() {
+        Ok(files) => info!(
+            before = files.before,
+            soft = files.soft,
+            hard = files.hard,
+            reserve = crate::proxy::fd_reserve_now(&limits),
+            max_connections_per_source = args.max_connections_per_source,
+            "open-files limit raised to the hard limit; fds kept in reserve for the listeners"
+        ),
+        Err(e) => {
+            let (soft, hard) = crate::proxy::open_files_limit();
+            warn!(soft, hard, error = %e, "cannot raise the open-files limit; the proxy makes do with the soft one")
+        }
+    }
 }
 
 /// With `--on-exit unenrol`, unenrols every pod (no new connection is

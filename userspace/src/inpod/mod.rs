@@ -19,7 +19,7 @@
 //! ztunnel is connected wait in the wanted set and go out in the next
 //! connection's snapshot.
 
-mod protocol;
+pub(crate) mod protocol;
 mod server;
 mod socket;
 

@@ -224,6 +224,19 @@ impl NodeGauges {
                 "HBONE connections in the outbound pools",
                 pooled,
             );
+            let refusals = Family::<ReasonLabels, Counter>::default();
+            for (reason, count) in &proxy.refusals {
+                refusals
+                    .get_or_create(&ReasonLabels {
+                        reason: reason.clone(),
+                    })
+                    .inc_by(*count);
+            }
+            registry.register(
+                "proxy_refusals",
+                "Connections and streams the proxy refused, by the layer and reason (limits, TLS, HTTP/2, the CONNECT checks, policy)",
+                refusals,
+            );
         }
 
         let synced = Gauge::<i64>::default();
@@ -308,6 +321,11 @@ struct PodPolicyLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct IdentityLabels {
     identity: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

@@ -50,6 +50,9 @@ impl H2Settings {
 
     pub(crate) fn server(&self) -> h2::server::Builder {
         let mut b = h2::server::Builder::new();
+        // ztunnel's limit; beyond it h2 refuses the stream (counted through
+        // h2_refusals.rs).
+        b.max_concurrent_streams(super::limits::MAX_CONCURRENT_STREAMS);
         b.initial_window_size(self.stream_window)
             .initial_connection_window_size(self.connection_window)
             .max_frame_size(self.max_frame_size)

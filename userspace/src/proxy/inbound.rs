@@ -16,7 +16,13 @@
 //! | application refuses / unreachable | 503 |
 //! | otherwise | 200, then bytes both ways |
 //!
-//! Headers too large for `max_header_list_size` get 431 from h2 itself.
+//! Headers too large for `max_header_list_size` get 431 from h2 itself,
+//! and a stream over [`MAX_CONCURRENT_STREAMS`](super::MAX_CONCURRENT_STREAMS)
+//! `REFUSED_STREAM`: h2's refusals are counted and logged through
+//! [`FrameTap`](super::h2_refusals::FrameTap). A connection that has not
+//! sent its first CONNECT within the handshake timeout of its TLS
+//! handshake's start is closed; until then it may be shed to make room
+//! ([`limits`](super::limits)).
 
 use std::{net::SocketAddr, sync::Arc, time::Instant};
 
@@ -26,7 +32,12 @@ use http::{Method, Request, Response, StatusCode};
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
-use super::{AccessLog, Decision, Outcome, PROXY_PORTS, PodState, Shared, h2::H2Stream};
+use super::{
+    AccessLog, Decision, Outcome, PROXY_PORTS, PodState, RefusalReason, Shared,
+    h2::H2Stream,
+    h2_refusals::FrameTap,
+    limits::{Admission, H2Context},
+};
 
 /// Answer to a request that is not CONNECT. DESIGN.md records ztunnel
 /// answering 400 on the wire (issue 4 said 405); the observed wire contract
@@ -38,11 +49,20 @@ pub(super) async fn serve(
     pod: Arc<PodState>,
     tcp: TcpStream,
     peer: SocketAddr,
+    admission: Option<Admission>,
 ) {
     let span = tracing::info_span!("inbound", pod = %pod.key, src = %peer);
-    serve_connection(shared, pod, tcp, peer)
+    serve_connection(shared, pod, tcp, peer, admission)
         .instrument(span)
         .await
+}
+
+/// Resolves when `admission` is shed to make room; never without one.
+async fn evicted(admission: &Option<Admission>) {
+    match admission {
+        Some(a) => a.evicted().await,
+        None => std::future::pending().await,
+    }
 }
 
 async fn serve_connection(
@@ -50,6 +70,7 @@ async fn serve_connection(
     pod: Arc<PodState>,
     tcp: TcpStream,
     peer: SocketAddr,
+    mut admission: Option<Admission>,
 ) {
     let started = Instant::now();
     let arrival = match tcp.local_addr() {
@@ -84,19 +105,32 @@ async fn serve_connection(
         }
     };
     let handshake_timeout = shared.config.handshake_timeout;
-    let tls = match tokio::time::timeout(
+    // The first CONNECT must come within this (TLS, HTTP/2, then the
+    // request): a connection is of no use before.
+    let first_request_by = tokio::time::Instant::now() + handshake_timeout;
+    let handshake = tokio::time::timeout(
         handshake_timeout,
         tokio_rustls::TlsAcceptor::from(config).accept(tcp),
-    )
-    .await
-    {
+    );
+    let handshake = tokio::select! {
+        h = handshake => h,
+        () = evicted(&admission) => {
+            log.refusal = Some(RefusalReason::HandshakeEvicted);
+            super::limits::quiet_unless_allowed(&shared, &mut log, "shed during its TLS handshake: file descriptors short, room made for a new connection".into());
+            log.emit(&shared);
+            return;
+        }
+    };
+    let tls = match handshake {
         Ok(Ok(tls)) => tls,
         Ok(Err(e)) => {
+            log.refusal = Some(RefusalReason::Tls);
             log.reason = Some(format!("TLS handshake: {e}"));
             log.emit(&shared);
             return;
         }
         Err(_) => {
+            log.refusal = Some(RefusalReason::HandshakeTimeout);
             log.reason = Some(format!(
                 "TLS handshake timed out after {handshake_timeout:?}"
             ));
@@ -109,23 +143,33 @@ async fn serve_connection(
         // A client that offered no ALPN at all (rustls only rejects a
         // mismatching offer).
         log.src_identity = peer_identity.as_deref();
+        log.refusal = Some(RefusalReason::Tls);
         log.reason = Some("ALPN h2 not negotiated".into());
         log.emit(&shared);
         return;
     }
+    log.src_identity = peer_identity.as_deref();
+    // h2's own refusals are seen in the frames it writes.
+    let context = H2Context {
+        shared: shared.clone(),
+        pod: pod.key.clone(),
+        peer,
+        arrival,
+        peer_identity: peer_identity.clone(),
+    };
+    let tls = FrameTap::new(tls, move |refusal| context.refused(refusal));
     let mut conn =
-        match tokio::time::timeout(handshake_timeout, shared.config.h2.server().handshake(tls))
+        match tokio::time::timeout_at(first_request_by, shared.config.h2.server().handshake(tls))
             .await
         {
             Ok(Ok(c)) => c,
             Ok(Err(e)) => {
-                log.src_identity = peer_identity.as_deref();
                 log.reason = Some(format!("HTTP/2 handshake: {e}"));
                 log.emit(&shared);
                 return;
             }
             Err(_) => {
-                log.src_identity = peer_identity.as_deref();
+                log.refusal = Some(RefusalReason::HandshakeTimeout);
                 log.reason = Some("HTTP/2 handshake timed out".into());
                 log.emit(&shared);
                 return;
@@ -139,10 +183,28 @@ async fn serve_connection(
     };
     tokio::pin!(keepalive);
     let mut going_away = false;
+    let first_request = tokio::time::sleep_until(first_request_by);
+    tokio::pin!(first_request);
     loop {
+        let waiting_first = admission.as_ref().is_some_and(|a| !a.is_established());
         tokio::select! {
+            () = &mut first_request, if waiting_first => {
+                log.refusal = Some(RefusalReason::HandshakeTimeout);
+                log.reason = Some(format!("no CONNECT within {handshake_timeout:?} of the connection"));
+                log.emit(&shared);
+                break;
+            }
+            () = evicted(&admission), if waiting_first => {
+                log.refusal = Some(RefusalReason::HandshakeEvicted);
+                super::limits::quiet_unless_allowed(&shared, &mut log, "shed before its first CONNECT: file descriptors short, room made for a new connection".into());
+                log.emit(&shared);
+                break;
+            }
             next = conn.accept() => match next {
                 Some(Ok((request, respond))) => {
+                    if let Some(a) = admission.as_mut() {
+                        a.established();
+                    }
                     let shared2 = shared.clone();
                     let peer_identity = peer_identity.clone();
                     let abort = shared.abort.clone();
@@ -280,23 +342,7 @@ fn check_request(
     arrival: SocketAddr,
     request: &Request<RecvStream>,
 ) -> Result<(SocketAddr, Arc<PodState>), (StatusCode, String)> {
-    if request.method() != Method::CONNECT {
-        return Err((
-            NON_CONNECT_STATUS,
-            format!("method {} is not CONNECT", request.method()),
-        ));
-    }
-    let authority = request
-        .uri()
-        .authority()
-        .map(|a| a.as_str())
-        .ok_or_else(|| (StatusCode::BAD_REQUEST, "no :authority".to_string()))?;
-    let target: SocketAddr = authority.parse().map_err(|_| {
-        (
-            StatusCode::BAD_REQUEST,
-            format!("authority {authority:?} is not ip:port"),
-        )
-    })?;
+    let target = connect_target(request)?;
     let target_pod = shared.local_pod(target.ip()).ok_or_else(|| {
         (
             StatusCode::UNAUTHORIZED,
@@ -319,4 +365,26 @@ fn check_request(
         ));
     }
     Ok((target, target_pod))
+}
+
+/// The first checks of the table, on the request alone: a CONNECT whose
+/// `:authority` is `ip:port`.
+pub(super) fn connect_target<B>(request: &Request<B>) -> Result<SocketAddr, (StatusCode, String)> {
+    if request.method() != Method::CONNECT {
+        return Err((
+            NON_CONNECT_STATUS,
+            format!("method {} is not CONNECT", request.method()),
+        ));
+    }
+    let authority = request
+        .uri()
+        .authority()
+        .map(|a| a.as_str())
+        .ok_or_else(|| (StatusCode::BAD_REQUEST, "no :authority".to_string()))?;
+    authority.parse().map_err(|_| {
+        (
+            StatusCode::BAD_REQUEST,
+            format!("authority {authority:?} is not ip:port"),
+        )
+    })
 }

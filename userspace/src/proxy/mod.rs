@@ -13,9 +13,13 @@
 //! socket the proxy opens carries `SO_MARK` 0x539 and listeners use
 //! `SO_REUSEPORT`, so a new agent can bind while the old one drains.
 
+#[cfg(test)]
+mod fuzz;
 mod h2;
+mod h2_refusals;
 mod inbound;
 mod inbound_plaintext;
+mod limits;
 mod observe;
 mod outbound;
 mod policy;
@@ -25,6 +29,10 @@ mod socket;
 
 pub use h2::H2Settings;
 pub use inbound::NON_CONNECT_STATUS;
+pub use limits::{
+    DEFAULT_MAX_CONNECTIONS_PER_SOURCE, LimitsConfig, MAX_CONCURRENT_STREAMS, OpenFiles,
+    RefusalReason, fd_reserve_now, open_files_limit, raise_open_files_limit,
+};
 pub use observe::{
     ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, Direction,
 };
@@ -79,6 +87,8 @@ pub struct ProxyConfig {
     /// (`IP_TRANSPARENT`) rather than the pod's own. Needs the pod's reply
     /// path, which the redirector installs.
     pub preserve_source: bool,
+    /// Per-source connection limit and the fd reserve (`limits.rs`).
+    pub limits: LimitsConfig,
 }
 
 impl Default for ProxyConfig {
@@ -93,6 +103,7 @@ impl Default for ProxyConfig {
             pool_idle_timeout: Duration::from_secs(60),
             inbound_plaintext: InboundPlaintextPolicy::default(),
             preserve_source: false,
+            limits: LimitsConfig::default(),
         }
     }
 }
@@ -228,6 +239,11 @@ pub struct ProxyStats {
     pub active: usize,
     /// HBONE connections in the outbound pools.
     pub pooled_connections: usize,
+    /// Refusals by reason (every [`RefusalReason`], zeros included), each
+    /// also counted in `refused`, except `accept_failed` and
+    /// `handshake_evicted`'s connection, which are counted there once.
+    #[serde(default)]
+    pub refusals: std::collections::BTreeMap<String, u64>,
 }
 
 /// One enrolled pod's proxy state.
@@ -299,6 +315,8 @@ pub(crate) struct Shared {
     /// Cancelled when the drain grace period ends: everything stops.
     pub abort: CancellationToken,
     counters: Counters,
+    /// Per-source and fd limits on inbound connections; refusals by reason.
+    pub(crate) limits: limits::Limits,
     /// Connections to service VIPs so far: which endpoint the next one gets
     /// (round robin; one counter for every service is enough to spread the
     /// load, and costs no per-service state).
@@ -375,6 +393,7 @@ impl Proxy {
         original_dst: Arc<dyn OriginalDst>,
     ) -> Result<Self, ProxyError> {
         let roots = TrustRoots::new(&identities.roots())?;
+        let limits = limits::Limits::new(config.limits.clone());
         Ok(Self {
             shared: Arc::new(Shared {
                 config,
@@ -388,6 +407,7 @@ impl Proxy {
                 draining: CancellationToken::new(),
                 abort: CancellationToken::new(),
                 counters: Counters::default(),
+                limits,
                 service_picks: AtomicUsize::new(0),
                 observer: OnceLock::new(),
                 policy_changes: tokio::sync::watch::Sender::new(0),
@@ -627,6 +647,7 @@ impl Proxy {
                 .iter()
                 .map(|p| p.pool.connection_count())
                 .sum(),
+            refusals: self.shared.limits.refusals(),
         }
     }
 
@@ -691,6 +712,25 @@ enum Listener {
     Hbone,
 }
 
+impl Listener {
+    /// The inbound listeners, which the limits apply to.
+    fn inbound(self) -> Option<limits::Inbound> {
+        match self {
+            Listener::Outbound => None,
+            Listener::InboundPlaintext => Some(limits::Inbound::Plaintext),
+            Listener::Hbone => Some(limits::Inbound::Hbone),
+        }
+    }
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Listener::Outbound => "outbound",
+            Listener::InboundPlaintext => "inbound_plaintext",
+            Listener::Hbone => "inbound",
+        }
+    }
+}
+
 async fn accept_loop(
     shared: Arc<Shared>,
     pod: Arc<PodState>,
@@ -698,20 +738,36 @@ async fn accept_loop(
     listener: tokio::net::TcpListener,
 ) {
     let local = listener.local_addr().ok();
+    let mut backoff = None;
     loop {
         let accepted = tokio::select! {
             _ = pod.listeners.cancelled() => break,
             accepted = listener.accept() => accepted,
         };
         let (stream, peer) = match accepted {
-            Ok(a) => a,
+            Ok(a) => {
+                backoff = None;
+                a
+            }
             Err(e) => {
-                // EMFILE and friends: back off instead of spinning; the
-                // backlog holds new connections meanwhile.
-                tracing::warn!(pod = %pod.key, ?kind, error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                // EMFILE and friends: shed a pending handshake and back off
+                // instead of spinning; the backlog holds new connections
+                // meanwhile.
+                let wait = limits::accept_backoff(backoff);
+                backoff = Some(wait);
+                limits::accept_failed(&shared, &pod.key, kind.as_str(), &e, wait);
+                tokio::time::sleep(wait).await;
                 continue;
             }
+        };
+        // Inbound connections pass the limits first (refused ones are
+        // reset, counted and logged there).
+        let (stream, admission) = match kind.inbound() {
+            None => (stream, None),
+            Some(inbound) => match limits::admit_or_refuse(&shared, &pod, inbound, stream, peer) {
+                Some((stream, admission)) => (stream, Some(admission)),
+                None => continue,
+            },
         };
         let _ = stream.set_nodelay(true);
         let shared2 = shared.clone();
@@ -721,9 +777,11 @@ async fn accept_loop(
             match kind {
                 Listener::Outbound => outbound::serve(shared2, pod2, stream, peer).await,
                 Listener::InboundPlaintext => {
+                    // Holds the connection's per-source slot until it ends.
+                    let _admission = admission;
                     inbound_plaintext::serve(shared2, pod2, stream, peer).await
                 }
-                Listener::Hbone => inbound::serve(shared2, pod2, stream, peer).await,
+                Listener::Hbone => inbound::serve(shared2, pod2, stream, peer, admission).await,
             }
         };
         shared.tracker.spawn(async move {
@@ -779,6 +837,11 @@ pub(crate) struct AccessLog<'a> {
     pub opened: bool,
     /// The authorization policy that allowed or denied it, if one did.
     pub policy: Option<crate::authz::PolicyKey>,
+    /// Why it was refused, for the refusal counter; unset: the proxy's own
+    /// checks (`request`), or `policy` for a denial.
+    pub refusal: Option<RefusalReason>,
+    /// Counted, but no line written (rate-limited refusals).
+    pub quiet: bool,
 }
 
 impl<'a> AccessLog<'a> {
@@ -800,6 +863,8 @@ impl<'a> AccessLog<'a> {
             pod: None,
             opened: false,
             policy: None,
+            refusal: None,
+            quiet: false,
         }
     }
 
@@ -876,6 +941,12 @@ impl<'a> AccessLog<'a> {
             Outcome::Success => {}
             Outcome::Refused | Outcome::Denied => {
                 c.refused.fetch_add(1, Ordering::Relaxed);
+                shared
+                    .limits
+                    .count(self.refusal.unwrap_or(match self.outcome {
+                        Outcome::Denied => RefusalReason::Policy,
+                        _ => RefusalReason::Request,
+                    }));
             }
             Outcome::Failed => {
                 c.failed.fetch_add(1, Ordering::Relaxed);
@@ -884,6 +955,9 @@ impl<'a> AccessLog<'a> {
         if matches!(self.direction, "outbound" | "passthrough") {
             c.bytes_out.fetch_add(self.bytes_sent, Ordering::Relaxed);
             c.bytes_in.fetch_add(self.bytes_received, Ordering::Relaxed);
+        }
+        if self.quiet {
+            return;
         }
         let duration_ms = self.started.elapsed().as_millis() as u64;
         let src_identity = self.src_identity.unwrap_or("-");

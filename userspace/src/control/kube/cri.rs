@@ -353,7 +353,7 @@ struct LinuxNamespace {
 }
 
 /// The netns a sandbox's verbose status names. See the module docs.
-fn netns_from_status(
+pub(crate) fn netns_from_status(
     pod: &WorkloadKey,
     sandbox: &str,
     response: &PodSandboxStatusResponse,
