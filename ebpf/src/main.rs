@@ -8,6 +8,7 @@
 mod connect;
 mod maps;
 mod sockops;
+mod sockopt;
 mod splice;
 mod tc_pod;
 
