@@ -22,7 +22,7 @@ use std::{
     mem::{size_of, zeroed},
     net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream},
     os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
-    path::Path,
+    path::{Path, PathBuf},
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, Ordering},
@@ -191,22 +191,34 @@ pub struct InPodProxy {
 impl InPodProxy {
     /// Binds the listeners inside `netns` (as received over ZDS) and starts
     /// serving them. Returns once every listener is bound: ack after this.
-    pub fn start(netns: OwnedFd) -> std::io::Result<InPodProxy> {
+    ///
+    /// `cgroup`: the cgroup v2 directory every socket of the stand-in is
+    /// created in, as a real ztunnel's sockets belong to its pod's cgroup
+    /// below the node's root, where the agent's socket programs are
+    /// attached (a socket's cgroup is its creator's at `socket()`; accepted
+    /// sockets inherit the listener's).
+    pub fn start(netns: OwnedFd, cgroup: Option<PathBuf>) -> std::io::Result<InPodProxy> {
         let netns = Arc::new(netns);
-        let listeners = in_netns(&netns, || -> std::io::Result<Vec<(u16, TcpListener)>> {
-            Ok(vec![
-                (15001, listen("127.0.0.1:15001".parse().expect("addr"), false)?),
-                (15006, listen("0.0.0.0:15006".parse().expect("addr"), true)?),
-                (15008, listen("0.0.0.0:15008".parse().expect("addr"), true)?),
-            ])
-        })??;
+        let cgroup = Arc::new(cgroup);
+        let listeners = {
+            let cgroup = cgroup.clone();
+            in_netns(&netns, move || -> std::io::Result<Vec<(u16, TcpListener)>> {
+                let cgroup = cgroup.as_deref();
+                Ok(vec![
+                    (15001, listen("127.0.0.1:15001".parse().expect("addr"), false, cgroup)?),
+                    (15006, listen("0.0.0.0:15006".parse().expect("addr"), true, cgroup)?),
+                    (15008, listen("0.0.0.0:15008".parse().expect("addr"), true, cgroup)?),
+                ])
+            })??
+        };
         let seen = Arc::new(Seen::default());
         let stop = Arc::new(AtomicBool::new(false));
         let threads = listeners
             .into_iter()
             .map(|(port, listener)| {
-                let (seen, stop, netns) = (seen.clone(), stop.clone(), netns.clone());
-                thread::spawn(move || serve(port, listener, netns, seen, stop))
+                let (seen, stop, netns, cgroup) =
+                    (seen.clone(), stop.clone(), netns.clone(), cgroup.clone());
+                thread::spawn(move || serve(port, listener, netns, cgroup, seen, stop))
             })
             .collect();
         Ok(InPodProxy {
@@ -253,13 +265,46 @@ fn in_netns<T: Send + 'static>(
     .map_err(|_| std::io::Error::other("netns thread panicked"))?
 }
 
-fn listen(addr: SocketAddr, transparent: bool) -> std::io::Result<TcpListener> {
+/// Serialises moving this process into a cgroup and back (see
+/// [`in_cgroup`]).
+static CGROUP_WINDOW: Mutex<()> = Mutex::new(());
+
+/// Runs `f` (which creates a socket) with this process in `cgroup`, then
+/// moves it back where it was. cgroup v2 moves whole processes: other
+/// threads' sockets created meanwhile land there too, which only matters to
+/// programs gated on an enrolled netns.
+fn in_cgroup<T>(cgroup: Option<&Path>, f: impl FnOnce() -> T) -> std::io::Result<T> {
+    let Some(dir) = cgroup else {
+        return Ok(f());
+    };
+    let _window = lock(&CGROUP_WINDOW);
+    let mount = crate::cgroup2_mount().map_err(std::io::Error::other)?;
+    let own = std::fs::read_to_string("/proc/self/cgroup")?;
+    let original = own
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .map(|p| mount.join(p.trim_start_matches('/')))
+        .ok_or_else(|| std::io::Error::other("no cgroup v2 line in /proc/self/cgroup"))?;
+    let pid = std::process::id().to_string();
+    std::fs::write(dir.join("cgroup.procs"), &pid)?;
+    let out = f();
+    std::fs::write(original.join("cgroup.procs"), &pid)?;
+    Ok(out)
+}
+
+fn listen(
+    addr: SocketAddr,
+    transparent: bool,
+    cgroup: Option<&Path>,
+) -> std::io::Result<TcpListener> {
     let family = if addr.is_ipv4() {
         AddressFamily::Inet
     } else {
         AddressFamily::Inet6
     };
-    let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    let fd = in_cgroup(cgroup, || {
+        socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)
+    })??;
     setsockopt(&fd, ReuseAddr, &true)?;
     setsockopt(&fd, Mark, &ZTUNNEL_MARK)?;
     if transparent {
@@ -276,6 +321,7 @@ fn serve(
     port: u16,
     listener: TcpListener,
     netns: Arc<OwnedFd>,
+    cgroup: Arc<Option<PathBuf>>,
     seen: Arc<Seen>,
     stop: Arc<AtomicBool>,
 ) {
@@ -289,36 +335,60 @@ fn serve(
             }
         };
         let _ = stream.set_nonblocking(false);
-        let (seen, netns) = (seen.clone(), netns.clone());
+        let (seen, netns, cgroup) = (seen.clone(), netns.clone(), cgroup.clone());
         thread::spawn(move || match port {
-            15001 => outbound(stream, peer, &netns, &seen),
-            15006 => inbound(port, stream, peer, &netns, &seen),
+            15001 => outbound(stream, peer, &netns, &cgroup, &seen),
+            15006 => inbound(port, stream, peer, &netns, &cgroup, &seen),
             // Not HBONE: see the module docs.
             _ => drop(stream),
         });
     }
 }
 
-fn outbound(app: TcpStream, peer: SocketAddr, netns: &Arc<OwnedFd>, seen: &Seen) {
+fn outbound(
+    app: TcpStream,
+    peer: SocketAddr,
+    netns: &Arc<OwnedFd>,
+    cgroup: &Arc<Option<PathBuf>>,
+    seen: &Seen,
+) {
     let original = original_dst(&app);
     lock(&seen.outbound).push(Outbound { peer, original });
     let Ok(destination) = original else {
         return;
     };
-    let upstream = in_netns(netns, move || connect_marked(destination, None));
+    // As ztunnel: never connect to its own listener (a connection made
+    // straight to 15001, which conntrack answers with its own address).
+    if app.local_addr().is_ok_and(|local| local == destination) {
+        return;
+    }
+    let cgroup = cgroup.clone();
+    let upstream = in_netns(netns, move || {
+        connect_marked(destination, None, cgroup.as_deref())
+    });
     if let Ok(Ok(upstream)) = upstream {
         relay(app, upstream);
     }
 }
 
-fn inbound(port: u16, client: TcpStream, peer: SocketAddr, netns: &Arc<OwnedFd>, seen: &Seen) {
+fn inbound(
+    port: u16,
+    client: TcpStream,
+    peer: SocketAddr,
+    netns: &Arc<OwnedFd>,
+    cgroup: &Arc<Option<PathBuf>>,
+    seen: &Seen,
+) {
     let Ok(local) = client.local_addr() else {
         return;
     };
     let destination = original_dst(&client).unwrap_or(local);
     let from = peer.ip();
-    let upstream = in_netns(netns, move || connect_marked(destination, Some(from)))
-        .and_then(|r| r);
+    let cgroup = cgroup.clone();
+    let upstream = in_netns(netns, move || {
+        connect_marked(destination, Some(from), cgroup.as_deref())
+    })
+    .and_then(|r| r);
     let delivered_from = match &upstream {
         Ok(stream) => stream.local_addr().map_err(|e| e.to_string()),
         Err(e) => Err(e.to_string()),
@@ -337,13 +407,19 @@ fn inbound(port: u16, client: TcpStream, peer: SocketAddr, netns: &Arc<OwnedFd>,
 
 /// A TCP connection to `to` with ztunnel's mark, from `from` (any port)
 /// with IP_TRANSPARENT when given, in the calling thread's netns.
-fn connect_marked(to: SocketAddr, from: Option<IpAddr>) -> std::io::Result<TcpStream> {
+fn connect_marked(
+    to: SocketAddr,
+    from: Option<IpAddr>,
+    cgroup: Option<&Path>,
+) -> std::io::Result<TcpStream> {
     let family = if to.is_ipv4() {
         AddressFamily::Inet
     } else {
         AddressFamily::Inet6
     };
-    let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    let fd = in_cgroup(cgroup, || {
+        socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)
+    })??;
     setsockopt(&fd, Mark, &ZTUNNEL_MARK)?;
     // A blocking connect gives up after SO_SNDTIMEO.
     setsockopt(
@@ -380,13 +456,20 @@ fn copy(mut from: TcpStream, mut to: TcpStream) {
 
 /// `getsockopt(SOL_IP, SO_ORIGINAL_DST)`, then `(SOL_IPV6,
 /// IP6T_SO_ORIGINAL_DST)`, into a `sockaddr_storage` as socket2 (and so
-/// ztunnel) asks: the address, or the errno of the IPv6 attempt (ztunnel
-/// reports that one too).
+/// ztunnel) asks: the address, or the errno of the attempt at the socket's
+/// own family (the other one's is always EOPNOTSUPP or the like).
 pub fn original_dst(stream: &TcpStream) -> Result<SocketAddr, i32> {
-    match getsockopt_addr(stream, libc::SOL_IP, libc::SO_ORIGINAL_DST) {
-        Ok(addr) => Ok(addr),
-        Err(_) => getsockopt_addr(stream, libc::SOL_IPV6, libc::IP6T_SO_ORIGINAL_DST),
-    }
+    let v4 = match getsockopt_addr(stream, libc::SOL_IP, libc::SO_ORIGINAL_DST) {
+        Ok(addr) => return Ok(addr),
+        Err(e) => e,
+    };
+    getsockopt_addr(stream, libc::SOL_IPV6, libc::IP6T_SO_ORIGINAL_DST).map_err(|v6| {
+        if stream.local_addr().is_ok_and(|a| a.is_ipv4()) {
+            v4
+        } else {
+            v6
+        }
+    })
 }
 
 fn getsockopt_addr(stream: &TcpStream, level: i32, name: i32) -> Result<SocketAddr, i32> {

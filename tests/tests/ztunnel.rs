@@ -156,7 +156,7 @@ impl Agent {
 
     /// The stand-in ztunnel connects, serves every pod it is handed (its
     /// in-pod proxy started, then the ack), and acks the snapshot's end.
-    fn serve_with_stand_in(&self) -> (ZdsClient, BTreeMap<String, InPodProxy>) {
+    fn serve_with_stand_in(&self, cgroup: &Cgroup) -> (ZdsClient, BTreeMap<String, InPodProxy>) {
         let zds = ZdsClient::connect(&self.socket).expect("connect to the ZDS socket");
         zds.hello().expect("hello");
         let mut proxies = BTreeMap::new();
@@ -166,7 +166,8 @@ impl Agent {
             match payload {
                 Payload::Add(add) => {
                     assert_eq!(fds.len(), 1, "one netns fd with {add:?}");
-                    let proxy = InPodProxy::start(fds.remove(0)).expect("bind in the pod");
+                    let proxy = InPodProxy::start(fds.remove(0), Some(cgroup.path().to_path_buf()))
+                        .expect("bind in the pod");
                     proxies.insert(add.uid, proxy);
                     zds.ack().expect("ack");
                 }
@@ -277,6 +278,9 @@ async fn bytes_flow_through_the_stand_ins(
 ) -> Agent {
     let [client, server, outsider] = [&pods[0], &pods[1], &pods[2]];
     let apps = Cgroup::create(topo, "apps").expect("cgroup");
+    // The stand-in's sockets belong below the agent's cgroup root, as a
+    // real ztunnel pod's do.
+    let ztunnel_cgroup = Cgroup::create(topo, "ztunnel").expect("cgroup");
     let agent = Agent::start(
         topo,
         redirector,
@@ -286,7 +290,7 @@ async fn bytes_flow_through_the_stand_ins(
             workload(outsider, DataplaneMode::None),
         ],
     );
-    let (zds, proxies) = tokio::task::block_in_place(|| agent.serve_with_stand_in());
+    let (zds, proxies) = tokio::task::block_in_place(|| agent.serve_with_stand_in(&ztunnel_cgroup));
     for pod in ["client", "server"] {
         let snapshot = agent.wait_for(pod, PodState::Enrolled).await;
         let entry = snapshot
@@ -310,7 +314,12 @@ async fn bytes_flow_through_the_stand_ins(
         // Mesh to mesh: the client's stand-in (outbound) and the server's
         // (inbound, transparent) both carry it.
         let report = app.run(client, &["connect", &to.to_string(), "--send", "100000"]);
-        assert!(ok(&report), "{report}");
+        assert!(
+            ok(&report),
+            "{report}; client's stand-in: {:?}; server's: {:?}",
+            client_proxy.outbound(),
+            server_proxy.inbound()
+        );
         assert_eq!(report["received"], 100000, "{report}");
         let out = client_proxy.outbound();
         assert_eq!(out.len(), 1, "{out:?}");
