@@ -202,14 +202,26 @@ impl InPodProxy {
         let cgroup = Arc::new(cgroup);
         let listeners = {
             let cgroup = cgroup.clone();
-            in_netns(&netns, move || -> std::io::Result<Vec<(u16, TcpListener)>> {
-                let cgroup = cgroup.as_deref();
-                Ok(vec![
-                    (15001, listen("127.0.0.1:15001".parse().expect("addr"), false, cgroup)?),
-                    (15006, listen("0.0.0.0:15006".parse().expect("addr"), true, cgroup)?),
-                    (15008, listen("0.0.0.0:15008".parse().expect("addr"), true, cgroup)?),
-                ])
-            })??
+            in_netns(
+                &netns,
+                move || -> std::io::Result<Vec<(u16, TcpListener)>> {
+                    let cgroup = cgroup.as_deref();
+                    Ok(vec![
+                        (
+                            15001,
+                            listen("127.0.0.1:15001".parse().expect("addr"), false, cgroup)?,
+                        ),
+                        (
+                            15006,
+                            listen("0.0.0.0:15006".parse().expect("addr"), true, cgroup)?,
+                        ),
+                        (
+                            15008,
+                            listen("0.0.0.0:15008".parse().expect("addr"), true, cgroup)?,
+                        ),
+                    ])
+                },
+            )??
         };
         let seen = Arc::new(Seen::default());
         let stop = Arc::new(AtomicBool::new(false));
@@ -422,14 +434,13 @@ fn connect_marked(
     })??;
     setsockopt(&fd, Mark, &ZTUNNEL_MARK)?;
     // A blocking connect gives up after SO_SNDTIMEO.
-    setsockopt(
-        &fd,
-        SendTimeout,
-        &TimeVal::new(TIMEOUT.as_secs() as i64, 0),
-    )?;
+    setsockopt(&fd, SendTimeout, &TimeVal::new(TIMEOUT.as_secs() as i64, 0))?;
     if let Some(ip) = from {
         setsockopt(&fd, IpTransparent, &true)?;
-        bind(fd.as_raw_fd(), &SockaddrStorage::from(SocketAddr::new(ip, 0)))?;
+        bind(
+            fd.as_raw_fd(),
+            &SockaddrStorage::from(SocketAddr::new(ip, 0)),
+        )?;
     }
     connect(fd.as_raw_fd(), &SockaddrStorage::from(to))?;
     let stream = TcpStream::from(fd);

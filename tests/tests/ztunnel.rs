@@ -345,7 +345,11 @@ async fn bytes_flow_through_the_stand_ins(
         assert!(ok(&report), "{report}");
         let out = client_proxy.outbound();
         assert_eq!(out.len(), 2, "{out:?}");
-        assert_eq!(out[1].original, Ok(to), "v4-mapped SO_ORIGINAL_DST: {out:?}");
+        assert_eq!(
+            out[1].original,
+            Ok(to),
+            "v4-mapped SO_ORIGINAL_DST: {out:?}"
+        );
 
         // Inbound plaintext from outside the mesh.
         let report = app.run(outsider, &["connect", &to.to_string(), "--send", "5000"]);
@@ -395,12 +399,24 @@ async fn bytes_flow_through_the_stand_ins(
 /// 127.0.0.1:15001 from the same 127.0.0.1:P (A's TIME_WAIT reused):
 /// `SO_ORIGINAL_DST` on B's accepted end is the kernel's error, not A's
 /// destination.
-fn stale_record_is_never_the_answer(app: &TestApp, client: &Pod, proxy: &InPodProxy, to: SocketAddr) {
+fn stale_record_is_never_the_answer(
+    app: &TestApp,
+    client: &Pod,
+    proxy: &InPodProxy,
+    to: SocketAddr,
+) {
     let local = format!("127.0.0.1:{}", 40000 + std::process::id() % 20000);
     let before = proxy.outbound().len();
     let report = app.run(
         client,
-        &["connect", &to.to_string(), "--send", "100", "--bind", &local],
+        &[
+            "connect",
+            &to.to_string(),
+            "--send",
+            "100",
+            "--bind",
+            &local,
+        ],
     );
     assert!(ok(&report), "{report}");
     let out = proxy.outbound();
@@ -413,10 +429,20 @@ fn stale_record_is_never_the_answer(app: &TestApp, client: &Pod, proxy: &InPodPr
     for _ in 0..25 {
         let _ = app.run(
             client,
-            &["connect", "127.0.0.1:15001", "--send", "10", "--bind", &local],
+            &[
+                "connect",
+                "127.0.0.1:15001",
+                "--send",
+                "10",
+                "--bind",
+                &local,
+            ],
         );
         let out = proxy.outbound();
-        if let Some(b) = out[before + 1..].iter().find(|o| o.peer.to_string() == local) {
+        if let Some(b) = out[before + 1..]
+            .iter()
+            .find(|o| o.peer.to_string() == local)
+        {
             reused = Some(b.clone());
             break;
         }
@@ -483,10 +509,7 @@ async fn iptables_mode_applies_istios_rules_for_a_stand_in_ztunnel_and_removes_t
         assert!(saved.contains(rule), "missing {rule}:\n{saved}");
     }
     let rules = read("ip", &["rule"]);
-    assert!(
-        rules.contains("fwmark 0x111/0xfff lookup 100"),
-        "{rules}"
-    );
+    assert!(rules.contains("fwmark 0x111/0xfff lookup 100"), "{rules}");
     assert!(
         read("ip", &["route", "show", "table", "100"]).contains("local default dev lo"),
         "no local route in table 100"

@@ -91,7 +91,10 @@ fn run(args: &[String]) -> std::io::Result<String> {
     let mark = option(args, "--mark")
         .map(|m| u32::from_str_radix(m.trim_start_matches("0x"), 16).unwrap_or(0));
     let bind = option(args, "--bind")
-        .map(|b| b.parse::<SocketAddr>().map_err(|_| bad("bad --bind address")))
+        .map(|b| {
+            b.parse::<SocketAddr>()
+                .map_err(|_| bad("bad --bind address"))
+        })
         .transpose()?;
     let mut stream = connect(addr, mark, bind, timeout)?;
     // Without a read timeout a blocking read that returns EAGAIN does so

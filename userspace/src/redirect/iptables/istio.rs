@@ -206,7 +206,11 @@ mod tests {
         let ours: Vec<String> = rules
             .chains
             .iter()
-            .flat_map(|c| c.rules.iter().map(move |r| format!("-A {} {}", c.chain, r.spec)))
+            .flat_map(|c| {
+                c.rules
+                    .iter()
+                    .map(move |r| format!("-A {} {}", c.chain, r.spec))
+            })
             .collect();
         for line in ISTIO_SAVED_V4 {
             assert!(ours.iter().any(|l| l == line), "missing {line}: {ours:#?}");
@@ -218,7 +222,10 @@ mod tests {
     fn plan_apply_then_remove_touches_only_istio_chains() {
         let rules = RuleSet::istio(Family::V4, "shunt:n", &all());
         let script = rules.plan_apply(&Saved::default()).expect("a plan");
-        assert!(script.contains("*mangle\n:ISTIO_PRERT - [0:0]\n"), "{script}");
+        assert!(
+            script.contains("*mangle\n:ISTIO_PRERT - [0:0]\n"),
+            "{script}"
+        );
         assert!(
             script.contains("-I PREROUTING 1 -m comment --comment \"shunt:n\" -j ISTIO_PRERT\n"),
             "{script}"
@@ -260,9 +267,20 @@ mod tests {
         settings.capture.excluded_outbound_cidrs = vec![(Ipv4Addr::new(198, 18, 7, 9), 24)];
         settings.capture.outbound = false;
         let rules = RuleSet::istio(Family::V4, "shunt:n", &settings);
-        let prert: Vec<&str> = rules.chains[0].rules.iter().map(|r| r.spec.as_str()).collect();
-        assert_eq!(prert[prert.len() - 2], "-p tcp -m tcp --dport 9000 -j ACCEPT");
-        let nat: Vec<&str> = rules.chains[2].rules.iter().map(|r| r.spec.as_str()).collect();
+        let prert: Vec<&str> = rules.chains[0]
+            .rules
+            .iter()
+            .map(|r| r.spec.as_str())
+            .collect();
+        assert_eq!(
+            prert[prert.len() - 2],
+            "-p tcp -m tcp --dport 9000 -j ACCEPT"
+        );
+        let nat: Vec<&str> = rules.chains[2]
+            .rules
+            .iter()
+            .map(|r| r.spec.as_str())
+            .collect();
         assert_eq!(
             &nat[nat.len() - 2..],
             [
