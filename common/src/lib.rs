@@ -149,6 +149,8 @@ pub mod programs {
     pub const CONNECT6: &str = "shunt_connect6";
     /// `sockops` on the cgroup root.
     pub const SOCKOPS: &str = "shunt_sockops";
+    /// `cgroup/getsockopt` on the cgroup root: answers `SO_ORIGINAL_DST`.
+    pub const GETSOCKOPT: &str = "shunt_getsockopt";
     /// `sk_msg` verdict on [`super::maps::SPLICE_SOCKS`].
     pub const SPLICE_MSG: &str = "shunt_splice_msg";
     /// Raw tracepoint on `sock_recv_length`: counts bytes read by spliced

@@ -9,6 +9,7 @@ mod connect;
 mod maps;
 mod policy;
 mod sockops;
+mod sockopt;
 mod splice;
 mod tc_pod;
 

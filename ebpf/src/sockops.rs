@@ -37,7 +37,9 @@ const AF_INET6: u32 = 10;
 /// connection becoming established whose socket cookie has a recorded
 /// original destination: moves that record to `SHUNT_ORIG_DST` and starts
 /// the connection's splice; (2) any other active side: starts splicing if
-/// it is the proxy delivering to its pod; (3) the passive side of a
+/// it is the proxy delivering to its pod, and if it is connected to
+/// loopback:15001 without a redirect, forgets a stale record under its
+/// local address (`sockopt.rs`); (3) the passive side of a
 /// connection whose splice was started: joins it; (4) a spliced socket
 /// closing: forgets it. Miss path (any other op or socket): nothing,
 /// returns 1.
@@ -59,6 +61,7 @@ pub fn shunt_sockops(ctx: SockOpsContext) -> u32 {
     let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
     // SAFETY: plain value copied out of the map.
     let Some(original) = (unsafe { ORIGINAL_DST_BY_COOKIE.get(cookie) }).copied() else {
+        crate::sockopt::forget_unredirected(&ctx);
         splice::join_delivery_end(&ctx);
         return 1;
     };

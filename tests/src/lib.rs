@@ -51,6 +51,7 @@ pub mod inspect;
 mod names;
 mod sweep;
 mod topology;
+pub mod ztunnel;
 
 pub use cgroup::{CGROUP_PARENT, Cgroup, CgroupParent, cgroup2_mount};
 pub use error::{Result, TestbedError};

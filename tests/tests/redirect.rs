@@ -443,7 +443,12 @@ fn killed_agent_keeps_flows_and_a_restarted_agent_keeps_redirecting() {
             .all(|a| a.original == Some(to.parse().expect("addr")))
     );
     let links = agent.pin_dir().join("links");
-    for name in ["shunt_connect4", "shunt_connect6", "shunt_sockops"] {
+    for name in [
+        "shunt_connect4",
+        "shunt_connect6",
+        "shunt_sockops",
+        "shunt_getsockopt",
+    ] {
         assert!(links.join(name).exists(), "link {name} not pinned");
     }
 }

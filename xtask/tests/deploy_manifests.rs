@@ -21,6 +21,8 @@ mod helm;
 mod istio;
 #[path = "deploy_manifests/kustomize.rs"]
 mod kustomize;
+#[path = "deploy_manifests/ztunnel.rs"]
+mod ztunnel;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -280,6 +282,8 @@ const KIND_CONFIG: &str = "kind/cluster.yaml";
 /// The Istio overlay: a kustomization and its patches (checked as kustomize
 /// builds it, in deploy_manifests/istio.rs).
 const ISTIO_OVERLAY: &str = "istio";
+/// The overlay beside a stock ztunnel (deploy_manifests/ztunnel.rs).
+const ZTUNNEL_OVERLAY: &str = "ztunnel";
 /// The Helm chart: templates, not manifests (deploy_manifests/chart.rs).
 const HELM_CHART: &str = "helm/shunt";
 
@@ -289,6 +293,7 @@ fn is_manifest(relative: &Path) -> bool {
     !is_kustomization(relative)
         && relative != Path::new(KIND_CONFIG)
         && !relative.starts_with(ISTIO_OVERLAY)
+        && !relative.starts_with(ZTUNNEL_OVERLAY)
         && !relative.starts_with("helm")
 }
 

@@ -3,7 +3,8 @@
 //! connects somewhere, sends a pattern, reads the echo back and prints one
 //! JSON line describing what happened.
 //!
-//! `shunt-testapp connect ADDR [--send N] [--mark M] [--timeout-ms T] [--slow-read-ms D] [--poll]`
+//! `shunt-testapp connect ADDR [--send N] [--mark M] [--bind LOCAL] [--timeout-ms T] [--slow-read-ms D] [--poll]`
+//! (`--bind`: the local address and port, with SO_REUSEADDR)
 //! (the echo is checked as it arrives; `--slow-read-ms` pauses D ms after
 //! each MiB read, a reader that falls behind; the report includes the
 //! socket's `tcp_info` byte counts, which stay 0 for spliced payload;
@@ -89,7 +90,13 @@ fn run(args: &[String]) -> std::io::Result<String> {
     }
     let mark = option(args, "--mark")
         .map(|m| u32::from_str_radix(m.trim_start_matches("0x"), 16).unwrap_or(0));
-    let mut stream = connect(addr, mark, timeout)?;
+    let bind = option(args, "--bind")
+        .map(|b| {
+            b.parse::<SocketAddr>()
+                .map_err(|_| bad("bad --bind address"))
+        })
+        .transpose()?;
+    let mut stream = connect(addr, mark, bind, timeout)?;
     // Without a read timeout a blocking read that returns EAGAIN does so
     // spuriously (the caller bounds the run instead).
     let retry_eagain = args.iter().any(|a| a == "--retry-eagain");
@@ -487,11 +494,17 @@ fn echo_polling(stream: &TcpStream, timeout: Duration) -> std::io::Result<u64> {
     Ok(echoed)
 }
 
-fn connect(addr: SocketAddr, mark: Option<u32>, timeout: Duration) -> std::io::Result<TcpStream> {
-    let Some(mark) = mark else {
+fn connect(
+    addr: SocketAddr,
+    mark: Option<u32>,
+    bind: Option<SocketAddr>,
+    timeout: Duration,
+) -> std::io::Result<TcpStream> {
+    if mark.is_none() && bind.is_none() {
         return TcpStream::connect_timeout(&addr, timeout);
-    };
-    // SO_MARK must be set before connect(): create, mark, connect by hand.
+    }
+    // SO_MARK and bind() must come before connect(): create, mark, bind,
+    // connect by hand.
     let domain = if addr.is_ipv4() {
         libc::AF_INET
     } else {
@@ -504,15 +517,33 @@ fn connect(addr: SocketAddr, mark: Option<u32>, timeout: Duration) -> std::io::R
             return Err(std::io::Error::last_os_error());
         }
         let stream = <TcpStream as std::os::fd::FromRawFd>::from_raw_fd(fd);
-        let rc = libc::setsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_MARK,
-            (&mark as *const u32).cast(),
-            std::mem::size_of::<u32>() as libc::socklen_t,
-        );
-        if rc != 0 {
-            return Err(std::io::Error::last_os_error());
+        let set = |name: i32, value: u32| {
+            let rc = libc::setsockopt(
+                stream.as_raw_fd(),
+                libc::SOL_SOCKET,
+                name,
+                (&value as *const u32).cast(),
+                std::mem::size_of::<u32>() as libc::socklen_t,
+            );
+            if rc != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        };
+        if let Some(mark) = mark {
+            set(libc::SO_MARK, mark)?;
+        }
+        if let Some(local) = bind {
+            set(libc::SO_REUSEADDR, 1)?;
+            let (storage, len) = sockaddr(local);
+            if libc::bind(
+                stream.as_raw_fd(),
+                (&storage as *const libc::sockaddr_storage).cast(),
+                len,
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
         }
         // A blocking connect() gives up after SO_SNDTIMEO.
         stream.set_write_timeout(Some(timeout))?;

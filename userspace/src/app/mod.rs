@@ -319,6 +319,11 @@ fn redirector(args: &AgentArgs) -> Result<Box<dyn Redirector>, AgentError> {
     let iptables = || -> Result<Box<dyn Redirector>, AgentError> {
         let mut options = crate::redirect::iptables::IptablesOptions::new(args.node_name.clone());
         options.probe_source = args.probe_source;
+        // --proxy ztunnel: Istio's own in-pod rules, as istio-cni installs
+        // them, so a stock ztunnel finds what it expects.
+        if args.proxy == ProxyKind::Ztunnel {
+            options.rules = crate::redirect::iptables::InpodRules::Istio;
+        }
         let iptables = crate::redirect::iptables::IptablesRedirector::new(options)?;
         info!(mode = "iptables", requested = %args.redirect, backend = %iptables.backend(), "redirection ready: netfilter rules in each pod's netns");
         Ok(Box::new(iptables))

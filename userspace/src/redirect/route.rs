@@ -53,16 +53,24 @@ impl Family {
 pub const ROUTE_TABLE: u32 = 1337;
 /// Priority of the fwmark rule (Istio's): before `main` (32766).
 pub const RULE_PRIORITY: u32 = 32764;
+/// Istio's own table for the same route, used where shunt applies Istio's
+/// in-pod rules as they are (`--proxy ztunnel` in the iptables mode).
+pub const ISTIO_ROUTE_TABLE: u32 = 100;
 
 /// How the policy route reads in `ip rule`/`ip route` terms, for hooks and
 /// drift messages.
 pub fn describe(family: Family) -> String {
+    describe_table(family, ROUTE_TABLE)
+}
+
+/// [`describe`] for the route in `table`.
+pub fn describe_table(family: Family, table: u32) -> String {
     let any = match family {
         Family::V4 => "0.0.0.0/0",
         Family::V6 => "::/0",
     };
     format!(
-        "ip rule pref {RULE_PRIORITY} fwmark 0x{CONN_MARK:x}/0x{MARK_MASK:x} lookup {ROUTE_TABLE}; ip route local {any} dev lo table {ROUTE_TABLE}"
+        "ip rule pref {RULE_PRIORITY} fwmark 0x{CONN_MARK:x}/0x{MARK_MASK:x} lookup {table}; ip route local {any} dev lo table {table}"
     )
 }
 
@@ -109,34 +117,47 @@ pub fn accept_local_on_lo() -> io::Result<()> {
 
 /// Adds the rule and the route; both already present is not an error.
 pub fn add(family: Family) -> io::Result<()> {
+    add_to(family, ROUTE_TABLE)
+}
+
+/// [`add`] with the route in `table`.
+pub fn add_to(family: Family, table: u32) -> io::Result<()> {
     let lo = lo_index()?;
     match request(
-        RouteNetlinkMessage::NewRule(rule_message(family)),
+        RouteNetlinkMessage::NewRule(rule_message(family, table)),
         NLM_F_CREATE | NLM_F_EXCL,
     ) {
         Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
         other => other?,
     }
     request(
-        RouteNetlinkMessage::NewRoute(route_message(family, lo)),
+        RouteNetlinkMessage::NewRoute(route_message(family, lo, table)),
         NLM_F_CREATE | NLM_F_REPLACE,
     )
 }
 
 /// Deletes the rule and the route; either already gone is not an error.
 pub fn delete(family: Family) -> io::Result<()> {
+    delete_from(family, ROUTE_TABLE)
+}
+
+/// [`delete`] for the route in `table`.
+pub fn delete_from(family: Family, table: u32) -> io::Result<()> {
     let gone = |e: &io::Error| matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ESRCH));
     // Delete every copy: a rule added by hand with the same selector would
     // otherwise keep routing marked replies to our (deleted) table.
     for _ in 0..16 {
-        match request(RouteNetlinkMessage::DelRule(rule_message(family)), 0) {
+        match request(RouteNetlinkMessage::DelRule(rule_message(family, table)), 0) {
             Ok(()) => continue,
             Err(e) if gone(&e) => break,
             Err(e) => return Err(e),
         }
     }
     let lo = lo_index()?;
-    match request(RouteNetlinkMessage::DelRoute(route_message(family, lo)), 0) {
+    match request(
+        RouteNetlinkMessage::DelRoute(route_message(family, lo, table)),
+        0,
+    ) {
         Err(e) if gone(&e) => Ok(()),
         other => other,
     }
@@ -144,13 +165,18 @@ pub fn delete(family: Family) -> io::Result<()> {
 
 /// Reads which halves are in place.
 pub fn present(family: Family) -> io::Result<Present> {
+    present_in(family, ROUTE_TABLE)
+}
+
+/// [`present`] for the route in `table`.
+pub fn present_in(family: Family, table: u32) -> io::Result<Present> {
     let lo = lo_index()?;
     let mut present = Present::default();
     let mut rule = RuleMessage::default();
     rule.header.family = address_family(family);
     for reply in dump(RouteNetlinkMessage::GetRule(rule))? {
         if let RouteNetlinkMessage::NewRule(rule) = reply
-            && is_our_rule(&rule)
+            && is_our_rule(&rule, table)
         {
             present.rule = true;
         }
@@ -159,7 +185,7 @@ pub fn present(family: Family) -> io::Result<Present> {
     route.header.address_family = address_family(family);
     for reply in dump(RouteNetlinkMessage::GetRoute(route))? {
         if let RouteNetlinkMessage::NewRoute(route) = reply
-            && is_our_route(&route, lo)
+            && is_our_route(&route, lo, table)
         {
             present.route = true;
         }
@@ -178,7 +204,7 @@ fn lo_index() -> io::Result<u32> {
     nix::net::if_::if_nametoindex("lo").map_err(io::Error::from)
 }
 
-fn rule_message(family: Family) -> RuleMessage {
+fn rule_message(family: Family, table: u32) -> RuleMessage {
     let mut rule = RuleMessage::default();
     rule.header.family = address_family(family);
     rule.header.action = RuleAction::ToTable;
@@ -188,12 +214,12 @@ fn rule_message(family: Family) -> RuleMessage {
         RuleAttribute::Priority(RULE_PRIORITY),
         RuleAttribute::FwMark(CONN_MARK),
         RuleAttribute::FwMask(MARK_MASK),
-        RuleAttribute::Table(ROUTE_TABLE),
+        RuleAttribute::Table(table),
     ];
     rule
 }
 
-fn route_message(family: Family, lo: u32) -> RouteMessage {
+fn route_message(family: Family, lo: u32, table: u32) -> RouteMessage {
     let mut route = RouteMessage::default();
     route.header = RouteHeader {
         address_family: address_family(family),
@@ -204,11 +230,11 @@ fn route_message(family: Family, lo: u32) -> RouteMessage {
         kind: RouteType::Local,
         ..RouteHeader::default()
     };
-    route.attributes = vec![RouteAttribute::Table(ROUTE_TABLE), RouteAttribute::Oif(lo)];
+    route.attributes = vec![RouteAttribute::Table(table), RouteAttribute::Oif(lo)];
     route
 }
 
-fn is_our_rule(rule: &RuleMessage) -> bool {
+fn is_our_rule(rule: &RuleMessage, wanted_table: u32) -> bool {
     let has = |wanted: &RuleAttribute| rule.attributes.iter().any(|a| a == wanted);
     let table = rule
         .attributes
@@ -218,13 +244,13 @@ fn is_our_rule(rule: &RuleMessage) -> bool {
             _ => None,
         })
         .unwrap_or(u32::from(rule.header.table));
-    table == ROUTE_TABLE
+    table == wanted_table
         && has(&RuleAttribute::Priority(RULE_PRIORITY))
         && has(&RuleAttribute::FwMark(CONN_MARK))
         && has(&RuleAttribute::FwMask(MARK_MASK))
 }
 
-fn is_our_route(route: &RouteMessage, lo: u32) -> bool {
+fn is_our_route(route: &RouteMessage, lo: u32, wanted_table: u32) -> bool {
     let table = route
         .attributes
         .iter()
@@ -233,7 +259,7 @@ fn is_our_route(route: &RouteMessage, lo: u32) -> bool {
             _ => None,
         })
         .unwrap_or(u32::from(route.header.table));
-    table == ROUTE_TABLE
+    table == wanted_table
         && route.header.kind == RouteType::Local
         && route.header.destination_prefix_length == 0
         && route.attributes.contains(&RouteAttribute::Oif(lo))

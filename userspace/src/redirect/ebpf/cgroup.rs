@@ -1,4 +1,5 @@
-//! The socket-level programs (`connect4`, `connect6`, `sockops`), attached
+//! The socket-level programs (`connect4`, `connect6`, `sockops`,
+//! `getsockopt`), attached
 //! once per agent to its cgroup root through BPF links pinned under
 //! `<pin dir>/links/`. A pinned link outlives the agent, so a restart (even
 //! after `kill -9`) never leaves a moment without outbound capture; a new
@@ -6,13 +7,14 @@
 
 use std::{
     fs::File,
+    os::fd::{AsFd, AsRawFd},
     path::{Path, PathBuf},
 };
 
 use aya::{
     Ebpf,
     programs::{
-        CgroupAttachMode, CgroupSockAddr, SockOps,
+        CgroupAttachMode, CgroupSockAddr, CgroupSockopt, SockOps,
         links::{FdLink, PinnedLink},
     },
 };
@@ -22,7 +24,12 @@ use tracing::info;
 use super::LoadError;
 
 /// The socket programs, by name.
-pub const PROGRAMS: [&str; 3] = [programs::CONNECT4, programs::CONNECT6, programs::SOCKOPS];
+pub const PROGRAMS: [&str; 4] = [
+    programs::CONNECT4,
+    programs::CONNECT6,
+    programs::SOCKOPS,
+    programs::GETSOCKOPT,
+];
 
 /// Where the links are pinned.
 pub fn links_dir(pin_dir: &Path) -> PathBuf {
@@ -62,6 +69,15 @@ pub fn attach_or_adopt(
         // tools keep theirs); the kernel refuses link_create with any attach
         // flag, so "Single" (no flag) is the one that works here.
         let mode = CgroupAttachMode::Single;
+        if name == programs::GETSOCKOPT {
+            let program: &mut CgroupSockopt = program.try_into().map_err(program_error)?;
+            program.load().map_err(program_error)?;
+            let fd = program.fd().map_err(program_error)?;
+            link_and_pin(fd.as_fd(), &cgroup, BPF_CGROUP_GETSOCKOPT, &pin)
+                .map_err(|detail| LoadError::Link { name, detail })?;
+            info!(program = name, cgroup = %cgroup_root.display(), pin = %pin.display(), "socket program attached");
+            continue;
+        }
         let link: FdLink = if name == programs::SOCKOPS {
             let program: &mut SockOps = program.try_into().map_err(program_error)?;
             program.load().map_err(program_error)?;
@@ -90,8 +106,97 @@ pub fn attach_or_adopt(
     Ok(())
 }
 
+/// `BPF_CGROUP_GETSOCKOPT` in the kernel's `enum bpf_attach_type`.
+const BPF_CGROUP_GETSOCKOPT: u32 = 21;
+
+/// Creates a BPF link of `program` on `cgroup` and pins it at `pin`, with
+/// the raw `bpf(2)` commands: aya 0.14 cannot turn a `CgroupSockopt` link
+/// into an `FdLink` to pin. The link fd is closed once pinned (the pin
+/// holds the link).
+fn link_and_pin(
+    program: std::os::fd::BorrowedFd<'_>,
+    cgroup: &File,
+    attach_type: u32,
+    pin: &Path,
+) -> Result<(), String> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    const BPF_OBJ_PIN: libc::c_long = 6;
+    const BPF_LINK_CREATE: libc::c_long = 28;
+    /// `union bpf_attr` for `BPF_LINK_CREATE` (the fields used; the rest
+    /// must be zero).
+    #[repr(C)]
+    struct LinkCreate {
+        prog_fd: u32,
+        target_fd: u32,
+        attach_type: u32,
+        flags: u32,
+        rest: [u64; 6],
+    }
+    /// `union bpf_attr` for `BPF_OBJ_PIN`.
+    #[repr(C)]
+    struct ObjPin {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+        path_fd: i32,
+        pad: u32,
+    }
+    let attr = LinkCreate {
+        prog_fd: program.as_raw_fd() as u32,
+        target_fd: cgroup.as_raw_fd() as u32,
+        attach_type,
+        flags: 0,
+        rest: [0; 6],
+    };
+    // SAFETY: `attr` is a valid, zero-padded `bpf_attr` prefix of the size
+    // passed; the kernel only reads it.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_LINK_CREATE,
+            &attr as *const LinkCreate,
+            std::mem::size_of::<LinkCreate>(),
+        )
+    };
+    if fd < 0 {
+        return Err(format!(
+            "BPF_LINK_CREATE: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: the kernel just returned this descriptor; we own it.
+    let link = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let path = std::ffi::CString::new(pin.as_os_str().as_encoded_bytes())
+        .map_err(|_| format!("pin path {} contains a NUL byte", pin.display()))?;
+    let attr = ObjPin {
+        pathname: path.as_ptr() as u64,
+        bpf_fd: link.as_raw_fd() as u32,
+        file_flags: 0,
+        path_fd: 0,
+        pad: 0,
+    };
+    // SAFETY: as above; `path` outlives the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_PIN,
+            &attr as *const ObjPin,
+            std::mem::size_of::<ObjPin>(),
+        )
+    };
+    if rc < 0 {
+        // Dropping the fd detaches the link again.
+        return Err(format!(
+            "pinning at {}: {}",
+            pin.display(),
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(())
+}
+
 /// Which socket programs are attached (their pinned links open).
-pub fn present(pin_dir: &Path) -> [bool; 3] {
+pub fn present(pin_dir: &Path) -> [bool; PROGRAMS.len()] {
     let dir = links_dir(pin_dir);
     PROGRAMS.map(|name| PinnedLink::from_pin(dir.join(name)).is_ok())
 }

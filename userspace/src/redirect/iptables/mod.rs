@@ -37,11 +37,18 @@
 //! redirected). IPv4 and IPv6 are summed. Rewriting a drifted chain resets
 //! its counters.
 //!
+//! With `--proxy ztunnel` the rule set is Istio's own instead
+//! ([`InpodRules::Istio`], `istio.rs`): `ISTIO_PRERT`/`ISTIO_OUTPUT`,
+//! TPROXY for inbound, the policy route in table 100 — what a stock ztunnel
+//! finds under istio-cni. Enrolment, verify, repair and removal work the
+//! same on either set.
+//!
 //! The proxy reads the original destination with `SO_ORIGINAL_DST`
 //! ([`SoOriginalDst`]), on both listeners: REDIRECT also rewrites the local
 //! address of inbound connections (to `podIP:15006`).
 
 mod backend;
+mod istio;
 mod original_dst;
 mod rules;
 
@@ -56,6 +63,7 @@ use std::{
 use crate::redirect::route;
 pub use crate::redirect::route::{ROUTE_TABLE, RULE_PRIORITY};
 pub use backend::Backend;
+pub use istio::{CHAIN_ISTIO_OUTPUT, CHAIN_ISTIO_PRERT};
 pub use original_dst::{SoOriginalDst, original_dst};
 pub use rules::{CHAIN_OUTPUT, CHAIN_PREROUTING, CONN_MARK, MARK_MASK, PROBE_SOURCE_V6};
 use shunt_common::PodCounters;
@@ -121,6 +129,19 @@ struct Enrolment {
     repairs: u64,
 }
 
+/// Which rules a pod gets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum InpodRules {
+    /// shunt's own (`SHUNT_PRERT`/`SHUNT_OUTPUT`, REDIRECT inbound, policy
+    /// route in table 1337): for its builtin proxy.
+    #[default]
+    Shunt,
+    /// Istio's in-pod rules as istio-cni installs them (`ISTIO_PRERT`/
+    /// `ISTIO_OUTPUT`, TPROXY inbound, policy route in table 100): for a
+    /// stock ztunnel (`--proxy ztunnel`). See `istio.rs`.
+    Istio,
+}
+
 /// How to build an [`IptablesRedirector`].
 #[derive(Clone, Debug)]
 pub struct IptablesOptions {
@@ -132,6 +153,8 @@ pub struct IptablesOptions {
     /// Health-probe source address whose inbound traffic is never
     /// redirected (Istio's 169.254.7.127 by default).
     pub probe_source: Ipv4Addr,
+    /// shunt's rules or Istio's.
+    pub rules: InpodRules,
 }
 
 impl IptablesOptions {
@@ -140,6 +163,7 @@ impl IptablesOptions {
             owner: owner.into(),
             backend: None,
             probe_source: shunt_common::DEFAULT_PROBE_SOURCE_V4.into(),
+            rules: InpodRules::Shunt,
         }
     }
 }
@@ -150,6 +174,7 @@ pub struct IptablesRedirector {
     /// [`IptablesRedirector::owner_comment`].
     owner_comment: String,
     probe_source: Ipv4Addr,
+    rules: InpodRules,
     tools: Tools,
     pods: BTreeMap<WorkloadKey, Enrolment>,
     resolver: Arc<SoOriginalDst>,
@@ -175,6 +200,7 @@ impl IptablesRedirector {
         Ok(Self {
             owner_comment: rules::owner_comment(&format!("{}@{netns_inode}", options.owner)),
             probe_source: options.probe_source,
+            rules: options.rules,
             tools,
             pods: BTreeMap::new(),
             resolver: Arc::new(SoOriginalDst),
@@ -209,17 +235,24 @@ impl IptablesRedirector {
             capture: capture.clone(),
             probe_source_v4: self.probe_source,
         };
-        let mut families = vec![(
-            RuleSet::inpod(Family::V4, &self.owner_comment, &settings),
-            &self.tools.v4,
-        )];
+        let build = |family| match self.rules {
+            InpodRules::Shunt => RuleSet::inpod(family, &self.owner_comment, &settings),
+            InpodRules::Istio => RuleSet::istio(family, &self.owner_comment, &settings),
+        };
+        let mut families = vec![(build(Family::V4), &self.tools.v4)];
         if let Some(v6) = &self.tools.v6 {
-            families.push((
-                RuleSet::inpod(Family::V6, &self.owner_comment, &settings),
-                v6,
-            ));
+            families.push((build(Family::V6), v6));
         }
         families
+    }
+
+    /// The table of the policy route: shunt's, or Istio's 100 with Istio's
+    /// rules.
+    fn route_table(&self) -> u32 {
+        match self.rules {
+            InpodRules::Shunt => ROUTE_TABLE,
+            InpodRules::Istio => route::ISTIO_ROUTE_TABLE,
+        }
     }
 
     /// Families that need the policy route in the calling thread's netns.
@@ -290,13 +323,14 @@ impl IptablesRedirector {
                 changed = true;
             }
         }
+        let table = self.route_table();
         let routed = netns
             .run(|| -> io::Result<bool> {
                 let mut changed = false;
                 for family in self.route_families() {
-                    let present = route::present(family)?;
+                    let present = route::present_in(family, table)?;
                     if !(present.rule && present.route) {
-                        route::add(family)?;
+                        route::add_to(family, table)?;
                         changed = true;
                     }
                 }
@@ -312,16 +346,17 @@ impl IptablesRedirector {
         // chains and the chains themselves go.
         for (rules, tools) in self.families(&Capture::default()) {
             let saved = self.save(pod, netns, rules.family, tools)?;
-            if let Some(script) = rules::plan_remove(&saved) {
+            if let Some(script) = rules::plan_remove(&saved, &rules.chain_names()) {
                 self.restore(pod, netns, rules.family, tools, &script)?;
             }
         }
         let ipv6 = self.tools.v6.is_some();
+        let table = self.route_table();
         netns
             .run(|| -> io::Result<()> {
-                route::delete(Family::V4)?;
+                route::delete_from(Family::V4, table)?;
                 if ipv6 {
-                    match route::delete(Family::V6) {
+                    match route::delete_from(Family::V6, table) {
                         // IPv6 switched off in this netns: nothing to delete.
                         Err(e) if e.raw_os_error() == Some(libc::EAFNOSUPPORT) => {}
                         other => other?,
@@ -344,20 +379,21 @@ impl IptablesRedirector {
             let saved = self.save(pod, netns, rules.family, tools)?;
             drift.extend(rules.drift(&saved));
         }
+        let table = self.route_table();
         let routes = netns
             .run(|| -> io::Result<Vec<String>> {
                 let mut missing = Vec::new();
                 for family in self.route_families() {
-                    let present = route::present(family)?;
+                    let present = route::present_in(family, table)?;
                     if !present.rule {
                         missing.push(format!(
-                            "{} ip rule pref {RULE_PRIORITY} fwmark 0x{CONN_MARK:x}/0x{MARK_MASK:x} lookup {ROUTE_TABLE}",
+                            "{} ip rule pref {RULE_PRIORITY} fwmark 0x{CONN_MARK:x}/0x{MARK_MASK:x} lookup {table}",
                             family.label()
                         ));
                     }
                     if !present.route {
                         missing.push(format!(
-                            "{} local default route dev lo in table {ROUTE_TABLE}",
+                            "{} local default route dev lo in table {table}",
                             family.label()
                         ));
                     }
@@ -456,16 +492,17 @@ impl IptablesRedirector {
                 counters.bytes_in += bytes;
             }
         }
+        let table = self.route_table();
         let routes = enrolment.netns.run(|| {
             self.route_families()
                 .into_iter()
-                .map(|family| (family, route::present(family).ok()))
+                .map(|family| (family, route::present_in(family, table).ok()))
                 .collect::<Vec<_>>()
         });
         for (family, present) in routes.unwrap_or_default() {
             hooks.push(Hook {
                 name: format!("{} policy route", family.label()),
-                attachment: route::describe(family),
+                attachment: route::describe_table(family, table),
                 present: present.is_some_and(|p| p.rule && p.route),
             });
         }
@@ -598,7 +635,9 @@ impl Redirector for IptablesRedirector {
                 .iter()
                 .any(|(rules, tools)| {
                     self.save(&key, &netns, rules.family, tools)
-                        .is_ok_and(|saved| rules::has_owner_jump(&saved, &comment))
+                        .is_ok_and(|saved| {
+                            rules::has_owner_jump(&saved, &comment, &rules.chain_names())
+                        })
                 });
             if !ours {
                 continue;

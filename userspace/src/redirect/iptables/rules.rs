@@ -264,6 +264,14 @@ impl RuleSet {
         }
     }
 
+    /// The names of this set's chains (each once).
+    pub fn chain_names(&self) -> Vec<&'static str> {
+        let mut names: Vec<&'static str> = self.chains.iter().map(|c| c.chain).collect();
+        names.sort_unstable();
+        names.dedup();
+        names
+    }
+
     /// The rule in `builtin` that jumps to `chain`.
     pub fn jump(&self, chain: &ChainSpec) -> String {
         format!(
@@ -423,20 +431,21 @@ impl RuleSet {
 /// rule anywhere that jumps to one of our chains (whoever's comment it
 /// carries), then our chains, flushed and deleted, in one transaction per
 /// table. `None` when there is nothing of ours.
-pub fn plan_remove(saved: &Saved) -> Option<String> {
-    const OURS: [&str; 2] = [CHAIN_OUTPUT, CHAIN_PREROUTING];
+/// `ours`: the rule set's [`RuleSet::chain_names`].
+pub fn plan_remove(saved: &Saved, ours: &[&str]) -> Option<String> {
     let mut script = String::new();
     for (name, table) in &saved.tables {
-        let ours: Vec<&str> = OURS
-            .into_iter()
+        let chains: Vec<&str> = ours
+            .iter()
+            .copied()
             .filter(|c| table.chains.contains(*c))
             .collect();
         let jumps: Vec<&SavedRule> = table
             .rules
             .iter()
-            .filter(|r| !OURS.contains(&r.chain.as_str()) && OURS.iter().any(|c| r.targets(c)))
+            .filter(|r| !ours.contains(&r.chain.as_str()) && ours.iter().any(|c| r.targets(c)))
             .collect();
-        if ours.is_empty() && jumps.is_empty() {
+        if chains.is_empty() && jumps.is_empty() {
             continue;
         }
         script.push_str(&format!("*{name}\n"));
@@ -445,10 +454,10 @@ pub fn plan_remove(saved: &Saved) -> Option<String> {
         }
         // Flush all before deleting any: our chains never jump to each
         // other today, but a chain still referenced cannot be deleted.
-        for chain in &ours {
+        for chain in &chains {
             script.push_str(&format!("-F {chain}\n"));
         }
-        for chain in &ours {
+        for chain in &chains {
             script.push_str(&format!("-X {chain}\n"));
         }
         script.push_str("COMMIT\n");
@@ -458,12 +467,12 @@ pub fn plan_remove(saved: &Saved) -> Option<String> {
 
 /// Whether `saved` holds a jump to our chains carrying `comment` (a netns
 /// enrolled by the agent that owns that comment).
-pub fn has_owner_jump(saved: &Saved, comment: &str) -> bool {
+pub fn has_owner_jump(saved: &Saved, comment: &str, chains: &[&str]) -> bool {
     let needle = format!("--comment \"{comment}\"");
     saved.tables.values().any(|t| {
-        t.rules.iter().any(|r| {
-            r.spec.contains(&needle) && (r.targets(CHAIN_OUTPUT) || r.targets(CHAIN_PREROUTING))
-        })
+        t.rules
+            .iter()
+            .any(|r| r.spec.contains(&needle) && chains.iter().any(|c| r.targets(c)))
     })
 }
 
@@ -697,15 +706,16 @@ mod tests {
         assert!(
             script.contains("-D OUTPUT -m comment --comment \"shunt:node-a\" -j SHUNT_OUTPUT\n")
         );
-        assert!(has_owner_jump(&saved, "shunt:node-a"));
-        assert!(!has_owner_jump(&saved, "shunt:node-b"));
+        let ours = rules.chain_names();
+        assert!(has_owner_jump(&saved, "shunt:node-a", &ours));
+        assert!(!has_owner_jump(&saved, "shunt:node-b", &ours));
     }
 
     #[test]
     fn removal_deletes_jumps_then_flushes_then_deletes_and_keeps_the_rest() {
         let text = installed_v4().replace("COMMIT\n", "[9:9] -A OUTPUT -p udp -j RETURN\nCOMMIT\n");
         let saved = Saved::parse(&text).expect("parse");
-        let script = plan_remove(&saved).expect("a plan");
+        let script = plan_remove(&saved, &[CHAIN_OUTPUT, CHAIN_PREROUTING]).expect("a plan");
         assert!(
             !script.contains("udp"),
             "someone else's rule is kept: {script}"
@@ -715,7 +725,10 @@ mod tests {
         let last_delete = nat.rfind("-D ").expect("delete");
         let first_x = nat.find("-X ").expect("chain delete");
         assert!(last_delete < first_flush && first_flush < first_x, "{nat}");
-        assert_eq!(plan_remove(&Saved::default()), None);
+        assert_eq!(
+            plan_remove(&Saved::default(), &[CHAIN_OUTPUT, CHAIN_PREROUTING]),
+            None
+        );
     }
 
     #[test]
