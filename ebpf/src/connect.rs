@@ -11,9 +11,12 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use aya_log_ebpf::debug;
-use shunt_common::{OriginalDst, PORT_OUTBOUND, PROXY_MARK, PodConfig};
+use shunt_common::{FastPathDest, OriginalDst, PORT_OUTBOUND, PROXY_MARK, PodConfig};
 
-use crate::maps::{ENROLLED, ORIGINAL_DST_BY_COOKIE, POD_CONFIG, counters};
+use crate::{
+    maps::{ENROLLED, ORIGINAL_DST_BY_COOKIE, POD_CONFIG, counters},
+    passthrough,
+};
 
 /// connect() proceeds (with whatever address the program left).
 const ALLOW: i32 = 1;
@@ -28,8 +31,9 @@ const LOOPBACK_V4: u32 = u32::from_be_bytes([127, 0, 0, 1]);
 /// Hook: `cgroup/connect4` on the cgroup root. Matches TCP connects from a
 /// socket in an enrolled netns, without the proxy's mark, to a non-loopback,
 /// non-excluded destination. Rewrites the destination to 127.0.0.1:15001 and
-/// records the original; if no proxy listens there, refuses the connect
-/// (fail closed). Miss path: `ALLOW` unchanged.
+/// records the original — unless the passthrough fast path lets it go
+/// direct (`passthrough.rs`); if no proxy listens there, refuses the
+/// connect (fail closed). Miss path: `ALLOW` unchanged.
 #[cgroup_sock_addr(connect4)]
 pub fn shunt_connect4(ctx: SockAddrContext) -> i32 {
     // SAFETY: the context pointer is valid for the program's run.
@@ -43,6 +47,9 @@ pub fn shunt_connect4(ctx: SockAddrContext) -> i32 {
     let dst = addr.user_ip4;
     let port = u16::from_be(addr.user_port as u16);
     if u32::from_be(dst) >> 24 == 127 || is_proxy_socket(addr) || excluded(&config, dst, port) {
+        return ALLOW;
+    }
+    if passthrough::goes_direct(&ctx, slot, &config, &FastPathDest::v4(dst)) {
         return ALLOW;
     }
     let original = OriginalDst {
@@ -89,6 +96,9 @@ pub fn shunt_connect6(ctx: SockAddrContext) -> i32 {
         return ALLOW;
     }
     if v4_mapped && excluded(&config, dst[3], port) || !v4_mapped && port_excluded(&config, port) {
+        return ALLOW;
+    }
+    if passthrough::goes_direct(&ctx, slot, &config, &FastPathDest { addr: dst }) {
         return ALLOW;
     }
     let proxy = if v4_mapped {

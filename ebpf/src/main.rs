@@ -7,6 +7,7 @@
 
 mod connect;
 mod maps;
+mod passthrough;
 mod sockops;
 mod splice;
 mod tc_pod;
