@@ -201,7 +201,7 @@ fn emit(
     let (src_addr, dst_addr) = if family == AF_INET {
         ([ctx.local_ip4(), 0, 0, 0], [ctx.remote_ip4(), 0, 0, 0])
     } else {
-        (ctx.local_ip6(), ctx.remote_ip6())
+        ip6_of(ctx)
     };
     // SAFETY: no argument.
     let now = unsafe { bpf_ktime_get_ns() };
@@ -222,6 +222,32 @@ fn emit(
         duration_ns: now.saturating_sub(record.started_ns),
     });
     entry.submit(0);
+}
+
+/// The local and remote IPv6 addresses, each word read on its own: the
+/// verifier refuses a load through a context pointer moved by an offset,
+/// which copying the arrays whole can compile to.
+#[inline(always)]
+fn ip6_of(ctx: &SockOpsContext) -> ([u32; 4], [u32; 4]) {
+    use core::ptr::{addr_of, read_volatile};
+    let ops = ctx.ops;
+    // SAFETY: in-bounds fields of the context, read as the verifier allows.
+    unsafe {
+        (
+            [
+                read_volatile(addr_of!((*ops).local_ip6[0])),
+                read_volatile(addr_of!((*ops).local_ip6[1])),
+                read_volatile(addr_of!((*ops).local_ip6[2])),
+                read_volatile(addr_of!((*ops).local_ip6[3])),
+            ],
+            [
+                read_volatile(addr_of!((*ops).remote_ip6[0])),
+                read_volatile(addr_of!((*ops).remote_ip6[1])),
+                read_volatile(addr_of!((*ops).remote_ip6[2])),
+                read_volatile(addr_of!((*ops).remote_ip6[3])),
+            ],
+        )
+    }
 }
 
 #[inline(always)]

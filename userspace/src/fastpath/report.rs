@@ -36,7 +36,10 @@ pub struct Reporter {
 /// Reads `events` until the ring buffer fails; copies `counters` into the
 /// metrics as it goes.
 pub async fn report_events(events: FastPathEvents, counters: FastPathCounters, reporter: Reporter) {
-    let mut events = match AsyncFd::with_interest(events, Interest::READABLE) {
+    // SAFETY: `FastPathEvents` owns the ring buffer's fd and keeps it open,
+    // with the same value, until it is dropped together with the AsyncFd.
+    let registered = unsafe { AsyncFd::register_with_interest(events, Interest::READABLE) };
+    let mut events = match registered {
         Ok(fd) => fd,
         Err(e) => {
             warn!(error = %e, "cannot watch the fast path's event ring buffer: its connections are not reported");
@@ -112,9 +115,9 @@ impl Reporter {
     fn copy_counters(&self, now: &FastPathStats, before: FastPathStats) -> FastPathStats {
         let m = &self.metrics;
         m.direct.inc_by(now.direct.saturating_sub(before.direct));
-        m.proxied("table_invalid")
+        m.proxied_for("table_invalid")
             .inc_by(now.table_invalid.saturating_sub(before.table_invalid));
-        m.proxied("untracked")
+        m.proxied_for("untracked")
             .inc_by(now.untracked.saturating_sub(before.untracked));
         let dropped = now.events_dropped.saturating_sub(before.events_dropped);
         if dropped > 0 {

@@ -71,7 +71,7 @@ impl FastPathMetrics {
             .inc();
     }
 
-    pub fn proxied(&self, reason: &str) -> Counter {
+    pub fn proxied_for(&self, reason: &str) -> Counter {
         self.proxied
             .get_or_create(&ReasonLabel {
                 reason: reason.to_string(),

@@ -9,6 +9,7 @@
 use std::{
     collections::BTreeSet,
     net::IpAddr,
+    os::fd::{AsRawFd, RawFd},
     path::{Path, PathBuf},
 };
 
@@ -33,7 +34,7 @@ pub enum TableError {
         #[source]
         source: MapError,
     },
-    #[error("{}: {0}", maps::FAST_PATH_STATE)]
+    #[error("{map}: {0}", map = maps::FAST_PATH_STATE)]
     State(#[source] MapError),
 }
 
@@ -127,7 +128,7 @@ impl DestinationTable {
             if present.contains(key) {
                 continue;
             }
-            if let Err(source) = self.dests.insert(key, 0, 0) {
+            if let Err(source) = self.dests.insert(key, 0u32, 0) {
                 self.invalidate().map_err(TableError::State)?;
                 return Err(TableError::Write { dest: *ip, source });
             }
@@ -198,8 +199,8 @@ impl FastPathEvents {
     }
 }
 
-impl std::os::fd::AsRawFd for FastPathEvents {
-    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+impl AsRawFd for FastPathEvents {
+    fn as_raw_fd(&self) -> RawFd {
         self.ring.as_raw_fd()
     }
 }
