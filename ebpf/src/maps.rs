@@ -7,10 +7,10 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf, SockHash},
 };
 use shunt_common::{
-    FAST_PATH_EVENTS_BYTES, FastPathDest, FastPathSock, FastPathState, FastPathStats,
-    GlobalConfig, MAX_FAST_PATH_DESTINATIONS, MAX_FAST_PATH_SOCKETS, MAX_ORIGINAL_DSTS, MAX_PODS,
-    MAX_SPLICE_SOCKETS, OriginalDst, PodAddrs, PodConfig, PodCounters, PodRecord, PodSlot,
-    SockKey, SpliceFlow, SpliceKey,
+    FAST_PATH_EVENTS_BYTES, FastPathDest, FastPathSock, FastPathState, FastPathStats, GlobalConfig,
+    MAX_FAST_PATH_DESTINATIONS, MAX_FAST_PATH_SOCKETS, MAX_ORIGINAL_DSTS, MAX_PODS,
+    MAX_SPLICE_SOCKETS, OriginalDst, PodAddrs, PodConfig, PodCounters, PodRecord, PodSlot, SockKey,
+    SpliceFlow, SpliceKey,
 };
 
 /// netns cookie → slot: which namespaces are enrolled.

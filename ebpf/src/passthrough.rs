@@ -43,7 +43,12 @@ const AF_INET: u32 = 2;
 /// `dst` is not in it, and the connection's record was kept for sockops).
 /// `dst` as the table keys it (IPv4 mapped into IPv6).
 #[inline(always)]
-pub fn goes_direct(ctx: &SockAddrContext, slot: u32, config: &PodConfig, dst: &FastPathDest) -> bool {
+pub fn goes_direct(
+    ctx: &SockAddrContext,
+    slot: u32,
+    config: &PodConfig,
+    dst: &FastPathDest,
+) -> bool {
     if config.flags & PodConfig::FAST_PATH == 0 {
         return false;
     }
@@ -176,7 +181,15 @@ fn on_state_change(ctx: &SockOpsContext, cookie: u64, record: &mut FastPathSock)
     } else {
         (0, 0, FastPathEvent::FAILED)
     };
-    emit(ctx, cookie, record, FastPathEvent::CLOSED, sent, received, failed);
+    emit(
+        ctx,
+        cookie,
+        record,
+        FastPathEvent::CLOSED,
+        sent,
+        received,
+        failed,
+    );
     let _ = FAST_PATH_SOCKS.remove(cookie);
 }
 

@@ -41,7 +41,11 @@ fn agent_args(mode: Mode) -> Vec<&'static str> {
     // the others measure the proxy path.
     args.extend([
         "--fast-path",
-        if mode == Mode::EbpfFastPath { "on" } else { "off" },
+        if mode == Mode::EbpfFastPath {
+            "on"
+        } else {
+            "off"
+        },
     ]);
     args
 }

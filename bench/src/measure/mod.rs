@@ -311,7 +311,12 @@ fn measure(
     let proxy = if bed.mode == Mode::Direct {
         None
     } else if bed.mode == Mode::EbpfFastPath {
-        Some(check_around_proxy(bed, client_node, before_client, &mut problems))
+        Some(check_around_proxy(
+            bed,
+            client_node,
+            before_client,
+            &mut problems,
+        ))
     } else {
         let mut check = check_proxy(
             bed,

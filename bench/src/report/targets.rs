@@ -178,7 +178,12 @@ pub fn targets_table(index: &Index, placement: Placement) -> String {
             md.push_str(&mode_targets_table(index, placement, mode));
         }
     }
-    if index.results.paths.iter().any(|p| p.mode == Mode::EbpfFastPath) {
+    if index
+        .results
+        .paths
+        .iter()
+        .any(|p| p.mode == Mode::EbpfFastPath)
+    {
         if !md.is_empty() {
             md.push('\n');
         }

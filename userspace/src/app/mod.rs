@@ -300,10 +300,8 @@ struct FastPathKernel {
 
 fn open_fast_path(args: &AgentArgs) -> Result<FastPathKernel, AgentError> {
     let pin_dir = &args.bpf_pin_dir;
-    let table = crate::redirect::ebpf::DestinationTable::open(
-        pin_dir,
-        args.fast_path_max_destinations,
-    )?;
+    let table =
+        crate::redirect::ebpf::DestinationTable::open(pin_dir, args.fast_path_max_destinations)?;
     Ok(FastPathKernel {
         table,
         events: crate::redirect::ebpf::FastPathEvents::open(pin_dir)?,
@@ -323,7 +321,9 @@ fn start_fast_path(
     trust_domain: &TrustDomain,
 ) {
     if !fast_path_wanted(args) {
-        info!("passthrough fast path off (--fast-path off): every connection of an enrolled pod goes through the proxy");
+        info!(
+            "passthrough fast path off (--fast-path off): every connection of an enrolled pod goes through the proxy"
+        );
         return;
     }
     info!(
@@ -332,8 +332,13 @@ fn start_fast_path(
     );
     let fast = metrics.fast_path().clone();
     tokio::spawn(
-        crate::fastpath::table::write_table(kernel.table, parts.store.clone(), applied, fast.clone())
-            .instrument(info_span!("fast_path_table")),
+        crate::fastpath::table::write_table(
+            kernel.table,
+            parts.store.clone(),
+            applied,
+            fast.clone(),
+        )
+        .instrument(info_span!("fast_path_table")),
     );
     let reporter = crate::fastpath::report::Reporter {
         observer: metrics.connection_observer(parts.store.clone()),

@@ -878,7 +878,10 @@ workloads:
     fn fast_path_gives_the_workloads_own_say() {
         let parsed = parse(file(), &with_second(Some("fastPath: false"), None)).expect("valid");
         assert_eq!(parsed.workloads[1].fast_path, Some(false));
-        assert_eq!(parsed.workloads[0].fast_path, None, "as --fast-path by default");
+        assert_eq!(
+            parsed.workloads[0].fast_path, None,
+            "as --fast-path by default"
+        );
         let typo = error(&with_second(Some("fastPath: nope"), None));
         assert!(
             typo.contains("workloads[1] (default/second): field `fastPath`"),

@@ -23,10 +23,7 @@ pub fn destinations(store: &WorkloadStore) -> BTreeSet<IpAddr> {
         .filter(|w| w.wants_mesh())
         .flat_map(|w| w.ips.iter().copied());
     let vips = store.services().iter().flat_map(|s| s.vips.iter().copied());
-    workloads
-        .chain(vips)
-        .map(|ip| ip.to_canonical())
-        .collect()
+    workloads.chain(vips).map(|ip| ip.to_canonical()).collect()
 }
 
 /// Writes the table after each cluster view the store owner applied
@@ -105,7 +102,10 @@ mod tests {
             ],
             ..Default::default()
         }]);
-        let set: Vec<String> = destinations(&store).iter().map(|ip| ip.to_string()).collect();
+        let set: Vec<String> = destinations(&store)
+            .iter()
+            .map(|ip| ip.to_string())
+            .collect();
         assert_eq!(
             set,
             ["198.18.2.10", "198.18.100.1", "198.18.100.2", "fd00::10"],

@@ -205,12 +205,18 @@ fn on_off(
     annotation: &str,
     object: &str,
 ) -> Option<bool> {
-    match annotations.and_then(|a| a.get(annotation)).map(String::as_str) {
+    match annotations
+        .and_then(|a| a.get(annotation))
+        .map(String::as_str)
+    {
         None => None,
         Some("on") => Some(true),
         Some("off") => Some(false),
         Some(value) => {
-            warn!(object, annotation, value, "unknown value (expected on or off); ignored");
+            warn!(
+                object,
+                annotation, value, "unknown value (expected on or off); ignored"
+            );
             None
         }
     }
@@ -300,7 +306,11 @@ mod tests {
         assert_eq!(annotated(None, Some("off")), Some(false));
         assert_eq!(annotated(Some("on"), Some("off")), Some(false));
         assert_eq!(annotated(Some("on"), None), Some(true));
-        assert_eq!(annotated(Some("maybe"), None), None, "unknown: --fast-path decides");
+        assert_eq!(
+            annotated(Some("maybe"), None),
+            None,
+            "unknown: --fast-path decides"
+        );
         assert_eq!(annotated(None, None), None);
     }
 

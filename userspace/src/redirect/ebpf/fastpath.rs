@@ -138,7 +138,9 @@ impl DestinationTable {
         for key in present.difference(&keep) {
             match self.dests.remove(key) {
                 Ok(()) => report.removed += 1,
-                Err(e) => tracing::warn!(error = %e, "cannot remove a destination from the fast-path table; it keeps going through the proxy"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot remove a destination from the fast-path table; it keeps going through the proxy")
+                }
             }
         }
         report.entries = present.len() + report.added - report.removed;

@@ -47,7 +47,8 @@ use aya::{
 };
 pub use cgroup::cgroup2_mount;
 pub use fastpath::{
-    DestinationTable, FastPathCounters, FastPathEvents, SyncReport, TableError, key_of as fast_path_key,
+    DestinationTable, FastPathCounters, FastPathEvents, SyncReport, TableError,
+    key_of as fast_path_key,
 };
 pub use load::{EbpfOptions, LoadError};
 pub use original_dst::EbpfOriginalDst;
