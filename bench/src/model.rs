@@ -24,6 +24,9 @@ pub enum Mode {
     Ebpf,
     /// eBPF redirection with the sk_msg splice (`--splice on`).
     EbpfSplice,
+    /// eBPF redirection with the passthrough fast path (`--fast-path on`):
+    /// passthrough destinations only (mesh ones are the eBPF+proxy path).
+    EbpfFastPath,
 }
 
 impl Mode {
@@ -33,6 +36,7 @@ impl Mode {
             Mode::Iptables => "iptables",
             Mode::Ebpf => "ebpf",
             Mode::EbpfSplice => "ebpf-splice",
+            Mode::EbpfFastPath => "ebpf-fastpath",
         }
     }
 }
@@ -82,6 +86,13 @@ impl PathSpec {
                     });
                 }
             }
+        }
+        for locality in [Locality::Same, Locality::Cross] {
+            paths.push(PathSpec {
+                mode: Mode::EbpfFastPath,
+                locality,
+                dest: Dest::Plain,
+            });
         }
         paths
     }

@@ -42,6 +42,7 @@ fn mode_color(mode: Mode) -> &'static str {
         Mode::Iptables => "#c05000",
         Mode::Ebpf => "#0057b8",
         Mode::EbpfSplice => "#009e73",
+        Mode::EbpfFastPath => "#8e44ad",
     }
 }
 

@@ -46,6 +46,12 @@ fn quick_run_moves_verified_bytes_on_every_path() {
         assert!(report.txns > 0, "{what}");
         match record.path.mode {
             Mode::Direct => assert!(record.proxy.is_none(), "{what}"),
+            // Around the proxy: it must have carried nothing.
+            Mode::EbpfFastPath => {
+                let proxy = record.proxy.as_ref().expect("proxy counters");
+                assert_eq!(proxy.client_side, 0, "{what}");
+                assert_eq!(proxy.bytes_out, 0, "{what}");
+            }
             _ => {
                 let proxy = record.proxy.as_ref().expect("proxy counters");
                 assert!(proxy.client_side >= report.connections, "{what}");

@@ -62,6 +62,20 @@ pub const MAX_POLICY_VERDICTS: u32 = 131072;
 /// (source pod, policy) pairs whose kernel denials are counted at once.
 pub const MAX_POLICY_DENIAL_COUNTERS: u32 = 16384;
 
+/// Destinations the proxy must see, at most (mesh workload IPs and service
+/// VIPs, both families): the size of [`maps::FAST_PATH_DESTS`]. A view with
+/// more turns the fast path off (every flow back through the proxy).
+pub const MAX_FAST_PATH_DESTINATIONS: u32 = 65536;
+
+/// Fast-path connections tracked at once, from connect() to close (LRU: an
+/// entry left by a connect that never reached the SYN is evicted, never
+/// leaks; see `ebpf/src/passthrough.rs`).
+pub const MAX_FAST_PATH_SOCKETS: u32 = 65536;
+
+/// Size of the fast path's event ring buffer: 256 KiB, about 2,500 events
+/// in flight before new ones are dropped (and counted).
+pub const FAST_PATH_EVENTS_BYTES: u32 = 256 * 1024;
+
 /// Names of the maps, as they appear in the ELF object and under the pin dir.
 pub mod maps {
     /// `HashMap<u64 netns cookie, PodSlot>`: which network namespaces are
@@ -105,8 +119,24 @@ pub mod maps {
     /// per source pod and deciding policy.
     pub const POLICY_DENIALS: &str = "SHUNT_POLICY_DENIALS";
 
+    /// `HashMap<FastPathDest, u32>`: every destination the proxy must see
+    /// (mesh workload IPs, service VIPs); an enrolled pod's connect to any
+    /// other goes direct when the fast path is on and the table valid.
+    /// Written only by the agent's fast-path table writer.
+    pub const FAST_PATH_DESTS: &str = "SHUNT_FP_DESTS";
+    /// `Array<FastPathState>` with one entry: whether the destination table
+    /// is complete (`FastPathState::VALID`). Same single writer.
+    pub const FAST_PATH_STATE: &str = "SHUNT_FP_STATE";
+    /// `LruHashMap<u64 socket cookie, FastPathSock>`: the connects that went
+    /// direct, from connect() to close (sockops reports them).
+    pub const FAST_PATH_SOCKS: &str = "SHUNT_FP_SOCKS";
+    /// `RingBuf` of `FastPathEvent`s (opened, closed) for the agent.
+    pub const FAST_PATH_EVENTS: &str = "SHUNT_FP_EVENTS";
+    /// `PerCpuArray<FastPathStats>` with one entry.
+    pub const FAST_PATH_STATS: &str = "SHUNT_FP_STATS";
+
     /// Every map the agent pins (and every pod's program instance shares).
-    pub const ALL: [&str; 13] = [
+    pub const ALL: [&str; 18] = [
         ENROLLED,
         POD_COUNTERS,
         POD_CONFIG,
@@ -120,6 +150,11 @@ pub mod maps {
         SPLICE_KEYS,
         POLICY_VERDICTS,
         POLICY_DENIALS,
+        FAST_PATH_DESTS,
+        FAST_PATH_STATE,
+        FAST_PATH_SOCKS,
+        FAST_PATH_EVENTS,
+        FAST_PATH_STATS,
     ];
 }
 
@@ -200,6 +235,9 @@ impl PodConfig {
     /// The pod's connections never join the splice (its annotation
     /// `shunt.io/splice: off`).
     pub const NO_SPLICE: u32 = 8;
+    /// The pod's connects to destinations outside the fast-path table go
+    /// direct (`--fast-path on` and no `shunt.io/fast-path: "off"`).
+    pub const FAST_PATH: u32 = 16;
 }
 
 /// An IPv4 prefix, both fields in network byte order as the kernel gives
@@ -440,6 +478,132 @@ pub struct PolicyDenialKey {
     pub policy: u32,
 }
 
+/// A key of [`maps::FAST_PATH_DESTS`]: an address in network order, IPv4 as
+/// IPv4-mapped IPv6 (`::ffff:a.b.c.d`), as connect6 sees a dual-stack
+/// socket's IPv4 destination.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FastPathDest {
+    pub addr: [u32; 4],
+}
+
+impl FastPathDest {
+    /// The key of an IPv4 address given in network order.
+    pub fn v4(addr_be: u32) -> Self {
+        Self {
+            addr: [0, 0, 0xffffu32.to_be(), addr_be],
+        }
+    }
+}
+
+/// The one entry of [`maps::FAST_PATH_STATE`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FastPathState {
+    /// [`FastPathState::VALID`].
+    pub flags: u32,
+    /// How many times the table was made valid (for logs and tests).
+    pub generation: u32,
+}
+
+impl FastPathState {
+    /// The destination table holds every destination the proxy must see:
+    /// a destination missing from it may go direct. Off, every connect of
+    /// an enrolled pod goes to the proxy as without the fast path.
+    pub const VALID: u32 = 1;
+}
+
+/// What connect() left for sockops about a connect that went direct
+/// (value of [`maps::FAST_PATH_SOCKS`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FastPathSock {
+    pub netns_cookie: u64,
+    /// `bytes_acked` and `bytes_received` when the connection became
+    /// established (the SYN's sequence number, if the kernel counts it).
+    pub acked_base: u64,
+    pub received_base: u64,
+    /// `bpf_ktime_get_ns` at connect.
+    pub started_ns: u64,
+    pub slot: u32,
+    /// `FastPathSock::*` state bits.
+    pub flags: u32,
+    /// `rcv_nxt` when the socket entered FIN_WAIT2 (to tell a peer's FIN
+    /// from a local close at the move to CLOSE).
+    pub rcv_nxt_fin_wait2: u32,
+    /// Reserved (zero).
+    pub reserved: u32,
+}
+
+impl FastPathSock {
+    /// The connection was established (an opened event was sent).
+    pub const ESTABLISHED: u32 = 1;
+    /// The peer's FIN was received (it counts one in `bytes_received`).
+    pub const PEER_FIN: u32 = 2;
+    /// Our FIN was acknowledged (it counts one in `bytes_acked`).
+    pub const FIN_ACKED: u32 = 4;
+    /// The application closed the socket while in FIN_WAIT2.
+    pub const CLOSED_IN_FIN_WAIT2: u32 = 8;
+}
+
+/// One event of [`maps::FAST_PATH_EVENTS`]: a fast-path connection opened
+/// or closed. Addresses in network order (IPv4 in `[0]`), ports in host
+/// order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FastPathEvent {
+    /// [`FastPathEvent::OPENED`] or [`FastPathEvent::CLOSED`].
+    pub kind: u32,
+    pub slot: u32,
+    pub netns_cookie: u64,
+    pub socket_cookie: u64,
+    pub src_addr: [u32; 4],
+    pub dst_addr: [u32; 4],
+    pub src_port: u32,
+    pub dst_port: u32,
+    /// `AF_INET` (2) or `AF_INET6` (10).
+    pub family: u32,
+    /// [`FastPathEvent::FAILED`] on a close.
+    pub flags: u32,
+    /// Payload bytes the pod's socket sent and the peer acknowledged.
+    pub bytes_sent: u64,
+    /// Payload bytes the pod's socket received.
+    pub bytes_received: u64,
+    /// From connect() to this event.
+    pub duration_ns: u64,
+}
+
+impl FastPathEvent {
+    pub const OPENED: u32 = 1;
+    pub const CLOSED: u32 = 2;
+    /// The connection never became established (refused, timed out).
+    pub const FAILED: u32 = 1;
+}
+
+/// The fast path's kernel counters (one entry, per CPU).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FastPathStats {
+    /// Connects of enrolled pods that went direct.
+    pub direct: u64,
+    /// Connects that went to the proxy because the table was not valid.
+    pub table_invalid: u64,
+    /// Connects that went to the proxy because their record could not be
+    /// kept.
+    pub untracked: u64,
+    /// Events lost because the ring buffer was full.
+    pub events_dropped: u64,
+}
+
+impl FastPathStats {
+    pub fn add(&mut self, other: &FastPathStats) {
+        self.direct += other.direct;
+        self.table_invalid += other.table_invalid;
+        self.untracked += other.untracked;
+        self.events_dropped += other.events_dropped;
+    }
+}
+
 #[cfg(feature = "user")]
 mod user {
     // SAFETY: each type is `#[repr(C)]`, contains only integers (or arrays
@@ -459,6 +623,11 @@ mod user {
     unsafe impl aya::Pod for super::PolicyVerdictKey {}
     unsafe impl aya::Pod for super::PolicyVerdict {}
     unsafe impl aya::Pod for super::PolicyDenialKey {}
+    unsafe impl aya::Pod for super::FastPathDest {}
+    unsafe impl aya::Pod for super::FastPathState {}
+    unsafe impl aya::Pod for super::FastPathSock {}
+    unsafe impl aya::Pod for super::FastPathEvent {}
+    unsafe impl aya::Pod for super::FastPathStats {}
 }
 
 #[cfg(test)]
@@ -483,6 +652,11 @@ mod tests {
         assert_eq!(core::mem::size_of::<PolicyVerdictKey>(), 24);
         assert_eq!(core::mem::size_of::<PolicyVerdict>(), 8);
         assert_eq!(core::mem::size_of::<PolicyDenialKey>(), 8);
+        assert_eq!(core::mem::size_of::<FastPathDest>(), 16);
+        assert_eq!(core::mem::size_of::<FastPathState>(), 8);
+        assert_eq!(core::mem::size_of::<FastPathSock>(), 48);
+        assert_eq!(core::mem::size_of::<FastPathEvent>(), 96);
+        assert_eq!(core::mem::size_of::<FastPathStats>(), 32);
     }
 
     #[test]

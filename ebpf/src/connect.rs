@@ -11,9 +11,12 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use aya_log_ebpf::debug;
-use shunt_common::{OriginalDst, PORT_OUTBOUND, PROXY_MARK, PodConfig};
+use shunt_common::{FastPathDest, OriginalDst, PORT_OUTBOUND, PROXY_MARK, PodConfig};
 
-use crate::maps::{ENROLLED, ORIGINAL_DST_BY_COOKIE, POD_CONFIG, counters};
+use crate::{
+    maps::{ENROLLED, ORIGINAL_DST_BY_COOKIE, POD_CONFIG, counters},
+    passthrough,
+};
 
 /// connect() proceeds (with whatever address the program left).
 const ALLOW: i32 = 1;
@@ -28,8 +31,9 @@ const LOOPBACK_V4: u32 = u32::from_be_bytes([127, 0, 0, 1]);
 /// Hook: `cgroup/connect4` on the cgroup root. Matches TCP connects from a
 /// socket in an enrolled netns, without the proxy's mark, to a non-loopback,
 /// non-excluded destination. Rewrites the destination to 127.0.0.1:15001 and
-/// records the original; if no proxy listens there, refuses the connect
-/// (fail closed). Miss path: `ALLOW` unchanged.
+/// records the original — unless the passthrough fast path lets it go
+/// direct (`passthrough.rs`); if no proxy listens there, refuses the
+/// connect (fail closed). Miss path: `ALLOW` unchanged.
 #[cgroup_sock_addr(connect4)]
 pub fn shunt_connect4(ctx: SockAddrContext) -> i32 {
     // SAFETY: the context pointer is valid for the program's run.
@@ -47,6 +51,9 @@ pub fn shunt_connect4(ctx: SockAddrContext) -> i32 {
     }
     if crate::policy::denied(slot, dst, port) {
         return REJECT;
+    }
+    if passthrough::goes_direct(&ctx, slot, &config, &FastPathDest::v4(dst)) {
+        return ALLOW;
     }
     let original = OriginalDst {
         addr: [dst, 0, 0, 0],
@@ -96,6 +103,9 @@ pub fn shunt_connect6(ctx: SockAddrContext) -> i32 {
     }
     if crate::policy::denied_v6(slot, dst, port) {
         return REJECT;
+    }
+    if passthrough::goes_direct(&ctx, slot, &config, &FastPathDest { addr: dst }) {
+        return ALLOW;
     }
     let proxy = if v4_mapped {
         [0, 0, 0xffffu32.to_be(), LOOPBACK_V4.to_be()]

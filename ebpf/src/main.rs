@@ -7,6 +7,7 @@
 
 mod connect;
 mod maps;
+mod passthrough;
 mod policy;
 mod sockops;
 mod sockopt;

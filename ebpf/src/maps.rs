@@ -4,11 +4,13 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, SockHash},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf, SockHash},
 };
 use shunt_common::{
-    GlobalConfig, MAX_ORIGINAL_DSTS, MAX_PODS, MAX_SPLICE_SOCKETS, OriginalDst, PodAddrs,
-    PodConfig, PodCounters, PodRecord, PodSlot, SockKey, SpliceFlow, SpliceKey,
+    FAST_PATH_EVENTS_BYTES, FastPathDest, FastPathSock, FastPathState, FastPathStats, GlobalConfig,
+    MAX_FAST_PATH_DESTINATIONS, MAX_FAST_PATH_SOCKETS, MAX_ORIGINAL_DSTS, MAX_PODS,
+    MAX_SPLICE_SOCKETS, OriginalDst, PodAddrs, PodConfig, PodCounters, PodRecord, PodSlot, SockKey,
+    SpliceFlow, SpliceKey,
 };
 
 /// netns cookie → slot: which namespaces are enrolled.
@@ -62,6 +64,29 @@ pub static SPLICE_FLOWS: LruHashMap<SpliceKey, SpliceFlow> =
 #[map(name = "SHUNT_SPLICE_KEYS")]
 pub static SPLICE_KEYS: LruHashMap<u64, SpliceKey> =
     LruHashMap::with_max_entries(MAX_SPLICE_SOCKETS, 0);
+
+/// Destinations the proxy must see (see `passthrough.rs`). A plain hash:
+/// nothing may be evicted from it.
+#[map(name = "SHUNT_FP_DESTS")]
+pub static FAST_PATH_DESTS: HashMap<FastPathDest, u32> =
+    HashMap::with_max_entries(MAX_FAST_PATH_DESTINATIONS, 0);
+
+/// Whether the destination table may be used (one entry).
+#[map(name = "SHUNT_FP_STATE")]
+pub static FAST_PATH_STATE: Array<FastPathState> = Array::with_max_entries(1, 0);
+
+/// socket cookie → the fast-path connection's record, connect to close.
+#[map(name = "SHUNT_FP_SOCKS")]
+pub static FAST_PATH_SOCKS: LruHashMap<u64, FastPathSock> =
+    LruHashMap::with_max_entries(MAX_FAST_PATH_SOCKETS, 0);
+
+/// Opened and closed events for the agent.
+#[map(name = "SHUNT_FP_EVENTS")]
+pub static FAST_PATH_EVENTS: RingBuf = RingBuf::with_byte_size(FAST_PATH_EVENTS_BYTES, 0);
+
+/// The fast path's counters.
+#[map(name = "SHUNT_FP_STATS")]
+pub static FAST_PATH_STATS: PerCpuArray<FastPathStats> = PerCpuArray::with_max_entries(1, 0);
 
 /// The agent-wide settings.
 #[inline(always)]

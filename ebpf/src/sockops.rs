@@ -27,7 +27,7 @@ use shunt_common::SockKey;
 
 use crate::{
     maps::{ORIGINAL_DST, ORIGINAL_DST_BY_COOKIE},
-    splice,
+    passthrough, splice,
 };
 
 const AF_INET: u32 = 2;
@@ -39,12 +39,17 @@ const AF_INET6: u32 = 10;
 /// the connection's splice; (2) any other active side: starts splicing if
 /// it is the proxy delivering to its pod, and if it is connected to
 /// loopback:15001 without a redirect, forgets a stale record under its
-/// local address (`sockopt.rs`); (3) the passive side of a
+/// local address (`sockopt.rs`); (0, first) every op of a socket whose
+/// connect went direct (`passthrough.rs`: reported, then done); (3) the
+/// passive side of a
 /// connection whose splice was started: joins it; (4) a spliced socket
 /// closing: forgets it. Miss path (any other op or socket): nothing,
 /// returns 1.
 #[sock_ops]
 pub fn shunt_sockops(ctx: SockOpsContext) -> u32 {
+    if passthrough::on_sock_ops(&ctx) {
+        return 1;
+    }
     match ctx.op() {
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => {}
         BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB => {

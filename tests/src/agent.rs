@@ -60,6 +60,9 @@ pub struct WorkloadSpec {
     pub ambient: bool,
     /// `splice:` (the `shunt.io/splice` annotation's counterpart), if any.
     pub splice: Option<bool>,
+    /// `fastPath:` (the `shunt.io/fast-path` annotation's counterpart), if
+    /// any.
+    pub fast_path: Option<bool>,
 }
 
 impl WorkloadSpec {
@@ -75,6 +78,7 @@ impl WorkloadSpec {
             netns: Some(pod.netns_path()),
             ambient,
             splice: None,
+            fast_path: None,
         }
     }
 }
@@ -97,6 +101,9 @@ pub fn workloads_yaml(workloads: &[WorkloadSpec]) -> String {
         }
         if let Some(splice) = w.splice {
             yaml.push_str(&format!("    splice: {splice}\n"));
+        }
+        if let Some(fast_path) = w.fast_path {
+            yaml.push_str(&format!("    fastPath: {fast_path}\n"));
         }
     }
     yaml
@@ -366,6 +373,15 @@ impl Agent {
             .args(
                 (!extra_args.contains(&"--verify-interval"))
                     .then_some(["--verify-interval", "1"])
+                    .into_iter()
+                    .flatten(),
+            )
+            // Tests written for the proxy path keep it: the passthrough
+            // fast path (on by default in the agent) is only on where a
+            // test asks for it.
+            .args(
+                (!extra_args.contains(&"--fast-path"))
+                    .then_some(["--fast-path", "off"])
                     .into_iter()
                     .flatten(),
             )

@@ -450,6 +450,7 @@ impl NodeAgent {
             ips: workload.ips.clone(),
             capture: Capture {
                 splice: workload.splice,
+                fast_path: workload.fast_path,
                 ..self.capture.clone()
             },
         };

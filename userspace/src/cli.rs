@@ -130,6 +130,32 @@ pub struct AgentArgs {
     #[arg(long, value_name = "BYTES", default_value_t = shunt_common::DEFAULT_SPLICE_BACKLOG)]
     pub splice_backlog: u32,
 
+    // --- The passthrough fast path (issue 18; `fastpath/`, ebpf/src/passthrough.rs) ---
+    /// eBPF mode with the builtin proxy: an enrolled pod's connect to a
+    /// destination that is neither a mesh workload nor a service VIP goes
+    /// direct instead of through the proxy (decided at connect() from a
+    /// table of every destination the proxy must see, which the agent keeps
+    /// from the cluster view; while the table is not known complete, every
+    /// connect goes to the proxy). Such connections are still counted in
+    /// Istio's TCP metrics and logged, from kernel events. The proxy adds
+    /// nothing to them (no mTLS: the destination is outside the mesh), so
+    /// the default is `on`. `off` keeps every flow on the proxy path, as
+    /// does the annotation `shunt.io/fast-path: "off"` on a pod or its
+    /// namespace (`fastPath: false` in a workloads file). Mesh traffic,
+    /// same node or not, always takes the proxy and HBONE (mTLS). The
+    /// iptables mode has no fast path.
+    #[arg(long, value_enum, value_name = "on|off", default_value_t = OnOff::On)]
+    pub fast_path: OnOff,
+
+    /// With --fast-path on: the most destinations (mesh workload IPs plus
+    /// service VIPs) the fast-path table holds; a cluster view with more
+    /// turns the fast path off (logged, counted in
+    /// shunt_fast_path_table_invalidations_total): every flow goes back
+    /// through the proxy until a view fits.
+    #[arg(long, value_name = "N", default_value_t = shunt_common::MAX_FAST_PATH_DESTINATIONS,
+        value_parser = clap::value_parser!(u32).range(0..=i64::from(shunt_common::MAX_FAST_PATH_DESTINATIONS)))]
+    pub fast_path_max_destinations: u32,
+
     /// What SIGINT/SIGTERM does to the pods: `unenrol` takes every pod out of
     /// the mesh cleanly (nothing left behind); `keep` leaves redirection in
     /// place for the next agent (a DaemonSet rolling update: no pod flaps,

@@ -20,6 +20,7 @@ pub mod cli;
 pub mod control;
 pub mod crypto;
 pub mod error;
+pub mod fastpath;
 pub mod health;
 pub mod identity;
 pub mod inpod;

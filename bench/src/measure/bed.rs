@@ -33,7 +33,7 @@ fn redirect_mode(mode: Mode) -> &'static str {
     match mode {
         Mode::Direct => "none",
         Mode::Iptables => "iptables",
-        Mode::Ebpf | Mode::EbpfSplice => "ebpf",
+        Mode::Ebpf | Mode::EbpfSplice | Mode::EbpfFastPath => "ebpf",
     }
 }
 
@@ -42,7 +42,34 @@ fn agent_args(mode: Mode) -> Vec<&'static str> {
     if mode == Mode::EbpfSplice {
         args.extend(["--splice", "on"]);
     }
+    // Only the fast-path mode takes passthrough flows around the proxy;
+    // the others measure the proxy path.
+    args.extend([
+        "--fast-path",
+        if mode == Mode::EbpfFastPath {
+            "on"
+        } else {
+            "off"
+        },
+    ]);
     args
+}
+
+/// Waits (bounded) until the agent's fast-path table is in use, so that the
+/// first measurement is not of connects sent to the proxy meanwhile.
+fn wait_fast_path(node: &shunt_testbed::Node, node_name: &str) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, body) = shunt_testbed::agent::http(node, "GET", 15020, "/metrics")
+            .with_context(|| format!("metrics of the agent on {node_name}"))?;
+        if body.lines().any(|l| l == "shunt_fast_path_table_valid 1") {
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            bail!("the fast-path table of the agent on {node_name} was not in use within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// The server pod `path` ends at.
@@ -142,6 +169,9 @@ impl Bed {
                         status.mode,
                         redirect_mode(mode)
                     );
+                }
+                if mode == Mode::EbpfFastPath {
+                    wait_fast_path(&node, node_name)?;
                 }
                 agents.push((node_name.to_string(), agent));
             }

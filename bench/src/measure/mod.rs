@@ -344,6 +344,13 @@ fn measure(
 
     let proxy = if bed.mode == Mode::Direct {
         None
+    } else if bed.mode == Mode::EbpfFastPath {
+        Some(check_around_proxy(
+            bed,
+            client_node,
+            before_client,
+            &mut problems,
+        ))
     } else {
         let mut check = check_proxy(
             bed,
@@ -393,6 +400,37 @@ fn measure(
         problems,
         policies: None,
     }
+}
+
+/// The fast path must take every connection around the proxy: its
+/// counters must not move (the kernel's own count of direct connects is in
+/// the agent's metrics; the load generator checked the bytes).
+fn check_around_proxy(
+    bed: &Bed,
+    client_node: &str,
+    before_client: Option<ProxyStats>,
+    problems: &mut Vec<String>,
+) -> ProxyCheck {
+    let after = bed.agent_on(client_node).and_then(proxy_stats);
+    let (Some(before), Some(after)) = (before_client, after) else {
+        problems.push("cannot read the agents' proxy counters".into());
+        return ProxyCheck::default();
+    };
+    let check = ProxyCheck {
+        client_side: after
+            .outbound_passthrough
+            .saturating_sub(before.outbound_passthrough),
+        bytes_out: after.bytes_out.saturating_sub(before.bytes_out),
+        bytes_in: after.bytes_in.saturating_sub(before.bytes_in),
+        ..ProxyCheck::default()
+    };
+    if check.client_side > 0 {
+        problems.push(format!(
+            "the fast path is on but the proxy carried {} passthrough connections",
+            check.client_side
+        ));
+    }
+    check
 }
 
 /// Waits (bounded) until the proxies' counters account for every connection

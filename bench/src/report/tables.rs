@@ -27,6 +27,7 @@ pub fn path_label(p: &PathSpec) -> String {
             let mode = match mode {
                 Mode::Iptables => "iptables+proxy",
                 Mode::EbpfSplice => "eBPF+proxy+splice",
+                Mode::EbpfFastPath => "eBPF+fast path",
                 _ => "eBPF+proxy",
             };
             format!("{mode} · {locality} · {dest}")

@@ -166,7 +166,8 @@ pub fn ratio_cell(cell: &Option<(Stat, bool)>) -> String {
     }
 }
 
-/// The targets for eBPF with splice off and, where measured, on.
+/// The targets for eBPF with splice off and, where measured, on; then
+/// the fast path's (issue 18), where measured.
 pub fn targets_table(index: &Index, placement: Placement) -> String {
     let mut md = String::new();
     for mode in [Mode::Ebpf, Mode::EbpfSplice] {
@@ -176,6 +177,58 @@ pub fn targets_table(index: &Index, placement: Placement) -> String {
             }
             md.push_str(&mode_targets_table(index, placement, mode));
         }
+    }
+    if index
+        .results
+        .paths
+        .iter()
+        .any(|p| p.mode == Mode::EbpfFastPath)
+    {
+        if !md.is_empty() {
+            md.push('\n');
+        }
+        md.push_str(&fast_path_targets_table(index, placement));
+    }
+    md
+}
+
+/// The passthrough fast path's targets (issue 18): against direct, and
+/// against iptables+proxy, on the passthrough paths.
+pub fn fast_path_targets() -> Vec<Target> {
+    let t = |what, workload, against, bound| Target {
+        what,
+        workload,
+        pick: pick_rate,
+        against,
+        bound,
+        at_least: true,
+    };
+    vec![
+        t("request/response rate (1 B)", "rr1", Mode::Direct, 0.9),
+        t("connections/s", "crr", Mode::Direct, 0.8),
+        t("stream throughput", "stream", Mode::Direct, 0.9),
+        t("request/response rate (1 B)", "rr1", Mode::Iptables, 1.5),
+        t("connections/s", "crr", Mode::Iptables, 1.5),
+        t("stream throughput", "stream", Mode::Iptables, 1.5),
+    ]
+}
+
+fn fast_path_targets_table(index: &Index, placement: Placement) -> String {
+    let mut md = String::from(
+        "| eBPF+fast path vs | metric | target | same node, passthrough | cross node, passthrough |\n|---|---|--:|--:|--:|\n",
+    );
+    for t in fast_path_targets() {
+        let against = match t.against {
+            Mode::Direct => "direct",
+            _ => "iptables+proxy",
+        };
+        let _ = write!(md, "| {against} | {} | ≥ {:.2}× |", t.what, t.bound);
+        let cells = target_cells(index, placement, Mode::EbpfFastPath, &t);
+        // mesh_variants(): same/plain is first, cross/plain third.
+        for i in [0, 2] {
+            let _ = write!(md, " {} |", ratio_cell(&cells[i]));
+        }
+        md.push('\n');
     }
     md
 }

@@ -121,6 +121,12 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     let xds = xds_source(&args)?;
     check_cgroup_root(args.cgroup_root.as_deref())?;
     let redirector = redirector(&args)?;
+    // Turned off before any pod is enrolled; on again (by its writer) after
+    // the first cluster view, if --fast-path on.
+    let fast_path = match redirector.mode() {
+        RedirectMode::Ebpf => Some(open_fast_path(&args)?),
+        _ => None,
+    };
 
     let proxy = match (args.capture, args.proxy) {
         (OnOff::On, ProxyKind::Builtin) => {
@@ -168,6 +174,16 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             let views = Arc::new(Latest::default());
             let (applied, store_applied) = watch::channel(0);
             let proxy = parts.proxy.clone();
+            if let Some(kernel) = fast_path {
+                start_fast_path(
+                    &args,
+                    kernel,
+                    parts,
+                    store_applied.clone(),
+                    &metrics,
+                    &trust_domain,
+                );
+            }
             tokio::spawn(
                 own_store(parts.store.clone(), views.clone(), applied, move || {
                     proxy.policies_changed()
@@ -273,6 +289,75 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     shutdown(reconciler, proxy.map(|p| p.proxy), &args).await
 }
 
+/// Whether pods get the passthrough fast path: `--fast-path on` with the
+/// builtin proxy capturing (only its passthrough is what the fast path
+/// replaces, and only its store feeds the table).
+fn fast_path_wanted(args: &AgentArgs) -> bool {
+    args.fast_path == OnOff::On && args.capture == OnOff::On && args.proxy == ProxyKind::Builtin
+}
+
+/// The fast path's kernel side, opened after the redirector pinned it: the
+/// table (now off), the events, the counters.
+struct FastPathKernel {
+    table: crate::redirect::ebpf::DestinationTable,
+    events: crate::redirect::ebpf::FastPathEvents,
+    counters: crate::redirect::ebpf::FastPathCounters,
+}
+
+fn open_fast_path(args: &AgentArgs) -> Result<FastPathKernel, AgentError> {
+    let pin_dir = &args.bpf_pin_dir;
+    let table =
+        crate::redirect::ebpf::DestinationTable::open(pin_dir, args.fast_path_max_destinations)?;
+    Ok(FastPathKernel {
+        table,
+        events: crate::redirect::ebpf::FastPathEvents::open(pin_dir)?,
+        counters: crate::redirect::ebpf::FastPathCounters::open(pin_dir)?,
+    })
+}
+
+/// Starts the table writer (fed by the store owner's `applied` views) and
+/// the reporter, when the fast path is wanted; otherwise the table stays
+/// off.
+fn start_fast_path(
+    args: &AgentArgs,
+    kernel: FastPathKernel,
+    parts: &ProxyParts,
+    applied: watch::Receiver<u64>,
+    metrics: &crate::metrics::Metrics,
+    trust_domain: &TrustDomain,
+) {
+    if !fast_path_wanted(args) {
+        info!(
+            "passthrough fast path off (--fast-path off): every connection of an enrolled pod goes through the proxy"
+        );
+        return;
+    }
+    info!(
+        max_destinations = args.fast_path_max_destinations,
+        "passthrough fast path on: enrolled pods' connects outside the mesh go direct once the destination table is written"
+    );
+    let fast = metrics.fast_path().clone();
+    tokio::spawn(
+        crate::fastpath::table::write_table(
+            kernel.table,
+            parts.store.clone(),
+            applied,
+            fast.clone(),
+        )
+        .instrument(info_span!("fast_path_table")),
+    );
+    let reporter = crate::fastpath::report::Reporter {
+        observer: metrics.connection_observer(parts.store.clone()),
+        store: parts.store.clone(),
+        trust_domain: trust_domain.clone(),
+        metrics: fast,
+    };
+    tokio::spawn(
+        crate::fastpath::report::report_events(kernel.events, kernel.counters, reporter)
+            .instrument(info_span!("fast_path_events")),
+    );
+}
+
 /// `--xds-address`: the istiod source, configured (not connected yet).
 fn xds_source(args: &AgentArgs) -> Result<Option<crate::xds::XdsSource>, AgentError> {
     let Some(address) = &args.xds_address else {
@@ -338,6 +423,7 @@ fn redirector(args: &AgentArgs) -> Result<Box<dyn Redirector>, AgentError> {
                 splice: args.splice,
                 splice_backlog: args.splice_backlog,
                 preserve_source: args.preserve_source == OnOff::On,
+                fast_path: fast_path_wanted(args),
             };
             match EbpfRedirector::load(&options) {
                 Ok(mut ebpf) => {

@@ -292,6 +292,9 @@ struct RawWorkload {
     dataplane_mode: Option<String>,
     /// Whether to splice this pod's connections (default: as `--splice`).
     splice: Option<bool>,
+    /// `false` keeps this pod's connections on the proxy path (default: as
+    /// `--fast-path`).
+    fast_path: Option<bool>,
     #[serde(default)]
     labels: std::collections::BTreeMap<String, String>,
 }
@@ -507,6 +510,7 @@ fn check_entries(raw: Vec<RawWorkload>, problems: &mut Vec<Problem>) -> Vec<Work
             netns: raw.netns,
             dataplane_mode,
             splice: raw.splice,
+            fast_path: raw.fast_path,
             labels: raw.labels,
             ..Default::default()
         };
@@ -867,6 +871,21 @@ workloads:
         assert_eq!(
             parsed.workloads[0].identity(&parsed.trust_domain).as_str(),
             "spiffe://example.org/ns/default/sa/sleep"
+        );
+    }
+
+    #[test]
+    fn fast_path_gives_the_workloads_own_say() {
+        let parsed = parse(file(), &with_second(Some("fastPath: false"), None)).expect("valid");
+        assert_eq!(parsed.workloads[1].fast_path, Some(false));
+        assert_eq!(
+            parsed.workloads[0].fast_path, None,
+            "as --fast-path by default"
+        );
+        let typo = error(&with_second(Some("fastPath: nope"), None));
+        assert!(
+            typo.contains("workloads[1] (default/second): field `fastPath`"),
+            "{typo}"
         );
     }
 
@@ -1303,7 +1322,7 @@ services:
             err.as_deref(),
             Some(
                 "workloads[0]: unknown field `nme`, expected one of `name`, `namespace`, \
-                 `serviceAccount`, `ips`, `node`, `netns`, `dataplaneMode`, `splice`, `labels` at line 2 column 5"
+                 `serviceAccount`, `ips`, `node`, `netns`, `dataplaneMode`, `splice`, `fastPath`, `labels` at line 2 column 5"
             )
         );
     }

@@ -25,6 +25,7 @@
 //! [`istio_tcp`] records the Istio TCP metrics, [`node`] turns a snapshot
 //! into the node's gauges and counters.
 
+mod fast_path;
 mod istio_tcp;
 mod node;
 
@@ -46,6 +47,7 @@ use crate::{
     snapshot::{NodeSnapshot, SnapshotReader},
     state::WorkloadStore,
 };
+pub use fast_path::FastPathMetrics;
 pub use istio_tcp::TcpLabels;
 use istio_tcp::{TcpMetrics, TcpObserver};
 pub use node::NodeGauges;
@@ -66,6 +68,7 @@ struct Inner {
     tcp: TcpMetrics,
     enrolment_seconds: Histogram,
     repairs: Counter,
+    fast_path: FastPathMetrics,
     /// The Kubernetes source's counters, once it runs.
     kube: OnceLock<Arc<SourceStats>>,
 }
@@ -122,12 +125,15 @@ impl Metrics {
             "Enrolled pods found not (fully) redirected and repaired",
             repairs.clone(),
         );
+        let fast_path = FastPathMetrics::default();
+        fast_path.register(shunt);
         Self {
             inner: Arc::new(Inner {
                 registry,
                 tcp,
                 enrolment_seconds,
                 repairs,
+                fast_path,
                 kube: OnceLock::new(),
             }),
         }
@@ -141,6 +147,11 @@ impl Metrics {
     /// An enrolled pod was found not fully redirected (and is repaired).
     pub fn repaired(&self) {
         self.inner.repairs.inc();
+    }
+
+    /// The passthrough fast path's metrics (`crate::fastpath` records them).
+    pub fn fast_path(&self) -> &FastPathMetrics {
+        &self.inner.fast_path
     }
 
     /// Reports the Kubernetes source's health from now on.

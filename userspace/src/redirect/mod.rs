@@ -76,6 +76,10 @@ pub struct Capture {
     /// the eBPF redirector's splice mode decides with it. Nothing else
     /// splices.
     pub splice: Option<bool>,
+    /// The pod's own say on the passthrough fast path
+    /// ([`crate::state::Workload::fast_path`]); `--fast-path` decides with
+    /// it (eBPF mode only).
+    pub fast_path: Option<bool>,
 }
 
 impl Capture {

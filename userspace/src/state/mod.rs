@@ -210,6 +210,11 @@ pub struct Workload {
     /// read sockets in blocking mode, which a spliced socket can fail with
     /// EAGAIN (`ebpf/src/splice.rs`).
     pub splice: Option<bool>,
+    /// The pod's own say on the passthrough fast path
+    /// ([`FAST_PATH_ANNOTATION`] on the pod or its namespace, or
+    /// `fastPath:` in a workloads file); `Some(false)` keeps every
+    /// connection of the pod on the proxy path whatever `--fast-path` says.
+    pub fast_path: Option<bool>,
     /// The source's stable id (a pod's UID; xDS: `cluster//Pod/ns/name`).
     pub uid: String,
     /// The pod's labels (authorization selectors, canonical names).
@@ -290,6 +295,10 @@ pub enum GatewayDestination {
 /// The pod annotation that opts a pod's connections out of the splice
 /// (`"off"`: with `--splice on`) or in (`"on"`: with `--splice opt-in`).
 pub const SPLICE_ANNOTATION: &str = "shunt.io/splice";
+
+/// The pod (or namespace) annotation that keeps a pod's connections on the
+/// proxy path (`"off"`), out of the passthrough fast path.
+pub const FAST_PATH_ANNOTATION: &str = "shunt.io/fast-path";
 
 impl Workload {
     pub fn key(&self) -> WorkloadKey {

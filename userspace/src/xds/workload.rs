@@ -118,6 +118,8 @@ pub(crate) fn translate(w: pb::Workload, resource_name: &str) -> Result<Workload
             TunnelProtocol::None => DataplaneMode::None,
         },
         splice: None,
+        // Only the pod source knows the pod's annotation.
+        fast_path: None,
         uid,
         // istiod does not send labels: it resolves selectors itself.
         labels: BTreeMap::new(),

@@ -11,7 +11,7 @@ use std::{collections::BTreeMap, net::IpAddr};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use tracing::warn;
 
-use crate::state::{DataplaneMode, SPLICE_ANNOTATION, Workload, WorkloadKey};
+use crate::state::{DataplaneMode, FAST_PATH_ANNOTATION, SPLICE_ANNOTATION, Workload, WorkloadKey};
 
 /// The label that puts a pod (or every pod of a namespace) in the mesh.
 pub const DATAPLANE_MODE_LABEL: &str = "istio.io/dataplane-mode";
@@ -47,6 +47,8 @@ pub struct PodFacts {
     pub redirection: Option<String>,
     /// [`SPLICE_ANNOTATION`]: `on` or `off`.
     pub splice: Option<bool>,
+    /// [`FAST_PATH_ANNOTATION`]: `on` or `off`.
+    pub fast_path: Option<bool>,
     /// The pod's labels (authorization policies select pods by them).
     pub labels: BTreeMap<String, String>,
 }
@@ -57,6 +59,9 @@ pub struct NamespaceFacts {
     pub name: String,
     /// The namespace's `istio.io/dataplane-mode` label, if any.
     pub mode_label: Option<String>,
+    /// The namespace's [`FAST_PATH_ANNOTATION`]: `off` keeps every pod of
+    /// the namespace on the proxy path.
+    pub fast_path: Option<bool>,
 }
 
 /// Why an object was skipped.
@@ -119,6 +124,7 @@ impl PodFacts {
             ),
             terminating: meta.deletion_timestamp.is_some(),
             redirection: annotations.and_then(|a| a.get(REDIRECTION_ANNOTATION).cloned()),
+            fast_path: on_off(annotations, FAST_PATH_ANNOTATION, &key.to_string()),
             splice: match annotations.and_then(|a| a.get(SPLICE_ANNOTATION)) {
                 None => None,
                 Some(value) if value == "on" => Some(true),
@@ -162,6 +168,12 @@ impl PodFacts {
             netns: None,
             dataplane_mode: self.dataplane_mode(namespace),
             splice: self.splice,
+            // Off on either the pod or its namespace keeps the pod on the
+            // proxy path.
+            fast_path: match (self.fast_path, namespace.and_then(|ns| ns.fast_path)) {
+                (Some(false), _) | (_, Some(false)) => Some(false),
+                (pod, namespace) => pod.or(namespace),
+            },
             labels: self.labels.clone(),
             ..Default::default()
         }
@@ -177,7 +189,36 @@ impl NamespaceFacts {
                 .clone()
                 .ok_or(FactsError::Missing("name"))?,
             mode_label: label(namespace.metadata.labels.as_ref()),
+            fast_path: on_off(
+                namespace.metadata.annotations.as_ref(),
+                FAST_PATH_ANNOTATION,
+                namespace.metadata.name.as_deref().unwrap_or_default(),
+            ),
         })
+    }
+}
+
+/// An `on`/`off` annotation; any other value is logged and ignored (the
+/// agent's flag decides).
+fn on_off(
+    annotations: Option<&BTreeMap<String, String>>,
+    annotation: &str,
+    object: &str,
+) -> Option<bool> {
+    match annotations
+        .and_then(|a| a.get(annotation))
+        .map(String::as_str)
+    {
+        None => None,
+        Some("on") => Some(true),
+        Some("off") => Some(false),
+        Some(value) => {
+            warn!(
+                object,
+                annotation, value, "unknown value (expected on or off); ignored"
+            );
+            None
+        }
     }
 }
 
@@ -210,6 +251,7 @@ mod tests {
         NamespaceFacts {
             name: "prod".into(),
             mode_label: label.map(str::to_owned),
+            fast_path: None,
         }
     }
 
@@ -242,6 +284,34 @@ mod tests {
         assert_eq!(w.labels.get("app").map(String::as_str), Some("web"));
         assert_eq!(w.labels.get("version").map(String::as_str), Some("v1"));
         assert!(pod(basic(json!({}))).to_workload(None).labels.is_empty());
+    }
+
+    #[test]
+    fn fast_path_off_on_the_pod_or_its_namespace_keeps_the_pod_on_the_proxy() {
+        let annotated = |value: Option<&str>, namespace: Option<&str>| {
+            let mut object = basic(json!({}));
+            if let Some(value) = value {
+                object["metadata"]["annotations"] = json!({ FAST_PATH_ANNOTATION: value });
+            }
+            let mut ns_object: Namespace =
+                serde_json::from_value(json!({"metadata": {"name": "prod"}})).expect("namespace");
+            if let Some(value) = namespace {
+                ns_object.metadata.annotations =
+                    Some([(FAST_PATH_ANNOTATION.to_string(), value.to_string())].into());
+            }
+            let ns = NamespaceFacts::from_namespace(&ns_object).expect("facts");
+            pod(object).to_workload(Some(&ns)).fast_path
+        };
+        assert_eq!(annotated(Some("off"), None), Some(false));
+        assert_eq!(annotated(None, Some("off")), Some(false));
+        assert_eq!(annotated(Some("on"), Some("off")), Some(false));
+        assert_eq!(annotated(Some("on"), None), Some(true));
+        assert_eq!(
+            annotated(Some("maybe"), None),
+            None,
+            "unknown: --fast-path decides"
+        );
+        assert_eq!(annotated(None, None), None);
     }
 
     #[test]

@@ -210,7 +210,7 @@ impl Redirector for EbpfRedirector {
 
     fn enrol(&mut self, target: &PodTarget) -> Result<(), RedirectError> {
         let pod = &target.key;
-        let config = pod_config(target, self.splice, self.preserve_source)?;
+        let config = pod_config(target, self.splice, self.preserve_source, self.fast_path)?;
         let addrs = pod_addrs(&target.ips);
         if let Some(existing) = self.pods.get_mut(pod) {
             if existing.netns.path() == target.netns {
@@ -483,6 +483,7 @@ fn pod_config(
     target: &PodTarget,
     splice: SpliceMode,
     preserve_source: bool,
+    fast_path: bool,
 ) -> Result<PodConfig, RedirectError> {
     let (pod, capture) = (&target.key, &target.capture);
     let invalid = |problem: String| RedirectError::InvalidCapture {
@@ -501,6 +502,9 @@ fn pod_config(
     }
     if !splice.splices(capture.splice) {
         config.flags |= PodConfig::NO_SPLICE;
+    }
+    if fast_path && capture.outbound && capture.fast_path != Some(false) {
+        config.flags |= PodConfig::FAST_PATH;
     }
     let ports = |ports: &[u16], into: &mut [u16; MAX_EXCLUDED_PORTS], what: &str| {
         if ports.len() > MAX_EXCLUDED_PORTS {

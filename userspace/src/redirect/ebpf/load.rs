@@ -54,6 +54,10 @@ pub struct EbpfOptions {
     /// Whether pods get the reply path of source preservation (the policy
     /// route and [`PodConfig::REPLY_TO_PROXY`]).
     pub preserve_source: bool,
+    /// Whether enrolled pods' connects to destinations outside the
+    /// fast-path table go direct (`--fast-path on`, with the builtin proxy;
+    /// each pod's `PodConfig::FAST_PATH`).
+    pub fast_path: bool,
 }
 
 impl EbpfOptions {
@@ -65,6 +69,7 @@ impl EbpfOptions {
             splice: SpliceMode::default(),
             splice_backlog: DEFAULT_SPLICE_BACKLOG,
             preserve_source: true,
+            fast_path: false,
         }
     }
 }
@@ -148,6 +153,7 @@ impl EbpfRedirector {
             log_level,
             splice,
             preserve_source: options.preserve_source,
+            fast_path: options.fast_path,
         })
     }
 

@@ -27,6 +27,7 @@
 
 mod cgroup;
 mod enrol;
+mod fastpath;
 mod load;
 mod original_dst;
 mod pin_report;
@@ -50,6 +51,10 @@ use aya::{
     util::nr_cpus,
 };
 pub use cgroup::cgroup2_mount;
+pub use fastpath::{
+    DestinationTable, FastPathCounters, FastPathEvents, SyncReport, TableError,
+    key_of as fast_path_key,
+};
 pub use load::{EbpfOptions, LoadError};
 pub use original_dst::EbpfOriginalDst;
 pub use pin_report::{LinkReport, MapReport, PinReport, Unreadable, pin_report};
@@ -102,6 +107,9 @@ pub struct EbpfRedirector {
     splice: SpliceMode,
     /// Whether pods get the reply path of source preservation.
     preserve_source: bool,
+    /// `--fast-path`: whether pods (but those that opt out) get
+    /// [`PodConfig::FAST_PATH`].
+    fast_path: bool,
 }
 
 pub(crate) fn kernel(

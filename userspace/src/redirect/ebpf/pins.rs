@@ -10,8 +10,9 @@ use std::path::{Path, PathBuf};
 
 use aya::maps::MapData;
 use shunt_common::{
-    GlobalConfig, OriginalDst, PodAddrs, PodConfig, PodCounters, PodRecord, PodSlot,
-    PolicyDenialKey, PolicyVerdict, PolicyVerdictKey, SockKey, SpliceFlow, SpliceKey, maps,
+    FastPathDest, FastPathSock, FastPathState, FastPathStats, GlobalConfig, OriginalDst, PodAddrs,
+    PodConfig, PodCounters, PodRecord, PodSlot, PolicyDenialKey, PolicyVerdict, PolicyVerdictKey,
+    SockKey, SpliceFlow, SpliceKey, maps,
 };
 
 /// A pinned map whose key or value size is not what this agent uses.
@@ -47,6 +48,12 @@ fn layout(name: &str) -> Option<(usize, usize)> {
         maps::SPLICE_KEYS => (size_of::<u64>(), size_of::<SpliceKey>()),
         maps::POLICY_VERDICTS => (size_of::<PolicyVerdictKey>(), size_of::<PolicyVerdict>()),
         maps::POLICY_DENIALS => (size_of::<PolicyDenialKey>(), size_of::<u64>()),
+        maps::FAST_PATH_DESTS => (size_of::<FastPathDest>(), size_of::<u32>()),
+        maps::FAST_PATH_STATE => (size_of::<u32>(), size_of::<FastPathState>()),
+        maps::FAST_PATH_SOCKS => (size_of::<u64>(), size_of::<FastPathSock>()),
+        // A ring buffer has neither keys nor values.
+        maps::FAST_PATH_EVENTS => (0, 0),
+        maps::FAST_PATH_STATS => (size_of::<u32>(), size_of::<FastPathStats>()),
         _ => return None,
     })
 }

@@ -1,0 +1,115 @@
+//! The destination table's one writer: derives from the workload store
+//! which destinations the proxy must see and keeps the kernel's table equal
+//! to that set (see the module docs of [`super`]).
+
+use std::{
+    collections::BTreeSet,
+    net::IpAddr,
+    sync::{Arc, RwLock},
+};
+
+use tokio::sync::watch;
+use tracing::{error, info};
+
+use crate::{metrics::FastPathMetrics, redirect::ebpf::DestinationTable, state::WorkloadStore};
+
+/// Every destination the proxy must see, as the proxy's outbound path
+/// decides (`proxy/outbound.rs`): the addresses of mesh workloads (any
+/// node; those the proxy reaches over HBONE) and every service VIP (the
+/// proxy resolves them to an endpoint, mesh or not), both families.
+pub fn destinations(store: &WorkloadStore) -> BTreeSet<IpAddr> {
+    let workloads = store
+        .iter()
+        .filter(|w| w.wants_mesh())
+        .flat_map(|w| w.ips.iter().copied());
+    let vips = store.services().iter().flat_map(|s| s.vips.iter().copied());
+    workloads.chain(vips).map(|ip| ip.to_canonical()).collect()
+}
+
+/// Writes the table after each cluster view the store owner applied
+/// (`applied` carries the view's number; 0: none yet, and the table stays
+/// off until the first), until `applied` closes.
+pub async fn write_table(
+    mut table: DestinationTable,
+    store: Arc<RwLock<WorkloadStore>>,
+    mut applied: watch::Receiver<u64>,
+    metrics: FastPathMetrics,
+) {
+    metrics.table_valid.set(0);
+    let mut written: Option<BTreeSet<IpAddr>> = None;
+    loop {
+        let view = *applied.borrow_and_update();
+        if view > 0 {
+            let wanted = destinations(&store.read().unwrap_or_else(|p| p.into_inner()));
+            if written.as_ref() != Some(&wanted) || !table.is_valid() {
+                match table.sync(&wanted) {
+                    Ok(report) => {
+                        metrics.table_valid.set(1);
+                        metrics.destinations.set(report.entries as i64);
+                        info!(
+                            view,
+                            destinations = report.entries,
+                            added = report.added,
+                            removed = report.removed,
+                            "fast-path table written and in use: connects to any other destination go direct"
+                        );
+                        written = Some(wanted);
+                    }
+                    Err(e) => {
+                        metrics.invalidated(e.reason());
+                        error!(view, error = %e, "fast-path table turned off: every connect of an enrolled pod goes through the proxy");
+                        written = None;
+                    }
+                }
+            }
+        }
+        if applied.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{DataplaneMode, Service, Workload};
+
+    fn workload(name: &str, ips: &[&str], mode: DataplaneMode) -> Workload {
+        Workload {
+            name: name.into(),
+            namespace: "default".into(),
+            service_account: "sa".into(),
+            ips: ips.iter().map(|ip| ip.parse().expect("ip")).collect(),
+            node: "other-node".into(),
+            dataplane_mode: mode,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_proxy_must_see_mesh_workloads_and_every_service_vip() {
+        let mut store = WorkloadStore::new();
+        store.replace_all([
+            workload("mesh", &["198.18.2.10", "fd00::10"], DataplaneMode::Ambient),
+            workload("plain", &["198.18.2.11"], DataplaneMode::None),
+        ]);
+        store.replace_services([Service {
+            name: "web".into(),
+            namespace: "default".into(),
+            vips: vec![
+                "198.18.100.1".parse().expect("ip"),
+                "::ffff:198.18.100.2".parse().expect("ip"),
+            ],
+            ..Default::default()
+        }]);
+        let set: Vec<String> = destinations(&store)
+            .iter()
+            .map(|ip| ip.to_string())
+            .collect();
+        assert_eq!(
+            set,
+            ["198.18.2.10", "198.18.100.1", "198.18.100.2", "fd00::10"],
+            "mesh workloads (both families) and VIPs, not the plain pod"
+        );
+    }
+}

@@ -1,0 +1,266 @@
+//! The kernel side of the passthrough fast path (`ebpf/src/passthrough.rs`
+//! explains the datapath): the destination table and its valid switch
+//! ([`DestinationTable`], whose only user is the agent's table writer,
+//! `fastpath::table`), the event ring buffer ([`FastPathEvents`], read by
+//! the reporter, `fastpath::report`) and the programs' counters
+//! ([`FastPathCounters`]). Each opens its pinned maps by path, after the
+//! redirector loaded (and so pinned) them.
+
+use std::{
+    collections::BTreeSet,
+    net::IpAddr,
+    os::fd::{AsRawFd, RawFd},
+    path::{Path, PathBuf},
+};
+
+use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, PerCpuArray, RingBuf};
+use shunt_common::{
+    FastPathDest, FastPathEvent, FastPathState, FastPathStats, MAX_FAST_PATH_DESTINATIONS, maps,
+};
+
+use super::LoadError;
+
+/// Why the table could not be made valid; each leaves it invalid (every
+/// connect of an enrolled pod goes through the proxy).
+#[derive(Debug, thiserror::Error)]
+pub enum TableError {
+    #[error(
+        "{wanted} destinations the proxy must see, more than the table's {limit} (--fast-path-max-destinations, at most {MAX_FAST_PATH_DESTINATIONS})"
+    )]
+    TooLarge { wanted: usize, limit: usize },
+    #[error("writing {dest} into {}: {source}", maps::FAST_PATH_DESTS)]
+    Write {
+        dest: IpAddr,
+        #[source]
+        source: MapError,
+    },
+    #[error("{map}: {0}", map = maps::FAST_PATH_STATE)]
+    State(#[source] MapError),
+}
+
+impl TableError {
+    /// A short label for the invalidation counter.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            TableError::TooLarge { .. } => "too_large",
+            TableError::Write { .. } => "write_error",
+            TableError::State(_) => "state_error",
+        }
+    }
+}
+
+/// What one [`DestinationTable::sync`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SyncReport {
+    pub added: usize,
+    pub removed: usize,
+    /// Entries now in the table.
+    pub entries: usize,
+}
+
+/// `SHUNT_FP_DESTS` and `SHUNT_FP_STATE`, through the agent's own handles.
+pub struct DestinationTable {
+    dests: BpfHashMap<MapData, FastPathDest, u32>,
+    state: Array<MapData, FastPathState>,
+    /// Most entries written (`--fast-path-max-destinations`).
+    limit: usize,
+    generation: u32,
+}
+
+impl DestinationTable {
+    /// Opens the pinned maps under `pin_dir` and turns the table off: what a
+    /// previous agent left was complete for its view, not for this agent's.
+    pub fn open(pin_dir: &Path, limit: u32) -> Result<Self, LoadError> {
+        let dests = BpfHashMap::try_from(Map::HashMap(open(pin_dir, maps::FAST_PATH_DESTS)?))
+            .map_err(|e| map_error(maps::FAST_PATH_DESTS, e))?;
+        let state = Array::try_from(Map::Array(open(pin_dir, maps::FAST_PATH_STATE)?))
+            .map_err(|e| map_error(maps::FAST_PATH_STATE, e))?;
+        let mut table = Self {
+            dests,
+            state,
+            limit: limit.min(MAX_FAST_PATH_DESTINATIONS) as usize,
+            generation: 0,
+        };
+        table
+            .invalidate()
+            .map_err(|e| map_error(maps::FAST_PATH_STATE, e))?;
+        Ok(table)
+    }
+
+    /// Turns the table off: from now on every connect goes to the proxy.
+    pub fn invalidate(&mut self) -> Result<(), MapError> {
+        self.state.set(
+            0,
+            FastPathState {
+                flags: 0,
+                generation: self.generation,
+            },
+            0,
+        )
+    }
+
+    /// Whether the table is on.
+    pub fn is_valid(&self) -> bool {
+        self.state
+            .get(&0, 0)
+            .is_ok_and(|s| s.flags & FastPathState::VALID != 0)
+    }
+
+    /// Makes the table hold exactly `wanted` and turns it on. Additions are
+    /// written before removals (a destination that joins the mesh is in the
+    /// table before one that left is taken out). A set larger than the limit
+    /// or a failed write turns the table off first and returns the error;
+    /// a removal that fails only leaves an extra entry (that destination
+    /// keeps going through the proxy) and is retried on the next sync.
+    pub fn sync(&mut self, wanted: &BTreeSet<IpAddr>) -> Result<SyncReport, TableError> {
+        if wanted.len() > self.limit {
+            self.invalidate().map_err(TableError::State)?;
+            return Err(TableError::TooLarge {
+                wanted: wanted.len(),
+                limit: self.limit,
+            });
+        }
+        let present: BTreeSet<FastPathDest> = self.dests.keys().filter_map(Result::ok).collect();
+        let wanted_keys: Vec<(IpAddr, FastPathDest)> =
+            wanted.iter().map(|ip| (*ip, key_of(*ip))).collect();
+        let mut report = SyncReport::default();
+        for (ip, key) in &wanted_keys {
+            if present.contains(key) {
+                continue;
+            }
+            if let Err(source) = self.dests.insert(key, 0u32, 0) {
+                self.invalidate().map_err(TableError::State)?;
+                return Err(TableError::Write { dest: *ip, source });
+            }
+            report.added += 1;
+        }
+        let keep: BTreeSet<FastPathDest> = wanted_keys.iter().map(|(_, k)| *k).collect();
+        for key in present.difference(&keep) {
+            match self.dests.remove(key) {
+                Ok(()) => report.removed += 1,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot remove a destination from the fast-path table; it keeps going through the proxy")
+                }
+            }
+        }
+        report.entries = present.len() + report.added - report.removed;
+        self.generation = self.generation.wrapping_add(1);
+        self.state
+            .set(
+                0,
+                FastPathState {
+                    flags: FastPathState::VALID,
+                    generation: self.generation,
+                },
+                0,
+            )
+            .map_err(TableError::State)?;
+        Ok(report)
+    }
+}
+
+/// The table's key of `ip`: IPv4 mapped into IPv6, as connect6 sees a
+/// dual-stack socket's IPv4 destination (so both hooks find it).
+pub fn key_of(ip: IpAddr) -> FastPathDest {
+    let v6 = match ip {
+        IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+        IpAddr::V6(v6) => v6,
+    };
+    let mut addr = [0u32; 4];
+    for (word, chunk) in addr.iter_mut().zip(v6.octets().chunks_exact(4)) {
+        *word = u32::from_ne_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
+    }
+    FastPathDest { addr }
+}
+
+/// The events the programs send (opened, closed), read through the pinned
+/// ring buffer.
+pub struct FastPathEvents {
+    ring: RingBuf<MapData>,
+}
+
+impl FastPathEvents {
+    pub fn open(pin_dir: &Path) -> Result<Self, LoadError> {
+        let ring = RingBuf::try_from(Map::RingBuf(open(pin_dir, maps::FAST_PATH_EVENTS)?))
+            .map_err(|e| map_error(maps::FAST_PATH_EVENTS, e))?;
+        Ok(Self { ring })
+    }
+
+    /// The next event waiting, if any (records of another size, from
+    /// another version of the programs, are skipped).
+    pub fn next_event(&mut self) -> Option<FastPathEvent> {
+        loop {
+            let item = self.ring.next()?;
+            if item.len() != std::mem::size_of::<FastPathEvent>() {
+                continue;
+            }
+            // SAFETY: `FastPathEvent` is plain old data of exactly this
+            // size; the read is unaligned-safe.
+            return Some(unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) });
+        }
+    }
+}
+
+impl AsRawFd for FastPathEvents {
+    fn as_raw_fd(&self) -> RawFd {
+        self.ring.as_raw_fd()
+    }
+}
+
+/// The programs' counters.
+pub struct FastPathCounters {
+    map: PerCpuArray<MapData, FastPathStats>,
+}
+
+impl FastPathCounters {
+    pub fn open(pin_dir: &Path) -> Result<Self, LoadError> {
+        let map = PerCpuArray::try_from(Map::PerCpuArray(open(pin_dir, maps::FAST_PATH_STATS)?))
+            .map_err(|e| map_error(maps::FAST_PATH_STATS, e))?;
+        Ok(Self { map })
+    }
+
+    /// The counters summed over CPUs (zeros if the map cannot be read).
+    pub fn read(&self) -> FastPathStats {
+        let mut total = FastPathStats::default();
+        if let Ok(values) = self.map.get(&0, 0) {
+            for cpu in values.iter() {
+                total.add(cpu);
+            }
+        }
+        total
+    }
+}
+
+fn open(pin_dir: &Path, name: &'static str) -> Result<MapData, LoadError> {
+    let path: PathBuf = pin_dir.join(name);
+    MapData::from_pin(&path).map_err(|e| LoadError::Map {
+        name,
+        detail: format!("opening {}: {e}", path.display()),
+    })
+}
+
+fn map_error(name: &'static str, e: impl std::fmt::Display) -> LoadError {
+    LoadError::Map {
+        name,
+        detail: e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ipv4_is_keyed_as_the_kernel_sees_it_from_both_hooks() {
+        let ip: IpAddr = "198.18.2.10".parse().expect("ip");
+        // connect4 keys `user_ip4` (network order) through `FastPathDest::v4`.
+        let from_connect4 = FastPathDest::v4(u32::from_ne_bytes([198, 18, 2, 10]));
+        assert_eq!(key_of(ip), from_connect4);
+        // connect6 of a dual-stack socket sees ::ffff:198.18.2.10.
+        let mapped: IpAddr = "::ffff:198.18.2.10".parse().expect("ip");
+        assert_eq!(key_of(mapped), from_connect4);
+        let v6: IpAddr = "fd00::10".parse().expect("ip");
+        assert_ne!(key_of(v6), from_connect4);
+        assert_eq!(key_of(v6).addr[0], u32::from_ne_bytes([0xfd, 0, 0, 0]));
+    }
+}
