@@ -44,6 +44,7 @@
 
 pub mod agent;
 pub mod apps;
+pub mod authz_bed;
 mod cgroup;
 mod cmd;
 mod error;

@@ -15,10 +15,9 @@ use std::{
 
 use serde_json::Value;
 use shunt_testbed::{
-    Cgroup, Pod, Topology,
-    agent::{Agent, WorkloadSpec, http, mesh_pods_enrolled, workloads_yaml},
+    agent::http,
     apps::{EchoServer, TestApp, ok},
-    require_root,
+    authz_bed::{AuthzBed, policy_file},
 };
 
 const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
@@ -26,93 +25,36 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 const CLIENT: &str = "cluster.local/ns/default/sa/sa-client";
 const INTRUDER: &str = "spiffe://cluster.local/ns/other/sa/sa-intruder";
 
-struct Bed {
-    agent: Agent,
-    client: Pod,
-    intruder: Pod,
-    server: Pod,
-    outsider: Pod,
-    apps: Cgroup,
-    // Last: the namespaces go after everything in them.
-    _topology: Topology,
+/// The shared bed; this file's own helpers are on `Bed`.
+struct Bed(AuthzBed);
+
+impl std::ops::Deref for Bed {
+    type Target = AuthzBed;
+    fn deref(&self) -> &AuthzBed {
+        &self.0
+    }
 }
 
-/// The workloads file: the four pods (the server labelled `app: server`)
-/// and `policies` (YAML list items, indented as under
-/// `authorizationPolicies:`).
-fn file(pods: [&Pod; 4], policies: &str) -> String {
-    let [client, intruder, server, outsider] = pods;
-    let mut intruder = WorkloadSpec::for_pod(intruder, true);
-    intruder.namespace = "other".into();
-    let mut yaml = workloads_yaml(&[
-        WorkloadSpec::for_pod(client, true),
-        intruder,
-        WorkloadSpec::for_pod(server, true),
-        WorkloadSpec::for_pod(outsider, false),
-    ]);
-    // Labels for the server (its entry is the third): after its `node:`.
-    let server_entry = format!("  - name: {}\n", server.name());
-    let at = yaml.find(&server_entry).expect("server entry");
-    yaml.insert_str(at + server_entry.len(), "    labels: {app: server}\n");
-    if !policies.is_empty() {
-        yaml.push_str("authorizationPolicies:\n");
-        yaml.push_str(policies);
+impl std::ops::DerefMut for Bed {
+    fn deref_mut(&mut self) -> &mut AuthzBed {
+        &mut self.0
     }
-    yaml
 }
 
 impl Bed {
     fn start(test: &str, mode: &str, policies: &str) -> Bed {
-        require_root().expect("kernel tests need root");
-        let (topology, pods) =
-            Topology::single_node(test, &["client", "intruder", "server", "outsider"])
-                .expect("topology");
-        let [client, intruder, server, outsider] = [0, 1, 2, 3].map(|i| pods[i].clone());
-        let apps = Cgroup::create(&topology, "apps").expect("cgroup");
-        let yaml = file([&client, &intruder, &server, &outsider], policies);
-        let node = client.node().clone();
-        let mut agent = Agent::start(
-            &topology,
-            &node,
-            &yaml,
-            // These tests are about the proxy's enforcement point (401,
-            // access log, DENY metrics): the kernel's, which would refuse
-            // these same-node connects first, is tested in authz_kernel.rs.
-            &[
-                "--redirect",
-                mode,
-                "--log-format",
-                "json",
-                "--kernel-authz",
-                "off",
-            ],
-        )
-        .expect("agent");
-        agent
-            .wait_for("the mesh pods enrolled", TIMEOUT, mesh_pods_enrolled)
-            .expect("enrolled");
-        Bed {
-            agent,
-            client,
-            intruder,
-            server,
-            outsider,
-            apps,
-            _topology: topology,
-        }
-    }
-
-    fn pods(&self) -> [&Pod; 4] {
-        [&self.client, &self.intruder, &self.server, &self.outsider]
-    }
-
-    fn connect(&self, from: &Pod, port: u16) -> Value {
-        let apps = TestApp::new(TESTAPP, &self.apps);
-        let to = format!("{}:{port}", self.server.ip());
-        apps.run(
-            from,
-            &["connect", &to, "--send", "4096", "--timeout-ms", "5000"],
-        )
+        // These tests are about the proxy's enforcement point (401, access
+        // log, DENY metrics): the kernel's, which would refuse these
+        // same-node connects first, is tested in authz_kernel.rs.
+        let args = [
+            "--redirect",
+            mode,
+            "--log-format",
+            "json",
+            "--kernel-authz",
+            "off",
+        ];
+        Bed(AuthzBed::start(test, TESTAPP, policies, &args))
     }
 
     fn metrics(&self) -> String {
@@ -340,7 +282,7 @@ fn namespace_wide_and_deny_by_port(mode: &str) {
         bed.outsider.ip()
     );
     bed.agent
-        .write_workloads(&file(bed.pods(), &policies))
+        .write_workloads(&policy_file(bed.pods(), &policies))
         .expect("write the file");
     let start = Instant::now();
     while !bed.agent.logs().contains("authorization policies updated") {
@@ -428,7 +370,7 @@ fn a_policy_added_closes_an_open_connection_it_denies() {
 "
     );
     bed.agent
-        .write_workloads(&file(bed.pods(), &deny))
+        .write_workloads(&policy_file(bed.pods(), &deny))
         .expect("write the file");
     let start = Instant::now();
     let exit = loop {

@@ -17,10 +17,11 @@ use std::{
 
 use serde_json::Value;
 use shunt_testbed::{
-    Cgroup, Pod, Topology,
-    agent::{Agent, WorkloadSpec, http, mesh_pods_enrolled, workloads_yaml},
-    apps::{EchoServer, TestApp, ok},
-    inspect, require_root,
+    Pod,
+    agent::http,
+    apps::{EchoServer, ok},
+    authz_bed::{AuthzBed, policy_file},
+    inspect,
 };
 
 const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
@@ -29,78 +30,27 @@ const CLIENT: &str = "cluster.local/ns/default/sa/sa-client";
 /// connect() failing with EPERM: the kernel refused it.
 const EPERM: i64 = 1;
 
-struct Bed {
-    agent: Agent,
-    client: Pod,
-    intruder: Pod,
-    server: Pod,
-    outsider: Pod,
-    apps: Cgroup,
-    // Last: the namespaces go after everything in them.
-    _topology: Topology,
+/// The shared bed; this file's own helpers are on `Bed`.
+struct Bed(AuthzBed);
+
+impl std::ops::Deref for Bed {
+    type Target = AuthzBed;
+    fn deref(&self) -> &AuthzBed {
+        &self.0
+    }
 }
 
-/// The workloads file: the four pods (the server labelled `app: server`)
-/// and `policies` (YAML list items, indented as under
-/// `authorizationPolicies:`).
-fn file(pods: [&Pod; 4], policies: &str) -> String {
-    let [client, intruder, server, outsider] = pods;
-    let mut intruder = WorkloadSpec::for_pod(intruder, true);
-    intruder.namespace = "other".into();
-    let mut yaml = workloads_yaml(&[
-        WorkloadSpec::for_pod(client, true),
-        intruder,
-        WorkloadSpec::for_pod(server, true),
-        WorkloadSpec::for_pod(outsider, false),
-    ]);
-    let server_entry = format!("  - name: {}\n", server.name());
-    let at = yaml.find(&server_entry).expect("server entry");
-    yaml.insert_str(at + server_entry.len(), "    labels: {app: server}\n");
-    if !policies.is_empty() {
-        yaml.push_str("authorizationPolicies:\n");
-        yaml.push_str(policies);
+impl std::ops::DerefMut for Bed {
+    fn deref_mut(&mut self) -> &mut AuthzBed {
+        &mut self.0
     }
-    yaml
 }
 
 impl Bed {
     fn start(test: &str, extra: &[&str]) -> Bed {
-        require_root().expect("kernel tests need root");
-        let (topology, pods) =
-            Topology::single_node(test, &["client", "intruder", "server", "outsider"])
-                .expect("topology");
-        let [client, intruder, server, outsider] = [0, 1, 2, 3].map(|i| pods[i].clone());
-        let apps = Cgroup::create(&topology, "apps").expect("cgroup");
-        let yaml = file([&client, &intruder, &server, &outsider], "");
-        let node = client.node().clone();
         let mut args = vec!["--redirect", "ebpf", "--verify-interval", "1"];
         args.extend_from_slice(extra);
-        let mut agent = Agent::start(&topology, &node, &yaml, &args).expect("agent");
-        agent
-            .wait_for("the mesh pods enrolled", TIMEOUT, mesh_pods_enrolled)
-            .expect("enrolled");
-        Bed {
-            agent,
-            client,
-            intruder,
-            server,
-            outsider,
-            apps,
-            _topology: topology,
-        }
-    }
-
-    fn pods(&self) -> [&Pod; 4] {
-        [&self.client, &self.intruder, &self.server, &self.outsider]
-    }
-
-    fn connect(&self, from: &Pod, port: u16) -> Value {
-        let apps = TestApp::new(TESTAPP, &self.apps);
-        let to = format!("{}:{port}", self.server.ip());
-        apps.run(
-            from,
-            &["connect", &to, "--send", "4096", "--timeout-ms", "5000"],
-        )
+        Bed(AuthzBed::start(test, TESTAPP, "", &args))
     }
 
     /// The policies the proxy's store holds, from `/config_dump`.
@@ -134,7 +84,7 @@ impl Bed {
     /// kernel's table was compiled from them.
     fn apply_policies(&self, policies: &str, names: &[String], kernel: bool) {
         self.agent
-            .write_workloads(&file(self.pods(), policies))
+            .write_workloads(&policy_file(self.pods(), policies))
             .expect("write the file");
         let start = Instant::now();
         loop {
@@ -388,7 +338,7 @@ fn a_policy_change_reaches_the_kernel_and_its_denials_are_counted() {
 "
     );
     bed.agent
-        .write_workloads(&file(bed.pods(), &deny))
+        .write_workloads(&policy_file(bed.pods(), &deny))
         .expect("write the file");
     let start = Instant::now();
     loop {
@@ -435,7 +385,7 @@ fn a_policy_change_reaches_the_kernel_and_its_denials_are_counted() {
 
     // The policy goes: so does the entry, and the connect goes through.
     bed.agent
-        .write_workloads(&file(bed.pods(), ""))
+        .write_workloads(&policy_file(bed.pods(), ""))
         .expect("write the file");
     let start = Instant::now();
     loop {

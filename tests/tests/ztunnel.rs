@@ -156,11 +156,22 @@ impl Agent {
 
     /// The stand-in ztunnel connects, serves every pod it is handed (its
     /// in-pod proxy started, then the ack), and acks the snapshot's end.
-    fn serve_with_stand_in(&self, cgroup: &Cgroup) -> (ZdsClient, BTreeMap<String, InPodProxy>) {
+    /// Connects a stand-in ztunnel and serves requests until it holds a
+    /// proxy for each of `expected` pods and has seen `SnapshotSent`. A
+    /// stand-in that connects before the agent knows the pods gets an empty
+    /// snapshot and the pods' `AddWorkload`s after it, so both orders are
+    /// served.
+    fn serve_with_stand_in(
+        &self,
+        cgroup: &Cgroup,
+        expected: usize,
+    ) -> (ZdsClient, BTreeMap<String, InPodProxy>) {
         let zds = ZdsClient::connect(&self.socket).expect("connect to the ZDS socket");
         zds.hello().expect("hello");
         let mut proxies = BTreeMap::new();
-        // Bounded: a few pods, then SnapshotSent.
+        let mut snapshot_sent = false;
+        // Bounded: a few pods and SnapshotSent (each `recv` has its own
+        // timeout).
         for _ in 0..16 {
             let (payload, mut fds) = zds.recv().expect("a request from the agent");
             match payload {
@@ -173,12 +184,18 @@ impl Agent {
                 }
                 Payload::SnapshotSent(_) => {
                     zds.ack().expect("ack");
-                    return (zds, proxies);
+                    snapshot_sent = true;
                 }
                 other => panic!("unexpected request {other:?}"),
             }
+            if snapshot_sent && proxies.len() == expected {
+                return (zds, proxies);
+            }
         }
-        panic!("no SnapshotSent after 16 requests");
+        panic!(
+            "after 16 requests: snapshot sent {snapshot_sent}, {} of {expected} pods added",
+            proxies.len()
+        );
     }
 
     async fn stop(self) {
@@ -290,7 +307,7 @@ async fn bytes_flow_through_the_stand_ins(
             workload(outsider, DataplaneMode::None),
         ],
     );
-    let (zds, proxies) = tokio::task::block_in_place(|| agent.serve_with_stand_in(&ztunnel_cgroup));
+    let (zds, proxies) = tokio::task::block_in_place(|| agent.serve_with_stand_in(&ztunnel_cgroup, 2));
     for pod in ["client", "server"] {
         let snapshot = agent.wait_for(pod, PodState::Enrolled).await;
         let entry = snapshot
