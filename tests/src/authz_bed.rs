@@ -66,7 +66,11 @@ impl AuthzBed {
         let node = client.node().clone();
         let mut agent = Agent::start(&topology, &node, &yaml, args).expect("agent");
         agent
-            .wait_for("the mesh pods enrolled", ENROLMENT_TIMEOUT, mesh_pods_enrolled)
+            .wait_for(
+                "the mesh pods enrolled",
+                ENROLMENT_TIMEOUT,
+                mesh_pods_enrolled,
+            )
             .expect("enrolled");
         AuthzBed {
             agent,

@@ -307,7 +307,8 @@ async fn bytes_flow_through_the_stand_ins(
             workload(outsider, DataplaneMode::None),
         ],
     );
-    let (zds, proxies) = tokio::task::block_in_place(|| agent.serve_with_stand_in(&ztunnel_cgroup, 2));
+    let (zds, proxies) =
+        tokio::task::block_in_place(|| agent.serve_with_stand_in(&ztunnel_cgroup, 2));
     for pod in ["client", "server"] {
         let snapshot = agent.wait_for(pod, PodState::Enrolled).await;
         let entry = snapshot
