@@ -19,7 +19,7 @@ use std::{
     io::{Read as _, Write as _},
     net::{SocketAddr, TcpStream},
     path::PathBuf,
-    sync::{Arc, Mutex, OnceLock, RwLock},
+    sync::{Arc, RwLock},
     time::{Duration, Instant},
 };
 
@@ -40,47 +40,12 @@ const POLICIES_PATH: &str = "/apis/security.istio.io/v1/authorizationpolicies";
 
 // ---------------------------------------------------------------- logging
 
-/// Log lines of the in-process tests (tracing's subscriber is global).
-fn logs() -> &'static Mutex<Vec<u8>> {
-    static LOGS: OnceLock<Mutex<Vec<u8>>> = OnceLock::new();
-    LOGS.get_or_init(Mutex::default)
-}
-
-struct LogWriter;
-
-impl std::io::Write for LogWriter {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        logs()
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend_from_slice(buf);
-        let _ = std::io::stderr().write_all(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
+#[path = "support/captured_logs.rs"]
+mod captured_logs;
+use captured_logs::log_lines_with;
 
 fn init_logging() {
-    static INIT: OnceLock<()> = OnceLock::new();
-    INIT.get_or_init(|| {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter("info,shunt=debug")
-            .with_ansi(false)
-            .with_writer(|| LogWriter)
-            .try_init();
-    });
-}
-
-fn log_lines_with(needles: &[&str]) -> Vec<String> {
-    let logs = logs().lock().unwrap_or_else(|p| p.into_inner());
-    String::from_utf8_lossy(&logs)
-        .lines()
-        .filter(|l| needles.iter().all(|n| l.contains(n)))
-        .map(str::to_owned)
-        .collect()
+    captured_logs::init_logging("info,shunt=debug");
 }
 
 /// Waits until `check` holds, polling every 50 ms, for at most `timeout`.

@@ -21,7 +21,7 @@ mod fake_cri;
 use std::{
     collections::BTreeMap,
     path::PathBuf,
-    sync::{Arc, Mutex, OnceLock, RwLock},
+    sync::{Arc, RwLock},
     time::{Duration, Instant},
 };
 
@@ -54,55 +54,12 @@ const TIMEOUT: Duration = Duration::from_secs(20);
 
 // ---------------------------------------------------------------- logging
 
-/// Log lines of every test in this binary (tracing's subscriber is global).
-fn logs() -> &'static Mutex<Vec<u8>> {
-    static LOGS: OnceLock<Mutex<Vec<u8>>> = OnceLock::new();
-    LOGS.get_or_init(Mutex::default)
-}
-
-struct LogWriter;
-
-impl std::io::Write for LogWriter {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        logs()
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend_from_slice(buf);
-        // Also visible with --nocapture.
-        let _ = std::io::stderr().write_all(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
+#[path = "support/captured_logs.rs"]
+mod captured_logs;
+use captured_logs::{log_lines_with, logged};
 
 fn init_logging() {
-    static INIT: OnceLock<()> = OnceLock::new();
-    INIT.get_or_init(|| {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter("info,shunt=debug,kube=info")
-            .with_ansi(false)
-            .with_writer(|| LogWriter)
-            .try_init();
-    });
-}
-
-fn logged(needle: &str) -> bool {
-    let logs = logs().lock().unwrap_or_else(|p| p.into_inner());
-    String::from_utf8_lossy(&logs)
-        .lines()
-        .any(|l| l.contains(needle))
-}
-
-fn log_lines_with(needles: &[&str]) -> Vec<String> {
-    let logs = logs().lock().unwrap_or_else(|p| p.into_inner());
-    String::from_utf8_lossy(&logs)
-        .lines()
-        .filter(|l| needles.iter().all(|n| l.contains(n)))
-        .map(str::to_owned)
-        .collect()
+    captured_logs::init_logging("info,shunt=debug,kube=info");
 }
 
 // ---------------------------------------------------------------- harness
