@@ -303,6 +303,7 @@ impl NodeAgent {
     /// removed (and counts it), retries pods left pending, then reads every
     /// enrolled pod's hooks and counters.
     pub fn verify(&mut self) {
+        let slots_before = self.enrolled_slots();
         if self.synced {
             let pods = NodePods {
                 trust_domain: self.trust_domain.clone(),
@@ -322,10 +323,27 @@ impl NodeAgent {
             entry.kernel_denials = denials.remove(key).unwrap_or_default();
         }
         // Pods retried above may have been enrolled (new slots), and a
-        // table the kernel could not take whole is tried again; unchanged
-        // verdicts write nothing.
-        self.compile_verdicts();
+        // table the kernel could not take whole is tried again. Otherwise
+        // nothing the table is compiled from changed since `apply` or
+        // `store_changed` compiled it: no work per pass.
+        let retry = self
+            .kernel_authz_status
+            .as_ref()
+            .is_none_or(|status| status.error.is_some());
+        if retry || self.enrolled_slots() != slots_before {
+            self.compile_verdicts();
+        }
         self.verify_passes += 1;
+    }
+
+    /// Every enrolled pod with its slot (what the kernel's verdicts are
+    /// keyed by).
+    fn enrolled_slots(&self) -> Vec<(WorkloadKey, u32)> {
+        self.pods
+            .iter()
+            .filter(|(_, e)| e.state == PodState::Enrolled)
+            .filter_map(|(key, _)| Some((key.clone(), self.redirector.slot(key)?)))
+            .collect()
     }
 
     fn converge_all(&mut self, pods: NodePods) {
