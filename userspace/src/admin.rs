@@ -36,7 +36,8 @@ use crate::{
     authz::PolicySet,
     redirect::{Hook, RedirectMode},
     snapshot::{NodeSnapshot, SnapshotReader},
-    state::{PodState, WorkloadStore},
+    state::PodState,
+    store::WorkloadStore,
 };
 
 /// `GET /status` from a snapshot: every pod of the node, with its hooks and

@@ -33,7 +33,8 @@ use crate::{
     proxy::{PodNet, Proxy},
     redirect::{Capture, EnrolledPod, PodTarget, Redirector, Verification},
     snapshot::{NodeSnapshot, PodSnapshot},
-    state::{PodState, TrustDomain, Workload, WorkloadKey, WorkloadStore},
+    state::{PodState, TrustDomain, Workload, WorkloadKey},
+    store::WorkloadStore,
 };
 
 /// A pod's pending reason until ztunnel acknowledged it.

@@ -32,6 +32,7 @@ pub mod redirect;
 pub mod snapshot;
 pub mod state;
 pub mod status;
+pub mod store;
 pub mod tls;
 pub mod xds;
 

@@ -29,7 +29,7 @@ use shunt::{
     admin::ConfigDump,
     app::{AgentSink, Latest, own_store},
     control::{SourceSink, kube::ClusterWorkloads},
-    state::WorkloadStore,
+    store::WorkloadStore,
 };
 use shunt_testbed::{Topology, require_root};
 use tokio::sync::watch;

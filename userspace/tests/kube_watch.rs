@@ -43,7 +43,8 @@ use shunt::{
         ebpf::{EbpfOptions, EbpfRedirector, SpliceMode},
     },
     snapshot::NodeSnapshot,
-    state::{PodState, TrustDomain, WorkloadKey, WorkloadStore},
+    state::{PodState, TrustDomain, WorkloadKey},
+    store::WorkloadStore,
 };
 use shunt_testbed::{Cgroup, Pod, Topology, inspect, require_root};
 use tokio::{sync::watch, task::JoinHandle};

@@ -40,7 +40,8 @@ use crate::{
         ebpf::{EbpfOptions, EbpfRedirector, LoadError},
     },
     snapshot::SnapshotReader,
-    state::{TrustDomain, WorkloadStore},
+    state::TrustDomain,
+    store::WorkloadStore,
 };
 
 /// Errors that stop the agent from starting.

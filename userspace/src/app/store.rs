@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use tokio::sync::{Notify, watch};
 use tracing::info;
 
-use crate::{control::ClusterView, state::WorkloadStore};
+use crate::{control::ClusterView, store::WorkloadStore};
 
 /// A slot holding the latest value: putting replaces what was not taken
 /// yet, and never waits.

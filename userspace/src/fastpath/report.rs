@@ -18,7 +18,8 @@ use crate::{
     metrics::FastPathMetrics,
     proxy::{ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, Direction},
     redirect::ebpf::{FastPathCounters, FastPathEvents},
-    state::{TrustDomain, WorkloadStore},
+    state::TrustDomain,
+    store::WorkloadStore,
 };
 
 /// How often the kernel's counters are copied into the metrics when no

@@ -11,7 +11,7 @@ use std::{
 use tokio::sync::watch;
 use tracing::{error, info};
 
-use crate::{metrics::FastPathMetrics, redirect::ebpf::DestinationTable, state::WorkloadStore};
+use crate::{metrics::FastPathMetrics, redirect::ebpf::DestinationTable, store::WorkloadStore};
 
 /// Every destination the proxy must see, as the proxy's outbound path
 /// decides (`proxy/outbound.rs`): the addresses of mesh workloads (any

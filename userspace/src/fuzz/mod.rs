@@ -28,6 +28,7 @@
 //! `PROPTEST_CASES=100000 cargo test -p shunt --release --lib fuzz`.
 
 mod cri;
+mod hbone;
 mod kube;
 mod workloads;
 mod xds;

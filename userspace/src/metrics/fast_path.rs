@@ -1,4 +1,4 @@
-//! shunt's own metrics of the passthrough fast path (`crate::fastpath`):
+//! shunt's own metrics of the passthrough fast path (`fastpath/`):
 //! whether the destination table is in use, its size, why it was turned
 //! off, and the kernel's counters (connects that went direct, that went to
 //! the proxy because the table was off or the connection could not be

@@ -12,7 +12,8 @@ use prometheus_client::{
 
 use crate::{
     proxy::{ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome},
-    state::{Workload, WorkloadKey, WorkloadStore},
+    state::{Workload, WorkloadKey},
+    store::WorkloadStore,
 };
 
 /// Istio's value for a label it cannot fill.

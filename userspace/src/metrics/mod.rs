@@ -45,7 +45,7 @@ use crate::{
     control::kube::SourceStats,
     proxy::ConnectionObserver,
     snapshot::{NodeSnapshot, SnapshotReader},
-    state::WorkloadStore,
+    store::WorkloadStore,
 };
 pub use fast_path::FastPathMetrics;
 pub use istio_tcp::TcpLabels;
@@ -149,7 +149,7 @@ impl Metrics {
         self.inner.repairs.inc();
     }
 
-    /// The passthrough fast path's metrics (`crate::fastpath` records them).
+    /// The passthrough fast path's metrics (`fastpath/` records them).
     pub fn fast_path(&self) -> &FastPathMetrics {
         &self.inner.fast_path
     }

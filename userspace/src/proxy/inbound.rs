@@ -369,7 +369,7 @@ fn check_request(
 
 /// The first checks of the table, on the request alone: a CONNECT whose
 /// `:authority` is `ip:port`.
-pub(super) fn connect_target<B>(request: &Request<B>) -> Result<SocketAddr, (StatusCode, String)> {
+pub(crate) fn connect_target<B>(request: &Request<B>) -> Result<SocketAddr, (StatusCode, String)> {
     if request.method() != Method::CONNECT {
         return Err((
             NON_CONNECT_STATUS,

@@ -13,8 +13,6 @@
 //! socket the proxy opens carries `SO_MARK` 0x539 and listeners use
 //! `SO_REUSEPORT`, so a new agent can bind while the old one drains.
 
-#[cfg(test)]
-mod fuzz;
 mod h2;
 mod h2_refusals;
 mod inbound;
@@ -38,6 +36,13 @@ pub use observe::{
 };
 pub use policy::{Decision, InboundPlaintextPolicy, PlaintextConnection, authorize};
 pub use socket::PROXY_MARK;
+// What the HBONE fuzz target (`fuzz/hbone.rs`) drives: the proxy's own
+// frame tap and request checks.
+#[cfg(test)]
+pub(crate) use {
+    h2_refusals::{FrameParser, FrameTap, H2Refusal},
+    inbound::connect_target,
+};
 
 use std::{
     collections::HashMap,
@@ -56,7 +61,8 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use crate::{
     identity::IdentityManager,
     redirect::OriginalDst,
-    state::{Service, SpiffeId, TrustDomain, Workload, WorkloadKey, WorkloadStore},
+    state::{Service, SpiffeId, TrustDomain, Workload, WorkloadKey},
+    store::WorkloadStore,
     tls::TrustRoots,
 };
 

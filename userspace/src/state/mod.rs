@@ -6,14 +6,12 @@
 
 mod pod_state;
 mod service;
-mod store;
 
 pub use pod_state::PodState;
 pub use service::{
     Endpoint, LoadBalancing, LoadBalancingMode, LoadBalancingScope, Service, ServicePort,
     ServiceStore,
 };
-pub use store::{WorkloadChanges, WorkloadStore};
 
 use std::{collections::BTreeMap, fmt, net::IpAddr, path::PathBuf, str::FromStr};
 
@@ -319,7 +317,7 @@ impl Workload {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     pub(crate) fn workload(ns: &str, name: &str, ip: &str, node: &str) -> Workload {

@@ -154,7 +154,7 @@ impl Service {
 
 /// Every known service, by key and by `VIP:port`.
 ///
-/// Owned by [`super::WorkloadStore`]: one owner for what discovery knows.
+/// Owned by the `WorkloadStore` (`store.rs`): one owner for what discovery knows.
 /// Services are behind `Arc` so that a lookup per connection is a clone of a
 /// pointer, not of an endpoint list.
 #[derive(Clone, Debug, Default)]

@@ -15,7 +15,8 @@ use shunt::{
     identity::{IdentityConfig, IdentityManager, ca::BuiltinCa},
     proxy::{PodNet, Proxy, ProxyConfig},
     redirect::{OriginalDst, OriginalDstError},
-    state::{DataplaneMode, SpiffeId, TrustDomain, Workload, WorkloadStore},
+    state::{DataplaneMode, SpiffeId, TrustDomain, Workload},
+    store::WorkloadStore,
 };
 use shunt_testbed::{Pod, Topology};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -1,7 +1,7 @@
 //! Fuzzing the HBONE CONNECT request (see `crate::fuzz` for the method):
 //! what a peer sends after TLS, mutated, through the real h2 server with
 //! the proxy's settings, [`FrameTap`] and the proxy's request checks
-//! ([`connect_target`]). It lives here because those are the proxy's own.
+//! ([`connect_target`]), which `proxy` exposes to tests for this.
 
 use std::{
     sync::{Arc, Mutex},
@@ -12,12 +12,8 @@ use bytes::Bytes;
 use proptest::prelude::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::{
-    h2::H2Settings,
-    h2_refusals::{FrameParser, FrameTap, H2Refusal},
-    inbound::connect_target,
-};
-use crate::fuzz::{edits, mutate};
+use super::{edits, mutate};
+use crate::proxy::{FrameParser, FrameTap, H2Refusal, H2Settings, connect_target};
 
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 const SENTINEL: &[u8; 8] = b"fuzzdone";

@@ -1,5 +1,7 @@
-//! The set of known workloads and services, indexed for the lookups the
-//! agent makes.
+//! The store: every workload, service and authorization policy the agent
+//! knows, indexed for the lookups the agent makes. It sits above `state`
+//! (the domain types) and `authz` (the policy engine, which reads
+//! `state::Workload`), so the model layer has no import circle.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -7,8 +9,8 @@ use std::{
     sync::Arc,
 };
 
-use super::{Service, ServiceStore, Workload, WorkloadKey};
 use crate::authz::{Policy, PolicySet};
+use crate::state::{Service, ServiceStore, Workload, WorkloadKey};
 
 /// All known workloads, by key and by IP, and the services they back.
 ///
