@@ -5,10 +5,11 @@
 //! file, which names no service. A connect from the client pod to the VIP
 //! lands on the healthy endpoint on node-b over HBONE, never on the
 //! unhealthy one; after a delta push removes the endpoint, new connections
-//! are refused. Then authorization from istiod alone: an `Authorization`
-//! resource (ALLOW for one principal) bound to a pod makes its proxy answer
-//! another identity's CONNECT with 401 while the allowed one passes, until
-//! istiod removes it.
+//! are refused; once it is back and istiod goes away, nothing is
+//! unenrolled, the VIP keeps answering and readiness holds. Then
+//! authorization from istiod alone: an `Authorization` resource (ALLOW for
+//! one principal) bound to a pod makes its proxy answer another identity's
+//! CONNECT with 401 while the allowed one passes, until istiod removes it.
 //!
 //! Run as root: `cargo build -p shunt --bins && SHUNT_BIN=… cargo test -p
 //! shunt --test xds_mesh`.
@@ -83,6 +84,9 @@ fn blocking<T>(f: impl FnOnce() -> T) -> T {
     tokio::task::block_in_place(f)
 }
 
+/// Iptables mode: the test connects from its own threads entered into the
+/// client's netns, which the eBPF mode's cgroup hooks would not see (its
+/// tests run applications in the hooked cgroup, `tests/tests/services.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone() {
     require_root().expect("kernel tests need root");
@@ -100,7 +104,7 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone() {
     let listener = node_a
         .listen_tcp("127.0.0.1:0".parse().expect("addr"))
         .expect("listener in node-a");
-    let istiod = FakeIstiod::start_on(&pki, listener);
+    let mut istiod = FakeIstiod::start_on(&pki, listener);
     let xds_address = istiod.addr.to_string();
     let root = pki.root_file().display().to_string();
     let token = pki.token_file().display().to_string();
@@ -232,6 +236,55 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone() {
         4,
         "no new connection reached the removed endpoint"
     );
+
+    // The endpoint comes back; then istiod goes away. What it sent stays:
+    // no pod is unenrolled, the VIP keeps answering, readiness holds.
+    istiod.push(response(
+        ADDRESS_TYPE_URL,
+        "a2",
+        vec![workload(backend(&server, true), "2")],
+        &[],
+    ));
+    assert_eq!(istiod.answer_to("a2").await.error_detail, None);
+    let deadline = Instant::now() + TIMEOUT;
+    while !matches!(blocking(|| echo_via_vip(&client, b"back")), Ok(back) if back == b"back") {
+        assert!(
+            Instant::now() < deadline,
+            "the VIP never answered again after the endpoint came back:\n{}",
+            agent_a.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let before_away = server_app.peers().len();
+    istiod.stop();
+    let away = blocking(|| {
+        agent_a.wait_for("the istiod connection lost", TIMEOUT, |s| {
+            s.xds.as_ref().is_some_and(|x| !x.connected)
+        })
+    })
+    .expect("disconnected");
+    assert!(
+        away.pods.iter().all(|p| p.state == PodState::Enrolled),
+        "a pod left the mesh while istiod was away: {:?}",
+        away.pods
+    );
+    for i in 0..4u8 {
+        let payload = vec![i; 4096];
+        let back = blocking(|| echo_via_vip(&client, &payload)).unwrap_or_else(|e| {
+            panic!(
+                "connect {i} to the VIP with istiod away: {e}\n{}",
+                agent_a.logs()
+            )
+        });
+        assert_eq!(back, payload, "echo through the VIP with istiod away");
+    }
+    assert_eq!(
+        server_app.peers().len(),
+        before_away + 4,
+        "each connection with istiod away reached the endpoint"
+    );
+    let (code, body) = blocking(|| agent_a.readiness()).expect("readiness");
+    assert_eq!(code, 200, "readiness kept with istiod away: {body}");
 
     for agent in [&mut agent_a, &mut agent_b] {
         let exit = blocking(|| agent.stop()).expect("stop");
