@@ -6,6 +6,7 @@ use std::{
     io::{Read, Write},
     net::{SocketAddr, TcpListener, TcpStream},
     path::PathBuf,
+    process::{Child, Stdio},
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, Ordering},
@@ -163,4 +164,84 @@ impl<'a> TestApp<'a> {
 /// True when a testapp report says the exchange worked and the echo matched.
 pub fn ok(report: &Value) -> bool {
     report["ok"] == Value::Bool(true) && report["intact"] != Value::Bool(false)
+}
+
+/// A `shunt-testapp churn` running in the background (four workers, a new
+/// 512-byte echo connection each every millisecond); killed
+/// (by its PID) if the test ends before it does.
+pub struct Churn {
+    child: Option<Child>,
+    stop_file: PathBuf,
+}
+
+impl Churn {
+    pub fn start(apps: &TestApp<'_>, pod: &Pod, to: &str, stop_file: PathBuf) -> Churn {
+        Churn::start_for(apps, pod, to, stop_file, Duration::from_secs(120))
+    }
+
+    /// As [`Churn::start`], running at most `max` (whole seconds).
+    pub fn start_for(
+        apps: &TestApp<'_>,
+        pod: &Pod,
+        to: &str,
+        stop_file: PathBuf,
+        max: Duration,
+    ) -> Churn {
+        let _ = std::fs::remove_file(&stop_file);
+        let stop = stop_file.display().to_string();
+        let seconds = max.as_secs().max(1).to_string();
+        let child = apps
+            .command(
+                pod,
+                &[
+                    "churn",
+                    to,
+                    "--stop-file",
+                    &stop,
+                    "--seconds",
+                    &seconds,
+                    "--workers",
+                    "4",
+                    "--interval-ms",
+                    "1",
+                    "--send",
+                    "512",
+                ],
+            )
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn churn");
+        Churn {
+            child: Some(child),
+            stop_file,
+        }
+    }
+
+    /// Signals the loop to stop (through its stop file) and returns its
+    /// report.
+    pub fn finish(mut self) -> Value {
+        std::fs::write(&self.stop_file, b"stop").expect("stop file");
+        let child = self.child.take().expect("running");
+        let out = child.wait_with_output().expect("churn output");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        serde_json::from_str(stdout.lines().last().unwrap_or("")).unwrap_or_else(|e| {
+            panic!(
+                "churn printed {stdout:?} ({e}); stderr {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+    }
+}
+
+impl Drop for Churn {
+    fn drop(&mut self) {
+        let _ = std::fs::write(&self.stop_file, b"stop");
+        if let Some(mut child) = self.child.take() {
+            // Our own child, by PID.
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_file(&self.stop_file);
+    }
 }

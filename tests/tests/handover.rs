@@ -9,8 +9,6 @@
 //! mesh to the mesh server), and every single one must work.
 
 use std::{
-    path::PathBuf,
-    process::{Child, Stdio},
     thread,
     time::{Duration, Instant},
 };
@@ -19,14 +17,12 @@ use serde_json::Value;
 use shunt::proxy::ProxyStats;
 use shunt_testbed::{
     agent::{Agent, Endpoints, MeshNode, mesh_pods_enrolled},
-    apps::{EchoServer, TestApp},
+    apps::{Churn, EchoServer, TestApp},
     require_root,
 };
 
 const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
 const TIMEOUT: Duration = Duration::from_secs(30);
-/// Upper bound of a churn run; the test normally stops it much sooner.
-const CHURN_MAX_SECONDS: &str = "120";
 
 fn stats(agent: &Agent) -> ProxyStats {
     agent
@@ -41,73 +37,6 @@ fn wait_for_stats(agent: &mut Agent, what: &str, done: impl Fn(&ProxyStats) -> b
     agent
         .wait_for(what, TIMEOUT, |s| s.proxy.as_ref().is_some_and(&done))
         .expect("counters");
-}
-
-/// A `shunt-testapp churn` running in the background; killed (by its PID)
-/// if the test ends before it does.
-struct Churn {
-    child: Option<Child>,
-    stop_file: PathBuf,
-}
-
-impl Churn {
-    fn start(apps: &TestApp<'_>, pod: &shunt_testbed::Pod, to: &str, stop_file: PathBuf) -> Churn {
-        let _ = std::fs::remove_file(&stop_file);
-        let stop = stop_file.display().to_string();
-        let child = apps
-            .command(
-                pod,
-                &[
-                    "churn",
-                    to,
-                    "--stop-file",
-                    &stop,
-                    "--seconds",
-                    CHURN_MAX_SECONDS,
-                    "--workers",
-                    "4",
-                    "--interval-ms",
-                    "1",
-                    "--send",
-                    "512",
-                ],
-            )
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn churn");
-        Churn {
-            child: Some(child),
-            stop_file,
-        }
-    }
-
-    /// Signals the loop to stop (through its stop file) and returns its
-    /// report.
-    fn finish(mut self) -> Value {
-        std::fs::write(&self.stop_file, b"stop").expect("stop file");
-        let child = self.child.take().expect("running");
-        let out = child.wait_with_output().expect("churn output");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        serde_json::from_str(stdout.lines().last().unwrap_or("")).unwrap_or_else(|e| {
-            panic!(
-                "churn printed {stdout:?} ({e}); stderr {}",
-                String::from_utf8_lossy(&out.stderr)
-            )
-        })
-    }
-}
-
-impl Drop for Churn {
-    fn drop(&mut self) {
-        let _ = std::fs::write(&self.stop_file, b"stop");
-        if let Some(mut child) = self.child.take() {
-            // Our own child, by PID.
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        let _ = std::fs::remove_file(&self.stop_file);
-    }
 }
 
 fn handover_without_failed_connections(mode: &str) {

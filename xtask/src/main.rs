@@ -30,6 +30,10 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Run setup, then every test, the kernel tests included (needs root).
     Test(test::TestArgs),
+    /// Run setup, then the long churn soak (needs root): 50 pods entering
+    /// and leaving the mesh 10 times each under steady load, in both modes,
+    /// with the leak figures printed (`SHUNT_SOAK_PODS`/`_ROUNDS` override).
+    Soak,
     /// Run setup, then the benchmark: direct vs iptables+proxy vs
     /// eBPF+proxy, every path and workload, interleaved (needs root). Writes
     /// bench/results/latest.md and latest.svg.
@@ -53,6 +57,10 @@ fn main() -> anyhow::Result<()> {
         Command::Test(args) => {
             setup::run()?;
             test::run(args)
+        }
+        Command::Soak => {
+            setup::run()?;
+            test::soak()
         }
         Command::Bench(args) => {
             setup::run()?;
