@@ -109,10 +109,7 @@ fn proxy_work(agent: &Agent) -> (u64, u64, u64, u64, u64, u64) {
 }
 
 fn principal(pod: &Pod, namespace: &str) -> String {
-    format!(
-        "spiffe://cluster.local/ns/{namespace}/sa/sa-{}",
-        pod.name()
-    )
+    format!("spiffe://cluster.local/ns/{namespace}/sa/sa-{}", pod.name())
 }
 
 fn local_of(report: &Value) -> SocketAddr {
@@ -199,7 +196,12 @@ fn carried_in_kernel(
     let before = proxy_work(agent);
     let to = format!("{}:8080", server.ip());
     let report = apps.run(client, &["connect", &to, "--send", &bytes.to_string()]);
-    assert_eq!(report["ok"], Value::Bool(true), "{report}\n{}", agent.logs());
+    assert_eq!(
+        report["ok"],
+        Value::Bool(true),
+        "{report}\n{}",
+        agent.logs()
+    );
     assert_eq!(
         report["received"].as_u64(),
         Some(bytes as u64 / 2),
@@ -214,7 +216,13 @@ fn carried_in_kernel(
     );
     let (client_id, server_id) = (principal(client, "default"), principal(server, "default"));
     for reporter in ["source", "destination"] {
-        let labels = mesh_labels(reporter, client.name(), &client_id, server.name(), &server_id);
+        let labels = mesh_labels(
+            reporter,
+            client.name(),
+            &client_id,
+            server.name(),
+            &server_id,
+        );
         let text = wait_metrics(node, agent, "the kernel-carried connection closed", |m| {
             sample(m, "istio_tcp_connections_closed_total", &labels) == Some(1.0)
         });
@@ -248,7 +256,10 @@ fn carried_in_kernel(
                     && l.contains(&local.to_string())
             })
             .unwrap_or_else(|| panic!("no {direction} access log line for {to}:\n{logs}"));
-        assert!(line.contains(&client_id) && line.contains(&server_id), "{line}");
+        assert!(
+            line.contains(&client_id) && line.contains(&server_id),
+            "{line}"
+        );
         assert!(has_field(line, "bytes_sent", &bytes.to_string()), "{line}");
     }
 }
@@ -266,7 +277,12 @@ fn carried_by_the_proxy(apps: &TestApp<'_>, agent: &Agent, client: &Pod, dst: &P
     let before = proxy_work(agent).0;
     let to = format!("{}:8080", dst.ip());
     let report = apps.run(client, &["connect", &to, "--send", "4096"]);
-    assert_eq!(report["ok"], Value::Bool(true), "{report}\n{}", agent.logs());
+    assert_eq!(
+        report["ok"],
+        Value::Bool(true),
+        "{report}\n{}",
+        agent.logs()
+    );
     assert!(
         report["received"].as_u64().is_some_and(|n| n > 0),
         "an answer came back: {report}"
@@ -410,7 +426,12 @@ fn fill_verdicts(pin_dir: &std::path::Path) -> Vec<PolicyVerdictKey> {
             slot: shunt_common::MAX_PODS - 1,
             port: 1 + (n % 60000) as u16,
             family: 2,
-            addr: [u32::from_ne_bytes([198, 19, 255, (n / 60000) as u8]), 0, 0, 0],
+            addr: [
+                u32::from_ne_bytes([198, 19, 255, (n / 60000) as u8]),
+                0,
+                0,
+                0,
+            ],
         };
         if map.insert(key, PolicyVerdict::default(), 0).is_err() {
             break;
@@ -435,7 +456,14 @@ fn policy_decides_at_connect_and_an_incomplete_table_keeps_the_proxy() {
         "fpmesh-policy",
         TESTAPP,
         "",
-        &["--redirect", "ebpf", "--verify-interval", "1", "--fast-path", "on"],
+        &[
+            "--redirect",
+            "ebpf",
+            "--verify-interval",
+            "1",
+            "--fast-path",
+            "on",
+        ],
     );
     let node = bed.client.node().clone();
     let apps = TestApp::new(TESTAPP, &bed.apps);
@@ -487,7 +515,11 @@ fn policy_decides_at_connect_and_an_incomplete_table_keeps_the_proxy() {
         .and_then(|s| s.kernel_authz)
         .is_some_and(|k| k.error.is_some())
     {
-        assert!(start.elapsed() < TIMEOUT, "the full map was never hit: {}", bed.agent.logs());
+        assert!(
+            start.elapsed() < TIMEOUT,
+            "the full map was never hit: {}",
+            bed.agent.logs()
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     mesh_enabled(&node, &bed.agent, false);
@@ -552,7 +584,8 @@ impl Echoes {
                 std::thread::spawn(move || {
                     let start = Instant::now();
                     let mut buf = vec![0u8; size];
-                    while !stop.load(Ordering::Relaxed) && start.elapsed() < Duration::from_secs(300)
+                    while !stop.load(Ordering::Relaxed)
+                        && start.elapsed() < Duration::from_secs(300)
                     {
                         let Ok((mut stream, _)) = listener.accept() else {
                             std::thread::sleep(Duration::from_micros(200));
@@ -611,11 +644,16 @@ fn no_fast_path_map_keeps_an_entry_after_100k_connections() {
     let _echoes = Echoes::on(&server, 8080, 64, 8);
     let baseline = map_entries(&node, &agent);
     assert!(
-        baseline.contains_key(maps::MESH_LOCAL_FLOWS) && baseline.contains_key(maps::FAST_PATH_SOCKS),
+        baseline.contains_key(maps::MESH_LOCAL_FLOWS)
+            && baseline.contains_key(maps::FAST_PATH_SOCKS),
         "{baseline:?}"
     );
-    let carried_before =
-        sample(&metrics(&node, &agent), "shunt_fast_path_mesh_connections_total", &[]).unwrap_or(0.0);
+    let carried_before = sample(
+        &metrics(&node, &agent),
+        "shunt_fast_path_mesh_connections_total",
+        &[],
+    )
+    .unwrap_or(0.0);
 
     let to = format!("{}:8080", server.ip());
     let report = apps.run(
@@ -635,10 +673,15 @@ fn no_fast_path_map_keeps_an_entry_after_100k_connections() {
     assert_eq!(report["succeeded"].as_u64(), Some(CONNECTIONS), "{report}");
 
     // Every one was carried in the kernel (none fell back to the proxy).
-    wait_metrics(&node, &agent, "the kernel's count of carried connects", |m| {
-        sample(m, "shunt_fast_path_mesh_connections_total", &[])
-            .is_some_and(|n| n - carried_before >= CONNECTIONS as f64)
-    });
+    wait_metrics(
+        &node,
+        &agent,
+        "the kernel's count of carried connects",
+        |m| {
+            sample(m, "shunt_fast_path_mesh_connections_total", &[])
+                .is_some_and(|n| n - carried_before >= CONNECTIONS as f64)
+        },
+    );
     // Every map back where it was (bounded wait: closes are synchronous,
     // the reading is not).
     let start = Instant::now();

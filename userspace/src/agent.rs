@@ -32,8 +32,7 @@ use crate::{
     inpod::{Answer, Answers, Wanted, ZdsPod, ZtunnelLink},
     proxy::{PodNet, Proxy},
     redirect::{
-        Capture, EnrolledPod, MeshLocalTable, MeshLocalWritten, PodTarget, Redirector,
-        Verification,
+        Capture, EnrolledPod, MeshLocalTable, MeshLocalWritten, PodTarget, Redirector, Verification,
     },
     snapshot::{NodeSnapshot, PodSnapshot},
     state::{PodState, TrustDomain, Workload, WorkloadKey, WorkloadStore},

@@ -57,3 +57,52 @@ pub struct MeshLocalWritten {
     /// A write that failed (flow 2 was left off).
     pub error: Option<String>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{DataplaneMode, GatewayAddress, GatewayDestination};
+
+    fn pod(name: &str, ips: &[&str]) -> Workload {
+        Workload {
+            name: name.into(),
+            namespace: "default".into(),
+            ips: ips.iter().map(|ip| ip.parse().expect("test IP")).collect(),
+            dataplane_mode: DataplaneMode::Ambient,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn only_exact_hbone_pods_without_a_waypoint_are_destinations() {
+        let plain = pod("plain", &["198.18.1.10", "fd00::10"]);
+        let mut waypointed = pod("waypointed", &["198.18.1.11"]);
+        waypointed.waypoint = Some(GatewayAddress {
+            destination: GatewayDestination::Address {
+                network: String::new(),
+                ip: "198.18.1.99".parse().expect("ip"),
+            },
+            hbone_mtls_port: 15008,
+        });
+        let mut no_tunnel = pod("no-tunnel", &["198.18.1.12"]);
+        no_tunnel.tunnel = TunnelProtocol::None;
+        let inexact_pod = pod("inexact", &["198.18.1.13"]);
+        let mut outside = pod("outside", &["198.18.1.14"]);
+        outside.dataplane_mode = DataplaneMode::None;
+        let enrolled = [
+            (0, &plain),
+            (1, &waypointed),
+            (2, &no_tunnel),
+            (3, &inexact_pod),
+            (4, &outside),
+        ];
+        let inexact: BTreeSet<IpAddr> = ["198.18.1.13".parse().expect("ip")].into();
+        let table = MeshLocalTable::derive(&enrolled, &inexact);
+        assert_eq!(table.sources, (0..5).collect());
+        // IPv4 only (connect4 carries flow 2); the rest keep the proxy.
+        assert_eq!(
+            table.destinations,
+            [("198.18.1.10".parse().expect("ip"), 0)].into()
+        );
+    }
+}

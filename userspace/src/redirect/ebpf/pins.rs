@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 use aya::maps::MapData;
 use shunt_common::{
     FastPathDest, FastPathSock, FastPathState, FastPathStats, GlobalConfig, MeshFlow, MeshFlowKey,
-    MeshLocalDest, MeshLocalStats, OriginalDst, PodAddrs,
-    PodConfig, PodCounters, PodRecord, PodSlot, PolicyDenialKey, PolicyVerdict, PolicyVerdictKey,
-    SockKey, SpliceFlow, SpliceKey, maps,
+    MeshLocalDest, MeshLocalStats, OriginalDst, PodAddrs, PodConfig, PodCounters, PodRecord,
+    PodSlot, PolicyDenialKey, PolicyVerdict, PolicyVerdictKey, SockKey, SpliceFlow, SpliceKey,
+    maps,
 };
 
 /// A pinned map whose key or value size is not what this agent uses.
