@@ -24,8 +24,10 @@ pub enum Mode {
     Ebpf,
     /// eBPF redirection with the sk_msg splice (`--splice on`).
     EbpfSplice,
-    /// eBPF redirection with the passthrough fast path (`--fast-path on`):
-    /// passthrough destinations only (mesh ones are the eBPF+proxy path).
+    /// eBPF redirection with the fast path (`--fast-path on`): passthrough
+    /// destinations (flow 1) and the same-node mesh server, carried in the
+    /// kernel (flow 2, `ebpf-fastpath/same/hbone`: no HBONE despite the
+    /// id's `Dest`); cross-node mesh is the eBPF+proxy path.
     EbpfFastPath,
 }
 
@@ -94,6 +96,12 @@ impl PathSpec {
                 dest: Dest::Plain,
             });
         }
+        // Same node, mesh to mesh, carried in the kernel (flow 2).
+        paths.push(PathSpec {
+            mode: Mode::EbpfFastPath,
+            locality: Locality::Same,
+            dest: Dest::Hbone,
+        });
         paths
     }
 

@@ -76,6 +76,16 @@ pub const MAX_FAST_PATH_SOCKETS: u32 = 65536;
 /// in flight before new ones are dropped (and counted).
 pub const FAST_PATH_EVENTS_BYTES: u32 = 256 * 1024;
 
+/// Same-node mesh destinations the kernel may carry to (flow 2 of the fast
+/// path: enrolled pods' addresses): [`maps::MESH_LOCAL_DESTS`]. Two
+/// addresses (IPv4 and IPv6) for every pod slot.
+pub const MAX_MESH_LOCAL_DESTS: u32 = 2 * MAX_PODS;
+
+/// Same-node mesh connections between their connect() and their close
+/// ([`maps::MESH_LOCAL_FLOWS`]); as many as the fast path's connection
+/// records, which each of them also holds.
+pub const MAX_MESH_LOCAL_FLOWS: u32 = MAX_FAST_PATH_SOCKETS;
+
 /// Names of the maps, as they appear in the ELF object and under the pin dir.
 pub mod maps {
     /// `HashMap<u64 netns cookie, PodSlot>`: which network namespaces are
@@ -135,8 +145,28 @@ pub mod maps {
     /// `PerCpuArray<FastPathStats>` with one entry.
     pub const FAST_PATH_STATS: &str = "SHUNT_FP_STATS";
 
+    // Flow 2 of the fast path: same node, mesh to mesh, carried in the
+    // kernel (`ebpf/src/mesh_local.rs`).
+    /// `HashMap<FastPathDest, MeshLocalDest>`: this node's enrolled mesh
+    /// pods a connect may reach directly (no waypoint, HBONE, verdicts
+    /// exact). Written only by the reconciler (through the redirector).
+    pub const MESH_LOCAL_DESTS: &str = "SHUNT_FP_MESH_DESTS";
+    /// `HashMap<u32 slot, u32>`: source pods whose verdicts the last
+    /// complete compile holds. Same single writer.
+    pub const MESH_LOCAL_SOURCES: &str = "SHUNT_FP_MESH_SRCS";
+    /// `Array<FastPathState>` with one entry: whether flow 2 may be used
+    /// (the verdict table complete). Same single writer; off at load.
+    pub const MESH_LOCAL_STATE: &str = "SHUNT_FP_MESH_STATE";
+    /// `LruHashMap<MeshFlowKey, MeshFlow>`: the 4-tuples of authorised
+    /// same-node mesh connections, from the SYN's creation (sockops) to the
+    /// client socket's close (sockops); the destination's TC ingress lets
+    /// their SYN through to the application.
+    pub const MESH_LOCAL_FLOWS: &str = "SHUNT_FP_MESH_FLOWS";
+    /// `PerCpuArray<MeshLocalStats>` with one entry.
+    pub const MESH_LOCAL_STATS: &str = "SHUNT_FP_MESH_STATS";
+
     /// Every map the agent pins (and every pod's program instance shares).
-    pub const ALL: [&str; 18] = [
+    pub const ALL: [&str; 23] = [
         ENROLLED,
         POD_COUNTERS,
         POD_CONFIG,
@@ -155,6 +185,11 @@ pub mod maps {
         FAST_PATH_SOCKS,
         FAST_PATH_EVENTS,
         FAST_PATH_STATS,
+        MESH_LOCAL_DESTS,
+        MESH_LOCAL_SOURCES,
+        MESH_LOCAL_STATE,
+        MESH_LOCAL_FLOWS,
+        MESH_LOCAL_STATS,
     ];
 }
 
@@ -531,8 +566,9 @@ pub struct FastPathSock {
     /// `rcv_nxt` when the socket entered FIN_WAIT2 (to tell a peer's FIN
     /// from a local close at the move to CLOSE).
     pub rcv_nxt_fin_wait2: u32,
-    /// Reserved (zero).
-    pub reserved: u32,
+    /// With [`FastPathSock::MESH_LOCAL`]: the destination pod's slot;
+    /// otherwise zero.
+    pub peer_slot: u32,
 }
 
 impl FastPathSock {
@@ -544,6 +580,9 @@ impl FastPathSock {
     pub const FIN_ACKED: u32 = 4;
     /// The application closed the socket while in FIN_WAIT2.
     pub const CLOSED_IN_FIN_WAIT2: u32 = 8;
+    /// A same-node mesh connection carried in the kernel (flow 2): its
+    /// 4-tuple is in [`maps::MESH_LOCAL_FLOWS`] from the SYN to the close.
+    pub const MESH_LOCAL: u32 = 16;
 }
 
 /// One event of [`maps::FAST_PATH_EVENTS`]: a fast-path connection opened
@@ -578,6 +617,68 @@ impl FastPathEvent {
     pub const CLOSED: u32 = 2;
     /// The connection never became established (refused, timed out).
     pub const FAILED: u32 = 1;
+    /// A same-node mesh connection (flow 2): the destination is an
+    /// enrolled mesh pod of this node, reported by both ends.
+    pub const MESH_LOCAL: u32 = 2;
+}
+
+/// Value of [`maps::MESH_LOCAL_DESTS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MeshLocalDest {
+    /// The destination pod's slot.
+    pub slot: u32,
+    /// Reserved (zero).
+    pub flags: u32,
+}
+
+/// Key of [`maps::MESH_LOCAL_FLOWS`]: a connection as the destination's TC
+/// ingress sees its SYN. Addresses and ports in network order (IPv4 in
+/// `[0]`, the rest zero).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MeshFlowKey {
+    pub saddr: [u32; 4],
+    pub daddr: [u32; 4],
+    pub sport: u16,
+    pub dport: u16,
+    /// `AF_INET` (2) or `AF_INET6` (10).
+    pub family: u32,
+}
+
+/// Value of [`maps::MESH_LOCAL_FLOWS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MeshFlow {
+    pub src_slot: u32,
+    /// Only the TC instance of this slot lets the SYN through.
+    pub dst_slot: u32,
+}
+
+/// Flow 2's kernel counters (one entry, per CPU).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MeshLocalStats {
+    /// Same-node mesh connects carried in the kernel.
+    pub carried: u64,
+    /// Same-node mesh connects sent to the proxy because flow 2 was off
+    /// (verdicts incomplete, or not compiled yet).
+    pub off: u64,
+    /// Same-node mesh connects sent to the proxy because their record
+    /// could not be kept.
+    pub untracked: u64,
+    /// SYNs whose flow entry could not be written (a full map): the
+    /// destination's proxy gets them as inbound plaintext.
+    pub flows_unrecorded: u64,
+}
+
+impl MeshLocalStats {
+    pub fn add(&mut self, other: &MeshLocalStats) {
+        self.carried += other.carried;
+        self.off += other.off;
+        self.untracked += other.untracked;
+        self.flows_unrecorded += other.flows_unrecorded;
+    }
 }
 
 /// The fast path's kernel counters (one entry, per CPU).
@@ -628,6 +729,10 @@ mod user {
     unsafe impl aya::Pod for super::FastPathSock {}
     unsafe impl aya::Pod for super::FastPathEvent {}
     unsafe impl aya::Pod for super::FastPathStats {}
+    unsafe impl aya::Pod for super::MeshLocalDest {}
+    unsafe impl aya::Pod for super::MeshFlowKey {}
+    unsafe impl aya::Pod for super::MeshFlow {}
+    unsafe impl aya::Pod for super::MeshLocalStats {}
 }
 
 #[cfg(test)]
@@ -657,6 +762,10 @@ mod tests {
         assert_eq!(core::mem::size_of::<FastPathSock>(), 48);
         assert_eq!(core::mem::size_of::<FastPathEvent>(), 96);
         assert_eq!(core::mem::size_of::<FastPathStats>(), 32);
+        assert_eq!(core::mem::size_of::<MeshLocalDest>(), 8);
+        assert_eq!(core::mem::size_of::<MeshFlowKey>(), 40);
+        assert_eq!(core::mem::size_of::<MeshFlow>(), 8);
+        assert_eq!(core::mem::size_of::<MeshLocalStats>(), 32);
     }
 
     #[test]

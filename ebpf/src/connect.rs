@@ -31,8 +31,9 @@ const LOOPBACK_V4: u32 = u32::from_be_bytes([127, 0, 0, 1]);
 /// Hook: `cgroup/connect4` on the cgroup root. Matches TCP connects from a
 /// socket in an enrolled netns, without the proxy's mark, to a non-loopback,
 /// non-excluded destination. Rewrites the destination to 127.0.0.1:15001 and
-/// records the original — unless the passthrough fast path lets it go
-/// direct (`passthrough.rs`); if no proxy listens there, refuses the
+/// records the original — unless the fast path lets it go direct (a
+/// same-node mesh pod, `mesh_local.rs`; a destination outside the mesh,
+/// `passthrough.rs`); if no proxy listens there, refuses the
 /// connect (fail closed). Miss path: `ALLOW` unchanged.
 #[cgroup_sock_addr(connect4)]
 pub fn shunt_connect4(ctx: SockAddrContext) -> i32 {
@@ -52,7 +53,9 @@ pub fn shunt_connect4(ctx: SockAddrContext) -> i32 {
     if crate::policy::denied(slot, dst, port) {
         return REJECT;
     }
-    if passthrough::goes_direct(&ctx, slot, &config, &FastPathDest::v4(dst)) {
+    if crate::mesh_local::carried_in_kernel(&ctx, slot, &config, dst, port)
+        || passthrough::goes_direct(&ctx, slot, &config, &FastPathDest::v4(dst))
+    {
         return ALLOW;
     }
     let original = OriginalDst {

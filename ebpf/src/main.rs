@@ -7,6 +7,7 @@
 
 mod connect;
 mod maps;
+mod mesh_local;
 mod passthrough;
 mod policy;
 mod sockops;

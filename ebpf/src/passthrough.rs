@@ -18,6 +18,10 @@
 //! establishment is the base), our FIN once acknowledged, the peer's FIN
 //! once received. Which FINs were counted is read from the state changes
 //! (see `on_state_change`).
+//!
+//! Flow 2 (`mesh_local.rs`, same-node mesh connections) keeps its records
+//! here too, marked `MESH_LOCAL`: the same events and byte accounting, and
+//! its flow entry is written at the SYN and deleted at the close.
 
 use aya_ebpf::{
     bindings::{
@@ -116,6 +120,7 @@ pub fn on_sock_ops(ctx: &SockOpsContext) -> bool {
         BPF_SOCK_OPS_TCP_CONNECT_CB => {
             // From the SYN on, the move to CLOSE is seen, refused or not.
             let _ = ctx.set_cb_flags((ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
+            crate::mesh_local::on_connect(ctx, record);
         }
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => {
             // SAFETY: the context's fields are read as the verifier allows.
@@ -190,6 +195,7 @@ fn on_state_change(ctx: &SockOpsContext, cookie: u64, record: &mut FastPathSock)
         received,
         failed,
     );
+    crate::mesh_local::on_close(ctx, record);
     let _ = FAST_PATH_SOCKS.remove(cookie);
 }
 
@@ -218,6 +224,11 @@ fn emit(
     };
     // SAFETY: no argument.
     let now = unsafe { bpf_ktime_get_ns() };
+    let mesh_local = if record.flags & FastPathSock::MESH_LOCAL != 0 {
+        FastPathEvent::MESH_LOCAL
+    } else {
+        0
+    };
     entry.write(FastPathEvent {
         kind,
         slot: record.slot,
@@ -229,7 +240,7 @@ fn emit(
         // Network order in the upper half of the field.
         dst_port: u32::from(u16::from_be((ctx.remote_port() >> 16) as u16)),
         family,
-        flags,
+        flags: flags | mesh_local,
         bytes_sent,
         bytes_received,
         duration_ns: now.saturating_sub(record.started_ns),

@@ -56,7 +56,8 @@ const LOOPBACK_IFINDEX: u32 = 1;
 /// connection) is assigned to the proxy's 15006 listener with
 /// `bpf_sk_assign`, keeping its destination, so the accepted socket's local
 /// address is the original one. Never steered: port 15008 (HBONE, the proxy
-/// binds it), the health-probe source, excluded ports. No proxy listener:
+/// binds it), the health-probe source, excluded ports, the SYN of a
+/// same-node mesh connection the kernel carries (`mesh_local.rs`). No proxy listener:
 /// the packet is dropped and counted (fail closed). Miss path: `TC_ACT_OK`.
 #[classifier]
 pub fn shunt_tc_ingress(ctx: TcContext) -> i32 {
@@ -261,6 +262,17 @@ fn steer_inbound(
     // A new connection: hand it to the proxy's listener. Only a SYN can
     // start one; anything else without a socket is the kernel's to refuse.
     if packet.flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) != TCP_FLAG_SYN {
+        return TC_ACT_OK;
+    }
+    // An authorised same-node mesh connection goes to the application.
+    if crate::mesh_local::admits(
+        slot,
+        packet.v6,
+        packet.saddr,
+        packet.daddr,
+        packet.sport_be,
+        packet.dport_be,
+    ) {
         return TC_ACT_OK;
     }
     let mut tuple = tuple_of(packet, PORT_INBOUND_PLAINTEXT.to_be());

@@ -26,12 +26,14 @@ use crate::{
     api::KernelAuthzStatus,
     authz::{
         PolicyKey,
-        kernel::{KernelSource, compile},
+        kernel::{KernelSource, KernelVerdict, VerdictKey, compile},
     },
     control::NodePods,
     inpod::{Answer, Answers, Wanted, ZdsPod, ZtunnelLink},
     proxy::{PodNet, Proxy},
-    redirect::{Capture, EnrolledPod, PodTarget, Redirector, Verification},
+    redirect::{
+        Capture, EnrolledPod, MeshLocalTable, MeshLocalWritten, PodTarget, Redirector, Verification,
+    },
     snapshot::{NodeSnapshot, PodSnapshot},
     state::{PodState, TrustDomain, Workload, WorkloadKey},
     store::WorkloadStore,
@@ -88,6 +90,11 @@ pub struct NodeAgent {
     kernel_authz: Option<Arc<RwLock<WorkloadStore>>>,
     /// What the last compile left in the kernel.
     kernel_authz_status: Option<KernelAuthzStatus>,
+    /// The verdicts last written whole (flow 2 of the fast path is turned
+    /// off before a different table is written).
+    last_verdicts: Option<BTreeMap<VerdictKey, KernelVerdict>>,
+    /// What the last flow-2 write did (logged when it changes).
+    mesh_local_status: Option<MeshLocalWritten>,
 }
 
 impl NodeAgent {
@@ -111,6 +118,8 @@ impl NodeAgent {
             metrics: crate::metrics::Metrics::default(),
             kernel_authz: None,
             kernel_authz_status: None,
+            last_verdicts: None,
+            mesh_local_status: None,
         }
     }
 
@@ -242,16 +251,16 @@ impl NodeAgent {
             .iter()
             .map(|(_, e, _)| e.workload.identity(&self.trust_domain).to_string())
             .collect();
-        let (policies, destinations) = {
+        let (policies, slotted) = {
             let store = store.read().unwrap_or_else(|p| p.into_inner());
-            let destinations: Vec<Workload> = enrolled
+            let slotted: Vec<(u32, Workload)> = enrolled
                 .iter()
-                .filter_map(|(key, _, _)| store.get(key))
-                .filter(|w| w.wants_mesh())
-                .cloned()
+                .filter_map(|(key, _, slot)| Some((*slot, store.get(key)?.clone())))
+                .filter(|(_, w)| w.wants_mesh())
                 .collect();
-            (store.policies().clone(), destinations)
+            (store.policies().clone(), slotted)
         };
+        let destinations: Vec<Workload> = slotted.iter().map(|(_, w)| w.clone()).collect();
         let sources: Vec<KernelSource<'_>> = enrolled
             .iter()
             .zip(&identities)
@@ -263,6 +272,13 @@ impl NodeAgent {
             .collect();
         let destinations: Vec<&Workload> = destinations.iter().collect();
         let table = compile(&policies, &sources, &destinations);
+        // Flow 2 of the fast path trusts this table (a missing entry means
+        // "allowed"): off before it changes, on again only once it was
+        // written whole (`redirect::mesh_local`).
+        let verdicts_changed = self.last_verdicts.as_ref() != Some(&table.entries);
+        if verdicts_changed {
+            self.redirector.write_mesh_local(None);
+        }
         let Some(written) = self.redirector.write_verdicts(&table) else {
             info!(
                 mode = %self.redirector.mode(),
@@ -298,6 +314,36 @@ impl NodeAgent {
             );
         }
         self.kernel_authz_status = Some(status);
+        let complete = written.error.is_none();
+        self.last_verdicts = complete.then(|| table.entries.clone());
+        let mesh_local = complete.then(|| {
+            let enrolled: Vec<(u32, &Workload)> =
+                slotted.iter().map(|(slot, w)| (*slot, w)).collect();
+            let mut mesh_local = MeshLocalTable::derive(&enrolled, &table.inexact);
+            // Every enrolled pod was compiled as a source, including those
+            // the store does not know yet (never destinations then).
+            mesh_local.sources.extend(sources.iter().map(|s| s.slot));
+            mesh_local
+        });
+        if let Some(result) = self.redirector.write_mesh_local(mesh_local.as_ref())
+            && self.mesh_local_status.as_ref() != Some(&result)
+        {
+            match &result.error {
+                Some(error) => warn!(
+                    %error,
+                    "same-node mesh fast path left off: those connections go through the proxy"
+                ),
+                None if result.on => info!(
+                    sources = result.sources,
+                    destinations = result.destinations,
+                    "same-node mesh fast path on"
+                ),
+                None => info!(
+                    "same-node mesh fast path off (the authorization table is incomplete, or --fast-path off)"
+                ),
+            }
+            self.mesh_local_status = Some(result);
+        }
     }
 
     /// Checks every pod of the last list again: repairs what someone

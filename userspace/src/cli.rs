@@ -141,9 +141,20 @@ pub struct AgentArgs {
     /// nothing to them (no mTLS: the destination is outside the mesh), so
     /// the default is `on`. `off` keeps every flow on the proxy path, as
     /// does the annotation `shunt.io/fast-path: "off"` on a pod or its
-    /// namespace (`fastPath: false` in a workloads file). Mesh traffic,
-    /// same node or not, always takes the proxy and HBONE (mTLS). The
-    /// iptables mode has no fast path.
+    /// namespace (`fastPath: false` in a workloads file).
+    ///
+    /// Same-node mesh traffic (issue 18 flow 2; ebpf/src/mesh_local.rs): a
+    /// connect from one enrolled mesh pod to another pod of this node (its
+    /// IP, no waypoint) that the authorization policies allow — as the
+    /// kernel's compiled verdicts say, which must be complete
+    /// (--kernel-authz on) — also skips the proxy: it goes pod to pod in
+    /// the kernel WITHOUT mTLS (it never leaves the node), still reported
+    /// with both identities (connection_security_policy="none"). Users who
+    /// want mTLS between pods of one node set `--fast-path off` or annotate
+    /// either pod `shunt.io/fast-path: "off"`. Denied connects fail at
+    /// connect() with EPERM. Mesh traffic to another node, or through a
+    /// Service VIP, always takes the proxy and HBONE (mTLS). The iptables
+    /// mode has no fast path.
     #[arg(long, value_enum, value_name = "on|off", default_value_t = OnOff::On)]
     pub fast_path: OnOff,
 

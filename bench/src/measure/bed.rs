@@ -62,7 +62,10 @@ fn wait_fast_path(node: &shunt_testbed::Node, node_name: &str) -> anyhow::Result
     loop {
         let (_, body) = shunt_testbed::agent::http(node, "GET", 15020, "/metrics")
             .with_context(|| format!("metrics of the agent on {node_name}"))?;
-        if body.lines().any(|l| l == "shunt_fast_path_table_valid 1") {
+        // Both flows: the passthrough table and the same-node mesh switch.
+        if body.lines().any(|l| l == "shunt_fast_path_table_valid 1")
+            && body.lines().any(|l| l == "shunt_fast_path_mesh_enabled 1")
+        {
             return Ok(());
         }
         if std::time::Instant::now() >= deadline {

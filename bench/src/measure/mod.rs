@@ -417,16 +417,16 @@ fn check_around_proxy(
         return ProxyCheck::default();
     };
     let check = ProxyCheck {
-        client_side: after
-            .outbound_passthrough
-            .saturating_sub(before.outbound_passthrough),
+        // Passthrough (flow 1) and same-node mesh (flow 2) alike.
+        client_side: (after.outbound_passthrough + after.outbound_hbone)
+            .saturating_sub(before.outbound_passthrough + before.outbound_hbone),
         bytes_out: after.bytes_out.saturating_sub(before.bytes_out),
         bytes_in: after.bytes_in.saturating_sub(before.bytes_in),
         ..ProxyCheck::default()
     };
     if check.client_side > 0 {
         problems.push(format!(
-            "the fast path is on but the proxy carried {} passthrough connections",
+            "the fast path is on but the proxy carried {} connections",
             check.client_side
         ));
     }

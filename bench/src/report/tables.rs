@@ -20,9 +20,11 @@ pub fn path_label(p: &PathSpec) -> String {
     match p.mode {
         Mode::Direct => format!("direct · {locality}"),
         mode => {
-            let dest = match p.dest {
-                Dest::Plain => "passthrough",
-                Dest::Hbone => "HBONE",
+            let dest = match (p.dest, mode) {
+                (Dest::Plain, _) => "passthrough",
+                // Flow 2: mesh to mesh, carried in the kernel without HBONE.
+                (Dest::Hbone, Mode::EbpfFastPath) => "mesh in the kernel",
+                (Dest::Hbone, _) => "HBONE",
             };
             let mode = match mode {
                 Mode::Iptables => "iptables+proxy",

@@ -188,6 +188,46 @@ pub fn targets_table(index: &Index, placement: Placement) -> String {
             md.push('\n');
         }
         md.push_str(&fast_path_targets_table(index, placement));
+        md.push('\n');
+        md.push_str(&fast_path_mesh_targets_table(index, placement));
+    }
+    md
+}
+
+/// The same-node mesh fast path's targets (issue 18, flow 2): against
+/// direct, and against iptables+proxy on the same (HBONE) path.
+pub fn fast_path_mesh_targets() -> Vec<Target> {
+    let t = |what, workload, against, bound| Target {
+        what,
+        workload,
+        pick: pick_rate,
+        against,
+        bound,
+        at_least: true,
+    };
+    vec![
+        t("request/response rate (1 B)", "rr1", Mode::Direct, 0.85),
+        t("connections/s", "crr", Mode::Direct, 0.75),
+        t("stream throughput", "stream", Mode::Direct, 0.85),
+        t("request/response rate (1 B)", "rr1", Mode::Iptables, 1.5),
+        t("connections/s", "crr", Mode::Iptables, 1.5),
+        t("stream throughput", "stream", Mode::Iptables, 1.5),
+    ]
+}
+
+fn fast_path_mesh_targets_table(index: &Index, placement: Placement) -> String {
+    let mut md = String::from(
+        "| eBPF+fast path vs | metric | target | same node, mesh in the kernel |\n|---|---|--:|--:|\n",
+    );
+    for t in fast_path_mesh_targets() {
+        let against = match t.against {
+            Mode::Direct => "direct",
+            _ => "iptables+proxy (HBONE)",
+        };
+        let _ = write!(md, "| {against} | {} | ≥ {:.2}× |", t.what, t.bound);
+        let cells = target_cells(index, placement, Mode::EbpfFastPath, &t);
+        // mesh_variants(): same/hbone is second.
+        let _ = writeln!(md, " {} |", ratio_cell(&cells[1]));
     }
     md
 }

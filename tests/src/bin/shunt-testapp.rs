@@ -21,6 +21,12 @@
 //! seconds passed: connection churn across an agent handover; `"ok"` only
 //! when every connection worked)
 //!
+//! `shunt-testapp many ADDR --count N [--workers W] [--send S]` (W threads
+//! making N connections in all, one after another each: send S bytes, read
+//! S bytes back, then close with a reset (`SO_LINGER` 0) so that no
+//! TIME_WAIT holds the port; reports how many worked: many short
+//! connections without running out of ports)
+//!
 //! `shunt-testapp serve ADDR --conns N [--timeout-ms T]` (an echo server:
 //! prints `{"listening":ADDR}` once bound, echoes N connections one after
 //! another on non-blocking sockets, then reports their `tcp_info` byte
@@ -71,7 +77,7 @@ fn bad(message: &str) -> std::io::Error {
 fn run(args: &[String]) -> std::io::Result<String> {
     let mode = args
         .first()
-        .ok_or_else(|| bad("usage: connect|hold|churn|serve ADDR ..."))?;
+        .ok_or_else(|| bad("usage: connect|hold|churn|many|serve ADDR ..."))?;
     let addr: SocketAddr = args
         .get(1)
         .ok_or_else(|| bad("missing address"))?
@@ -87,6 +93,9 @@ fn run(args: &[String]) -> std::io::Result<String> {
     }
     if mode == "serve" {
         return serve(args, addr, timeout);
+    }
+    if mode == "many" {
+        return many(args, addr, timeout);
     }
     let mark = option(args, "--mark")
         .map(|m| u32::from_str_radix(m.trim_start_matches("0x"), 16).unwrap_or(0));
@@ -422,6 +431,88 @@ fn churn(args: &[String], addr: SocketAddr, timeout: Duration) -> std::io::Resul
         start.elapsed().as_secs_f64(),
         errors.join(",")
     ))
+}
+
+fn many(args: &[String], addr: SocketAddr, timeout: Duration) -> std::io::Result<String> {
+    let number = |name: &str, default: u64| {
+        option(args, name)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(default)
+    };
+    let count = number("--count", 1000).min(1_000_000);
+    let workers = number("--workers", 4).clamp(1, 32);
+    let size = number("--send", 64).min(64 * 1024) as usize;
+    let payload: std::sync::Arc<Vec<u8>> =
+        std::sync::Arc::new((0..size).map(|i| (i % 251) as u8).collect());
+    let start = Instant::now();
+    let threads: Vec<_> = (0..workers)
+        .map(|w| {
+            let payload = payload.clone();
+            // The first workers take the remainder.
+            let mine = count / workers + u64::from(w < count % workers);
+            std::thread::spawn(move || {
+                let (mut ok, mut failed, mut errors) = (0u64, 0u64, Vec::<String>::new());
+                for _ in 0..mine {
+                    match exchange_and_reset(addr, &payload, timeout) {
+                        Ok(()) => ok += 1,
+                        Err(e) => {
+                            failed += 1;
+                            if errors.len() < 5 {
+                                errors.push(format!("{e} ({:?})", e.kind()));
+                            }
+                        }
+                    }
+                }
+                (ok, failed, errors)
+            })
+        })
+        .collect();
+    let (mut ok, mut failed, mut errors) = (0u64, 0u64, Vec::new());
+    for thread in threads {
+        let (o, f, e) = thread.join().map_err(|_| bad("worker panicked"))?;
+        ok += o;
+        failed += f;
+        errors.extend(e);
+    }
+    let errors: Vec<String> = errors.iter().map(|e| format!("{e:?}")).collect();
+    Ok(format!(
+        "{{\"ok\":{},\"succeeded\":{ok},\"failed\":{failed},\"seconds\":{:.1},\"errors\":[{}]}}",
+        failed == 0 && ok == count,
+        start.elapsed().as_secs_f64(),
+        errors.join(",")
+    ))
+}
+
+/// One short connection of `many`: the payload out, as much back, then a
+/// reset.
+fn exchange_and_reset(addr: SocketAddr, payload: &[u8], timeout: Duration) -> std::io::Result<()> {
+    let mut stream = TcpStream::connect_timeout(&addr, timeout)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    stream.write_all(payload)?;
+    let mut back = vec![0u8; payload.len()];
+    stream.read_exact(&mut back)?;
+    if back != payload {
+        return Err(bad("echo differs"));
+    }
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: a valid socket and a value of the size given.
+    let rc = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&linger as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Echoes `--conns` connections, one at a time, each on a non-blocking

@@ -84,6 +84,10 @@ pub struct VerdictTable {
     /// (source, destination address) pairs left to the proxy because the
     /// kernel could not know their verdict exactly.
     pub left_to_proxy: usize,
+    /// The destination addresses of those pairs: a missing entry does not
+    /// mean "allowed" for them, so the fast path never carries a connect
+    /// to them in the kernel.
+    pub inexact: BTreeSet<IpAddr>,
 }
 
 impl VerdictTable {
@@ -123,11 +127,13 @@ pub fn compile(
         if dst.waypoint.is_some() || dst.tunnel != TunnelProtocol::Hbone {
             // Its proxy sees another source (the waypoint) or plaintext.
             table.left_to_proxy += sources.len() * dst.ips.len();
+            table.inexact.extend(&dst.ips);
             continue;
         }
         let ports = named_ports(&applicable);
         let Some(other) = (1..=u16::MAX).find(|p| !ports.contains(p)) else {
             table.left_to_proxy += sources.len() * dst.ips.len();
+            table.inexact.extend(&dst.ips);
             continue;
         };
         for source in sources {
@@ -140,7 +146,10 @@ pub fn compile(
                 };
                 match pair.entries(&ports, other) {
                     Some(entries) => table.entries.extend(entries),
-                    None => table.left_to_proxy += 1,
+                    None => {
+                        table.left_to_proxy += 1;
+                        table.inexact.insert(dst_ip);
+                    }
                 }
             }
         }

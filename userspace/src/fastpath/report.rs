@@ -10,7 +10,7 @@ use std::{
     time::Duration,
 };
 
-use shunt_common::{FastPathEvent, FastPathStats};
+use shunt_common::{FastPathEvent, FastPathStats, MeshLocalStats};
 use tokio::io::{Interest, unix::AsyncFd};
 use tracing::warn;
 
@@ -48,6 +48,7 @@ pub async fn report_events(events: FastPathEvents, counters: FastPathCounters, r
         }
     };
     let mut copied = FastPathStats::default();
+    let mut copied_mesh = MeshLocalStats::default();
     let mut tick = tokio::time::interval(COUNTERS_EVERY);
     loop {
         tokio::select! {
@@ -61,6 +62,11 @@ pub async fn report_events(events: FastPathEvents, counters: FastPathCounters, r
             _ = tick.tick() => {}
         }
         copied = reporter.copy_counters(&counters.read(), copied);
+        copied_mesh = reporter.copy_mesh_counters(&counters.read_mesh_local(), copied_mesh);
+        reporter
+            .metrics
+            .mesh_local_on
+            .set(i64::from(counters.mesh_local_on()));
     }
 }
 
@@ -72,12 +78,19 @@ impl Reporter {
     pub fn handle(&self, event: &FastPathEvent) {
         let src = socket_addr(event.family, event.src_addr, event.src_port);
         let dst = socket_addr(event.family, event.dst_addr, event.dst_port);
-        let source = self
-            .store
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .by_ip(src.ip())
-            .map(|w| (w.key(), w.identity(&self.trust_domain).to_string()));
+        let mesh_local = event.flags & FastPathEvent::MESH_LOCAL != 0;
+        let (source, destination) = {
+            let store = self.store.read().unwrap_or_else(|p| p.into_inner());
+            let named = |ip| {
+                store
+                    .by_ip(ip)
+                    .map(|w| (w.key(), w.identity(&self.trust_domain).to_string()))
+            };
+            (
+                named(src.ip()),
+                if mesh_local { named(dst.ip()) } else { None },
+            )
+        };
         let info = ConnectionInfo {
             direction: Direction::Passthrough,
             pod: source.as_ref().map(|(key, _)| key),
@@ -87,6 +100,28 @@ impl Reporter {
             dst_identity: None,
             dst_service: None,
         };
+        if mesh_local {
+            // Both ends are this node's: reported as both proxies report a
+            // same-node HBONE connection, once by each end.
+            let outbound = ConnectionInfo {
+                direction: Direction::KernelOutbound,
+                dst_identity: destination.as_ref().map(|(_, id)| id.as_str()),
+                ..info
+            };
+            let inbound = ConnectionInfo {
+                direction: Direction::KernelInbound,
+                pod: destination.as_ref().map(|(key, _)| key),
+                ..outbound
+            };
+            self.report(event, &outbound);
+            self.report(event, &inbound);
+            return;
+        }
+        self.report(event, &info);
+    }
+
+    fn report(&self, event: &FastPathEvent, info: &ConnectionInfo<'_>) {
+        let info = *info;
         match event.kind {
             FastPathEvent::OPENED => self.observer.opened(&info),
             FastPathEvent::CLOSED => {
@@ -109,6 +144,26 @@ impl Reporter {
             }
             _ => {}
         }
+    }
+
+    /// As [`Reporter::copy_counters`], for flow 2's counters.
+    fn copy_mesh_counters(&self, now: &MeshLocalStats, before: MeshLocalStats) -> MeshLocalStats {
+        let m = &self.metrics;
+        m.mesh_local
+            .inc_by(now.carried.saturating_sub(before.carried));
+        m.proxied_for("mesh_off")
+            .inc_by(now.off.saturating_sub(before.off));
+        m.proxied_for("mesh_untracked")
+            .inc_by(now.untracked.saturating_sub(before.untracked));
+        let unrecorded = now.flows_unrecorded.saturating_sub(before.flows_unrecorded);
+        if unrecorded > 0 {
+            warn!(
+                unrecorded,
+                "same-node mesh connections whose SYN entry could not be written: their destination's proxy got them as plaintext"
+            );
+        }
+        m.proxied_for("mesh_flow_unrecorded").inc_by(unrecorded);
+        *now
     }
 
     /// Adds what the kernel counted since `before` to the metrics; returns
@@ -148,11 +203,11 @@ fn access_log(info: &ConnectionInfo<'_>, close: &ConnectionClose, event: &FastPa
         ($level:ident) => {
             tracing::$level!(
                 target: "shunt::access",
-                direction = "passthrough",
+                direction = info.direction.as_str(),
                 src.addr = %info.src_addr,
                 src.identity = info.src_identity.unwrap_or("-"),
                 dst.addr = %info.dst_addr,
-                dst.identity = "-",
+                dst.identity = info.dst_identity.unwrap_or("-"),
                 dst.service = "-",
                 bytes_sent = close.bytes_to_target,
                 bytes_received = close.bytes_from_target,

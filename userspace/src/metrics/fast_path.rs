@@ -25,6 +25,9 @@ pub struct FastPathMetrics {
     pub direct: Counter,
     pub proxied: Family<ReasonLabel, Counter>,
     pub events_dropped: Counter,
+    /// Flow 2: same-node mesh connections carried in the kernel.
+    pub mesh_local: Counter,
+    pub mesh_local_on: Gauge,
 }
 
 impl FastPathMetrics {
@@ -51,8 +54,18 @@ impl FastPathMetrics {
         );
         shunt.register(
             "fast_path_proxied_connections",
-            "Connects the fast path would have taken that went to the proxy: table_invalid (the table was off), untracked (no record could be kept)",
+            "Connects the fast path would have taken that went to the proxy: table_invalid (the table was off), untracked (no record could be kept); same-node mesh: mesh_off (flow 2 off), mesh_untracked (no record), mesh_flow_unrecorded (the SYN's entry could not be written: the destination's proxy got it as plaintext)",
             self.proxied.clone(),
+        );
+        shunt.register(
+            "fast_path_mesh_connections",
+            "Connects between mesh pods of this node carried in the kernel without the proxy (no mTLS: the fast path's flow 2)",
+            self.mesh_local.clone(),
+        );
+        shunt.register(
+            "fast_path_mesh_enabled",
+            "1 while same-node mesh connections may be carried in the kernel (the authorization verdicts are compiled whole); 0: they go through the proxy",
+            self.mesh_local_on.clone(),
         );
         shunt.register(
             "fast_path_events_dropped",

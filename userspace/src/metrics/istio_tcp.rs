@@ -117,12 +117,7 @@ impl TcpObserver {
             destination_cluster: dst.cluster,
             request_protocol: "tcp".into(),
             response_flags: flags.into(),
-            connection_security_policy: if c.direction.mutual_tls() {
-                "mutual_tls"
-            } else {
-                UNKNOWN
-            }
-            .into(),
+            connection_security_policy: c.direction.security_policy().into(),
         }
     }
 }

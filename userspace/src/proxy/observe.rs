@@ -18,6 +18,12 @@ pub enum Direction {
     Inbound,
     /// A plaintext connection from outside the mesh to a local pod.
     InboundPlaintext,
+    /// A local pod's connect to a mesh pod of the same node, carried in the
+    /// kernel without the proxy (the fast path's flow 2), as its source
+    /// reports it.
+    KernelOutbound,
+    /// The same connection as its destination reports it.
+    KernelInbound,
 }
 
 impl Direction {
@@ -27,17 +33,35 @@ impl Direction {
             Direction::Passthrough => "passthrough",
             Direction::Inbound => "inbound",
             Direction::InboundPlaintext => "inbound_plaintext",
+            Direction::KernelOutbound => "outbound",
+            Direction::KernelInbound => "inbound",
         }
     }
 
     /// Whether the local pod is the connection's source (else its target).
     pub fn local_is_source(self) -> bool {
-        matches!(self, Direction::Outbound | Direction::Passthrough)
+        matches!(
+            self,
+            Direction::Outbound | Direction::Passthrough | Direction::KernelOutbound
+        )
     }
 
     /// Whether the bytes crossed the network inside mutual TLS.
     pub fn mutual_tls(self) -> bool {
         matches!(self, Direction::Outbound | Direction::Inbound)
+    }
+
+    /// Istio's `connection_security_policy`: `mutual_tls` inside HBONE;
+    /// `none` for a same-node mesh connection the kernel carried (known
+    /// plaintext, between two pods of one node, never on a link);
+    /// `unknown` for plaintext to or from outside the mesh, as the proxy
+    /// has always labelled it.
+    pub fn security_policy(self) -> &'static str {
+        match self {
+            Direction::Outbound | Direction::Inbound => "mutual_tls",
+            Direction::KernelOutbound | Direction::KernelInbound => "none",
+            Direction::Passthrough | Direction::InboundPlaintext => "unknown",
+        }
     }
 
     pub(crate) fn from_log(direction: &str) -> Self {

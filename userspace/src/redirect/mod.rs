@@ -8,6 +8,7 @@
 
 pub mod ebpf;
 pub mod iptables;
+mod mesh_local;
 pub mod probe;
 pub mod route;
 pub mod tc_dump;
@@ -16,6 +17,8 @@ use std::{fmt, path::PathBuf};
 
 use serde::Serialize;
 use shunt_common::PodCounters;
+
+pub use mesh_local::{MeshLocalTable, MeshLocalWritten};
 
 use crate::state::WorkloadKey;
 
@@ -204,6 +207,12 @@ pub trait Redirector: Send {
         &mut self,
         _table: &crate::authz::kernel::VerdictTable,
     ) -> Option<VerdictsWritten> {
+        None
+    }
+    /// Flow 2 of the fast path (same node, mesh to mesh, in the kernel):
+    /// `None` turns it off, `Some` writes its sources and destinations and
+    /// turns it on. `None` returned: this mode has no fast path.
+    fn write_mesh_local(&mut self, _table: Option<&MeshLocalTable>) -> Option<MeshLocalWritten> {
         None
     }
     /// Connects the kernel refused, per enrolled pod and deciding policy.

@@ -200,6 +200,7 @@ impl EbpfRedirector {
         let _ = self.addrs_map.set(slot, PodAddrs::default(), 0);
         let _ = self.records_map.remove(&cookie);
         self.policy.forget_slot(slot);
+        self.mesh_local.forget_slot(slot);
     }
 }
 
@@ -433,6 +434,13 @@ impl Redirector for EbpfRedirector {
 
     fn write_verdicts(&mut self, table: &VerdictTable) -> Option<VerdictsWritten> {
         Some(self.policy.write(table))
+    }
+
+    fn write_mesh_local(
+        &mut self,
+        table: Option<&crate::redirect::MeshLocalTable>,
+    ) -> Option<crate::redirect::MeshLocalWritten> {
+        Some(self.mesh_local.write(table))
     }
 
     fn policy_denials(&self) -> BTreeMap<WorkloadKey, Vec<(PolicyKey, u64)>> {

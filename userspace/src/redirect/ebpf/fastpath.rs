@@ -15,7 +15,8 @@ use std::{
 
 use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, PerCpuArray, RingBuf};
 use shunt_common::{
-    FastPathDest, FastPathEvent, FastPathState, FastPathStats, MAX_FAST_PATH_DESTINATIONS, maps,
+    FastPathDest, FastPathEvent, FastPathState, FastPathStats, MAX_FAST_PATH_DESTINATIONS,
+    MeshLocalStats, maps,
 };
 
 use super::LoadError;
@@ -207,16 +208,46 @@ impl AsRawFd for FastPathEvents {
     }
 }
 
-/// The programs' counters.
+/// The programs' counters, and flow 2's switch (read only: the reconciler
+/// writes it).
 pub struct FastPathCounters {
     map: PerCpuArray<MapData, FastPathStats>,
+    mesh_local: PerCpuArray<MapData, MeshLocalStats>,
+    mesh_local_state: Array<MapData, FastPathState>,
 }
 
 impl FastPathCounters {
     pub fn open(pin_dir: &Path) -> Result<Self, LoadError> {
         let map = PerCpuArray::try_from(Map::PerCpuArray(open(pin_dir, maps::FAST_PATH_STATS)?))
             .map_err(|e| map_error(maps::FAST_PATH_STATS, e))?;
-        Ok(Self { map })
+        let mesh_local =
+            PerCpuArray::try_from(Map::PerCpuArray(open(pin_dir, maps::MESH_LOCAL_STATS)?))
+                .map_err(|e| map_error(maps::MESH_LOCAL_STATS, e))?;
+        let mesh_local_state = Array::try_from(Map::Array(open(pin_dir, maps::MESH_LOCAL_STATE)?))
+            .map_err(|e| map_error(maps::MESH_LOCAL_STATE, e))?;
+        Ok(Self {
+            map,
+            mesh_local,
+            mesh_local_state,
+        })
+    }
+
+    /// Flow 2's counters summed over CPUs (zeros if unreadable).
+    pub fn read_mesh_local(&self) -> MeshLocalStats {
+        let mut total = MeshLocalStats::default();
+        if let Ok(values) = self.mesh_local.get(&0, 0) {
+            for cpu in values.iter() {
+                total.add(cpu);
+            }
+        }
+        total
+    }
+
+    /// Whether flow 2 is on.
+    pub fn mesh_local_on(&self) -> bool {
+        self.mesh_local_state
+            .get(&0, 0)
+            .is_ok_and(|s| s.flags & FastPathState::VALID != 0)
     }
 
     /// The counters summed over CPUs (zeros if the map cannot be read).

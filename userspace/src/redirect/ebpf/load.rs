@@ -100,6 +100,7 @@ impl EbpfRedirector {
         let records_map: BpfHashMap<MapData, u64, PodRecord> =
             take_map(&mut ebpf, maps::POD_RECORDS)?;
         let policy = policy::PolicyMaps::open(&mut ebpf)?;
+        let mesh_local = mesh_local::MeshLocalMaps::open(&mut ebpf, options.fast_path)?;
         cgroup::attach_or_adopt(&mut ebpf, &cgroup_root, pin_dir)?;
         let splice = options.splice;
         if splice != SpliceMode::Off {
@@ -146,6 +147,7 @@ impl EbpfRedirector {
             addrs_map,
             records_map,
             policy,
+            mesh_local,
             pods: BTreeMap::new(),
             pin_dir: pin_dir.to_path_buf(),
             cgroup_root,

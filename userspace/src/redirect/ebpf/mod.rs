@@ -29,6 +29,7 @@ mod cgroup;
 mod enrol;
 mod fastpath;
 mod load;
+mod mesh_local;
 mod original_dst;
 mod pin_report;
 mod pins;
@@ -97,6 +98,8 @@ pub struct EbpfRedirector {
     records_map: BpfHashMap<MapData, u64, PodRecord>,
     /// The kernel's authorization table and its denial counters.
     policy: policy::PolicyMaps,
+    /// Flow 2 of the fast path: its sources, destinations and switch.
+    mesh_local: mesh_local::MeshLocalMaps,
     pods: BTreeMap<WorkloadKey, Enrolment>,
     pin_dir: PathBuf,
     cgroup_root: PathBuf,

@@ -10,9 +10,10 @@ use std::path::{Path, PathBuf};
 
 use aya::maps::MapData;
 use shunt_common::{
-    FastPathDest, FastPathSock, FastPathState, FastPathStats, GlobalConfig, OriginalDst, PodAddrs,
-    PodConfig, PodCounters, PodRecord, PodSlot, PolicyDenialKey, PolicyVerdict, PolicyVerdictKey,
-    SockKey, SpliceFlow, SpliceKey, maps,
+    FastPathDest, FastPathSock, FastPathState, FastPathStats, GlobalConfig, MeshFlow, MeshFlowKey,
+    MeshLocalDest, MeshLocalStats, OriginalDst, PodAddrs, PodConfig, PodCounters, PodRecord,
+    PodSlot, PolicyDenialKey, PolicyVerdict, PolicyVerdictKey, SockKey, SpliceFlow, SpliceKey,
+    maps,
 };
 
 /// A pinned map whose key or value size is not what this agent uses.
@@ -54,6 +55,11 @@ fn layout(name: &str) -> Option<(usize, usize)> {
         // A ring buffer has neither keys nor values.
         maps::FAST_PATH_EVENTS => (0, 0),
         maps::FAST_PATH_STATS => (size_of::<u32>(), size_of::<FastPathStats>()),
+        maps::MESH_LOCAL_DESTS => (size_of::<FastPathDest>(), size_of::<MeshLocalDest>()),
+        maps::MESH_LOCAL_SOURCES => (size_of::<u32>(), size_of::<u32>()),
+        maps::MESH_LOCAL_STATE => (size_of::<u32>(), size_of::<FastPathState>()),
+        maps::MESH_LOCAL_FLOWS => (size_of::<MeshFlowKey>(), size_of::<MeshFlow>()),
+        maps::MESH_LOCAL_STATS => (size_of::<u32>(), size_of::<MeshLocalStats>()),
         _ => return None,
     })
 }
