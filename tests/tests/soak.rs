@@ -40,6 +40,8 @@ use shunt_testbed::{
 
 const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
 const TIMEOUT: Duration = Duration::from_secs(60);
+/// What a churn round may take per pod beyond [`TIMEOUT`].
+const PER_POD: Duration = Duration::from_secs(3);
 /// How far the agent's RSS may grow across the churn (after the warm-up).
 const RSS_GROWTH_MAX_KIB: u64 = 32 * 1024;
 /// Fds and threads the runtime may hold beyond the warm-up figure (its
@@ -130,8 +132,11 @@ fn leftovers(pod: &Pod) -> Vec<String> {
 fn churn_pods_are(agent: &mut Agent, pods: &[Pod], enrolled: bool) -> NodeStatus {
     let names: Vec<&str> = pods.iter().map(|p| p.name()).collect();
     let what = if enrolled { "enrolled" } else { "out" };
+    // Each eBPF enrolment loads and verifies the pod's TC programs: tens of
+    // milliseconds idle, seconds on a loaded machine.
+    let timeout = TIMEOUT + PER_POD * pods.len() as u32;
     agent
-        .wait_for(&format!("churn pods {what}"), TIMEOUT, |s: &NodeStatus| {
+        .wait_for(&format!("churn pods {what}"), timeout, |s: &NodeStatus| {
             names.iter().all(|name| {
                 s.pods.iter().any(|p| {
                     p.name == *name
