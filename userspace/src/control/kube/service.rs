@@ -116,7 +116,10 @@ impl ServiceFacts {
                 target_port,
             });
         }
-        let waypoint_labels = (service.metadata.labels.as_ref())
+        let waypoint_labels = service
+            .metadata
+            .labels
+            .as_ref()
             .map(waypoint::binding_labels)
             .unwrap_or_default();
         Ok(Some(Self {
@@ -303,7 +306,9 @@ impl ServiceWatches {
     /// Every usable service's waypoint labels (for
     /// [`super::waypoints`]).
     pub(crate) fn waypoint_labels(&self) -> HashMap<WorkloadKey, BTreeMap<String, String>> {
-        (self.services.values().flatten())
+        self.services
+            .values()
+            .flatten()
             .map(|facts| (facts.key.clone(), facts.waypoint_labels.clone()))
             .collect()
     }
