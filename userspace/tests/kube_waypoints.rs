@@ -224,11 +224,12 @@ async fn a_namespace_bound_to_a_waypoint_gateway_routes_its_service_through_it()
         Some(waypoint("shop", "wp"))
     );
 
-    // The pod's own label to the waypoint is no different: services only.
+    // The pod binds itself too (its own label), then the Gateway serves
+    // workloads only: the pod has it again, the service (bound by its
+    // namespace) no longer.
     server.update(Kind::Pod, "shop", "client", |p| {
         p["metadata"]["labels"] = json!({"istio.io/use-waypoint": "wp"});
     });
-    // The Gateway serves workloads again: the pod's own label binds it.
     server.update(Kind::Gateway, "shop", "wp", |g| {
         g["metadata"]["labels"]["istio.io/waypoint-for"] = json!("workload");
     });
