@@ -1465,6 +1465,9 @@ fn check_rolling_update(objects: &[Object]) {
 ///   `watcher` on Istio's security.istio.io authorizationpolicies
 ///   (`Api::all`), a resource of the file's own (`impl Resource for`, with
 ///   `const GROUP` and `const PLURAL`).
+/// - userspace/src/control/kube/gateway.rs, `GatewayWatch::new`: a kube-rs
+///   `watcher` on gateway.networking.k8s.io gateways (`Api::all`), the
+///   waypoint Gateways, a resource of the file's own likewise.
 ///
 /// `rbac_rules_cover_exactly_the_agents_api_calls` checks this list against
 /// the code as well as against deploy/rbac.yaml.
@@ -1478,6 +1481,7 @@ const AGENT_API_CALLS: &[(&str, &str, &[&str])] = &[
         "authorizationpolicies",
         &["list", "watch"],
     ),
+    ("gateway.networking.k8s.io", "gateways", &["list", "watch"]),
 ];
 
 /// (group, resource) of a k8s-openapi type named in the agent's code.

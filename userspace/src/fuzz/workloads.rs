@@ -23,6 +23,12 @@ workloads:
     ips: ["198.18.2.3", "fd00::3"]
     node: node-b
     dataplaneMode: ambient
+  - name: waypoint-0
+    namespace: default
+    serviceAccount: waypoint
+    ips: ["198.18.2.4"]
+    node: node-b
+    labels: {gateway.istio.io/managed: istio.io-mesh-controller}
 services:
   - name: web
     namespace: default
@@ -31,6 +37,19 @@ services:
       - port: 80
         targetPort: 8080
     endpoints: [server, 198.18.9.9]
+    labels: {istio.io/use-waypoint: waypoint}
+  - name: waypoint
+    namespace: default
+    clusterIPs: ["198.19.100.2"]
+    ports: [{port: 15008}]
+    endpoints: [waypoint-0]
+namespaces:
+  - name: default
+    labels: {istio.io/use-waypoint: waypoint, istio.io/use-waypoint-namespace: default}
+waypoints:
+  - name: waypoint
+    namespace: default
+    for: all
 authorizationPolicies:
   - apiVersion: security.istio.io/v1
     kind: AuthorizationPolicy
@@ -54,7 +73,15 @@ const PATH: &str = "/etc/shunt/workloads.yaml";
 #[test]
 fn the_seed_is_valid() {
     let parsed = parse(Path::new(PATH), SEED).expect("the seed parses");
-    assert_eq!(parsed.workloads.len(), 2);
+    assert_eq!(parsed.workloads.len(), 3);
+    let bound = |w: &crate::state::Workload| w.waypoint.is_some();
+    assert_eq!(
+        parsed.workloads.iter().map(bound).collect::<Vec<_>>(),
+        [true, true, false],
+        "the waypoint's own pod is not bound"
+    );
+    assert!(parsed.services[0].waypoint.is_some());
+    assert!(parsed.services[1].waypoint.is_none(), "nor its service");
 }
 
 proptest! {

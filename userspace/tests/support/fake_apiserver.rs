@@ -8,7 +8,8 @@
 //!   token from before a change answers HTTP 410 Expired, as a real server
 //!   does once the snapshot is gone); `fieldSelector` (`a.b=v`, `a.b!=v`,
 //!   comma-separated) is honoured.
-//! - `GET /apis/security.istio.io/v1/authorizationpolicies` likewise (list
+//! - `GET /apis/security.istio.io/v1/authorizationpolicies` and
+//!   `GET /apis/gateway.networking.k8s.io/v1/gateways` likewise (list
 //!   items keep `apiVersion` and `kind`, as a real server's custom-resource
 //!   lists do), unless [`FakeApiServer::set_served`] took the CRD away: then
 //!   `404 page not found` in plain text, what kube-apiserver answers for a
@@ -65,6 +66,8 @@ pub enum Kind {
     Service,
     EndpointSlice,
     AuthorizationPolicy,
+    /// `gateway.networking.k8s.io/v1` (a CRD, like `AuthorizationPolicy`).
+    Gateway,
 }
 
 impl Kind {
@@ -75,6 +78,7 @@ impl Kind {
             Kind::Service => "Service",
             Kind::EndpointSlice => "EndpointSlice",
             Kind::AuthorizationPolicy => "AuthorizationPolicy",
+            Kind::Gateway => "Gateway",
         }
     }
 
@@ -82,8 +86,15 @@ impl Kind {
         match self {
             Kind::EndpointSlice => "discovery.k8s.io/v1",
             Kind::AuthorizationPolicy => "security.istio.io/v1",
+            Kind::Gateway => "gateway.networking.k8s.io/v1",
             _ => "v1",
         }
+    }
+
+    /// A custom resource (its CRD may be absent; its list items keep
+    /// `kind` and `apiVersion`).
+    fn is_custom(self) -> bool {
+        matches!(self, Kind::AuthorizationPolicy | Kind::Gateway)
     }
 }
 
@@ -572,18 +583,10 @@ async fn handle(inner: &Arc<Mutex<Inner>>, req: Request<Incoming>) -> Response<B
             list_or_watch(inner, Kind::EndpointSlice, &query)
         }
         (&Method::GET, ["apis", "security.istio.io", "v1", "authorizationpolicies"]) => {
-            if lock(inner).unserved.contains(&Kind::AuthorizationPolicy) {
-                return Response::builder()
-                    .status(StatusCode::NOT_FOUND)
-                    .header("content-type", "text/plain; charset=utf-8")
-                    .body(
-                        Full::new(Bytes::from_static(b"404 page not found\n"))
-                            .map_err(|never| match never {})
-                            .boxed(),
-                    )
-                    .expect("valid response");
-            }
-            list_or_watch(inner, Kind::AuthorizationPolicy, &query)
+            custom_list_or_watch(inner, Kind::AuthorizationPolicy, &query)
+        }
+        (&Method::GET, ["apis", "gateway.networking.k8s.io", "v1", "gateways"]) => {
+            custom_list_or_watch(inner, Kind::Gateway, &query)
         }
         (&Method::PATCH, ["api", "v1", "namespaces", ns, "pods", name]) => {
             let body = match req.into_body().collect().await {
@@ -598,6 +601,27 @@ async fn handle(inner: &Arc<Mutex<Inner>>, req: Request<Incoming>) -> Response<B
             &format!("no route for {method} {path}"),
         ),
     }
+}
+
+/// A custom resource's list or watch; while its CRD is not installed,
+/// what kube-apiserver answers for a group/version it does not serve.
+fn custom_list_or_watch(
+    inner: &Arc<Mutex<Inner>>,
+    kind: Kind,
+    query: &BTreeMap<String, String>,
+) -> Response<Body> {
+    if lock(inner).unserved.contains(&kind) {
+        return Response::builder()
+            .status(StatusCode::NOT_FOUND)
+            .header("content-type", "text/plain; charset=utf-8")
+            .body(
+                Full::new(Bytes::from_static(b"404 page not found\n"))
+                    .map_err(|never| match never {})
+                    .boxed(),
+            )
+            .expect("valid response");
+    }
+    list_or_watch(inner, kind, query)
 }
 
 fn lock(inner: &Arc<Mutex<Inner>>) -> MutexGuard<'_, Inner> {
@@ -651,10 +675,7 @@ fn list_or_watch(
             // Items of a built-in type's list carry no kind/apiVersion
             // (a custom resource's do).
             let mut v = (*v).clone();
-            if let Some(o) = v
-                .as_object_mut()
-                .filter(|_| kind != Kind::AuthorizationPolicy)
-            {
+            if let Some(o) = v.as_object_mut().filter(|_| !kind.is_custom()) {
                 o.remove("kind");
                 o.remove("apiVersion");
             }
@@ -835,6 +856,17 @@ pub fn authorization_policy(namespace: &str, name: &str, spec: Value) -> Value {
         "metadata": {"name": name, "namespace": namespace, "generation": 1,
                      "creationTimestamp": "2026-12-01T00:00:00Z"},
         "spec": spec
+    })
+}
+
+/// A `Gateway` of class `class` with `labels` (a waypoint when the class
+/// is `istio-waypoint`), as Istio's `istioctl waypoint apply` makes it.
+pub fn gateway(namespace: &str, name: &str, class: &str, labels: Value) -> Value {
+    json!({
+        "metadata": {"name": name, "namespace": namespace, "labels": labels,
+                     "generation": 1, "creationTimestamp": "2026-12-01T00:00:00Z"},
+        "spec": {"gatewayClassName": class,
+                 "listeners": [{"name": "mesh", "port": 15008, "protocol": "HBONE"}]}
     })
 }
 

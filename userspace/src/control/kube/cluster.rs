@@ -1,7 +1,9 @@
 //! Cluster-wide workload discovery: every pod's IPs, identity and node, for
 //! the proxy (which must know who a peer IP is and where it runs), every
 //! service's VIPs and endpoints (see [`super::service`]), and Istio's
-//! `AuthorizationPolicy` objects (see [`super::policy`]).
+//! `AuthorizationPolicy` objects (see [`super::policy`]), and each service's
+//! and pod's waypoint (see [`super::waypoints`]) from the waypoint
+//! `Gateway`s (see [`super::gateway`]) and the labels already watched.
 //!
 //! A pod watch without a field selector plus a namespace watch (for the
 //! dataplane-mode label), reduced to facts like the node source's, and
@@ -14,7 +16,9 @@
 //! for long: the first view waits for the policy list only until it is
 //! listed, known absent (no CRD: 404), refused or failing, and at most
 //! [`POLICY_LIST_WAIT`], so that a pod is not served without its policies
-//! merely because one list answered before another. Kept separate from the
+//! merely because one list answered before another; the Gateway list is
+//! waited for likewise, so a service bound to a waypoint is not served
+//! without it for that reason. Kept separate from the
 //! node source on purpose: the node source must keep its narrow
 //! field-selected watch (what this node enrols must not wait on a
 //! cluster-sized list), and a consumer that does not need discovery (no
@@ -27,10 +31,14 @@ use tokio::time::Instant;
 use tracing::{debug, info};
 
 use super::{
-    SourceStats, Step, Watches, policy::PolicyWatch, service::ServiceWatches, sleep_until,
+    SourceStats, Step, Watches, gateway::GatewayWatch, policy::PolicyWatch,
+    service::ServiceWatches, sleep_until, waypoints,
 };
 use crate::{
-    control::{ClusterView, SourceSink},
+    control::{
+        ClusterView, SourceSink,
+        waypoint::{CLUSTER_DOMAIN, UnknownGatewayLog, Waypoints},
+    },
     state::Workload,
 };
 
@@ -38,8 +46,8 @@ use crate::{
 pub const SOURCE: &str = "kubernetes-cluster";
 
 /// How long the first cluster view may wait for the `AuthorizationPolicy`
-/// list (see the module docs); after that it goes without, and the
-/// policies join when they come.
+/// and `Gateway` lists (see the module docs); after that it goes without,
+/// and the policies and waypoints join when they come.
 pub const POLICY_LIST_WAIT: Duration = Duration::from_secs(5);
 
 /// Discovers every pod and service of the cluster.
@@ -67,6 +75,8 @@ impl ClusterWorkloads {
         let mut watch = Watches::new(&self.client, None, self.stats.clone());
         let mut services = ServiceWatches::new(&self.client, self.stats.clone());
         let mut policies = PolicyWatch::new(&self.client, self.stats.clone());
+        let mut gateways = GatewayWatch::new(&self.client, self.stats.clone());
+        let mut unknown_gateways = UnknownGatewayLog::default();
         let started = Instant::now();
         let mut last: Option<ClusterView> = None;
         let mut deadline: Option<Instant> = None;
@@ -94,18 +104,26 @@ impl ClusterWorkloads {
                     Step::Unchanged => {}
                     Step::Ended => return,
                 },
+                step = gateways.step() => match step {
+                    Step::Changed => {
+                        deadline.get_or_insert_with(|| Instant::now() + self.debounce);
+                    }
+                    Step::Unchanged => {}
+                    Step::Ended => return,
+                },
                 _ = sleep_until(armed), if armed.is_some() => {
                     deadline = None;
                     if !watch.view.listed() && !services.listed() {
                         continue;
                     }
-                    if !policies.settled() && started.elapsed() < POLICY_LIST_WAIT {
+                    let settled = policies.settled() && gateways.settled();
+                    if !settled && started.elapsed() < POLICY_LIST_WAIT {
                         // Look again shortly: bounded by POLICY_LIST_WAIT.
                         deadline = Some(Instant::now() + self.debounce);
                         continue;
                     }
                     let view = &watch.view;
-                    let workloads: Vec<Workload> = if view.listed() {
+                    let mut workloads: Vec<Workload> = if view.listed() {
                         view.pods
                             .values()
                             .filter(|facts| !facts.ips.is_empty())
@@ -114,9 +132,17 @@ impl ClusterWorkloads {
                     } else {
                         Vec::new()
                     };
+                    let mut listed_services = if services.listed() { services.services() } else { Vec::new() };
+                    let known = Waypoints::new(gateways.waypoints(), CLUSTER_DOMAIN);
+                    let inputs = waypoints::Inputs {
+                        waypoints: &known,
+                        namespaces: &view.namespaces,
+                        service_labels: &services.waypoint_labels(),
+                    };
+                    waypoints::assign(&inputs, &mut workloads, &mut listed_services, &mut unknown_gateways);
                     let next = ClusterView {
                         workloads,
-                        services: if services.listed() { services.services() } else { Vec::new() },
+                        services: listed_services,
                         policies: policies.policies(),
                     };
                     if last.as_ref() == Some(&next) {

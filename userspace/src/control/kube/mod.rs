@@ -44,18 +44,22 @@
 //! Cluster-wide workload discovery (every pod's IPs and identity, for the
 //! proxy) is [`ClusterWorkloads`]: a third watcher, on all pods, plus
 //! watchers of Services and EndpointSlices ([`service`]) and of Istio's
-//! `AuthorizationPolicy` objects ([`policy`]), that pushes the cluster-wide
-//! view ([`SourceSink::cluster`]).
+//! `AuthorizationPolicy` objects ([`policy`]) and of waypoint `Gateway`s
+//! ([`gateway`]; each service's and pod's waypoint from Istio's labels,
+//! [`waypoints`]), that pushes the cluster-wide view
+//! ([`SourceSink::cluster`]).
 
 pub mod annotate;
 mod cache;
 mod cluster;
 pub mod cri;
+pub mod gateway;
 pub mod lenient;
 pub mod netns;
 pub mod pod;
 pub mod policy;
 pub mod service;
+mod waypoints;
 
 use std::{
     collections::{BTreeMap, HashMap},

@@ -62,6 +62,9 @@ pub struct NamespaceFacts {
     /// The namespace's [`FAST_PATH_ANNOTATION`]: `off` keeps every pod of
     /// the namespace on the proxy path.
     pub fast_path: Option<bool>,
+    /// The namespace's waypoint labels (`istio.io/use-waypoint` and
+    /// friends, [`crate::control::waypoint::LABELS`]).
+    pub waypoint_labels: BTreeMap<String, String>,
 }
 
 /// Why an object was skipped.
@@ -194,6 +197,12 @@ impl NamespaceFacts {
                 FAST_PATH_ANNOTATION,
                 namespace.metadata.name.as_deref().unwrap_or_default(),
             ),
+            waypoint_labels: namespace
+                .metadata
+                .labels
+                .as_ref()
+                .map(crate::control::waypoint::binding_labels)
+                .unwrap_or_default(),
         })
     }
 }
@@ -252,6 +261,7 @@ mod tests {
             name: "prod".into(),
             mode_label: label.map(str::to_owned),
             fast_path: None,
+            waypoint_labels: BTreeMap::new(),
         }
     }
 

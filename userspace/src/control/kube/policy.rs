@@ -272,7 +272,7 @@ impl PolicyWatch {
 
 /// The HTTP status the API server answered a watcher's request with, if it
 /// answered at all.
-fn api_code(error: &watcher::Error) -> Option<u16> {
+pub(crate) fn api_code(error: &watcher::Error) -> Option<u16> {
     match error {
         watcher::Error::InitialListFailed(::kube::Error::Api(e))
         | watcher::Error::WatchStartFailed(::kube::Error::Api(e))

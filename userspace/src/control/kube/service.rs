@@ -30,7 +30,10 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use tracing::debug;
 
 use super::{SourceStats, Step, apply_event, cache::ObjectCache, lenient::Lenient};
-use crate::state::{Endpoint, Service, ServicePort, WorkloadKey};
+use crate::{
+    control::waypoint,
+    state::{Endpoint, Service, ServicePort, WorkloadKey},
+};
 
 /// The label tying an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -50,6 +53,8 @@ pub(crate) struct ServiceFacts {
     key: WorkloadKey,
     vips: Vec<IpAddr>,
     ports: Vec<PortFacts>,
+    /// Its waypoint labels ([`crate::control::waypoint::LABELS`]).
+    waypoint_labels: BTreeMap<String, String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -111,7 +116,18 @@ impl ServiceFacts {
                 target_port,
             });
         }
-        Ok(Some(Self { key, vips, ports }))
+        let waypoint_labels = service
+            .metadata
+            .labels
+            .as_ref()
+            .map(waypoint::binding_labels)
+            .unwrap_or_default();
+        Ok(Some(Self {
+            key,
+            vips,
+            ports,
+            waypoint_labels,
+        }))
     }
 }
 
@@ -224,6 +240,11 @@ pub(crate) fn join<'a>(
                 }
             }
             Service {
+                hostname: waypoint::service_hostname(
+                    &facts.key.namespace,
+                    &facts.key.name,
+                    waypoint::CLUSTER_DOMAIN,
+                ),
                 name: facts.key.name.clone(),
                 namespace: facts.key.namespace.clone(),
                 vips: facts.vips.clone(),
@@ -280,6 +301,16 @@ impl ServiceWatches {
             self.services.values().flatten(),
             self.slices.values().flatten(),
         )
+    }
+
+    /// Every usable service's waypoint labels (for
+    /// [`super::waypoints`]).
+    pub(crate) fn waypoint_labels(&self) -> HashMap<WorkloadKey, BTreeMap<String, String>> {
+        self.services
+            .values()
+            .flatten()
+            .map(|facts| (facts.key.clone(), facts.waypoint_labels.clone()))
+            .collect()
     }
 
     /// Waits for the next event of either watch and applies it.
