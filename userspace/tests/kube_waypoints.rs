@@ -35,7 +35,8 @@ use serde_json::json;
 use shunt::{
     app::{AgentSink, Latest, own_store},
     control::{SourceSink, kube::ClusterWorkloads},
-    state::{GatewayAddress, GatewayDestination, WorkloadStore},
+    state::{GatewayAddress, GatewayDestination},
+    store::WorkloadStore,
 };
 use tokio::sync::watch;
 
