@@ -515,8 +515,7 @@ fn policy_decides_at_connect_and_an_incomplete_table_keeps_the_proxy() {
             .and_then(|s| s.kernel_authz)
             .is_some_and(|k| k.error.is_some())
     };
-    while !incomplete(&bed)
-    {
+    while !incomplete(&bed) {
         assert!(
             start.elapsed() < TIMEOUT,
             "the full map was never hit: {}",
