@@ -508,13 +508,14 @@ fn policy_decides_at_connect_and_an_incomplete_table_keeps_the_proxy() {
         .write_workloads(&policy_file(bed.pods(), ALLOW_CLIENT_ONLY))
         .expect("write the file");
     let start = Instant::now();
-    while !bed
-        .agent
-        .status()
-        .ok()
-        .and_then(|s| s.kernel_authz)
-        .is_some_and(|k| k.error.is_some())
-    {
+    let incomplete = |bed: &AuthzBed| {
+        bed.agent
+            .status()
+            .ok()
+            .and_then(|s| s.kernel_authz)
+            .is_some_and(|k| k.error.is_some())
+    };
+    while !incomplete(&bed) {
         assert!(
             start.elapsed() < TIMEOUT,
             "the full map was never hit: {}",
