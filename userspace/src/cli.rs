@@ -156,6 +156,19 @@ pub struct AgentArgs {
         value_parser = clap::value_parser!(u32).range(0..=i64::from(shunt_common::MAX_FAST_PATH_DESTINATIONS)))]
     pub fast_path_max_destinations: u32,
 
+    // --- DNS capture (issue 22; ebpf/src/dns.rs, proxy/dns_sockets.rs) ---
+    /// An enrolled pod's DNS (UDP and TCP to port 53, not to a loopback
+    /// resolver) goes to the DNS proxy inside its netns on 127.0.0.1:15053
+    /// and [::1]:15053, which answers the names the mesh knows and forwards
+    /// the rest; the application sees the answer come from the server it
+    /// asked. With the builtin proxy shunt serves it; with `--proxy
+    /// ztunnel`, ztunnel's DNS proxy does. The pod annotation
+    /// `ambient.istio.io/dns-capture: "false"` (or `"true"`) wins over this
+    /// default, as in istio-cni (`dnsCapture:` in a workloads file). Off:
+    /// port 53 reaches the pod's resolvers untouched.
+    #[arg(long, value_enum, value_name = "on|off", default_value_t = OnOff::On)]
+    pub dns_capture: OnOff,
+
     /// What SIGINT/SIGTERM does to the pods: `unenrol` takes every pod out of
     /// the mesh cleanly (nothing left behind); `keep` leaves redirection in
     /// place for the next agent (a DaemonSet rolling update: no pod flaps,

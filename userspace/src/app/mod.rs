@@ -151,7 +151,8 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         redirector,
         args.capture.into(),
     )
-    .with_metrics(metrics.clone());
+    .with_metrics(metrics.clone())
+    .with_dns_capture(dns_capture_default(&args));
     if (args.capture, args.proxy) == (OnOff::On, ProxyKind::Ztunnel) {
         node_agent = node_agent.with_ztunnel(serve_zds(&args.zds_socket)?);
     }
@@ -287,6 +288,16 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     }
     sources.abort_all();
     shutdown(reconciler, proxy.map(|p| p.proxy), &args).await
+}
+
+/// The node's default for DNS capture, when a DNS proxy serves the pods:
+/// shunt's own (the builtin proxy) or ztunnel's. `None` (never captured):
+/// `--capture off`, or an external proxy, which may serve no DNS.
+fn dns_capture_default(args: &AgentArgs) -> Option<bool> {
+    match (args.capture, args.proxy) {
+        (OnOff::On, ProxyKind::Builtin | ProxyKind::Ztunnel) => Some(args.dns_capture == OnOff::On),
+        _ => None,
+    }
 }
 
 /// Whether pods get the passthrough fast path: `--fast-path on` with the

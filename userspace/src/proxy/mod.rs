@@ -24,6 +24,7 @@ mod observe;
 mod outbound;
 mod policy;
 mod pool;
+mod dns_sockets;
 mod relay;
 mod socket;
 
@@ -175,6 +176,10 @@ pub struct PodNet {
     pub ips: Vec<IpAddr>,
     /// The identity the pod speaks with.
     pub identity: SpiffeId,
+    /// Whether the pod's DNS is captured: the DNS proxy is bound on
+    /// 127.0.0.1:15053 (and [::1]:15053) in its netns and serves it
+    /// (`dns_sockets.rs`).
+    pub dns: bool,
 }
 
 /// Errors from the proxy's control API.
@@ -258,6 +263,8 @@ pub(crate) struct PodState {
     /// Whether "cannot keep the client's source address" was logged for
     /// this pod: the cause (capabilities, family) is the same every time.
     pub source_warned: std::sync::atomic::AtomicBool,
+    /// Whether its DNS proxy is served (see [`PodNet::dns`]).
+    pub dns: bool,
 }
 
 impl PodState {
@@ -526,6 +533,7 @@ impl Proxy {
             pool: pool::Pool::new(),
             listeners: self.shared.draining.child_token(),
             source_warned: Default::default(),
+            dns: pod.dns,
         });
         for (kind, listener) in listeners {
             let shared = self.shared.clone();
@@ -594,6 +602,16 @@ impl Proxy {
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .contains_key(key)
+    }
+
+    /// Whether `key` is served with its DNS proxy (false when not served).
+    pub fn serves_dns(&self, key: &WorkloadKey) -> bool {
+        self.shared
+            .pods
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key)
+            .is_some_and(|pod| pod.dns)
     }
 
     /// The pods being served, sorted.

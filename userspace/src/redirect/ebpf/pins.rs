@@ -54,6 +54,7 @@ fn layout(name: &str) -> Option<(usize, usize)> {
         // A ring buffer has neither keys nor values.
         maps::FAST_PATH_EVENTS => (0, 0),
         maps::FAST_PATH_STATS => (size_of::<u32>(), size_of::<FastPathStats>()),
+        maps::DNS_SERVERS => (size_of::<u64>(), size_of::<OriginalDst>()),
         _ => return None,
     })
 }
