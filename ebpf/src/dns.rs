@@ -93,7 +93,7 @@ pub fn shunt_dns_sendmsg6(ctx: SockAddrContext) -> i32 {
     if !bound || !remember(&ctx, dst, AF_INET6) {
         return ALLOW;
     }
-    addr.user_ip6 = proxy;
+    set_user_ip6(addr, proxy);
     addr.user_port = u32::from(PORT_DNS_PROXY.to_be());
     ALLOW
 }
@@ -147,7 +147,7 @@ pub fn shunt_dns_recvmsg6(ctx: SockAddrContext) -> i32 {
     if server.family != AF_INET6 {
         return ALLOW;
     }
-    addr.user_ip6 = server.addr;
+    set_user_ip6(addr, server.addr);
     addr.user_port = u32::from(PORT_DNS.to_be());
     ALLOW
 }
@@ -206,7 +206,7 @@ pub fn connect6(ctx: &SockAddrContext, config: &PodConfig) -> Option<i32> {
     if addr.type_ == SOCK_DGRAM && !remember(ctx, dst, AF_INET6) {
         return None;
     }
-    addr.user_ip6 = proxy;
+    set_user_ip6(addr, proxy);
     addr.user_port = u32::from(PORT_DNS_PROXY.to_be());
     Some(ALLOW)
 }
@@ -257,6 +257,17 @@ fn user_ip6(addr: &bpf_sock_addr) -> [u32; 4] {
         addr.user_ip6[2],
         addr.user_ip6[3],
     ]
+}
+
+/// Writes an IPv6 address into the context one 32-bit word at a time: the
+/// verifier refuses the byte-wise copy a whole-array assignment from a map
+/// value compiles to.
+#[inline(always)]
+fn set_user_ip6(addr: &mut bpf_sock_addr, ip: [u32; 4]) {
+    addr.user_ip6[0] = ip[0];
+    addr.user_ip6[1] = ip[1];
+    addr.user_ip6[2] = ip[2];
+    addr.user_ip6[3] = ip[3];
 }
 
 #[inline(always)]
