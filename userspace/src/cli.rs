@@ -169,6 +169,33 @@ pub struct AgentArgs {
     #[arg(long, value_enum, value_name = "on|off", default_value_t = OnOff::On)]
     pub dns_capture: OnOff,
 
+    // --- The DNS proxy's server (dns/): where it forwards, how long it
+    // waits, which domain the short names expand into. Capture is
+    // --dns-capture's.
+    /// The resolv.conf whose `nameserver`s get the DNS queries the mesh
+    /// does not answer (the agent's own: in a cluster, the cluster DNS, as
+    /// ztunnel forwards).
+    #[arg(long, value_name = "FILE", default_value = "/etc/resolv.conf")]
+    pub dns_resolv_conf: PathBuf,
+
+    /// How long the upstream resolvers have to answer a forwarded DNS query
+    /// before the pod gets SERVFAIL (`5s`, `500ms`; a bare number is
+    /// seconds).
+    #[arg(long, value_name = "DURATION", default_value = "5s",
+        value_parser = crate::dns::parse_timeout)]
+    pub dns_upstream_timeout: std::time::Duration,
+
+    /// The cluster's DNS domain: `web` asked in namespace `ns` means
+    /// `web.ns.svc.<domain>`.
+    #[arg(
+        long,
+        env = "CLUSTER_DOMAIN",
+        value_name = "DOMAIN",
+        default_value = "cluster.local"
+    )]
+    pub cluster_domain: String,
+    // --- end of the DNS server's flags.
+
     /// What SIGINT/SIGTERM does to the pods: `unenrol` takes every pod out of
     /// the mesh cleanly (nothing left behind); `keep` leaves redirection in
     /// place for the next agent (a DaemonSet rolling update: no pod flaps,

@@ -174,6 +174,11 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             }
             let views = Arc::new(Latest::default());
             let (applied, store_applied) = watch::channel(0);
+            // The DNS proxy's names, from the store like the fast-path
+            // table; the proxy hands these parts to each pod's server
+            // (`proxy/dns_sockets.rs`).
+            let dns = start_dns_names(&args, parts, store_applied.clone(), &metrics);
+            parts.proxy.set_dns(dns);
             let proxy = parts.proxy.clone();
             if let Some(kernel) = fast_path {
                 start_fast_path(
@@ -367,6 +372,39 @@ fn start_fast_path(
         crate::fastpath::report::report_events(kernel.events, kernel.counters, reporter)
             .instrument(info_span!("fast_path_events")),
     );
+}
+
+/// The DNS proxy's shared parts: the one task that publishes the mesh's
+/// names (fed by the store owner's `applied` views, as the fast-path table
+/// writer is), the upstreams from `--dns-resolv-conf` (unreadable: logged,
+/// and what the mesh does not know gets SERVFAIL), the metrics.
+fn start_dns_names(
+    args: &AgentArgs,
+    parts: &ProxyParts,
+    applied: watch::Receiver<u64>,
+    metrics: &crate::metrics::Metrics,
+) -> crate::dns::DnsShared {
+    let (publish, names) = crate::dns::names_channel(&args.cluster_domain);
+    tokio::spawn(
+        crate::dns::publish_names(
+            parts.store.clone(),
+            applied,
+            args.cluster_domain.clone(),
+            publish,
+        )
+        .instrument(info_span!("dns_names")),
+    );
+    let forwarder =
+        crate::dns::Forwarder::from_resolv_conf(&args.dns_resolv_conf, args.dns_upstream_timeout)
+            .unwrap_or_else(|e| {
+                warn!(error = %e, "DNS proxy without upstream resolvers: names the mesh does not know get SERVFAIL");
+                crate::dns::Forwarder::new(Vec::new(), args.dns_upstream_timeout)
+            });
+    crate::dns::DnsShared {
+        names,
+        forwarder: Arc::new(forwarder),
+        metrics: metrics.dns().clone(),
+    }
 }
 
 /// `--xds-address`: the istiod source, configured (not connected yet).

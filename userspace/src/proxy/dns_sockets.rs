@@ -66,3 +66,47 @@ pub(crate) async fn bind(sockets: &PodSockets, pod: &WorkloadKey) -> Result<DnsS
     }
     Ok(bound)
 }
+
+/// Binds the pod's DNS proxy sockets and serves them with the agent's DNS
+/// server until `stop` is cancelled (the pod's listeners' token: the
+/// proxy stops serving the pod, or drains). `None` (logged) when the agent
+/// has no DNS server: nothing is bound, and the eBPF capture leaves the
+/// pod's DNS alone.
+pub(crate) async fn start(
+    shared: Option<&crate::dns::DnsShared>,
+    sockets: &PodSockets,
+    pod: &WorkloadKey,
+    stop: tokio_util::sync::CancellationToken,
+) -> Result<(), ProxyError> {
+    let Some(shared) = shared else {
+        tracing::warn!(pod = %pod, "the pod's DNS is captured but this agent runs no DNS server; its DNS goes to its own resolvers");
+        return Ok(());
+    };
+    let bound = bind(sockets, pod).await?;
+    let addrs: Vec<_> = bound.udp.iter().filter_map(|s| s.local_addr().ok()).collect();
+    let cluster_domain = shared.names.borrow().cluster_domain().to_string();
+    let asker = crate::dns::PodDns::kubernetes(&pod.namespace, &cluster_domain);
+    let handle = crate::dns::serve(
+        crate::dns::DnsSockets {
+            udp: bound.udp,
+            tcp: bound.tcp,
+        },
+        asker,
+        shared.names.clone(),
+        shared.forwarder.clone(),
+        shared.metrics.clone(),
+    )
+    .map_err(|e| ProxyError::Listen {
+        pod: pod.clone(),
+        addr: SocketAddr::new(Ipv4Addr::LOCALHOST.into(), PORT_DNS_PROXY),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    tracing::info!(pod = %pod, ?addrs, "DNS proxy serving the pod");
+    let pod = pod.clone();
+    tokio::spawn(async move {
+        stop.cancelled().await;
+        handle.shutdown().await;
+        tracing::debug!(pod = %pod, "DNS proxy stopped serving the pod");
+    });
+    Ok(())
+}

@@ -331,6 +331,9 @@ pub(crate) struct Shared {
     /// Told about every connection (metrics); set once, see
     /// [`Proxy::set_observer`].
     observer: OnceLock<Arc<dyn ConnectionObserver>>,
+    /// The DNS server's shared parts (names, upstreams, metrics):
+    /// [`Proxy::set_dns`]. Unset: a pod's DNS proxy is not bound.
+    dns: OnceLock<crate::dns::DnsShared>,
     /// Bumped by [`Proxy::policies_changed`]: open inbound connections
     /// re-check their authorization.
     pub policy_changes: tokio::sync::watch::Sender<u64>,
@@ -417,6 +420,7 @@ impl Proxy {
                 limits,
                 service_picks: AtomicUsize::new(0),
                 observer: OnceLock::new(),
+                dns: OnceLock::new(),
                 policy_changes: tokio::sync::watch::Sender::new(0),
             }),
         })
@@ -524,6 +528,18 @@ impl Proxy {
             }
         }
 
+        // Bound before the redirector sends the pod's DNS here; stopped
+        // with the pod's listeners.
+        let listeners_token = self.shared.draining.child_token();
+        if pod.dns {
+            dns_sockets::start(
+                self.shared.dns.get(),
+                &sockets,
+                &pod.key,
+                listeners_token.clone(),
+            )
+            .await?;
+        }
         self.shared.identities.register(&pod.identity);
         let state = Arc::new(PodState {
             key: pod.key.clone(),
@@ -531,7 +547,7 @@ impl Proxy {
             ips: pod.ips.clone(),
             sockets,
             pool: pool::Pool::new(),
-            listeners: self.shared.draining.child_token(),
+            listeners: listeners_token,
             source_warned: Default::default(),
             dns: pod.dns,
         });
@@ -633,6 +649,12 @@ impl Proxy {
     /// does).
     pub fn policies_changed(&self) {
         self.shared.policy_changes.send_modify(|n| *n += 1);
+    }
+
+    /// Serves the DNS of pods whose DNS is captured ([`PodNet::dns`]) with
+    /// these parts from now on. Only the first call counts.
+    pub fn set_dns(&self, dns: crate::dns::DnsShared) -> bool {
+        self.shared.dns.set(dns).is_ok()
     }
 
     /// Hands every connection's open and close to `observer` from now on.
