@@ -108,8 +108,7 @@ pub fn shunt_dns_sendmsg6(ctx: SockAddrContext) -> i32 {
 pub fn shunt_dns_recvmsg4(ctx: SockAddrContext) -> i32 {
     // SAFETY: the context pointer is valid for the program's run.
     let addr = unsafe { &mut *ctx.sock_addr };
-    if addr.user_port != u32::from(PORT_DNS_PROXY.to_be()) || addr.user_ip4 != LOOPBACK_V4.to_be()
-    {
+    if addr.user_port != u32::from(PORT_DNS_PROXY.to_be()) || addr.user_ip4 != LOOPBACK_V4.to_be() {
         return ALLOW;
     }
     let Some(server) = remembered(&ctx) else {
@@ -136,8 +135,8 @@ pub fn shunt_dns_recvmsg6(ctx: SockAddrContext) -> i32 {
         return ALLOW;
     }
     let src = user_ip6(addr);
-    let from_proxy = src == [0, 0, 0, 1u32.to_be()]
-        || src == [0, 0, 0xffffu32.to_be(), LOOPBACK_V4.to_be()];
+    let from_proxy =
+        src == [0, 0, 0, 1u32.to_be()] || src == [0, 0, 0xffffu32.to_be(), LOOPBACK_V4.to_be()];
     if !from_proxy {
         return ALLOW;
     }

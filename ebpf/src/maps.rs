@@ -8,9 +8,9 @@ use aya_ebpf::{
 };
 use shunt_common::{
     FAST_PATH_EVENTS_BYTES, FastPathDest, FastPathSock, FastPathState, FastPathStats, GlobalConfig,
-    MAX_FAST_PATH_DESTINATIONS, MAX_FAST_PATH_SOCKETS, MAX_DNS_SOCKETS, MAX_ORIGINAL_DSTS, MAX_PODS,
-    MAX_SPLICE_SOCKETS, OriginalDst, PodAddrs, PodConfig, PodCounters, PodRecord, PodSlot, SockKey,
-    SpliceFlow, SpliceKey,
+    MAX_DNS_SOCKETS, MAX_FAST_PATH_DESTINATIONS, MAX_FAST_PATH_SOCKETS, MAX_ORIGINAL_DSTS,
+    MAX_PODS, MAX_SPLICE_SOCKETS, OriginalDst, PodAddrs, PodConfig, PodCounters, PodRecord,
+    PodSlot, SockKey, SpliceFlow, SpliceKey,
 };
 
 /// netns cookie → slot: which namespaces are enrolled.

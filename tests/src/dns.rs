@@ -164,7 +164,13 @@ fn answer(query: &Message, zone: &BTreeMap<String, Vec<IpAddr>>) -> Option<Messa
     Some(response)
 }
 
-fn record(seen: &Mutex<Vec<Seen>>, query: &Message, transport: Transport, from: SocketAddr, to: SocketAddr) {
+fn record(
+    seen: &Mutex<Vec<Seen>>,
+    query: &Message,
+    transport: Transport,
+    from: SocketAddr,
+    to: SocketAddr,
+) {
     let name = query
         .queries
         .first()

@@ -23,6 +23,7 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use serde_json::Value;
+use shunt::api::{NodeStatus, PodState};
 use shunt::{
     redirect::{
         Capture, PodTarget, Redirector,
@@ -31,7 +32,6 @@ use shunt::{
     },
     state::WorkloadKey,
 };
-use shunt::api::{NodeStatus, PodState};
 use shunt_testbed::{
     Cgroup, Pod, Topology,
     agent::{Agent, PinDir, ServiceSpec, WorkloadSpec, services_yaml, workloads_yaml},
@@ -169,7 +169,9 @@ fn captured_queries_reach_the_proxy_and_answers_carry_the_servers_address(
     redirector
         .unenrol(&WorkloadKey::new("default", bed.client.name()))
         .expect("unenrol");
-    redirector.enrol(&target(&bed.client, false)).expect("enrol");
+    redirector
+        .enrol(&target(&bed.client, false))
+        .expect("enrol");
     let before = proxy.seen().len();
     assert_answer(&bed.dig(&[]), FROM_UPSTREAM, upstream, "udp");
     assert_eq!(bed.upstream.seen_for(NAME).len(), upstream_before + 1);
@@ -357,7 +359,12 @@ fn mesh_names_resolve_in_the_pod(mesh: &Mesh) {
     let report = mesh.dig_until_answered(&mesh.client, WEB_LONG, &[]);
     assert_answer(&report, WEB_VIP, upstream, "udp");
     for short in ["web", "web.default", "web.default.svc"] {
-        assert_answer(&mesh.dig(&mesh.client, short, &[]), WEB_VIP, upstream, "udp");
+        assert_answer(
+            &mesh.dig(&mesh.client, short, &[]),
+            WEB_VIP,
+            upstream,
+            "udp",
+        );
     }
     assert_answer(
         &mesh.dig(&mesh.client, WEB_LONG, &["--connected"]),
@@ -377,7 +384,10 @@ fn mesh_names_resolve_in_the_pod(mesh: &Mesh) {
         .into_iter()
         .filter(|s| s.name.starts_with("web"))
         .collect();
-    assert!(asked.is_empty(), "mesh names never reach the upstream: {asked:?}");
+    assert!(
+        asked.is_empty(),
+        "mesh names never reach the upstream: {asked:?}"
+    );
 }
 
 /// `pod`'s DNS is not captured: the upstream itself gets the query (from
@@ -386,7 +396,10 @@ fn port_53_is_left_alone(mesh: &Mesh, pod: &Pod) {
     let before = mesh.upstream.seen_for(WEB_LONG).len();
     let report = mesh.dig(pod, WEB_LONG, &[]);
     assert_eq!(report["ok"], Value::Bool(true), "{report}");
-    assert_eq!(report["rcode"], "NXDomain", "the upstream answered: {report}");
+    assert_eq!(
+        report["rcode"], "NXDomain",
+        "the upstream answered: {report}"
+    );
     assert_eq!(report["from"], mesh.upstream.addr().to_string(), "{report}");
     let seen = mesh.upstream.seen_for(WEB_LONG);
     assert_eq!(seen.len(), before + 1, "{seen:?}");
@@ -401,7 +414,12 @@ fn dns_end_to_end(mode: &str) {
     // A name the mesh does not know: forwarded by the agent's DNS server
     // (from the agent's netns) to the upstream, answered, and the answer
     // seen as coming from the server the application asked.
-    assert_answer(&mesh.dig(&mesh.client, NAME, &[]), FROM_UPSTREAM, upstream, "udp");
+    assert_answer(
+        &mesh.dig(&mesh.client, NAME, &[]),
+        FROM_UPSTREAM,
+        upstream,
+        "udp",
+    );
     assert_answer(
         &mesh.dig(&mesh.client, NAME, &["--connected"]),
         FROM_UPSTREAM,

@@ -195,7 +195,6 @@ pub struct AgentArgs {
     )]
     pub cluster_domain: String,
     // --- end of the DNS server's flags.
-
     /// What SIGINT/SIGTERM does to the pods: `unenrol` takes every pod out of
     /// the mesh cleanly (nothing left behind); `keep` leaves redirection in
     /// place for the next agent (a DaemonSet rolling update: no pod flaps,

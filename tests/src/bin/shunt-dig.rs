@@ -33,10 +33,7 @@ fn main() {
     match run(&args) {
         Ok(json) => println!("{json}"),
         Err(error) => {
-            println!(
-                "{}",
-                serde_json::json!({"ok": false, "error": error})
-            );
+            println!("{}", serde_json::json!({"ok": false, "error": error}));
             std::process::exit(1);
         }
     }

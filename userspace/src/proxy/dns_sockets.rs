@@ -39,7 +39,10 @@ pub(crate) struct DnsSockets {
 /// Binds the pod's DNS proxy addresses: 127.0.0.1:15053 must bind; [::1]
 /// is skipped when the netns has no IPv6 (no such queries can be sent
 /// there either).
-pub(crate) async fn bind(sockets: &PodSockets, pod: &WorkloadKey) -> Result<DnsSockets, ProxyError> {
+pub(crate) async fn bind(
+    sockets: &PodSockets,
+    pod: &WorkloadKey,
+) -> Result<DnsSockets, ProxyError> {
     let mut bound = DnsSockets {
         udp: Vec::with_capacity(2),
         tcp: Vec::with_capacity(2),
@@ -83,7 +86,11 @@ pub(crate) async fn start(
         return Ok(());
     };
     let bound = bind(sockets, pod).await?;
-    let addrs: Vec<_> = bound.udp.iter().filter_map(|s| s.local_addr().ok()).collect();
+    let addrs: Vec<_> = bound
+        .udp
+        .iter()
+        .filter_map(|s| s.local_addr().ok())
+        .collect();
     let cluster_domain = shared.names.borrow().cluster_domain().to_string();
     let asker = crate::dns::PodDns::kubernetes(&pod.namespace, &cluster_domain);
     let handle = crate::dns::serve(

@@ -13,6 +13,7 @@
 //! socket the proxy opens carries `SO_MARK` 0x539 and listeners use
 //! `SO_REUSEPORT`, so a new agent can bind while the old one drains.
 
+mod dns_sockets;
 #[cfg(test)]
 mod fuzz;
 mod h2;
@@ -24,7 +25,6 @@ mod observe;
 mod outbound;
 mod policy;
 mod pool;
-mod dns_sockets;
 mod relay;
 mod socket;
 

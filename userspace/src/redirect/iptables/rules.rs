@@ -935,8 +935,11 @@ mod tests {
         assert!(script.contains("*raw\n:SHUNT_OUTPUT - [0:0]\n"), "{script}");
         let v6 = RuleSet::inpod(Family::V6, "shunt:n", &settings);
         assert!(
-            v6.chains[3].rules.iter().any(|r| r.spec
-                == "! -d ::1/128 -p tcp -m tcp --dport 53 -j REDIRECT --to-ports 15053"),
+            v6.chains[3]
+                .rules
+                .iter()
+                .any(|r| r.spec
+                    == "! -d ::1/128 -p tcp -m tcp --dport 53 -j REDIRECT --to-ports 15053"),
             "{v6:#?}"
         );
         // Removal finds the raw chains by name like the others.
