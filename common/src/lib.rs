@@ -15,6 +15,11 @@ pub const PORT_ADMIN: u16 = 15000;
 pub const PORT_METRICS: u16 = 15020;
 /// Readiness (`/healthz/ready`).
 pub const PORT_READINESS: u16 = 15021;
+/// The DNS proxy inside each pod's netns (127.0.0.1 and ::1, UDP and TCP),
+/// where DNS capture sends the pod's queries (Istio's 15053).
+pub const PORT_DNS_PROXY: u16 = 15053;
+/// The DNS port a pod's queries are captured on.
+pub const PORT_DNS: u16 = 53;
 
 /// `SO_MARK` carried by every socket the proxy opens; such sockets are never
 /// captured.
@@ -71,6 +76,13 @@ pub const MAX_FAST_PATH_DESTINATIONS: u32 = 65536;
 /// entry left by a connect that never reached the SYN is evicted, never
 /// leaks; see `ebpf/src/passthrough.rs`).
 pub const MAX_FAST_PATH_SOCKETS: u32 = 65536;
+
+/// Sockets whose DNS server is remembered at once (LRU, by socket cookie;
+/// see [`maps::DNS_SERVERS`]). An entry is needed only from the query to
+/// its answer (a resolver's timeout, 5 s by default); the sendmsg hook
+/// writes it again on every query. 65,536 entries keep that window for
+/// more than 13,000 new resolver sockets per second on a node.
+pub const MAX_DNS_SOCKETS: u32 = 65536;
 
 /// Size of the fast path's event ring buffer: 256 KiB, about 2,500 events
 /// in flight before new ones are dropped (and counted).
@@ -165,8 +177,14 @@ pub mod maps {
     /// `PerCpuArray<MeshLocalStats>` with one entry.
     pub const MESH_LOCAL_STATS: &str = "SHUNT_FP_MESH_STATS";
 
+    /// `LruHashMap<u64 socket cookie, OriginalDst>`: the DNS server a pod's
+    /// UDP socket asked before sendmsg4/6 (or connect4/6) sent its query to
+    /// the DNS proxy on 15053; recvmsg4/6 give the answers that server's
+    /// address. Written and read by the programs only.
+    pub const DNS_SERVERS: &str = "SHUNT_DNS_SERVERS";
+
     /// Every map the agent pins (and every pod's program instance shares).
-    pub const ALL: [&str; 23] = [
+    pub const ALL: [&str; 24] = [
         ENROLLED,
         POD_COUNTERS,
         POD_CONFIG,
@@ -190,6 +208,7 @@ pub mod maps {
         MESH_LOCAL_STATE,
         MESH_LOCAL_FLOWS,
         MESH_LOCAL_STATS,
+        DNS_SERVERS,
     ];
 }
 
@@ -226,6 +245,16 @@ pub mod programs {
     /// Raw tracepoint on `sock_recv_length`: counts bytes read by spliced
     /// sockets.
     pub const SPLICE_RECV: &str = "shunt_splice_recv";
+    /// `cgroup/sendmsg4` on the cgroup root: a pod's UDP DNS query to the
+    /// DNS proxy (`ebpf/src/dns.rs`).
+    pub const DNS_SENDMSG4: &str = "shunt_dns_sendmsg4";
+    /// `cgroup/sendmsg6` on the cgroup root.
+    pub const DNS_SENDMSG6: &str = "shunt_dns_sendmsg6";
+    /// `cgroup/recvmsg4` on the cgroup root: the answer's source back to
+    /// the server the pod asked.
+    pub const DNS_RECVMSG4: &str = "shunt_dns_recvmsg4";
+    /// `cgroup/recvmsg6` on the cgroup root.
+    pub const DNS_RECVMSG6: &str = "shunt_dns_recvmsg6";
     /// The tracepoint [`SPLICE_RECV`] attaches to (Linux 6.3+).
     pub const SPLICE_RECV_TARGET: &str = "sock_recv_length";
 }
@@ -273,6 +302,10 @@ impl PodConfig {
     /// The pod's connects to destinations outside the fast-path table go
     /// direct (`--fast-path on` and no `shunt.io/fast-path: "off"`).
     pub const FAST_PATH: u32 = 16;
+    /// The pod's DNS (UDP and TCP to port 53) goes to the DNS proxy on
+    /// 15053 in its netns (`--dns-capture on` and no
+    /// `ambient.istio.io/dns-capture: "false"`; `ebpf/src/dns.rs`).
+    pub const DNS_CAPTURE: u32 = 32;
 }
 
 /// An IPv4 prefix, both fields in network byte order as the kernel gives

@@ -34,7 +34,8 @@ const LOOPBACK_V4: u32 = u32::from_be_bytes([127, 0, 0, 1]);
 /// records the original — unless the fast path lets it go direct (a
 /// same-node mesh pod, `mesh_local.rs`; a destination outside the mesh,
 /// `passthrough.rs`); if no proxy listens there, refuses the
-/// connect (fail closed). Miss path: `ALLOW` unchanged.
+/// connect (fail closed). DNS (TCP or UDP to port 53) is decided first, by
+/// `dns::connect4`. Miss path: `ALLOW` unchanged.
 #[cgroup_sock_addr(connect4)]
 pub fn shunt_connect4(ctx: SockAddrContext) -> i32 {
     // SAFETY: the context pointer is valid for the program's run.
@@ -42,6 +43,9 @@ pub fn shunt_connect4(ctx: SockAddrContext) -> i32 {
     let Some((slot, config)) = pod_of(&ctx) else {
         return ALLOW;
     };
+    if let Some(verdict) = crate::dns::connect4(&ctx, &config) {
+        return verdict;
+    }
     if addr.type_ != SOCK_STREAM || config.flags & PodConfig::REDIRECT_OUTBOUND == 0 {
         return ALLOW;
     }
@@ -82,6 +86,9 @@ pub fn shunt_connect6(ctx: SockAddrContext) -> i32 {
     let Some((slot, config)) = pod_of(&ctx) else {
         return ALLOW;
     };
+    if let Some(verdict) = crate::dns::connect6(&ctx, &config) {
+        return verdict;
+    }
     if addr.type_ != SOCK_STREAM || config.flags & PodConfig::REDIRECT_OUTBOUND == 0 {
         return ALLOW;
     }

@@ -6,6 +6,7 @@
 #![no_main]
 
 mod connect;
+mod dns;
 mod maps;
 mod mesh_local;
 mod passthrough;

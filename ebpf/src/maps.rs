@@ -8,9 +8,9 @@ use aya_ebpf::{
 };
 use shunt_common::{
     FAST_PATH_EVENTS_BYTES, FastPathDest, FastPathSock, FastPathState, FastPathStats, GlobalConfig,
-    MAX_FAST_PATH_DESTINATIONS, MAX_FAST_PATH_SOCKETS, MAX_ORIGINAL_DSTS, MAX_PODS,
-    MAX_SPLICE_SOCKETS, OriginalDst, PodAddrs, PodConfig, PodCounters, PodRecord, PodSlot, SockKey,
-    SpliceFlow, SpliceKey,
+    MAX_DNS_SOCKETS, MAX_FAST_PATH_DESTINATIONS, MAX_FAST_PATH_SOCKETS, MAX_ORIGINAL_DSTS,
+    MAX_PODS, MAX_SPLICE_SOCKETS, OriginalDst, PodAddrs, PodConfig, PodCounters, PodRecord,
+    PodSlot, SockKey, SpliceFlow, SpliceKey,
 };
 
 /// netns cookie → slot: which namespaces are enrolled.
@@ -87,6 +87,12 @@ pub static FAST_PATH_EVENTS: RingBuf = RingBuf::with_byte_size(FAST_PATH_EVENTS_
 /// The fast path's counters.
 #[map(name = "SHUNT_FP_STATS")]
 pub static FAST_PATH_STATS: PerCpuArray<FastPathStats> = PerCpuArray::with_max_entries(1, 0);
+
+/// socket cookie → the DNS server a pod's UDP socket asked, from the query
+/// the DNS capture rewrote to its answer (`dns.rs`).
+#[map(name = "SHUNT_DNS_SERVERS")]
+pub static DNS_SERVERS: LruHashMap<u64, OriginalDst> =
+    LruHashMap::with_max_entries(MAX_DNS_SOCKETS, 0);
 
 /// The agent-wide settings.
 #[inline(always)]

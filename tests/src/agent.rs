@@ -63,6 +63,9 @@ pub struct WorkloadSpec {
     /// `fastPath:` (the `shunt.io/fast-path` annotation's counterpart), if
     /// any.
     pub fast_path: Option<bool>,
+    /// `dnsCapture:` (the `ambient.istio.io/dns-capture` annotation's
+    /// counterpart), if any.
+    pub dns_capture: Option<bool>,
 }
 
 impl WorkloadSpec {
@@ -79,6 +82,7 @@ impl WorkloadSpec {
             ambient,
             splice: None,
             fast_path: None,
+            dns_capture: None,
         }
     }
 }
@@ -104,6 +108,9 @@ pub fn workloads_yaml(workloads: &[WorkloadSpec]) -> String {
         }
         if let Some(fast_path) = w.fast_path {
             yaml.push_str(&format!("    fastPath: {fast_path}\n"));
+        }
+        if let Some(dns_capture) = w.dns_capture {
+            yaml.push_str(&format!("    dnsCapture: {dns_capture}\n"));
         }
     }
     yaml

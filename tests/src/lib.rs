@@ -47,6 +47,7 @@ pub mod apps;
 pub mod authz_bed;
 mod cgroup;
 mod cmd;
+pub mod dns;
 mod error;
 pub mod inspect;
 mod names;

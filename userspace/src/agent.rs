@@ -75,6 +75,10 @@ pub struct NodeAgent {
     ztunnel: Option<ZtunnelLink>,
     /// What each enrolled pod sends to the proxy.
     capture: Capture,
+    /// DNS capture: `None` when no DNS proxy serves the pods (never
+    /// captured), else the node's default (`--dns-capture`), which a pod's
+    /// own say overrides.
+    dns_capture: Option<bool>,
     /// Every pod of this node, with what happened to it.
     pods: BTreeMap<WorkloadKey, PodEntry>,
     /// Whether a source has handed over a complete list (readiness).
@@ -111,6 +115,7 @@ impl NodeAgent {
             proxy: None,
             ztunnel: None,
             capture,
+            dns_capture: None,
             pods: BTreeMap::new(),
             synced: false,
             stale_removed: false,
@@ -140,6 +145,23 @@ impl NodeAgent {
     pub fn with_metrics(mut self, metrics: crate::metrics::Metrics) -> Self {
         self.metrics = metrics;
         self
+    }
+
+    /// Captures the pods' DNS (a DNS proxy serves them): `default` unless a
+    /// pod says otherwise (`ambient.istio.io/dns-capture`, `dnsCapture:`).
+    pub fn with_dns_capture(mut self, default: Option<bool>) -> Self {
+        self.dns_capture = default;
+        self
+    }
+
+    /// Whether `workload`'s DNS goes to the DNS proxy in its netns: a DNS
+    /// proxy serves the pods, its outbound traffic is captured, and its
+    /// own say (or else the node's default) is on.
+    fn captures_dns(&self, workload: &Workload) -> bool {
+        self.capture.outbound
+            && self
+                .dns_capture
+                .is_some_and(|default| workload.dns_capture.unwrap_or(default))
     }
 
     /// Hands the pods' traffic to `proxy` from now on.
@@ -447,7 +469,10 @@ impl NodeAgent {
     /// not serve it yet). Returns why it could not.
     fn serve(&self, key: &WorkloadKey, workload: &Workload, netns: &Path) -> Option<String> {
         let handle = self.proxy.as_ref()?;
-        if handle.proxy.serves(key) {
+        let dns = self.captures_dns(workload);
+        // A pod whose DNS capture changed is served again (new sockets
+        // first, then the old ones close).
+        if handle.proxy.serves(key) && handle.proxy.serves_dns(key) == dns {
             return None;
         }
         let pod = PodNet {
@@ -455,6 +480,7 @@ impl NodeAgent {
             netns: netns.to_path_buf(),
             ips: workload.ips.clone(),
             identity: workload.identity(&self.trust_domain),
+            dns,
         };
         match handle.runtime.block_on(handle.proxy.add_pod(pod)) {
             Ok(()) => None,
@@ -516,6 +542,7 @@ impl NodeAgent {
             capture: Capture {
                 splice: workload.splice,
                 fast_path: workload.fast_path,
+                dns: self.captures_dns(workload),
                 ..self.capture.clone()
             },
         };

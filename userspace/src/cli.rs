@@ -167,6 +167,45 @@ pub struct AgentArgs {
         value_parser = clap::value_parser!(u32).range(0..=i64::from(shunt_common::MAX_FAST_PATH_DESTINATIONS)))]
     pub fast_path_max_destinations: u32,
 
+    // --- DNS capture (issue 22; ebpf/src/dns.rs, proxy/dns_sockets.rs) ---
+    /// An enrolled pod's DNS (UDP and TCP to port 53, not to a loopback
+    /// resolver) goes to the DNS proxy inside its netns on 127.0.0.1:15053
+    /// and [::1]:15053, which answers the names the mesh knows and forwards
+    /// the rest; the application sees the answer come from the server it
+    /// asked. With the builtin proxy shunt serves it; with `--proxy
+    /// ztunnel`, ztunnel's DNS proxy does. The pod annotation
+    /// `ambient.istio.io/dns-capture: "false"` (or `"true"`) wins over this
+    /// default, as in istio-cni (`dnsCapture:` in a workloads file). Off:
+    /// port 53 reaches the pod's resolvers untouched.
+    #[arg(long, value_enum, value_name = "on|off", default_value_t = OnOff::On)]
+    pub dns_capture: OnOff,
+
+    // --- The DNS proxy's server (dns/): where it forwards, how long it
+    // waits, which domain the short names expand into. Capture is
+    // --dns-capture's.
+    /// The resolv.conf whose `nameserver`s get the DNS queries the mesh
+    /// does not answer (the agent's own: in a cluster, the cluster DNS, as
+    /// ztunnel forwards).
+    #[arg(long, value_name = "FILE", default_value = "/etc/resolv.conf")]
+    pub dns_resolv_conf: PathBuf,
+
+    /// How long the upstream resolvers have to answer a forwarded DNS query
+    /// before the pod gets SERVFAIL (`5s`, `500ms`; a bare number is
+    /// seconds).
+    #[arg(long, value_name = "DURATION", default_value = "5s",
+        value_parser = crate::dns::parse_timeout)]
+    pub dns_upstream_timeout: std::time::Duration,
+
+    /// The cluster's DNS domain: `web` asked in namespace `ns` means
+    /// `web.ns.svc.<domain>`.
+    #[arg(
+        long,
+        env = "CLUSTER_DOMAIN",
+        value_name = "DOMAIN",
+        default_value = "cluster.local"
+    )]
+    pub cluster_domain: String,
+    // --- end of the DNS server's flags.
     /// What SIGINT/SIGTERM does to the pods: `unenrol` takes every pod out of
     /// the mesh cleanly (nothing left behind); `keep` leaves redirection in
     /// place for the next agent (a DaemonSet rolling update: no pod flaps,

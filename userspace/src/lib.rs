@@ -19,6 +19,7 @@ pub mod authz;
 pub mod cli;
 pub mod control;
 pub mod crypto;
+pub mod dns;
 pub mod error;
 pub mod fastpath;
 pub mod health;

@@ -285,6 +285,7 @@ async fn enrolment_rotation_and_drain() {
             netns: m.pod("server-b").netns_path(),
             ips: vec![dst.ip()],
             identity: m.identity("server-b"),
+            dns: false,
         })
         .await
         .expect("re-add");

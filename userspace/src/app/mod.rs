@@ -152,7 +152,8 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         redirector,
         args.capture.into(),
     )
-    .with_metrics(metrics.clone());
+    .with_metrics(metrics.clone())
+    .with_dns_capture(dns_capture_default(&args));
     if (args.capture, args.proxy) == (OnOff::On, ProxyKind::Ztunnel) {
         node_agent = node_agent.with_ztunnel(serve_zds(&args.zds_socket)?);
     }
@@ -174,6 +175,11 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             }
             let views = Arc::new(Latest::default());
             let (applied, store_applied) = watch::channel(0);
+            // The DNS proxy's names, from the store like the fast-path
+            // table; the proxy hands these parts to each pod's server
+            // (`proxy/dns_sockets.rs`).
+            let dns = start_dns_names(&args, parts, store_applied.clone(), &metrics);
+            parts.proxy.set_dns(dns);
             let proxy = parts.proxy.clone();
             if let Some(kernel) = fast_path {
                 start_fast_path(
@@ -290,6 +296,16 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     shutdown(reconciler, proxy.map(|p| p.proxy), &args).await
 }
 
+/// The node's default for DNS capture, when a DNS proxy serves the pods:
+/// shunt's own (the builtin proxy) or ztunnel's. `None` (never captured):
+/// `--capture off`, or an external proxy, which may serve no DNS.
+fn dns_capture_default(args: &AgentArgs) -> Option<bool> {
+    match (args.capture, args.proxy) {
+        (OnOff::On, ProxyKind::Builtin | ProxyKind::Ztunnel) => Some(args.dns_capture == OnOff::On),
+        _ => None,
+    }
+}
+
 /// Whether pods get the passthrough fast path: `--fast-path on` with the
 /// builtin proxy capturing (only its passthrough is what the fast path
 /// replaces, and only its store feeds the table).
@@ -357,6 +373,39 @@ fn start_fast_path(
         crate::fastpath::report::report_events(kernel.events, kernel.counters, reporter)
             .instrument(info_span!("fast_path_events")),
     );
+}
+
+/// The DNS proxy's shared parts: the one task that publishes the mesh's
+/// names (fed by the store owner's `applied` views, as the fast-path table
+/// writer is), the upstreams from `--dns-resolv-conf` (unreadable: logged,
+/// and what the mesh does not know gets SERVFAIL), the metrics.
+fn start_dns_names(
+    args: &AgentArgs,
+    parts: &ProxyParts,
+    applied: watch::Receiver<u64>,
+    metrics: &crate::metrics::Metrics,
+) -> crate::dns::DnsShared {
+    let (publish, names) = crate::dns::names_channel(&args.cluster_domain);
+    tokio::spawn(
+        crate::dns::publish_names(
+            parts.store.clone(),
+            applied,
+            args.cluster_domain.clone(),
+            publish,
+        )
+        .instrument(info_span!("dns_names")),
+    );
+    let forwarder =
+        crate::dns::Forwarder::from_resolv_conf(&args.dns_resolv_conf, args.dns_upstream_timeout)
+            .unwrap_or_else(|e| {
+                warn!(error = %e, "DNS proxy without upstream resolvers: names the mesh does not know get SERVFAIL");
+                crate::dns::Forwarder::new(Vec::new(), args.dns_upstream_timeout)
+            });
+    crate::dns::DnsShared {
+        names,
+        forwarder: Arc::new(forwarder),
+        metrics: metrics.dns().clone(),
+    }
 }
 
 /// `--xds-address`: the istiod source, configured (not connected yet).

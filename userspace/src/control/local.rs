@@ -334,6 +334,8 @@ struct RawWorkload {
     /// `false` keeps this pod's connections on the proxy path (default: as
     /// `--fast-path`).
     fast_path: Option<bool>,
+    /// DNS capture for this pod (default: as `--dns-capture`).
+    dns_capture: Option<bool>,
     #[serde(default)]
     labels: std::collections::BTreeMap<String, String>,
 }
@@ -553,6 +555,7 @@ fn check_entries(raw: Vec<RawWorkload>, problems: &mut Vec<Problem>) -> Vec<Work
             dataplane_mode,
             splice: raw.splice,
             fast_path: raw.fast_path,
+            dns_capture: raw.dns_capture,
             labels: raw.labels,
             ..Default::default()
         };
@@ -933,6 +936,16 @@ workloads:
         assert!(
             typo.contains("workloads[1] (default/second): field `fastPath`"),
             "{typo}"
+        );
+    }
+
+    #[test]
+    fn dns_capture_gives_the_workloads_own_say() {
+        let parsed = parse(file(), &with_second(Some("dnsCapture: false"), None)).expect("valid");
+        assert_eq!(parsed.workloads[1].dns_capture, Some(false));
+        assert_eq!(
+            parsed.workloads[0].dns_capture, None,
+            "as --dns-capture by default"
         );
     }
 
@@ -1369,7 +1382,7 @@ services:
             err.as_deref(),
             Some(
                 "workloads[0]: unknown field `nme`, expected one of `name`, `namespace`, \
-                 `serviceAccount`, `ips`, `node`, `netns`, `dataplaneMode`, `splice`, `fastPath`, `labels` at line 2 column 5"
+                 `serviceAccount`, `ips`, `node`, `netns`, `dataplaneMode`, `splice`, `fastPath`, `dnsCapture`, `labels` at line 2 column 5"
             )
         );
     }

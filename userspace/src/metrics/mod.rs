@@ -69,6 +69,8 @@ struct Inner {
     enrolment_seconds: Histogram,
     repairs: Counter,
     fast_path: FastPathMetrics,
+    /// The DNS proxy's (`crate::dns` records them, ztunnel's names).
+    dns: Arc<crate::dns::DnsMetrics>,
     /// The Kubernetes source's counters, once it runs.
     kube: OnceLock<Arc<SourceStats>>,
 }
@@ -110,6 +112,8 @@ impl Metrics {
             "The size of total bytes sent during response in case of a TCP connection",
             tcp.sent_bytes.clone(),
         );
+        let dns = Arc::new(crate::dns::DnsMetrics::default());
+        dns.register(istio);
         let enrolment_seconds = Histogram::new([
             0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
         ]);
@@ -134,6 +138,7 @@ impl Metrics {
                 enrolment_seconds,
                 repairs,
                 fast_path,
+                dns,
                 kube: OnceLock::new(),
             }),
         }
@@ -152,6 +157,11 @@ impl Metrics {
     /// The passthrough fast path's metrics (`fastpath/` records them).
     pub fn fast_path(&self) -> &FastPathMetrics {
         &self.inner.fast_path
+    }
+
+    /// The DNS proxy's metrics, shared by every pod's DNS server.
+    pub fn dns(&self) -> &Arc<crate::dns::DnsMetrics> {
+        &self.inner.dns
     }
 
     /// Reports the Kubernetes source's health from now on.

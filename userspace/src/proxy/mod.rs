@@ -13,6 +13,7 @@
 //! socket the proxy opens carries `SO_MARK` 0x539 and listeners use
 //! `SO_REUSEPORT`, so a new agent can bind while the old one drains.
 
+mod dns_sockets;
 mod h2;
 mod h2_refusals;
 mod inbound;
@@ -181,6 +182,10 @@ pub struct PodNet {
     pub ips: Vec<IpAddr>,
     /// The identity the pod speaks with.
     pub identity: SpiffeId,
+    /// Whether the pod's DNS is captured: the DNS proxy is bound on
+    /// 127.0.0.1:15053 (and [::1]:15053) in its netns and serves it
+    /// (`dns_sockets.rs`).
+    pub dns: bool,
 }
 
 /// Errors from the proxy's control API.
@@ -264,6 +269,8 @@ pub(crate) struct PodState {
     /// Whether "cannot keep the client's source address" was logged for
     /// this pod: the cause (capabilities, family) is the same every time.
     pub source_warned: std::sync::atomic::AtomicBool,
+    /// Whether its DNS proxy is served (see [`PodNet::dns`]).
+    pub dns: bool,
 }
 
 impl PodState {
@@ -330,6 +337,9 @@ pub(crate) struct Shared {
     /// Told about every connection (metrics); set once, see
     /// [`Proxy::set_observer`].
     observer: OnceLock<Arc<dyn ConnectionObserver>>,
+    /// The DNS server's shared parts (names, upstreams, metrics):
+    /// [`Proxy::set_dns`]. Unset: a pod's DNS proxy is not bound.
+    dns: OnceLock<crate::dns::DnsShared>,
     /// Bumped by [`Proxy::policies_changed`]: open inbound connections
     /// re-check their authorization.
     pub policy_changes: tokio::sync::watch::Sender<u64>,
@@ -416,6 +426,7 @@ impl Proxy {
                 limits,
                 service_picks: AtomicUsize::new(0),
                 observer: OnceLock::new(),
+                dns: OnceLock::new(),
                 policy_changes: tokio::sync::watch::Sender::new(0),
             }),
         })
@@ -523,6 +534,18 @@ impl Proxy {
             }
         }
 
+        // Bound before the redirector sends the pod's DNS here; stopped
+        // with the pod's listeners.
+        let listeners_token = self.shared.draining.child_token();
+        if pod.dns {
+            dns_sockets::start(
+                self.shared.dns.get(),
+                &sockets,
+                &pod.key,
+                listeners_token.clone(),
+            )
+            .await?;
+        }
         self.shared.identities.register(&pod.identity);
         let state = Arc::new(PodState {
             key: pod.key.clone(),
@@ -530,8 +553,9 @@ impl Proxy {
             ips: pod.ips.clone(),
             sockets,
             pool: pool::Pool::new(),
-            listeners: self.shared.draining.child_token(),
+            listeners: listeners_token,
             source_warned: Default::default(),
+            dns: pod.dns,
         });
         for (kind, listener) in listeners {
             let shared = self.shared.clone();
@@ -602,6 +626,16 @@ impl Proxy {
             .contains_key(key)
     }
 
+    /// Whether `key` is served with its DNS proxy (false when not served).
+    pub fn serves_dns(&self, key: &WorkloadKey) -> bool {
+        self.shared
+            .pods
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key)
+            .is_some_and(|pod| pod.dns)
+    }
+
     /// The pods being served, sorted.
     pub fn pods(&self) -> Vec<WorkloadKey> {
         let mut keys: Vec<_> = self
@@ -621,6 +655,12 @@ impl Proxy {
     /// does).
     pub fn policies_changed(&self) {
         self.shared.policy_changes.send_modify(|n| *n += 1);
+    }
+
+    /// Serves the DNS of pods whose DNS is captured ([`PodNet::dns`]) with
+    /// these parts from now on. Only the first call counts.
+    pub fn set_dns(&self, dns: crate::dns::DnsShared) -> bool {
+        self.shared.dns.set(dns).is_ok()
     }
 
     /// Hands every connection's open and close to `observer` from now on.

@@ -54,7 +54,13 @@ enum Request {
         oneshot::Sender<io::Result<std::net::TcpListener>>,
     ),
     Socket(Domain, oneshot::Sender<io::Result<Socket>>),
+    /// The DNS proxy's UDP socket and TCP listener on one address.
+    Dns(SocketAddr, oneshot::Sender<io::Result<DnsPair>>),
 }
+
+/// A UDP socket and a TCP listener bound on the same address (the DNS
+/// proxy's 127.0.0.1:15053 or [::1]:15053), non-blocking.
+pub(crate) type DnsPair = (std::net::UdpSocket, std::net::TcpListener);
 
 /// Creates sockets inside one pod's netns. Dropping it ends the thread.
 pub(crate) struct PodSockets {
@@ -104,6 +110,9 @@ impl PodSockets {
                     Request::Socket(domain, reply) => {
                         let _ = reply.send(stream_socket(domain));
                     }
+                    Request::Dns(addr, reply) => {
+                        let _ = reply.send(dns_pair(addr));
+                    }
                 }
             }
         })?;
@@ -137,6 +146,18 @@ impl PodSockets {
             .map_err(|_| gone())?;
         let std = rx.await.map_err(|_| gone())??;
         tokio::net::TcpListener::from_std(std)
+    }
+
+    /// The DNS proxy's sockets on `addr` inside the pod's netns: a UDP
+    /// socket and a TCP listener, both marked, with `SO_REUSEADDR` and
+    /// `SO_REUSEPORT` (a new agent binds the same address while the old
+    /// one still serves: the handover, see `proxy/dns_sockets.rs`).
+    pub async fn dns(&self, addr: SocketAddr) -> io::Result<DnsPair> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Request::Dns(addr, reply))
+            .map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
     }
 
     /// Connects from inside the pod's netns (marked, so never redirected back
@@ -282,6 +303,26 @@ fn stream_socket(domain: Domain) -> io::Result<Socket> {
     )?;
     socket.set_mark(PROXY_MARK)?;
     Ok(socket)
+}
+
+fn dns_pair(addr: SocketAddr) -> io::Result<DnsPair> {
+    let udp = Socket::new(
+        Domain::for_address(addr),
+        Type::DGRAM.nonblocking().cloexec(),
+        Some(Protocol::UDP),
+    )?;
+    udp.set_mark(PROXY_MARK)?;
+    udp.set_reuse_address(true)?;
+    udp.set_reuse_port(true)?;
+    if addr.is_ipv6() {
+        udp.set_only_v6(true)?;
+    }
+    udp.bind(&SockAddr::from(addr))?;
+    let tcp = listen(ListenSpec {
+        addr,
+        transparent: false,
+    })?;
+    Ok((udp.into(), tcp))
 }
 
 fn listen(spec: ListenSpec) -> io::Result<std::net::TcpListener> {

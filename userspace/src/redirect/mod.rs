@@ -83,6 +83,10 @@ pub struct Capture {
     /// ([`crate::state::Workload::fast_path`]); `--fast-path` decides with
     /// it (eBPF mode only).
     pub fast_path: Option<bool>,
+    /// The pod's DNS (UDP and TCP to port 53) goes to the DNS proxy on
+    /// 15053 in its netns: decided by the reconciler from `--dns-capture`
+    /// and the pod's own say ([`crate::state::Workload::dns_capture`]).
+    pub dns: bool,
 }
 
 impl Capture {

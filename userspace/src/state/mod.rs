@@ -213,6 +213,10 @@ pub struct Workload {
     /// `fastPath:` in a workloads file); `Some(false)` keeps every
     /// connection of the pod on the proxy path whatever `--fast-path` says.
     pub fast_path: Option<bool>,
+    /// The pod's own say on DNS capture ([`DNS_CAPTURE_ANNOTATION`], or
+    /// `dnsCapture:` in a workloads file); `None` leaves it to the agent's
+    /// `--dns-capture`, `Some` wins over it (as in istio-cni).
+    pub dns_capture: Option<bool>,
     /// The source's stable id (a pod's UID; xDS: `cluster//Pod/ns/name`).
     pub uid: String,
     /// The pod's labels (authorization selectors, canonical names).
@@ -297,6 +301,10 @@ pub const SPLICE_ANNOTATION: &str = "shunt.io/splice";
 /// The pod (or namespace) annotation that keeps a pod's connections on the
 /// proxy path (`"off"`), out of the passthrough fast path.
 pub const FAST_PATH_ANNOTATION: &str = "shunt.io/fast-path";
+
+/// Istio's pod annotation turning DNS capture off (`"false"`) or on
+/// (`"true"`) for one pod, whatever the node's default (`--dns-capture`).
+pub const DNS_CAPTURE_ANNOTATION: &str = "ambient.istio.io/dns-capture";
 
 impl Workload {
     pub fn key(&self) -> WorkloadKey {

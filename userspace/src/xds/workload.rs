@@ -120,6 +120,7 @@ pub(crate) fn translate(w: pb::Workload, resource_name: &str) -> Result<Workload
         splice: None,
         // Only the pod source knows the pod's annotation.
         fast_path: None,
+        dns_capture: None,
         uid,
         // istiod does not send labels: it resolves selectors itself.
         labels: BTreeMap::new(),

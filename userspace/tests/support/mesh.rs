@@ -139,6 +139,7 @@ impl Mesh {
                         netns: w.netns.clone().expect("netns"),
                         ips: w.ips.clone(),
                         identity: w.identity(&td()),
+                        dns: false,
                     })
                     .await
                     .expect("add pod");

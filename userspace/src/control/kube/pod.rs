@@ -11,7 +11,10 @@ use std::{collections::BTreeMap, net::IpAddr};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use tracing::warn;
 
-use crate::state::{DataplaneMode, FAST_PATH_ANNOTATION, SPLICE_ANNOTATION, Workload, WorkloadKey};
+use crate::state::{
+    DNS_CAPTURE_ANNOTATION, DataplaneMode, FAST_PATH_ANNOTATION, SPLICE_ANNOTATION, Workload,
+    WorkloadKey,
+};
 
 /// The label that puts a pod (or every pod of a namespace) in the mesh.
 pub const DATAPLANE_MODE_LABEL: &str = "istio.io/dataplane-mode";
@@ -49,6 +52,8 @@ pub struct PodFacts {
     pub splice: Option<bool>,
     /// [`FAST_PATH_ANNOTATION`]: `on` or `off`.
     pub fast_path: Option<bool>,
+    /// [`DNS_CAPTURE_ANNOTATION`]: `"true"` or `"false"`.
+    pub dns_capture: Option<bool>,
     /// The pod's labels (authorization policies select pods by them).
     pub labels: BTreeMap<String, String>,
 }
@@ -128,6 +133,7 @@ impl PodFacts {
             terminating: meta.deletion_timestamp.is_some(),
             redirection: annotations.and_then(|a| a.get(REDIRECTION_ANNOTATION).cloned()),
             fast_path: on_off(annotations, FAST_PATH_ANNOTATION, &key.to_string()),
+            dns_capture: true_false(annotations, DNS_CAPTURE_ANNOTATION, &key.to_string()),
             splice: match annotations.and_then(|a| a.get(SPLICE_ANNOTATION)) {
                 None => None,
                 Some(value) if value == "on" => Some(true),
@@ -177,6 +183,7 @@ impl PodFacts {
                 (Some(false), _) | (_, Some(false)) => Some(false),
                 (pod, namespace) => pod.or(namespace),
             },
+            dns_capture: self.dns_capture,
             labels: self.labels.clone(),
             ..Default::default()
         }
@@ -225,6 +232,31 @@ fn on_off(
             warn!(
                 object,
                 annotation, value, "unknown value (expected on or off); ignored"
+            );
+            None
+        }
+    }
+}
+
+/// A `"true"`/`"false"` annotation (Istio's own, e.g.
+/// [`DNS_CAPTURE_ANNOTATION`]); any other value is logged and ignored (the
+/// agent's flag decides).
+fn true_false(
+    annotations: Option<&BTreeMap<String, String>>,
+    annotation: &str,
+    object: &str,
+) -> Option<bool> {
+    match annotations
+        .and_then(|a| a.get(annotation))
+        .map(String::as_str)
+    {
+        None => None,
+        Some("true") => Some(true),
+        Some("false") => Some(false),
+        Some(value) => {
+            warn!(
+                object,
+                annotation, value, "unknown value (expected true or false); ignored"
             );
             None
         }
@@ -322,6 +354,19 @@ mod tests {
             "unknown: --fast-path decides"
         );
         assert_eq!(annotated(None, None), None);
+    }
+
+    #[test]
+    fn dns_capture_annotation_is_istios_true_or_false() {
+        let annotated = |value: &str| {
+            let mut object = basic(json!({}));
+            object["metadata"]["annotations"] = json!({ DNS_CAPTURE_ANNOTATION: value });
+            pod(object).to_workload(None).dns_capture
+        };
+        assert_eq!(annotated("false"), Some(false));
+        assert_eq!(annotated("true"), Some(true));
+        assert_eq!(annotated("off"), None, "unknown: --dns-capture decides");
+        assert_eq!(pod(basic(json!({}))).to_workload(None).dns_capture, None);
     }
 
     #[test]

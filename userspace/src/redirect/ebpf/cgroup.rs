@@ -1,5 +1,5 @@
 //! The socket-level programs (`connect4`, `connect6`, `sockops`,
-//! `getsockopt`), attached
+//! `getsockopt`, and DNS capture's `sendmsg4/6`, `recvmsg4/6`), attached
 //! once per agent to its cgroup root through BPF links pinned under
 //! `<pin dir>/links/`. A pinned link outlives the agent, so a restart (even
 //! after `kill -9`) never leaves a moment without outbound capture; a new
@@ -23,12 +23,28 @@ use tracing::info;
 
 use super::LoadError;
 
-/// The socket programs, by name.
-pub const PROGRAMS: [&str; 4] = [
+/// The socket programs, by name. The DNS capture's four come last (see
+/// [`DNS_PROGRAMS`]): they are `CgroupSockAddr` programs like connect4/6,
+/// attached and adopted the same way (an agent that finds their links
+/// missing, e.g. after an older version, attaches them).
+pub const PROGRAMS: [&str; 8] = [
     programs::CONNECT4,
     programs::CONNECT6,
     programs::SOCKOPS,
     programs::GETSOCKOPT,
+    programs::DNS_SENDMSG4,
+    programs::DNS_SENDMSG6,
+    programs::DNS_RECVMSG4,
+    programs::DNS_RECVMSG6,
+];
+
+/// The socket programs of DNS capture (`ebpf/src/dns.rs`): shown among a
+/// pod's hooks only when its DNS is captured.
+pub const DNS_PROGRAMS: [&str; 4] = [
+    programs::DNS_SENDMSG4,
+    programs::DNS_SENDMSG6,
+    programs::DNS_RECVMSG4,
+    programs::DNS_RECVMSG6,
 ];
 
 /// Where the links are pinned.

@@ -73,6 +73,10 @@ impl EbpfRedirector {
                 cgroup::PROGRAMS
                     .into_iter()
                     .zip(sockets)
+                    .filter(|(name, _)| {
+                        enrolment.config.flags & PodConfig::DNS_CAPTURE != 0
+                            || !cgroup::DNS_PROGRAMS.contains(name)
+                    })
                     .map(|(name, present)| Hook {
                         name: name.trim_start_matches("shunt_").to_string(),
                         attachment: format!(
@@ -513,6 +517,9 @@ fn pod_config(
     }
     if fast_path && capture.outbound && capture.fast_path != Some(false) {
         config.flags |= PodConfig::FAST_PATH;
+    }
+    if capture.dns {
+        config.flags |= PodConfig::DNS_CAPTURE;
     }
     let ports = |ports: &[u16], into: &mut [u16; MAX_EXCLUDED_PORTS], what: &str| {
         if ports.len() > MAX_EXCLUDED_PORTS {

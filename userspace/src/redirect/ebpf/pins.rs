@@ -60,6 +60,7 @@ fn layout(name: &str) -> Option<(usize, usize)> {
         maps::MESH_LOCAL_STATE => (size_of::<u32>(), size_of::<FastPathState>()),
         maps::MESH_LOCAL_FLOWS => (size_of::<MeshFlowKey>(), size_of::<MeshFlow>()),
         maps::MESH_LOCAL_STATS => (size_of::<u32>(), size_of::<MeshLocalStats>()),
+        maps::DNS_SERVERS => (size_of::<u64>(), size_of::<OriginalDst>()),
         _ => return None,
     })
 }

@@ -19,6 +19,7 @@ use shunt_common::{PORT_HBONE, PORT_INBOUND_PLAINTEXT, PORT_OUTBOUND, PROXY_MARK
 
 use super::rules::{
     CONN_MARK, ChainSpec, Counts, Family, MARK_MASK, PROBE_SOURCE_V6, Rule, RuleSet, Settings,
+    dns_rules,
 };
 
 /// Istio's chain for arriving traffic (mangle `PREROUTING`).
@@ -46,6 +47,13 @@ impl RuleSet {
     ///   out lo, not to loopback             -> ACCEPT
     ///   tcp not to loopback, not mark 0x539 -> REDIRECT 15001
     /// ```
+    ///
+    /// With the pod's DNS captured, istio-cni's DNS rules join: in nat
+    /// `ISTIO_OUTPUT` after the probe rule, UDP to port 53 not out of `lo`
+    /// and TCP to port 53 not to loopback, not mark 0x539, REDIRECT to
+    /// 15053; raw `ISTIO_OUTPUT` (from OUTPUT) puts the proxy's own DNS in
+    /// conntrack zone 1, raw `ISTIO_PRERT` (from PREROUTING) every answer
+    /// from port 53 not marked 0x539.
     ///
     /// With a direction not captured its last rule ends in RETURN instead
     /// (counted, not redirected), as in [`RuleSet::inpod`].
@@ -104,11 +112,14 @@ impl RuleSet {
             counts: Some(Counts::Inbound),
         });
 
-        let mut nat_output = vec![
-            rule(format!("-d {probe} -p tcp -m tcp -j ACCEPT")),
+        let mut nat_output = vec![rule(format!("-d {probe} -p tcp -m tcp -j ACCEPT"))];
+        if capture.dns {
+            nat_output.extend(dns_rules(family, Some(&mark)).nat);
+        }
+        nat_output.extend([
             rule(format!("-p tcp -m mark --mark {conn_mark} -j ACCEPT")),
             rule(format!("! -d {lo} -o lo -j ACCEPT")),
-        ];
+        ]);
         nat_output.extend(accept_ports(&capture.excluded_outbound_ports));
         if family == Family::V4 {
             for (addr, prefix) in &capture.excluded_outbound_cidrs {
@@ -127,7 +138,7 @@ impl RuleSet {
             counts: Some(Counts::Outbound),
         });
 
-        let chains = vec![
+        let mut chains = vec![
             ChainSpec {
                 table: "mangle",
                 builtin: "PREROUTING",
@@ -160,6 +171,11 @@ impl RuleSet {
                 rules: nat_output,
             },
         ];
+        if capture.dns {
+            chains.extend(
+                dns_rules(family, Some(&mark)).raw_chains(CHAIN_ISTIO_OUTPUT, CHAIN_ISTIO_PRERT),
+            );
+        }
         RuleSet {
             family,
             owner_comment: owner_comment.to_string(),
@@ -216,6 +232,68 @@ mod tests {
             assert!(ours.iter().any(|l| l == line), "missing {line}: {ours:#?}");
         }
         assert_eq!(ours.len(), ISTIO_SAVED_V4.len(), "{ours:#?}");
+    }
+
+    /// istio-cni's DNS rules (its golden file for ambient in-pod DNS
+    /// capture), as `iptables-save` prints them (checked with
+    /// iptables-nft and iptables-legacy 1.8.9: `--to-port` is saved as
+    /// `--to-ports`, `-p tcp --dport` gains `-m tcp`).
+    const ISTIO_DNS_SAVED_V4: [&str; 4] = [
+        "-A ISTIO_OUTPUT ! -o lo -p udp -m mark ! --mark 0x539/0xfff -m udp --dport 53 -j REDIRECT --to-ports 15053",
+        "-A ISTIO_OUTPUT ! -d 127.0.0.1/32 -p tcp -m tcp --dport 53 -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15053",
+        "-A ISTIO_OUTPUT -p udp -m mark --mark 0x539/0xfff -m udp --dport 53 -j CT --zone 1",
+        "-A ISTIO_PRERT -p udp -m mark ! --mark 0x539/0xfff -m udp --sport 53 -j CT --zone 1",
+    ];
+
+    fn lines(rules: &RuleSet) -> Vec<String> {
+        rules
+            .chains
+            .iter()
+            .flat_map(|c| {
+                c.rules
+                    .iter()
+                    .map(move |r| format!("-A {} {}", c.chain, r.spec))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn dns_capture_adds_istios_dns_rules_before_the_0x111_accept() {
+        let off = lines(&RuleSet::istio(Family::V4, "shunt:n", &all()));
+        for line in ISTIO_DNS_SAVED_V4 {
+            assert!(!off.contains(&line.to_string()), "{line} with DNS off");
+        }
+        let mut settings = all();
+        settings.capture.dns = true;
+        let rules = RuleSet::istio(Family::V4, "shunt:n", &settings);
+        let on = lines(&rules);
+        for line in ISTIO_SAVED_V4.iter().chain(&ISTIO_DNS_SAVED_V4) {
+            assert!(on.iter().any(|l| l == line), "missing {line}: {on:#?}");
+        }
+        assert_eq!(on.len(), ISTIO_SAVED_V4.len() + ISTIO_DNS_SAVED_V4.len());
+        let nat = &rules.chains[2];
+        assert_eq!((nat.table, nat.chain), ("nat", CHAIN_ISTIO_OUTPUT));
+        let position = |needle: &str| {
+            nat.rules
+                .iter()
+                .position(|r| r.spec.contains(needle))
+                .expect(needle)
+        };
+        assert!(position("--dport 53") < position("--mark 0x111/0xfff -j ACCEPT"));
+        assert_eq!(position("-d 169.254.7.127/32"), 0);
+        let raw: Vec<(&str, &str, &str)> = rules
+            .chains
+            .iter()
+            .filter(|c| c.table == "raw")
+            .map(|c| (c.builtin, c.chain, c.rules[0].spec.as_str()))
+            .collect();
+        assert_eq!(raw.len(), 2);
+        assert_eq!(raw[0].0, "OUTPUT");
+        assert_eq!(raw[0].1, CHAIN_ISTIO_OUTPUT);
+        assert_eq!(raw[1].0, "PREROUTING");
+        assert_eq!(raw[1].1, CHAIN_ISTIO_PRERT);
+        let v6 = lines(&RuleSet::istio(Family::V6, "shunt:n", &settings));
+        assert!(v6.iter().any(|l| l == "-A ISTIO_OUTPUT ! -d ::1/128 -p tcp -m tcp --dport 53 -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15053"), "{v6:#?}");
     }
 
     #[test]

@@ -12,7 +12,9 @@ use std::{
     net::Ipv4Addr,
 };
 
-use shunt_common::{PORT_HBONE, PORT_INBOUND_PLAINTEXT, PORT_OUTBOUND, PROXY_MARK};
+use shunt_common::{
+    PORT_DNS, PORT_DNS_PROXY, PORT_HBONE, PORT_INBOUND_PLAINTEXT, PORT_OUTBOUND, PROXY_MARK,
+};
 
 use crate::redirect::Capture;
 
@@ -100,6 +102,73 @@ pub fn owner_comment(owner: &str) -> String {
     format!("shunt:{clean}")
 }
 
+/// Istio's in-pod DNS rules (istio-cni's, as `iptables-save` prints them),
+/// for a pod whose DNS is captured.
+pub struct DnsRules {
+    /// nat OUTPUT: the application's DNS to the DNS proxy on 15053.
+    pub nat: Vec<Rule>,
+    /// raw OUTPUT: the proxy's own DNS to port 53 in conntrack zone 1.
+    pub raw_output: Rule,
+    /// raw PREROUTING: answers from port 53 (not the proxy's) in zone 1.
+    pub raw_prerouting: Rule,
+}
+
+impl DnsRules {
+    /// The raw table's two chains (named `output` and `prerouting`), each
+    /// with its one rule.
+    pub fn raw_chains(self, output: &'static str, prerouting: &'static str) -> [ChainSpec; 2] {
+        [
+            ChainSpec {
+                table: "raw",
+                builtin: "OUTPUT",
+                chain: output,
+                purpose: "DNS: the proxy's own queries in conntrack zone 1",
+                rules: vec![self.raw_output],
+            },
+            ChainSpec {
+                table: "raw",
+                builtin: "PREROUTING",
+                chain: prerouting,
+                purpose: "DNS: answers from port 53 in conntrack zone 1",
+                rules: vec![self.raw_prerouting],
+            },
+        ]
+    }
+}
+
+/// Istio's DNS rules: UDP to port 53 not leaving through `lo`, and TCP to
+/// port 53 not to loopback, REDIRECTed to 15053 (the DNS proxy), unless
+/// marked by the proxy; the proxy's queries and every answer from port 53
+/// in conntrack zone 1, so that the proxy's upstream query and an
+/// application's NATed query with the same ports never share an entry.
+/// `not_marked`: Istio's nat rules carry `! --mark 0x539/0xfff` themselves
+/// (`Some(mark)`); shunt's chain has already RETURNed marked packets
+/// (`None`).
+pub fn dns_rules(family: Family, not_marked: Option<&str>) -> DnsRules {
+    let lo = family.loopback();
+    let mark = format!("0x{PROXY_MARK:x}/0x{MARK_MASK:x}");
+    let unmarked = not_marked
+        .map(|mark| format!(" -m mark ! --mark {mark}"))
+        .unwrap_or_default();
+    let rule = |spec: String| Rule { spec, counts: None };
+    DnsRules {
+        nat: vec![
+            rule(format!(
+                "! -o lo -p udp{unmarked} -m udp --dport {PORT_DNS} -j REDIRECT --to-ports {PORT_DNS_PROXY}"
+            )),
+            rule(format!(
+                "! -d {lo} -p tcp -m tcp --dport {PORT_DNS}{unmarked} -j REDIRECT --to-ports {PORT_DNS_PROXY}"
+            )),
+        ],
+        raw_output: rule(format!(
+            "-p udp -m mark --mark {mark} -m udp --dport {PORT_DNS} -j CT --zone 1"
+        )),
+        raw_prerouting: rule(format!(
+            "-p udp -m mark ! --mark {mark} -m udp --sport {PORT_DNS} -j CT --zone 1"
+        )),
+    }
+}
+
 /// What a pod's rules capture: the pod's [`Capture`] settings and the
 /// agent's probe source.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -133,6 +202,14 @@ impl RuleSet {
     ///   [to EXCLUDED CIDR         -> RETURN]   per excluded CIDR (IPv4)
     ///   tcp not to loopback       -> REDIRECT 15001
     /// ```
+    ///
+    /// With the pod's DNS captured ([`Capture::dns`]), Istio's DNS rules
+    /// join, as [`dns_rules`] builds them: in nat `SHUNT_OUTPUT`, right
+    /// after the proxy's own mark returns, UDP to port 53 not out of `lo`
+    /// and TCP to port 53 not to loopback are REDIRECTed to the DNS proxy's
+    /// 15053; raw `SHUNT_OUTPUT`/`SHUNT_PRERT` put the proxy's own DNS
+    /// (mark 0x539, to port 53) and every answer from port 53 in conntrack
+    /// zone 1, apart from the application's NATed queries.
     ///
     /// The mangle pair and the policy route (`route.rs`) serve the proxy's
     /// transparent inbound connections: the proxy connects to the app from
@@ -199,9 +276,12 @@ impl RuleSet {
             rule(format!("-p tcp -m mark --mark {conn_mark} -j RETURN")),
             // The proxy's own sockets.
             rule(format!("-m mark --mark {mark} -j RETURN")),
-            // The app talking to its own pod IP (routed over lo).
-            rule(format!("! -d {lo} -o lo -j RETURN")),
         ];
+        if capture.dns {
+            outbound.extend(dns_rules(family, None).nat);
+        }
+        // The app talking to its own pod IP (routed over lo).
+        outbound.push(rule(format!("! -d {lo} -o lo -j RETURN")));
         outbound.extend(port_rules(&capture.excluded_outbound_ports));
         if family == Family::V4 {
             for (addr, prefix) in &capture.excluded_outbound_cidrs {
@@ -215,7 +295,7 @@ impl RuleSet {
         }
         outbound.push(last(capture.outbound, PORT_OUTBOUND, Counts::Outbound));
 
-        let chains = vec![
+        let mut chains = vec![
             ChainSpec {
                 table: "mangle",
                 builtin: "PREROUTING",
@@ -257,6 +337,9 @@ impl RuleSet {
                 rules: outbound,
             },
         ];
+        if capture.dns {
+            chains.extend(dns_rules(family, None).raw_chains(CHAIN_OUTPUT, CHAIN_PREROUTING));
+        }
         RuleSet {
             family,
             owner_comment: owner_comment.to_string(),
@@ -802,6 +885,65 @@ mod tests {
                 .spec
                 .contains("REDIRECT")
         );
+    }
+
+    #[test]
+    fn dns_capture_adds_istios_dns_rules_and_raw_zones_only_when_on() {
+        let off = RuleSet::inpod(Family::V4, "shunt:n", &all());
+        assert!(
+            !off.chains
+                .iter()
+                .any(|c| c.table == "raw" || c.rules.iter().any(|r| r.spec.contains("15053"))),
+            "{off:#?}"
+        );
+        let mut settings = all();
+        settings.capture.dns = true;
+        let on = RuleSet::inpod(Family::V4, "shunt:n", &settings);
+        let nat_out: Vec<&str> = on.chains[3].rules.iter().map(|r| r.spec.as_str()).collect();
+        // After the proxy's own mark returns, before the lo rule and the
+        // TCP redirect to 15001.
+        let mark = nat_out
+            .iter()
+            .position(|r| *r == "-m mark --mark 0x539/0xfff -j RETURN")
+            .expect("mark rule");
+        assert_eq!(
+            &nat_out[mark + 1..mark + 4],
+            [
+                "! -o lo -p udp -m udp --dport 53 -j REDIRECT --to-ports 15053",
+                "! -d 127.0.0.1/32 -p tcp -m tcp --dport 53 -j REDIRECT --to-ports 15053",
+                "! -d 127.0.0.1/32 -o lo -j RETURN",
+            ]
+        );
+        let raw: Vec<String> = on
+            .chains
+            .iter()
+            .filter(|c| c.table == "raw")
+            .flat_map(|c| {
+                c.rules
+                    .iter()
+                    .map(move |r| format!("{} -> -A {} {}", c.builtin, c.chain, r.spec))
+            })
+            .collect();
+        assert_eq!(
+            raw,
+            [
+                "OUTPUT -> -A SHUNT_OUTPUT -p udp -m mark --mark 0x539/0xfff -m udp --dport 53 -j CT --zone 1",
+                "PREROUTING -> -A SHUNT_PRERT -p udp -m mark ! --mark 0x539/0xfff -m udp --sport 53 -j CT --zone 1",
+            ]
+        );
+        let script = on.plan_apply(&Saved::default()).expect("a plan");
+        assert!(script.contains("*raw\n:SHUNT_OUTPUT - [0:0]\n"), "{script}");
+        let v6 = RuleSet::inpod(Family::V6, "shunt:n", &settings);
+        assert!(
+            v6.chains[3]
+                .rules
+                .iter()
+                .any(|r| r.spec
+                    == "! -d ::1/128 -p tcp -m tcp --dport 53 -j REDIRECT --to-ports 15053"),
+            "{v6:#?}"
+        );
+        // Removal finds the raw chains by name like the others.
+        assert_eq!(on.chain_names(), ["SHUNT_OUTPUT", "SHUNT_PRERT"]);
     }
 
     #[test]

@@ -1,0 +1,537 @@
+//! The names the mesh answers for, derived from the workload store, and how
+//! a pod's query finds one (search-domain stripping and Kubernetes short
+//! forms, as ztunnel's DNS proxy matches them).
+//!
+//! [`MeshNames`] is an immutable view: [`publish_names`] (one task, fed by
+//! the store owner like the fast-path table writer) rebuilds it after each
+//! cluster view the store owner applied and publishes it on a `watch`;
+//! every pod's DNS server reads the latest one per query, without a lock on
+//! the store.
+
+use std::{
+    collections::HashMap,
+    net::IpAddr,
+    sync::{Arc, RwLock},
+};
+
+use tokio::sync::watch;
+use tracing::debug;
+
+use super::PodDns;
+use crate::store::WorkloadStore;
+
+/// Names the mesh knows, each with its addresses.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MeshNames {
+    /// `cluster.local`: the Kubernetes short forms expand into it.
+    cluster_domain: String,
+    /// Service hostnames (lowercase, no trailing dot; `*.example.com` for a
+    /// wildcard ServiceEntry host) → one entry per namespace that declares
+    /// it, sorted by namespace.
+    services: HashMap<String, Vec<MeshHost>>,
+    /// Workloads with a `hostname`, the same way.
+    workloads: HashMap<String, Vec<MeshHost>>,
+}
+
+/// A name's addresses as declared in one namespace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MeshHost {
+    pub namespace: String,
+    /// Both families; a query takes those of its own.
+    pub addrs: Vec<IpAddr>,
+}
+
+/// How a query name found a mesh name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NameMatch<'a> {
+    pub host: &'a MeshHost,
+    /// Set when the query name was a name plus one of the pod's search
+    /// domains (`web.default.svc.cluster.local.ns.svc.cluster.local`):
+    /// the name without that domain, which the answer's records carry
+    /// (behind a CNAME from the query name), as ztunnel answers.
+    pub stripped: Option<String>,
+    /// Matched a wildcard host (`*.example.com`): records carry the query
+    /// name.
+    pub wildcard: bool,
+}
+
+impl MeshNames {
+    /// No names yet; short forms expand into `cluster_domain`.
+    pub fn new(cluster_domain: &str) -> Self {
+        Self {
+            cluster_domain: normalize(cluster_domain),
+            ..Self::default()
+        }
+    }
+
+    /// The names of every service and named workload in `store`:
+    /// - a Service: its `hostname` (xDS; a ServiceEntry's host) or, when the
+    ///   source gives none (the Kubernetes watch),
+    ///   `<name>.<namespace>.svc.<cluster domain>`; its VIPs on the local
+    ///   network; a Kubernetes headless service (no VIP) its ready
+    ///   endpoints' IPs; any other service without a VIP is left to the
+    ///   upstream resolvers, as ztunnel leaves it;
+    /// - a workload with a `hostname`: its IPs.
+    pub fn build(store: &WorkloadStore, cluster_domain: &str) -> Self {
+        let mut names = Self::new(cluster_domain);
+        let kube_suffix = format!(".svc.{}", names.cluster_domain);
+        for service in store.services().iter() {
+            let hostname = if service.hostname.is_empty() {
+                format!(
+                    "{}.{}.svc.{}",
+                    service.name, service.namespace, names.cluster_domain
+                )
+            } else {
+                normalize(&service.hostname)
+            };
+            let addrs: Vec<IpAddr> = if !service.vips.is_empty() {
+                service
+                    .vips
+                    .iter()
+                    .filter(|vip| !service.vip_networks.contains_key(vip))
+                    .copied()
+                    .collect()
+            } else if hostname.ends_with(&kube_suffix) {
+                let mut ips: Vec<IpAddr> = service
+                    .endpoints
+                    .iter()
+                    .filter(|e| e.ready)
+                    .map(|e| e.ip)
+                    .collect();
+                ips.sort();
+                ips.dedup();
+                ips
+            } else {
+                continue;
+            };
+            names.insert_service(&hostname, &service.namespace, addrs);
+        }
+        for workload in store.iter().filter(|w| !w.hostname.is_empty()) {
+            names.insert_workload(
+                &workload.hostname,
+                &workload.namespace,
+                workload.ips.clone(),
+            );
+        }
+        names
+    }
+
+    /// Adds (or extends) a service name.
+    pub fn insert_service(&mut self, hostname: &str, namespace: &str, addrs: Vec<IpAddr>) {
+        insert(&mut self.services, hostname, namespace, addrs);
+    }
+
+    /// Adds (or extends) a workload name.
+    pub fn insert_workload(&mut self, hostname: &str, namespace: &str, addrs: Vec<IpAddr>) {
+        insert(&mut self.workloads, hostname, namespace, addrs);
+    }
+
+    pub fn cluster_domain(&self) -> &str {
+        &self.cluster_domain
+    }
+
+    /// How many names (services and workloads).
+    pub fn len(&self) -> usize {
+        self.services.len() + self.workloads.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The mesh name `query` (as asked, any case, with or without the
+    /// trailing dot) means for `pod`, if any. Tried in order, first match
+    /// wins: the name itself, its Kubernetes expansions (`web` →
+    /// `web.<ns>.svc.<domain>`, `web.ns2` → `web.ns2.svc.<domain>`,
+    /// `web.ns2.svc` → `web.ns2.svc.<domain>`), then for each of the pod's
+    /// search domains that ends the name, the name without it and its
+    /// expansions. For each candidate: a service host (exact, then
+    /// wildcards of decreasing specificity), then a workload host. Among
+    /// several namespaces declaring a host, the pod's own wins, else the
+    /// first by name.
+    pub fn resolve<'a>(&'a self, query: &str, pod: &PodDns) -> Option<NameMatch<'a>> {
+        let name = normalize(query);
+        if name.is_empty() {
+            return None;
+        }
+        for alias in self.aliases(&name, pod) {
+            for (i, candidate) in wildcards(&alias.name).into_iter().enumerate() {
+                if let Some(host) = pick(self.services.get(&candidate), &pod.namespace) {
+                    return Some(NameMatch {
+                        host,
+                        stripped: alias.stripped,
+                        wildcard: i > 0,
+                    });
+                }
+            }
+            if let Some(host) = pick(self.workloads.get(&alias.name), &pod.namespace) {
+                return Some(NameMatch {
+                    host,
+                    stripped: alias.stripped,
+                    wildcard: false,
+                });
+            }
+        }
+        None
+    }
+
+    /// The candidates for `name` (normalized), in the order tried.
+    fn aliases(&self, name: &str, pod: &PodDns) -> Vec<Alias> {
+        let mut out: Vec<Alias> = Vec::new();
+        let mut add = |alias: Alias| {
+            if !out.iter().any(|a| a.name == alias.name) {
+                out.push(alias);
+            }
+        };
+        add(Alias {
+            name: name.to_string(),
+            stripped: None,
+        });
+        for expanded in self.kube_fqdns(name, &pod.namespace) {
+            add(Alias {
+                name: expanded,
+                stripped: None,
+            });
+        }
+        for search in &pod.search {
+            let search = normalize(search);
+            let Some(stripped) = name
+                .strip_suffix(search.as_str())
+                .and_then(|rest| rest.strip_suffix('.'))
+                .filter(|rest| !rest.is_empty() && !search.is_empty())
+            else {
+                continue;
+            };
+            add(Alias {
+                name: stripped.to_string(),
+                stripped: Some(stripped.to_string()),
+            });
+            for expanded in self.kube_fqdns(stripped, &pod.namespace) {
+                add(Alias {
+                    name: expanded,
+                    stripped: Some(stripped.to_string()),
+                });
+            }
+        }
+        out
+    }
+
+    /// The Kubernetes service FQDN a short form stands for: `<svc>` (the
+    /// pod's namespace), `<svc>.<ns>`, `<svc>.<ns>.svc`.
+    fn kube_fqdns(&self, name: &str, namespace: &str) -> Vec<String> {
+        let domain = &self.cluster_domain;
+        let labels = name.split('.').count();
+        match labels {
+            1 if !namespace.is_empty() => vec![format!("{name}.{namespace}.svc.{domain}")],
+            2 => vec![format!("{name}.svc.{domain}")],
+            3 if name.ends_with(".svc") => vec![format!("{name}.{domain}")],
+            _ => Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Alias {
+    name: String,
+    stripped: Option<String>,
+}
+
+fn insert(
+    map: &mut HashMap<String, Vec<MeshHost>>,
+    hostname: &str,
+    namespace: &str,
+    addrs: Vec<IpAddr>,
+) {
+    let hosts = map.entry(normalize(hostname)).or_default();
+    match hosts.iter_mut().find(|h| h.namespace == namespace) {
+        Some(host) => {
+            for addr in addrs {
+                if !host.addrs.contains(&addr) {
+                    host.addrs.push(addr);
+                }
+            }
+        }
+        None => {
+            hosts.push(MeshHost {
+                namespace: namespace.to_string(),
+                addrs,
+            });
+            hosts.sort_by(|a, b| a.namespace.cmp(&b.namespace));
+        }
+    }
+}
+
+/// The pod's namespace's host if declared there, else the first.
+fn pick<'a>(hosts: Option<&'a Vec<MeshHost>>, namespace: &str) -> Option<&'a MeshHost> {
+    let hosts = hosts?;
+    hosts
+        .iter()
+        .find(|h| h.namespace == namespace)
+        .or_else(|| hosts.first())
+}
+
+/// `a.b.c` → `a.b.c`, `*.b.c`, `*.c`.
+fn wildcards(name: &str) -> Vec<String> {
+    let mut out = vec![name.to_string()];
+    let mut rest = name;
+    while let Some((_, parent)) = rest.split_once('.') {
+        out.push(format!("*.{parent}"));
+        rest = parent;
+    }
+    out
+}
+
+/// Lowercase, without the trailing dot: how names are compared.
+pub(crate) fn normalize(name: &str) -> String {
+    name.trim_end_matches('.').to_ascii_lowercase()
+}
+
+/// The channel every pod's server reads names from, starting empty.
+pub fn names_channel(
+    cluster_domain: &str,
+) -> (
+    watch::Sender<Arc<MeshNames>>,
+    watch::Receiver<Arc<MeshNames>>,
+) {
+    watch::channel(Arc::new(MeshNames::new(cluster_domain)))
+}
+
+/// Rebuilds the names after each cluster view the store owner applied
+/// (`applied` carries the view's number, 0: none yet) and publishes them
+/// when they changed, until `applied` closes. The only writer of `names`.
+pub async fn publish_names(
+    store: Arc<RwLock<WorkloadStore>>,
+    mut applied: watch::Receiver<u64>,
+    cluster_domain: String,
+    names: watch::Sender<Arc<MeshNames>>,
+) {
+    loop {
+        let view = *applied.borrow_and_update();
+        if view > 0 {
+            let built = MeshNames::build(
+                &store.read().unwrap_or_else(|p| p.into_inner()),
+                &cluster_domain,
+            );
+            let count = built.len();
+            let changed = names.send_if_modified(|current| {
+                if **current == built {
+                    return false;
+                }
+                *current = Arc::new(built);
+                true
+            });
+            if changed {
+                debug!(view, names = count, "DNS names published");
+            }
+        }
+        if applied.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{Endpoint, Service, Workload};
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().expect("ip")
+    }
+
+    fn pod(ns: &str) -> PodDns {
+        PodDns::kubernetes(ns, "cluster.local")
+    }
+
+    fn names() -> MeshNames {
+        let mut n = MeshNames::new("cluster.local.");
+        n.insert_service(
+            "web.default.svc.cluster.local",
+            "default",
+            vec![ip("10.96.0.10")],
+        );
+        n.insert_service(
+            "api.other.svc.cluster.local",
+            "other",
+            vec![ip("10.96.0.20")],
+        );
+        n.insert_service("*.example.com", "default", vec![ip("240.240.0.1")]);
+        n.insert_service("db.example.com", "default", vec![ip("240.240.0.2")]);
+        n.insert_service("db.example.com", "other", vec![ip("240.240.0.3")]);
+        n.insert_workload("vm1.example.org", "default", vec![ip("10.0.0.7")]);
+        n
+    }
+
+    fn resolved(n: &MeshNames, q: &str, ns: &str) -> Option<(Vec<IpAddr>, Option<String>)> {
+        n.resolve(q, &pod(ns))
+            .map(|m| (m.host.addrs.clone(), m.stripped))
+    }
+
+    #[test]
+    fn short_and_long_forms_of_a_service_in_the_pods_namespace() {
+        let n = names();
+        let vip = vec![ip("10.96.0.10")];
+        for q in [
+            "web",
+            "web.default",
+            "web.default.svc",
+            "web.default.svc.cluster.local",
+            "WEB.Default.svc.cluster.local.",
+        ] {
+            assert_eq!(resolved(&n, q, "default"), Some((vip.clone(), None)), "{q}");
+        }
+        // From another namespace only the qualified forms mean it.
+        assert_eq!(resolved(&n, "web", "other"), None);
+        assert_eq!(resolved(&n, "web.default", "other").map(|r| r.0), Some(vip));
+    }
+
+    #[test]
+    fn the_ndots_expanded_queries_hit_on_the_first_try() {
+        let n = names();
+        // `web.default.svc.cluster.local` asked from `other` with ndots:5:
+        // the stub resolver first appends `other.svc.cluster.local`.
+        assert_eq!(
+            resolved(
+                &n,
+                "web.default.svc.cluster.local.other.svc.cluster.local",
+                "other"
+            ),
+            Some((
+                vec![ip("10.96.0.10")],
+                Some("web.default.svc.cluster.local".into())
+            ))
+        );
+        // `api.other` asked from `default`: `api.other.default.svc.cluster.local`.
+        assert_eq!(
+            resolved(&n, "api.other.default.svc.cluster.local", "default"),
+            Some((vec![ip("10.96.0.20")], Some("api.other".into())))
+        );
+        // A ServiceEntry host asked with ndots:5: `db.example.com.default.svc.cluster.local`.
+        assert_eq!(
+            resolved(&n, "db.example.com.default.svc.cluster.local", "default"),
+            Some((vec![ip("240.240.0.2")], Some("db.example.com".into())))
+        );
+        // Not a mesh name under any search domain: forwarded.
+        assert_eq!(
+            resolved(&n, "www.google.com.default.svc.cluster.local", "default"),
+            None
+        );
+        assert_eq!(resolved(&n, "www.google.com", "default"), None);
+    }
+
+    #[test]
+    fn service_entry_hosts_prefer_the_pods_namespace_and_wildcards_match_below() {
+        let n = names();
+        assert_eq!(
+            resolved(&n, "db.example.com", "other").map(|r| r.0),
+            Some(vec![ip("240.240.0.3")])
+        );
+        assert_eq!(
+            resolved(&n, "db.example.com", "third").map(|r| r.0),
+            Some(vec![ip("240.240.0.2")])
+        );
+        let m = n
+            .resolve("a.b.example.com", &pod("default"))
+            .expect("wildcard");
+        assert!(m.wildcard);
+        assert_eq!(m.host.addrs, vec![ip("240.240.0.1")]);
+        assert_eq!(resolved(&n, "example.com", "default"), None);
+    }
+
+    #[test]
+    fn workloads_with_a_hostname() {
+        let n = names();
+        assert_eq!(
+            resolved(&n, "vm1.example.org", "x").map(|r| r.0),
+            Some(vec![ip("10.0.0.7")])
+        );
+    }
+
+    fn service(name: &str, vips: &[&str], endpoints: &[(&str, bool)], hostname: &str) -> Service {
+        Service {
+            name: name.into(),
+            namespace: "default".into(),
+            vips: vips.iter().map(|v| ip(v)).collect(),
+            endpoints: endpoints
+                .iter()
+                .map(|(e, ready)| Endpoint {
+                    ready: *ready,
+                    ..Endpoint::new(ip(e), None)
+                })
+                .collect(),
+            hostname: hostname.into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn built_from_the_store() {
+        let mut store = WorkloadStore::new();
+        let mut remote = service("remote", &["10.96.0.30", "10.96.0.31"], &[], "");
+        remote
+            .vip_networks
+            .insert(ip("10.96.0.31"), "network-2".into());
+        store.replace_services([
+            service("web", &["10.96.0.10", "fd00::10"], &[], ""),
+            service(
+                "headless",
+                &[],
+                &[("10.1.0.2", true), ("10.1.0.1", true), ("10.1.0.3", false)],
+                "",
+            ),
+            service("se", &[], &[("10.1.0.9", true)], "no-vip.example.com"),
+            remote,
+        ]);
+        let vm = Workload {
+            name: "vm1".into(),
+            namespace: "default".into(),
+            hostname: "vm1.example.org".into(),
+            ips: vec![ip("10.0.0.7")],
+            ..Default::default()
+        };
+        store.replace_all([vm]);
+        let n = MeshNames::build(&store, "cluster.local");
+        let p = pod("default");
+        let addrs = |q: &str| n.resolve(q, &p).map(|m| m.host.addrs.clone());
+        assert_eq!(addrs("web"), Some(vec![ip("10.96.0.10"), ip("fd00::10")]));
+        assert_eq!(
+            addrs("headless"),
+            Some(vec![ip("10.1.0.1"), ip("10.1.0.2")])
+        );
+        // A non-Kubernetes host without a VIP is the upstream's to answer.
+        assert_eq!(addrs("no-vip.example.com"), None);
+        // Only VIPs on the local network.
+        assert_eq!(addrs("remote"), Some(vec![ip("10.96.0.30")]));
+        assert_eq!(addrs("vm1.example.org"), Some(vec![ip("10.0.0.7")]));
+    }
+
+    #[test]
+    fn the_feed_publishes_after_each_applied_view() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let store = Arc::new(RwLock::new(WorkloadStore::new()));
+            let (applied_tx, applied) = watch::channel(0u64);
+            let (tx, mut rx) = names_channel("cluster.local");
+            let task = tokio::spawn(publish_names(
+                store.clone(),
+                applied,
+                "cluster.local".into(),
+                tx,
+            ));
+            store.write().expect("store").replace_services([service(
+                "web",
+                &["10.96.0.10"],
+                &[],
+                "",
+            )]);
+            applied_tx.send(1).expect("applied");
+            rx.changed().await.expect("published");
+            assert!(rx.borrow().resolve("web", &pod("default")).is_some());
+            drop(applied_tx);
+            task.await.expect("feed ends when the store owner does");
+        });
+    }
+}
