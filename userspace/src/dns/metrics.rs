@@ -1,6 +1,6 @@
 //! The DNS proxy's metrics, as ztunnel exports them (names, help texts,
 //! labels, histogram buckets), under the `istio_` prefix: registered in the
-//! agent's registry by `crate::metrics::Metrics`.
+//! agent's registry by the metrics module's `Metrics`.
 
 use std::time::Duration;
 
