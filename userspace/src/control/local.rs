@@ -11,7 +11,8 @@
 //!     node: node-a
 //!     netns: /var/run/netns/client # required for this node's ambient pods
 //!     dataplaneMode: ambient       # or none; optional, default none
-//!     labels: {app: client}        # optional; what policy selectors see
+//!     labels: {app: client}        # optional; what policy selectors see,
+//!                                  # and istio.io/use-waypoint
 //! services:                        # optional
 //!   - name: web                    # service name (DNS-1123 label)
 //!     namespace: default
@@ -20,6 +21,14 @@
 //!       - port: 80                 # what clients connect to
 //!         targetPort: 8080         # optional, default: port
 //!     endpoints: [server, 198.18.2.3]  # pods of the namespace, or IPs
+//!     labels: {istio.io/use-waypoint: none}  # optional (waypoint bindings)
+//! namespaces:                      # optional: namespaces' labels
+//!   - name: default
+//!     labels: {istio.io/use-waypoint: waypoint}
+//! waypoints:                       # optional: waypoint Gateways; each needs
+//!   - name: waypoint               # a `services` entry of its name whose
+//!     namespace: default           # endpoints are its pods (port 15008)
+//!     for: service                 # service (default), workload, all, none
 //! authorizationPolicies:           # optional: security.istio.io/v1 objects
 //!   - apiVersion: security.istio.io/v1
 //!     kind: AuthorizationPolicy
@@ -28,6 +37,9 @@
 //!       selector: {matchLabels: {app: server}}
 //!       rules: [{from: [{source: {principals: [cluster.local/ns/default/sa/client]}}]}]
 //! ```
+//!
+//! Waypoint bindings follow Istio's `istio.io/use-waypoint` rules (see
+//! [`waypoints`]); a binding to a waypoint not listed is a problem.
 //!
 //! A bad authorization policy does not make the file invalid: it is
 //! reported (file, entry, field) and replaced by a fail-closed stand-in
@@ -54,6 +66,7 @@ use std::{
 use serde::Deserialize;
 
 pub mod policies;
+mod waypoints;
 
 use crate::state::{
     DataplaneMode, Endpoint, Service, ServicePort, TrustDomain, Workload, WorkloadKey,
@@ -115,7 +128,7 @@ pub struct Entry {
 }
 
 /// The file's lists of entries.
-const LISTS: [&str; 2] = ["workloads", "services"];
+const LISTS: [&str; 4] = ["workloads", "services", "namespaces", "waypoints"];
 
 impl Entry {
     fn new(list: &'static str, index: usize, namespace: Option<&str>, name: Option<&str>) -> Self {
@@ -199,8 +212,30 @@ pub fn parse(path: &Path, text: &str) -> Result<LocalWorkloads, WorkloadsFileErr
             TrustDomain::default()
         }
     };
-    let workloads = check_entries(raw.workloads, &mut problems);
-    let services = check_services(raw.services, &workloads, &mut problems);
+    let workload_order: Vec<WorkloadKey> = raw
+        .workloads
+        .iter()
+        .map(|w| WorkloadKey::new(&w.namespace, &w.name))
+        .collect();
+    let service_labels: Vec<_> = raw
+        .services
+        .iter()
+        .map(|s| (WorkloadKey::new(&s.namespace, &s.name), s.labels.clone()))
+        .collect();
+    let mut workloads = check_entries(raw.workloads, &mut problems);
+    let mut services = check_services(raw.services, &workloads, &mut problems);
+    let inputs = waypoints::Inputs {
+        workload_order: &workload_order,
+        service_labels: &service_labels,
+    };
+    waypoints::check(
+        raw.namespaces,
+        raw.waypoints,
+        inputs,
+        &mut workloads,
+        &mut services,
+        &mut problems,
+    );
     let (policies, policy_findings) = policies::check(raw.authorization_policies);
     if problems.is_empty() {
         Ok(LocalWorkloads {
@@ -261,7 +296,7 @@ pub fn validate_for_node(local: &LocalWorkloads, node: &str) -> Result<(), Workl
 #[serde(
     deny_unknown_fields,
     rename_all = "camelCase",
-    expecting = "a mapping with `workloads` and optionally `trustDomain`, `services` and `authorizationPolicies`"
+    expecting = "a mapping with `workloads` and optionally `trustDomain`, `services`, `authorizationPolicies`, `namespaces` and `waypoints`"
 )]
 struct RawFile {
     trust_domain: Option<String>,
@@ -272,6 +307,10 @@ struct RawFile {
     /// one bad policy does not reject the file.
     #[serde(default)]
     authorization_policies: Vec<serde_yaml::Value>,
+    #[serde(default)]
+    namespaces: Vec<waypoints::RawNamespace>,
+    #[serde(default)]
+    waypoints: Vec<waypoints::RawWaypoint>,
 }
 
 /// Strings rather than parsed types, so that [`check_entries`] can report
@@ -314,6 +353,9 @@ struct RawService {
     ports: Vec<RawServicePort>,
     #[serde(default)]
     endpoints: Vec<String>,
+    /// Read by the waypoint rules only (`istio.io/use-waypoint`).
+    #[serde(default)]
+    labels: std::collections::BTreeMap<String, String>,
 }
 
 #[derive(Deserialize)]
@@ -679,6 +721,11 @@ fn check_services(
 
         if problems.len() == before {
             services.push(Service {
+                hostname: crate::control::waypoint::service_hostname(
+                    &raw.namespace,
+                    &raw.name,
+                    crate::control::waypoint::CLUSTER_DOMAIN,
+                ),
                 name: raw.name,
                 namespace: raw.namespace,
                 vips,
@@ -949,7 +996,7 @@ workloads:
                 "unknown top-level field",
                 format!("trustdomain: x\n{}", with_second(None, None)),
                 vec![
-                    "workloads.yaml: field `trustdomain`: unknown field; expected one of `trustDomain`, `workloads`, `services`, `authorizationPolicies` (line 1, column 1)",
+                    "workloads.yaml: field `trustdomain`: unknown field; expected one of `trustDomain`, `workloads`, `services`, `authorizationPolicies`, `namespaces`, `waypoints` (line 1, column 1)",
                 ],
             ),
             (

@@ -10,6 +10,8 @@
 pub mod file;
 pub mod kube;
 pub mod local;
+/// Waypoints from Istio's labels, for the sources without istiod.
+pub mod waypoint;
 
 /// The cluster-wide view one discovery source knows: every workload of any
 /// node, every service, every authorization policy.
