@@ -234,8 +234,8 @@ async fn serve_connection(
         .certificate(&config.identity)
         .await
         .map_err(|e| e.to_string())?;
-    let tls_config = server_config(&cert, &config.roots, &TrustDomain::default())
-        .map_err(|e| e.to_string())?;
+    let tls_config =
+        server_config(&cert, &config.roots, &TrustDomain::default()).map_err(|e| e.to_string())?;
     let tls = tokio::time::timeout(
         STEP,
         tokio_rustls::TlsAcceptor::from(tls_config).accept(tcp),
@@ -280,10 +280,7 @@ async fn serve_stream(
         })
         .collect();
     let index = {
-        let mut received = config
-            .received
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut received = config.received.lock().unwrap_or_else(|p| p.into_inner());
         received.push(Received {
             authority: authority.clone(),
             headers,

@@ -158,7 +158,10 @@ fn assert_connect(received: &Received, authority: &str, client_ip: Ipv4Addr) {
         "k8s.namespace.name=default",
         "k8s.pod.name=client",
     ] {
-        assert!(baggage.split(',').any(|p| p == part), "baggage {baggage:?} lacks {part}");
+        assert!(
+            baggage.split(',').any(|p| p == part),
+            "baggage {baggage:?} lacks {part}"
+        );
     }
     assert_eq!(
         received.header("forwarded"),
@@ -178,7 +181,10 @@ fn assert_connect(received: &Received, authority: &str, client_ip: Ipv4Addr) {
                 .all(|c| c == '-' || c.is_ascii_hexdigit() && !c.is_ascii_uppercase()),
         "traceparent {traceparent:?}"
     );
-    assert!(received.forwarded, "the waypoint reached the destination: {received:?}");
+    assert!(
+        received.forwarded,
+        "the waypoint reached the destination: {received:?}"
+    );
 }
 
 fn waypoint_end_to_end(mode: &str) {
@@ -315,8 +321,13 @@ fn waypoint_end_to_end(mode: &str) {
                     .is_some_and(|r| r.starts_with("waypoint of service default/web"))
         },
     );
-    let (code, metrics) =
-        http(&node_a, "GET", agent_a.endpoints().metrics.port(), "/metrics").expect("metrics");
+    let (code, metrics) = http(
+        &node_a,
+        "GET",
+        agent_a.endpoints().metrics.port(),
+        "/metrics",
+    )
+    .expect("metrics");
     assert_eq!(code, 200);
     assert!(
         metrics.contains(

@@ -95,17 +95,17 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
     };
     // Waypoints first: they take the original destination, untranslated.
     let n = shared.service_picks.fetch_add(1, Ordering::Relaxed);
-    let plan = shared.workloads.waypoint_plan(
-        &shared.config.trust_domain,
-        &pod.key,
-        peer.ip(),
-        dst,
-        n,
-    );
-    let headers = waypoint::connect_headers(plan.baggage.as_deref(), peer.ip());
+    let client = client_ip(&pod, peer);
+    let plan =
+        shared
+            .workloads
+            .waypoint_plan(&shared.config.trust_domain, &pod.key, client, dst, n);
+    let headers = waypoint::connect_headers(plan.baggage.as_deref(), client);
     match plan.route {
         Route::Direct => {}
-        Route::ViaWaypoint(hop) => return via_waypoint(&shared, &pod, app, hop, &headers, log).await,
+        Route::ViaWaypoint(hop) => {
+            return via_waypoint(&shared, &pod, app, hop, &headers, log).await;
+        }
         Route::Fail(failure) => {
             refuse_for_waypoint(&shared, &failure, &mut log, dst);
             reset(&app);
@@ -153,6 +153,22 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
     }
 }
 
+/// The client's address as the mesh knows it: the app's socket address,
+/// unless the redirection made it loopback (connect4 rewrites the
+/// destination to 127.0.0.1:15001, so the kernel picks a loopback source),
+/// then the pod's own address of the same family (`forwarded: for=`).
+fn client_ip(pod: &PodState, peer: SocketAddr) -> std::net::IpAddr {
+    if !peer.ip().is_loopback() {
+        return peer.ip();
+    }
+    pod.ips
+        .iter()
+        .find(|ip| ip.is_ipv4() == peer.is_ipv4())
+        .or(pod.ips.first())
+        .copied()
+        .unwrap_or(peer.ip())
+}
+
 /// Over HBONE to a waypoint: `:authority` the original destination, the
 /// waypoint's identity checked. An unreachable waypoint fails the
 /// connection (counted, logged with the service's or workload's name);
@@ -178,7 +194,17 @@ async fn via_waypoint(
         port: hop.gateway.port(),
         also_accept: hop.also_accept.clone(),
     };
-    if let Err(e) = hbone(shared, pod, &mut app, &key, hop.authority, headers, &mut log).await {
+    if let Err(e) = hbone(
+        shared,
+        pod,
+        &mut app,
+        &key,
+        hop.authority,
+        headers,
+        &mut log,
+    )
+    .await
+    {
         let failure = WaypointFailure {
             bound: hop.bound,
             target: hop.target.clone(),

@@ -73,7 +73,12 @@ struct Bed {
 
 impl Bed {
     fn new() -> Self {
-        let mut waypoint_svc = service("waypoint", "198.19.100.9", 15008, &["198.18.3.10", "198.18.3.11"]);
+        let mut waypoint_svc = service(
+            "waypoint",
+            "198.19.100.9",
+            15008,
+            &["198.18.3.10", "198.18.3.11"],
+        );
         waypoint_svc.hostname = WAYPOINT_HOST.into();
         waypoint_svc.subject_alt_names = vec!["cluster.local/ns/default/sa/waypoint-extra".into()];
         let mut web = service("web", "198.19.100.1", 80, &["198.18.2.10"]);
@@ -85,7 +90,11 @@ impl Bed {
                 workload("waypoint-1", "waypoint", "198.18.3.10"),
                 workload("waypoint-2", "waypoint", "198.18.3.11"),
             ],
-            services: vec![waypoint_svc, web, service("plain", "198.19.100.2", 80, &["198.18.2.10"])],
+            services: vec![
+                waypoint_svc,
+                web,
+                service("plain", "198.19.100.2", 80, &["198.18.2.10"]),
+            ],
         }
     }
 
@@ -137,8 +146,16 @@ fn a_service_vip_with_a_waypoint_goes_to_it_with_the_vip_as_authority() {
     let hop = hop(route_from(&store, "client", "198.19.100.1:80", 0));
     assert_eq!(hop.bound, Bound::Service);
     assert_eq!(hop.target, WorkloadKey::new("default", "web"));
-    assert_eq!(hop.gateway, addr("198.18.3.10:15008"), "waypoint IP, HBONE port");
-    assert_eq!(hop.authority, addr("198.19.100.1:80"), "the VIP, untranslated");
+    assert_eq!(
+        hop.gateway,
+        addr("198.18.3.10:15008"),
+        "waypoint IP, HBONE port"
+    );
+    assert_eq!(
+        hop.authority,
+        addr("198.19.100.1:80"),
+        "the VIP, untranslated"
+    );
     assert_eq!(hop.waypoint, WorkloadKey::new("default", "waypoint-1"));
     assert_eq!(
         hop.identity.as_str(),
@@ -197,7 +214,10 @@ fn a_pod_ip_with_a_workload_waypoint_goes_to_it_with_the_pod_as_authority() {
     assert_eq!(first.gateway, addr("198.18.3.11:15008"));
     assert_eq!(first.authority, addr("198.18.2.10:8080"));
     assert_eq!(first.waypoint, WorkloadKey::new("default", "waypoint-2"));
-    assert!(first.also_accept.is_empty(), "a pod address has no service SANs");
+    assert!(
+        first.also_accept.is_empty(),
+        "a pod address has no service SANs"
+    );
     // The waypoint's address may be its service's VIP too.
     bed.workload_mut("server").waypoint = Some(by_address("198.19.100.9"));
     let second = hop(route_from(&bed.store(), "client", "198.18.2.10:8080", 1));
@@ -210,7 +230,10 @@ fn a_service_without_a_waypoint_goes_direct_whatever_its_endpoints_waypoint() {
     let mut bed = Bed::new();
     bed.workload_mut("server").waypoint = Some(by_address("198.18.3.10"));
     let store = bed.store();
-    assert_eq!(route_from(&store, "client", "198.19.100.2:80", 0), Route::Direct);
+    assert_eq!(
+        route_from(&store, "client", "198.19.100.2:80", 0),
+        Route::Direct
+    );
 }
 
 #[test]
@@ -227,12 +250,23 @@ fn the_waypoint_itself_is_not_sent_back_to_the_waypoint() {
         );
     }
     // The workload named by address.
-    assert_eq!(route_from(&store, "waypoint-1", "198.18.2.10:8080", 0), Route::Direct);
+    assert_eq!(
+        route_from(&store, "waypoint-1", "198.18.2.10:8080", 0),
+        Route::Direct
+    );
     // An unknown source is found by its IP.
     let td = TrustDomain::default();
     let unknown = WorkloadKey::new("default", "gone");
     assert_eq!(
-        plan(&store, &td, &unknown, ip("198.18.3.11"), addr("198.19.100.1:80"), 0).route,
+        plan(
+            &store,
+            &td,
+            &unknown,
+            ip("198.18.3.11"),
+            addr("198.19.100.1:80"),
+            0
+        )
+        .route,
         Route::Direct
     );
     // Anyone else still goes through it.
@@ -245,7 +279,12 @@ fn the_waypoint_itself_is_not_sent_back_to_the_waypoint() {
 #[test]
 fn no_waypoint_routes_as_before() {
     let store = Bed::new().store();
-    for dst in ["198.18.2.10:8080", "198.19.100.2:80", "198.18.7.7:80", "198.19.100.1:81"] {
+    for dst in [
+        "198.18.2.10:8080",
+        "198.19.100.2:80",
+        "198.18.7.7:80",
+        "198.19.100.1:81",
+    ] {
         assert_eq!(route_from(&store, "client", dst, 0), Route::Direct, "{dst}");
     }
 }
@@ -265,13 +304,23 @@ fn an_unknown_waypoint_or_one_without_healthy_endpoint_fails_never_bypasses() {
     );
     let f = failure(route_from(&store, "client", "198.18.2.10:8080", 0));
     assert_eq!(f.reason, FailureReason::Unresolved);
-    assert_eq!((f.bound, f.target.to_string()), (Bound::Workload, "default/server".into()));
+    assert_eq!(
+        (f.bound, f.target.to_string()),
+        (Bound::Workload, "default/server".into())
+    );
 
     let mut bed = Bed::new();
-    bed.service_mut("waypoint").endpoints.iter_mut().for_each(|e| e.ready = false);
+    bed.service_mut("waypoint")
+        .endpoints
+        .iter_mut()
+        .for_each(|e| e.ready = false);
     let f = failure(route_from(&bed.store(), "client", "198.19.100.1:80", 0));
     assert_eq!(f.reason, FailureReason::NoHealthyEndpoint);
-    assert!(f.detail.contains("default/waypoint has no healthy endpoint"), "{f}");
+    assert!(
+        f.detail
+            .contains("default/waypoint has no healthy endpoint"),
+        "{f}"
+    );
     // An endpoint with no workload behind it has no identity to check.
     let mut bed = Bed::new();
     bed.service_mut("waypoint").endpoints = vec![Endpoint::new(ip("198.18.7.8"), None)];
@@ -363,7 +412,8 @@ fn connect_headers_carry_all_three_and_a_fresh_trace_each_time() {
         assert_eq!((parts[0], parts[3]), ("00", "01"), "{t}");
         assert_eq!((parts[1].len(), parts[2].len()), (32, 16), "{t}");
         assert!(
-            t.chars().all(|c| c == '-' || c.is_ascii_digit() || ('a'..='f').contains(&c)),
+            t.chars()
+                .all(|c| c == '-' || c.is_ascii_digit() || ('a'..='f').contains(&c)),
             "{t}"
         );
     }
