@@ -420,6 +420,12 @@ impl Agent {
         self.dir.join("agent.log")
     }
 
+    /// The CA directory (`--ca-dir`) the topology's agents share; it holds
+    /// the plug-in CA files once an agent has started.
+    pub fn ca_dir(&self) -> &Path {
+        &self.ca_dir
+    }
+
     pub fn pin_dir(&self) -> &Path {
         &self.pin_dir
     }

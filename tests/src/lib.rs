@@ -53,6 +53,7 @@ pub mod inspect;
 mod names;
 mod sweep;
 mod topology;
+pub mod waypoint;
 pub mod ztunnel;
 
 pub use cgroup::{CGROUP_PARENT, Cgroup, CgroupParent, cgroup2_mount};

@@ -420,7 +420,7 @@ impl NodeAgent {
         let for_ztunnel: Option<Wanted> = self.ztunnel.as_ref().map(|_| {
             pods.pods
                 .iter()
-                .filter(|w| w.wants_mesh())
+                .filter(|w| w.captured())
                 .filter_map(|w| Some((w.key(), ZdsPod::new(w, w.netns.as_deref()?))))
                 .collect()
         });
@@ -502,7 +502,8 @@ impl NodeAgent {
     }
 
     fn converge(&mut self, key: &WorkloadKey, workload: &Workload) -> PodState {
-        if !workload.wants_mesh() {
+        // A waypoint pod opts in but is never captured (`Workload::captured`).
+        if !workload.captured() {
             if self.is_enrolled(key) {
                 match self.redirector.unenrol(key) {
                     Ok(()) => info!("pod opted out of the mesh; unenrolled"),

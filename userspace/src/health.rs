@@ -67,7 +67,7 @@ impl Readiness {
         let waiting: Vec<String> = node
             .pods
             .iter()
-            .filter(|p| p.workload.wants_mesh() && p.workload.netns.is_some())
+            .filter(|p| p.workload.captured() && p.workload.netns.is_some())
             .filter_map(|p| match &p.state {
                 PodState::Enrolled => None,
                 PodState::Pending(why) | PodState::Error(why) => {
@@ -82,7 +82,7 @@ impl Readiness {
             detail: if !synced {
                 "the pod source has not listed the pods yet".into()
             } else if waiting.is_empty() {
-                let mesh = node.pods.iter().filter(|p| p.workload.wants_mesh()).count();
+                let mesh = node.pods.iter().filter(|p| p.workload.captured()).count();
                 format!("pod source synced; {mesh} mesh pod(s) of this node enrolled")
             } else {
                 format!(

@@ -142,6 +142,8 @@ struct IdentityMismatch(String);
 struct SpiffeServerVerifier {
     roots: TrustRoots,
     expected: SpiffeId,
+    /// Also accepted (a waypoint service's SANs); usually empty.
+    also_accept: Vec<String>,
 }
 
 impl ServerCertVerifier for SpiffeServerVerifier {
@@ -161,7 +163,7 @@ impl ServerCertVerifier for SpiffeServerVerifier {
             webpki::KeyUsage::server_auth(),
         )?;
         let id = spiffe_id_of(end_entity).map_err(identity_error)?;
-        if id != self.expected.as_str() {
+        if id != self.expected.as_str() && !self.also_accept.contains(&id) {
             return Err(identity_error(format!(
                 "server identity {id} is not the destination's {}",
                 self.expected
@@ -284,9 +286,22 @@ pub fn client_config(
     roots: &TrustRoots,
     expected: &SpiffeId,
 ) -> Result<Arc<ClientConfig>, TlsConfigError> {
+    client_config_accepting(cert, roots, expected, &[])
+}
+
+/// [`client_config`] that also accepts a server presenting one of
+/// `also_accept` (SPIFFE URIs): a waypoint is checked against its
+/// workload's identity and the SANs istiod gives its service.
+pub fn client_config_accepting(
+    cert: &WorkloadCert,
+    roots: &TrustRoots,
+    expected: &SpiffeId,
+    also_accept: &[String],
+) -> Result<Arc<ClientConfig>, TlsConfigError> {
     let verifier = Arc::new(SpiffeServerVerifier {
         roots: roots.clone(),
         expected: expected.clone(),
+        also_accept: also_accept.to_vec(),
     });
     let mut config = ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?

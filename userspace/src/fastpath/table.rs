@@ -15,12 +15,15 @@ use crate::{metrics::FastPathMetrics, redirect::ebpf::DestinationTable, store::W
 
 /// Every destination the proxy must see, as the proxy's outbound path
 /// decides (`proxy/outbound.rs`): the addresses of mesh workloads (any
-/// node; those the proxy reaches over HBONE) and every service VIP (the
-/// proxy resolves them to an endpoint, mesh or not), both families.
+/// node; those the proxy reaches over HBONE) and of any workload bound to
+/// a waypoint (the proxy sends it there, `proxy/waypoint.rs`), and every
+/// service VIP (the proxy resolves them to an endpoint or their waypoint,
+/// mesh or not), both families. A waypoint-bound destination never goes
+/// direct.
 pub fn destinations(store: &WorkloadStore) -> BTreeSet<IpAddr> {
     let workloads = store
         .iter()
-        .filter(|w| w.wants_mesh())
+        .filter(|w| w.wants_mesh() || w.waypoint.is_some())
         .flat_map(|w| w.ips.iter().copied());
     let vips = store.services().iter().flat_map(|s| s.vips.iter().copied());
     workloads.chain(vips).map(|ip| ip.to_canonical()).collect()
@@ -111,5 +114,24 @@ mod tests {
             ["198.18.2.10", "198.18.100.1", "198.18.100.2", "fd00::10"],
             "mesh workloads (both families) and VIPs, not the plain pod"
         );
+    }
+
+    #[test]
+    fn a_workload_bound_to_a_waypoint_never_goes_direct() {
+        let mut bound = workload("bound", &["198.18.2.12"], DataplaneMode::None);
+        bound.waypoint = Some(crate::state::GatewayAddress {
+            destination: crate::state::GatewayDestination::Address {
+                network: String::new(),
+                ip: "198.18.3.10".parse().expect("ip"),
+            },
+            hbone_mtls_port: 15008,
+        });
+        let mut store = WorkloadStore::new();
+        store.replace_all([bound]);
+        let set: Vec<String> = destinations(&store)
+            .iter()
+            .map(|ip| ip.to_string())
+            .collect();
+        assert_eq!(set, ["198.18.2.12"]);
     }
 }

@@ -237,6 +237,21 @@ impl NodeGauges {
                 "Connections and streams the proxy refused, by the layer and reason (limits, TLS, HTTP/2, the CONNECT checks, policy)",
                 refusals,
             );
+            let waypoint_failures = Family::<WaypointFailureLabels, Counter>::default();
+            for f in &proxy.waypoint_failures {
+                waypoint_failures
+                    .get_or_create(&WaypointFailureLabels {
+                        namespace: f.namespace.clone(),
+                        name: f.name.clone(),
+                        reason: f.reason.clone(),
+                    })
+                    .inc_by(f.count);
+            }
+            registry.register(
+                "waypoint_failures",
+                "Connections to a waypoint-bound service or workload refused because its waypoint could not be used (unresolved, no_healthy_endpoint, unreachable); never sent around it",
+                waypoint_failures,
+            );
         }
 
         let synced = Gauge::<i64>::default();
@@ -321,6 +336,15 @@ struct PodPolicyLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct IdentityLabels {
     identity: String,
+}
+
+/// `shunt_waypoint_failures_total`: the service's (or workload's)
+/// namespace and name, and why.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WaypointFailureLabels {
+    namespace: String,
+    name: String,
+    reason: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

@@ -25,6 +25,7 @@ mod policy;
 mod pool;
 mod relay;
 mod socket;
+pub mod waypoint;
 
 pub use h2::H2Settings;
 pub use inbound::NON_CONNECT_STATUS;
@@ -44,6 +45,7 @@ pub(crate) use {
     h2_refusals::{FrameParser, FrameTap, H2Refusal},
     inbound::connect_target,
 };
+pub use waypoint::WaypointFailureCount;
 
 use std::{
     collections::HashMap,
@@ -130,6 +132,18 @@ pub trait WorkloadLookup: Send + Sync {
         dst: &WorkloadKey,
         connection: &crate::authz::Connection<'_>,
     ) -> crate::authz::Verdict;
+
+    /// How the local pod `source` (at `client`) reaches `dst`: through a
+    /// waypoint or not (`waypoint.rs`), and its `baggage`. `pick` spreads
+    /// connections over a waypoint's replicas.
+    fn waypoint_plan(
+        &self,
+        trust_domain: &TrustDomain,
+        source: &WorkloadKey,
+        client: IpAddr,
+        dst: SocketAddr,
+        pick: usize,
+    ) -> waypoint::Plan;
 }
 
 impl WorkloadLookup for RwLock<WorkloadStore> {
@@ -169,6 +183,18 @@ impl WorkloadLookup for RwLock<WorkloadStore> {
                 policies.check(connection, destination)
             }
         }
+    }
+
+    fn waypoint_plan(
+        &self,
+        trust_domain: &TrustDomain,
+        source: &WorkloadKey,
+        client: IpAddr,
+        dst: SocketAddr,
+        pick: usize,
+    ) -> waypoint::Plan {
+        let store = self.read().unwrap_or_else(|p| p.into_inner());
+        waypoint::plan(&store, trust_domain, source, client, dst, pick)
     }
 }
 
@@ -255,6 +281,10 @@ pub struct ProxyStats {
     /// `handshake_evicted`'s connection, which are counted there once.
     #[serde(default)]
     pub refusals: std::collections::BTreeMap<String, u64>,
+    /// Connections to waypoint-bound destinations refused
+    /// (`shunt_waypoint_failures_total`), by service or workload and reason.
+    #[serde(default)]
+    pub waypoint_failures: Vec<WaypointFailureCount>,
 }
 
 /// One enrolled pod's proxy state.
@@ -334,6 +364,8 @@ pub(crate) struct Shared {
     /// (round robin; one counter for every service is enough to spread the
     /// load, and costs no per-service state).
     service_picks: AtomicUsize,
+    /// Refused connections to waypoint-bound destinations.
+    pub(crate) waypoint_failures: waypoint::WaypointFailures,
     /// Told about every connection (metrics); set once, see
     /// [`Proxy::set_observer`].
     observer: OnceLock<Arc<dyn ConnectionObserver>>,
@@ -425,6 +457,7 @@ impl Proxy {
                 counters: Counters::default(),
                 limits,
                 service_picks: AtomicUsize::new(0),
+                waypoint_failures: Default::default(),
                 observer: OnceLock::new(),
                 dns: OnceLock::new(),
                 policy_changes: tokio::sync::watch::Sender::new(0),
@@ -694,6 +727,7 @@ impl Proxy {
                 .map(|p| p.pool.connection_count())
                 .sum(),
             refusals: self.shared.limits.refusals(),
+            waypoint_failures: self.shared.waypoint_failures.snapshot(),
         }
     }
 

@@ -1,14 +1,18 @@
 //! Outbound (127.0.0.1:15001 in the pod's netns): what a pod's application
 //! connects to, after redirection.
 //!
-//! The original destination decides the path. A service's VIP and port is
-//! first resolved to one of its ready endpoints (round robin), at the
+//! The original destination decides the path. A destination bound to a
+//! waypoint (a service VIP whose service has one, a pod IP whose workload
+//! has one) goes over HBONE to the waypoint, `:authority` the original
+//! destination, or fails when the waypoint cannot be used (`waypoint.rs`).
+//! Otherwise a service's VIP and port is first resolved to one of its ready endpoints (round robin), at the
 //! endpoint's target port; a VIP with no ready endpoint is refused (RST),
 //! as there is nowhere to send it. Then a mesh workload gets HBONE to its
 //! IP:15008 (presenting the source pod's identity, accepting only the
 //! destination's, `:authority` the endpoint's IP and port), anything else
 //! plain TCP from the pod's own netns. Same-node destinations take the HBONE
-//! path too, so the inbound checks apply to them as well.
+//! path too, so the inbound checks apply to them as well. Every CONNECT
+//! carries ztunnel's `baggage`, `forwarded` and `traceparent` headers.
 
 use std::{
     net::SocketAddr,
@@ -18,7 +22,7 @@ use std::{
 
 use bytes::Bytes;
 use h2::client::SendRequest;
-use http::{Method, Request, StatusCode};
+use http::{HeaderMap, Method, Request, StatusCode};
 use rustls_pki_types::ServerName;
 use shunt_common::PORT_HBONE;
 use tokio::net::TcpStream;
@@ -29,6 +33,7 @@ use super::{
     h2::H2Stream,
     pool::{PoolKey, StreamGuard},
     reset,
+    waypoint::{self, Bound, FailureReason, Route, WaypointFailure, WaypointHop},
 };
 
 /// Why an outbound HBONE stream could not be set up.
@@ -88,7 +93,26 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
             return;
         }
     };
-    let Some(dst) = resolve_service(&shared, dst, &mut log) else {
+    // Waypoints first: they take the original destination, untranslated.
+    let n = shared.service_picks.fetch_add(1, Ordering::Relaxed);
+    let client = client_ip(&pod, peer);
+    let plan =
+        shared
+            .workloads
+            .waypoint_plan(&shared.config.trust_domain, &pod.key, client, dst, n);
+    let headers = waypoint::connect_headers(plan.baggage.as_deref(), client);
+    match plan.route {
+        Route::Direct => {}
+        Route::ViaWaypoint(hop) => {
+            return via_waypoint(&shared, &pod, app, hop, &headers, log).await;
+        }
+        Route::Fail(failure) => {
+            refuse_for_waypoint(&shared, &failure, &mut log, dst);
+            reset(&app);
+            return;
+        }
+    }
+    let Some(dst) = resolve_service(&shared, dst, n, &mut log) else {
         log.emit(&shared);
         reset(&app);
         return;
@@ -115,50 +139,158 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
         src: pod.identity.clone(),
         dst: dst_identity.clone(),
         dst_ip: dst.ip(),
+        port: PORT_HBONE,
+        also_accept: Vec::new(),
     };
-    let (mut h2s, _guard) = match open_stream(&shared, &pod, &key, dst).await {
-        Ok(s) => s,
-        Err(e) => {
-            log.outcome = match e {
-                OutboundError::Status(_) => Outcome::Refused,
-                _ => Outcome::Failed,
-            };
-            log.reason = Some(e.to_string());
-            log.emit(&shared);
-            reset(&app);
-            return;
-        }
+    if let Err(e) = hbone(&shared, &pod, &mut app, &key, dst, &headers, &mut log).await {
+        log.outcome = match e {
+            OutboundError::Status(_) => Outcome::Refused,
+            _ => Outcome::Failed,
+        };
+        log.reason = Some(e.to_string());
+        log.emit(&shared);
+        reset(&app);
+    }
+}
+
+/// The client's address as the mesh knows it: the app's socket address,
+/// unless the redirection made it loopback (connect4 rewrites the
+/// destination to 127.0.0.1:15001, so the kernel picks a loopback source),
+/// then the pod's own address of the same family (`forwarded: for=`).
+fn client_ip(pod: &PodState, peer: SocketAddr) -> std::net::IpAddr {
+    if !peer.ip().is_loopback() {
+        return peer.ip();
+    }
+    pod.ips
+        .iter()
+        .find(|ip| ip.is_ipv4() == peer.is_ipv4())
+        .or(pod.ips.first())
+        .copied()
+        .unwrap_or(peer.ip())
+}
+
+/// Over HBONE to a waypoint: `:authority` the original destination, the
+/// waypoint's identity checked. An unreachable waypoint fails the
+/// connection (counted, logged with the service's or workload's name);
+/// nothing goes around it.
+async fn via_waypoint(
+    shared: &Shared,
+    pod: &PodState,
+    mut app: TcpStream,
+    hop: WaypointHop,
+    headers: &HeaderMap,
+    mut log: AccessLog<'_>,
+) {
+    log.dst_addr = hop.authority;
+    if hop.bound == Bound::Service {
+        log.dst_service = Some(hop.target.clone());
+    }
+    log.dst_identity = Some(hop.identity.as_str());
+    tracing::debug!(target_ = %hop.target, bound = hop.bound.as_str(), waypoint = %hop.waypoint, gateway = %hop.gateway, authority = %hop.authority, "via waypoint");
+    let key = PoolKey {
+        src: pod.identity.clone(),
+        dst: hop.identity.clone(),
+        dst_ip: hop.gateway.ip(),
+        port: hop.gateway.port(),
+        also_accept: hop.also_accept.clone(),
     };
-    log.open(&shared);
-    match super::relay::relay(&mut app, &mut h2s).await {
+    if let Err(e) = hbone(
+        shared,
+        pod,
+        &mut app,
+        &key,
+        hop.authority,
+        headers,
+        &mut log,
+    )
+    .await
+    {
+        let failure = WaypointFailure {
+            bound: hop.bound,
+            target: hop.target.clone(),
+            reason: FailureReason::Unreachable,
+            detail: format!("waypoint {} at {}: {e}", hop.waypoint, hop.gateway),
+        };
+        refuse_for_waypoint(shared, &failure, &mut log, hop.authority);
+        reset(&app);
+    }
+}
+
+/// Counts, logs (warning naming the service or workload) and writes the
+/// access line of a connection refused for its waypoint.
+fn refuse_for_waypoint(
+    shared: &Shared,
+    failure: &WaypointFailure,
+    log: &mut AccessLog<'_>,
+    dst: SocketAddr,
+) {
+    shared.waypoint_failures.count(failure);
+    tracing::warn!(
+        namespace = %failure.target.namespace,
+        name = %failure.target.name,
+        bound = failure.bound.as_str(),
+        reason = failure.reason.as_str(),
+        %dst,
+        detail = %failure.detail,
+        "connection refused: its waypoint cannot be used (never bypassed)"
+    );
+    if failure.bound == Bound::Service {
+        log.dst_service = Some(failure.target.clone());
+    }
+    log.dst_addr = dst;
+    log.outcome = match failure.reason {
+        FailureReason::Unreachable => Outcome::Failed,
+        _ => Outcome::Refused,
+    };
+    log.reason = Some(failure.to_string());
+    log.emit(shared);
+}
+
+/// Opens a CONNECT stream to `authority` over the pool of `key` and relays
+/// `app` over it, writing the access line. An error before the stream is
+/// up is returned for the caller to report (nothing written yet).
+#[allow(clippy::too_many_arguments)]
+async fn hbone(
+    shared: &Shared,
+    pod: &PodState,
+    app: &mut TcpStream,
+    key: &PoolKey,
+    authority: SocketAddr,
+    headers: &HeaderMap,
+    log: &mut AccessLog<'_>,
+) -> Result<(), OutboundError> {
+    let (mut h2s, _guard) = open_stream(shared, pod, key, authority, headers).await?;
+    log.open(shared);
+    match super::relay::relay(app, &mut h2s).await {
         Ok((sent, received)) => {
             log.bytes_sent = sent;
             log.bytes_received = received;
             log.outcome = Outcome::Success;
-            log.emit(&shared);
+            log.emit(shared);
         }
         Err(e) => {
             h2s.reset(h2::Reason::CANCEL);
-            reset(&app);
+            reset(app);
             log.outcome = Outcome::Failed;
             log.reason = Some(e.to_string());
-            log.emit(&shared);
+            log.emit(shared);
         }
     }
+    Ok(())
 }
 
 /// Where a connection to `dst` goes: `dst` itself, or, when it is a
-/// service's VIP and port, one of its ready endpoints in turn (named in the
-/// log). `None` when the service has no ready endpoint (the log says why).
+/// service's VIP and port, one of its ready endpoints in turn (`n` counts
+/// connections; named in the log). `None` when the service has no ready endpoint (the log says why).
 fn resolve_service(
     shared: &Shared,
     dst: SocketAddr,
+    n: usize,
     log: &mut AccessLog<'_>,
 ) -> Option<SocketAddr> {
     let Some(service) = shared.workloads.service_at(dst) else {
         return Some(dst);
     };
-    let n = shared.service_picks.fetch_add(1, Ordering::Relaxed);
     log.dst_service = Some(service.key());
     match service.pick(dst, n) {
         Some((endpoint, target)) => {
@@ -224,6 +356,7 @@ async fn open_stream(
     pod: &PodState,
     key: &PoolKey,
     dst: SocketAddr,
+    headers: &HeaderMap,
 ) -> Result<(H2Stream, StreamGuard), OutboundError> {
     let max = shared.config.h2.max_streams_per_connection;
     let mut last_err = None;
@@ -238,7 +371,7 @@ async fn open_stream(
                 }
             }
         };
-        match connect_stream(shared, send, dst).await {
+        match connect_stream(shared, send, dst, headers).await {
             Ok(h2s) => return Ok((h2s, guard)),
             // A refusal is the peer's answer: retrying would get the same.
             Err(e @ OutboundError::Status(_)) => return Err(e),
@@ -259,6 +392,7 @@ async fn connect_stream(
     shared: &Shared,
     send: SendRequest<Bytes>,
     dst: SocketAddr,
+    headers: &HeaderMap,
 ) -> Result<H2Stream, OutboundError> {
     let timeout = shared.config.connect_response_timeout;
     let timed_out = |what| OutboundError::Timeout {
@@ -270,8 +404,9 @@ async fn connect_stream(
         .await
         .map_err(|_| timed_out("waiting for a stream slot"))??;
     // Only :method and :authority (h2 omits :scheme and :path for CONNECT);
-    // ztunnel resets a CONNECT carrying either.
-    let request = Request::builder()
+    // ztunnel resets a CONNECT carrying either. Then ztunnel's headers
+    // (baggage, forwarded, traceparent).
+    let mut request = Request::builder()
         .method(Method::CONNECT)
         .uri(dst.to_string())
         .body(())
@@ -279,6 +414,7 @@ async fn connect_stream(
             addr: dst,
             source: std::io::Error::other(e),
         })?;
+    request.headers_mut().extend(headers.clone());
     let (response, send_stream) = send.send_request(request, false)?;
     let response = tokio::time::timeout(timeout, response)
         .await
@@ -296,9 +432,10 @@ async fn connect(
     pod: &PodState,
     key: &PoolKey,
 ) -> Result<(SendRequest<Bytes>, StreamGuard), OutboundError> {
-    let addr = SocketAddr::new(key.dst_ip, PORT_HBONE);
+    let addr = SocketAddr::new(key.dst_ip, key.port);
     let cert = shared.identities.certificate(&pod.identity).await?;
-    let config = crate::tls::client_config(&cert, &shared.roots, &key.dst)?;
+    let config =
+        crate::tls::client_config_accepting(&cert, &shared.roots, &key.dst, &key.also_accept)?;
     let tcp = pod
         .sockets
         .connect(addr, shared.config.connect_timeout)

@@ -32,6 +32,10 @@ pub(crate) struct PoolKey {
     pub src: SpiffeId,
     pub dst: SpiffeId,
     pub dst_ip: IpAddr,
+    /// The peer's HBONE port (15008, or a waypoint's `hbone_mtls_port`).
+    pub port: u16,
+    /// Identities accepted besides `dst` (a waypoint service's SANs).
+    pub also_accept: Vec<String>,
 }
 
 pub(crate) struct PooledConn {

@@ -294,6 +294,12 @@ pub enum GatewayDestination {
     Hostname { namespace: String, hostname: String },
 }
 
+/// The label Istio puts on the pods of a waypoint it deploys (label, value).
+/// istio-cni and ztunnel never capture such a pod, whatever its dataplane
+/// mode: the waypoint's own Envoy serves HBONE on 15008.
+pub const WAYPOINT_MANAGED_LABEL: (&str, &str) =
+    ("gateway.istio.io/managed", "istio.io-mesh-controller");
+
 /// The pod annotation that opts a pod's connections out of the splice
 /// (`"off"`: with `--splice on`) or in (`"on"`: with `--splice opt-in`).
 pub const SPLICE_ANNOTATION: &str = "shunt.io/splice";
@@ -318,9 +324,24 @@ impl Workload {
         SpiffeId::for_service_account(trust_domain, &self.namespace, &self.service_account)
     }
 
-    /// Whether the pod opted into the mesh.
+    /// Whether the pod opted into the mesh (it is then a mesh peer,
+    /// reached over HBONE).
     pub fn wants_mesh(&self) -> bool {
         self.dataplane_mode == DataplaneMode::Ambient
+    }
+
+    /// Whether it is a waypoint Istio deployed ([`WAYPOINT_MANAGED_LABEL`]).
+    pub fn is_managed_waypoint(&self) -> bool {
+        let (label, value) = WAYPOINT_MANAGED_LABEL;
+        self.labels.get(label).is_some_and(|v| v == value)
+    }
+
+    /// Whether the node agent enrols (captures) the pod: it opted into the
+    /// mesh and is not a waypoint, which serves its own HBONE listener (as
+    /// istio-cni and ztunnel skip it). The one enrolment decision, whatever
+    /// the source.
+    pub fn captured(&self) -> bool {
+        self.wants_mesh() && !self.is_managed_waypoint()
     }
 }
 
@@ -403,5 +424,21 @@ pub(crate) mod tests {
         assert!(w.wants_mesh());
         w.dataplane_mode = DataplaneMode::None;
         assert!(!w.wants_mesh());
+    }
+
+    #[test]
+    fn a_managed_waypoint_is_a_mesh_peer_but_never_captured() {
+        let mut w = workload("default", "waypoint-5d8", "198.18.1.2", "node-a");
+        assert!(w.captured());
+        w.labels
+            .insert("gateway.istio.io/managed".into(), "something-else".into());
+        assert!(w.captured(), "only Istio's mesh controller value counts");
+        w.labels.insert(
+            "gateway.istio.io/managed".into(),
+            "istio.io-mesh-controller".into(),
+        );
+        assert!(w.is_managed_waypoint());
+        assert!(w.wants_mesh(), "still reached over HBONE");
+        assert!(!w.captured(), "its Envoy listens on 15008 itself");
     }
 }

@@ -1,0 +1,408 @@
+//! A stand-in waypoint for kernel tests of waypoint routing: what an Istio
+//! waypoint's Envoy does on the wire, in a pod netns no agent enrols.
+//!
+//! - It is a real HBONE server on `podIP:15008`: TLS 1.3 presenting its own
+//!   SPIFFE certificate, issued by the topology's CA (the agents' `--ca-dir`
+//!   files), a client certificate of the mesh required, ALPN h2, HTTP/2
+//!   CONNECT. It records every CONNECT's `:authority`, headers and the
+//!   client's identity ([`Received`]).
+//! - It forwards each stream as a real HBONE client with its own identity:
+//!   it chooses the upstream for the authority itself (a service VIP's
+//!   endpoint, or the pod the authority names), connects to its 15008,
+//!   checks its certificate against the expected identity, sends CONNECT
+//!   `endpointIP:port`, and relays bytes both ways.
+//!
+//! It uses the agent crate's TLS configurations (`shunt::tls`) and identity
+//! manager, so it speaks HBONE exactly as the agents do. Dropping it (or
+//! [`StandInWaypoint::stop`]) closes its listener: a waypoint that is down.
+
+use std::{
+    net::SocketAddr,
+    path::Path,
+    sync::{Arc, Mutex},
+    thread,
+    time::Duration,
+};
+
+use bytes::Bytes;
+use h2::{RecvStream, SendStream};
+use http::{Method, Request, Response, StatusCode};
+use rustls_pki_types::ServerName;
+use shunt::{
+    identity::{IdentityConfig, IdentityManager, ca::BuiltinCa},
+    state::{SpiffeId, TrustDomain},
+    tls::{TrustRoots, client_config, server_config},
+};
+use tokio::sync::oneshot;
+
+use crate::{Pod, Result, TestbedError};
+
+/// How long any step may take.
+const STEP: Duration = Duration::from_secs(20);
+
+/// Where the stand-in sends a CONNECT for `authority`: `target` (an
+/// endpoint's `IP:port`), over HBONE to `target`'s IP:15008, expecting
+/// `identity`.
+#[derive(Clone, Debug)]
+pub struct Upstream {
+    pub authority: SocketAddr,
+    pub target: SocketAddr,
+    pub identity: SpiffeId,
+}
+
+/// One CONNECT the stand-in received.
+#[derive(Clone, Debug)]
+pub struct Received {
+    pub authority: String,
+    /// Every header, names lowercased, in order.
+    pub headers: Vec<(String, String)>,
+    /// The client's SPIFFE id (from its certificate).
+    pub peer_identity: Option<String>,
+    /// Whether the stream was forwarded and its upstream answered 200.
+    pub forwarded: bool,
+}
+
+impl Received {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// A running stand-in waypoint.
+pub struct StandInWaypoint {
+    received: Arc<Mutex<Vec<Received>>>,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<thread::JoinHandle<()>>,
+    identity: SpiffeId,
+}
+
+struct Config {
+    pod: Pod,
+    identity: SpiffeId,
+    identities: IdentityManager,
+    roots: TrustRoots,
+    upstreams: Vec<Upstream>,
+    received: Arc<Mutex<Vec<Received>>>,
+}
+
+impl StandInWaypoint {
+    /// Starts serving HBONE on `pod`'s IP:15008 as `identity`, with a
+    /// certificate from the CA in `ca_dir` (an agent of the topology must
+    /// have created it), forwarding to `upstreams`. Returns once it
+    /// listens and holds its certificate.
+    pub fn start(
+        pod: &Pod,
+        ca_dir: &Path,
+        identity: SpiffeId,
+        upstreams: Vec<Upstream>,
+    ) -> Result<StandInWaypoint> {
+        let ca = BuiltinCa::load(ca_dir)
+            .map_err(|e| TestbedError::Invalid(format!("stand-in waypoint: CA: {e}")))?
+            .ok_or_else(|| {
+                TestbedError::Invalid(format!(
+                    "stand-in waypoint: no CA in {} (start an agent first)",
+                    ca_dir.display()
+                ))
+            })?;
+        let listen_addr = SocketAddr::new(pod.ip().into(), 15008);
+        let listener = pod.listen_tcp(listen_addr)?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| TestbedError::io("stand-in waypoint: nonblocking listener", e))?;
+        let received = Arc::new(Mutex::new(Vec::new()));
+        let (stop_tx, stop_rx) = oneshot::channel();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let pod = pod.clone();
+        let id = identity.clone();
+        let rec = received.clone();
+        let thread = thread::spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+            {
+                Ok(r) => r,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(format!("runtime: {e}")));
+                    return;
+                }
+            };
+            runtime.block_on(async move {
+                let identities = IdentityManager::new(Arc::new(ca), IdentityConfig::default());
+                identities.register(&id);
+                let roots = match TrustRoots::new(&identities.roots()) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(format!("roots: {e}")));
+                        return;
+                    }
+                };
+                if let Err(e) = identities.certificate(&id).await {
+                    let _ = ready_tx.send(Err(format!("certificate: {e}")));
+                    return;
+                }
+                let listener = match tokio::net::TcpListener::from_std(listener) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(format!("listener: {e}")));
+                        return;
+                    }
+                };
+                let config = Arc::new(Config {
+                    pod,
+                    identity: id,
+                    identities,
+                    roots,
+                    upstreams,
+                    received: rec,
+                });
+                let _ = ready_tx.send(Ok(()));
+                tokio::select! {
+                    _ = stop_rx => {}
+                    () = accept_loop(listener, config) => {}
+                }
+            });
+            // Dropping the runtime ends every connection of the stand-in.
+        });
+        match ready_rx.recv_timeout(STEP) {
+            Ok(Ok(())) => Ok(StandInWaypoint {
+                received,
+                stop: Some(stop_tx),
+                thread: Some(thread),
+                identity,
+            }),
+            Ok(Err(e)) => Err(TestbedError::Invalid(format!("stand-in waypoint: {e}"))),
+            Err(e) => Err(TestbedError::Invalid(format!(
+                "stand-in waypoint did not start: {e}"
+            ))),
+        }
+    }
+
+    pub fn identity(&self) -> &SpiffeId {
+        &self.identity
+    }
+
+    /// Every CONNECT received so far.
+    pub fn received(&self) -> Vec<Received> {
+        self.received
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Stops it: the listener closes and its connections end (a waypoint
+    /// that is down).
+    pub fn stop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for StandInWaypoint {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+async fn accept_loop(listener: tokio::net::TcpListener, config: Arc<Config>) {
+    loop {
+        let Ok((tcp, _)) = listener.accept().await else {
+            continue;
+        };
+        let config = config.clone();
+        tokio::spawn(async move {
+            if let Err(e) = serve_connection(tcp, config).await {
+                crate::warn(format_args!("stand-in waypoint: connection: {e}"));
+            }
+        });
+    }
+}
+
+async fn serve_connection(
+    tcp: tokio::net::TcpStream,
+    config: Arc<Config>,
+) -> std::result::Result<(), String> {
+    let cert = config
+        .identities
+        .certificate(&config.identity)
+        .await
+        .map_err(|e| e.to_string())?;
+    let tls_config =
+        server_config(&cert, &config.roots, &TrustDomain::default()).map_err(|e| e.to_string())?;
+    let tls = tokio::time::timeout(
+        STEP,
+        tokio_rustls::TlsAcceptor::from(tls_config).accept(tcp),
+    )
+    .await
+    .map_err(|_| "TLS handshake timed out".to_string())?
+    .map_err(|e| format!("TLS handshake: {e}"))?;
+    let peer_identity = shunt::tls::peer_identity(tls.get_ref().1);
+    let mut conn = h2::server::handshake(tls)
+        .await
+        .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
+    while let Some(request) = conn.accept().await {
+        let (request, respond) = request.map_err(|e| format!("HTTP/2: {e}"))?;
+        let config = config.clone();
+        let peer_identity = peer_identity.clone();
+        tokio::spawn(async move {
+            serve_stream(request, respond, config, peer_identity).await;
+        });
+    }
+    Ok(())
+}
+
+async fn serve_stream(
+    request: Request<RecvStream>,
+    mut respond: h2::server::SendResponse<Bytes>,
+    config: Arc<Config>,
+    peer_identity: Option<String>,
+) {
+    let authority = request
+        .uri()
+        .authority()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    let headers = request
+        .headers()
+        .iter()
+        .map(|(n, v)| {
+            (
+                n.as_str().to_owned(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            )
+        })
+        .collect();
+    let index = {
+        let mut received = config.received.lock().unwrap_or_else(|p| p.into_inner());
+        received.push(Received {
+            authority: authority.clone(),
+            headers,
+            peer_identity,
+            forwarded: false,
+        });
+        received.len() - 1
+    };
+    let upstream = authority
+        .parse::<SocketAddr>()
+        .ok()
+        .and_then(|a| config.upstreams.iter().find(|u| u.authority == a).cloned());
+    let answer = |status| Response::builder().status(status).body(()).ok();
+    let (Some(upstream), true) = (upstream, request.method() == Method::CONNECT) else {
+        if let Some(response) = answer(StatusCode::SERVICE_UNAVAILABLE) {
+            let _ = respond.send_response(response, true);
+        }
+        return;
+    };
+    let (to_upstream, from_upstream) = match connect_upstream(&config, &upstream).await {
+        Ok(pair) => pair,
+        Err(e) => {
+            crate::warn(format_args!(
+                "stand-in waypoint: upstream {}: {e}",
+                upstream.target
+            ));
+            if let Some(response) = answer(StatusCode::SERVICE_UNAVAILABLE) {
+                let _ = respond.send_response(response, true);
+            }
+            return;
+        }
+    };
+    let Some(response) = answer(StatusCode::OK) else {
+        return;
+    };
+    let Ok(to_client) = respond.send_response(response, false) else {
+        return;
+    };
+    if let Some(r) = config
+        .received
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get_mut(index)
+    {
+        r.forwarded = true;
+    }
+    let from_client = request.into_body();
+    let _ = tokio::join!(
+        pump(from_client, to_upstream),
+        pump(from_upstream, to_client)
+    );
+}
+
+/// A CONNECT stream to `upstream` over a new HBONE connection from the
+/// waypoint pod.
+async fn connect_upstream(
+    config: &Config,
+    upstream: &Upstream,
+) -> std::result::Result<(SendStream<Bytes>, RecvStream), String> {
+    let hbone = SocketAddr::new(upstream.target.ip(), 15008);
+    let pod = config.pod.clone();
+    let tcp = tokio::task::spawn_blocking(move || pod.connect_tcp(hbone, STEP))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("connect {hbone}: {e}"))?;
+    tcp.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let tcp = tokio::net::TcpStream::from_std(tcp).map_err(|e| e.to_string())?;
+    let cert = config
+        .identities
+        .certificate(&config.identity)
+        .await
+        .map_err(|e| e.to_string())?;
+    let tls_config =
+        client_config(&cert, &config.roots, &upstream.identity).map_err(|e| e.to_string())?;
+    let tls = tokio::time::timeout(
+        STEP,
+        tokio_rustls::TlsConnector::from(tls_config)
+            .connect(ServerName::IpAddress(hbone.ip().into()), tcp),
+    )
+    .await
+    .map_err(|_| "TLS handshake timed out".to_string())?
+    .map_err(|e| format!("TLS handshake with {hbone}: {e}"))?;
+    let (send, connection) = h2::client::handshake(tls)
+        .await
+        .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    let mut send = send.ready().await.map_err(|e| e.to_string())?;
+    let request = Request::builder()
+        .method(Method::CONNECT)
+        .uri(upstream.target.to_string())
+        .body(())
+        .map_err(|e| e.to_string())?;
+    let (response, stream) = send
+        .send_request(request, false)
+        .map_err(|e| e.to_string())?;
+    let response = tokio::time::timeout(STEP, response)
+        .await
+        .map_err(|_| "CONNECT answer timed out".to_string())?
+        .map_err(|e| e.to_string())?;
+    if response.status() != StatusCode::OK {
+        return Err(format!("upstream answered {}", response.status()));
+    }
+    Ok((stream, response.into_body()))
+}
+
+/// Moves one direction's bytes from an HTTP/2 stream to another, then
+/// ends the sending stream.
+async fn pump(mut from: RecvStream, mut to: SendStream<Bytes>) -> std::result::Result<(), String> {
+    while let Some(chunk) = from.data().await {
+        let mut chunk = chunk.map_err(|e| e.to_string())?;
+        let _ = from.flow_control().release_capacity(chunk.len());
+        while !chunk.is_empty() {
+            to.reserve_capacity(chunk.len());
+            let granted = std::future::poll_fn(|cx| to.poll_capacity(cx))
+                .await
+                .ok_or_else(|| "stream closed".to_string())?
+                .map_err(|e| e.to_string())?;
+            let part = chunk.split_to(granted.min(chunk.len()));
+            to.send_data(part, false).map_err(|e| e.to_string())?;
+        }
+    }
+    to.send_data(Bytes::new(), true).map_err(|e| e.to_string())
+}

@@ -1,0 +1,475 @@
+//! Waypoints: which outbound connections go to a waypoint (the L7 proxy a
+//! service or workload is bound to), and the headers every outbound
+//! CONNECT carries.
+//!
+//! ztunnel's behaviour is the contract (see `docs/WAYPOINTS.md`):
+//!
+//! - a connection to a service's `VIP:port` whose service has a waypoint
+//!   goes over HBONE to one healthy waypoint endpoint's
+//!   `IP:hbone_mtls_port`, with the CONNECT `:authority` the original
+//!   `VIP:port` (the waypoint picks the endpoint), accepting the waypoint
+//!   workload's identity or one of the waypoint service's SANs
+//!   ("ToServiceWaypoint");
+//! - a connection to a pod IP whose workload has a waypoint goes the same
+//!   way with `:authority` `podIP:port` ("ToWorkloadWaypoint"); a service
+//!   without a waypoint goes to its endpoint directly, whatever the
+//!   endpoint's own waypoint (ztunnel does not traverse a workload waypoint
+//!   for traffic addressed to a service);
+//! - a source that is the waypoint itself (one of its endpoint workloads,
+//!   or the address it is named by) is routed as if there were no waypoint:
+//!   no loop;
+//! - a waypoint that cannot be resolved, or has no healthy endpoint, fails
+//!   the connection: the waypoint is never bypassed.
+//!
+//! [`route`] is a pure function of the store; the proxy calls it through
+//! [`super::WorkloadLookup::waypoint_plan`] under one read of the store.
+
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, SocketAddr},
+    sync::Mutex,
+};
+
+use http::{HeaderMap, HeaderValue};
+use serde::{Deserialize, Serialize};
+
+use crate::state::{
+    GatewayAddress, GatewayDestination, Service, SpiffeId, TrustDomain, Workload, WorkloadKey,
+    WorkloadStatus, WorkloadStore,
+};
+
+/// The cluster name ztunnel reports when none is configured (its
+/// `CLUSTER_ID` default), used in `baggage` when the source workload does
+/// not name its cluster.
+pub const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
+
+/// Where an outbound connection goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// No waypoint applies: the proxy resolves a service to an endpoint and
+    /// goes there, as without waypoints.
+    Direct,
+    /// Over HBONE to a waypoint.
+    ViaWaypoint(WaypointHop),
+    /// The destination has a waypoint that cannot be used: refuse.
+    Fail(WaypointFailure),
+}
+
+/// Whether the waypoint serves a service or a workload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bound {
+    /// The destination was a service's `VIP:port`.
+    Service,
+    /// The destination was a workload's IP.
+    Workload,
+}
+
+impl Bound {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Bound::Service => "service",
+            Bound::Workload => "workload",
+        }
+    }
+}
+
+/// The HBONE hop to a waypoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WaypointHop {
+    pub bound: Bound,
+    /// The service or workload the client addressed (whose waypoint it is).
+    pub target: WorkloadKey,
+    /// The chosen waypoint endpoint's `IP:hbone_mtls_port`.
+    pub gateway: SocketAddr,
+    /// The CONNECT `:authority`: the original destination, untranslated.
+    pub authority: SocketAddr,
+    /// The chosen waypoint workload.
+    pub waypoint: WorkloadKey,
+    /// Its identity: what its certificate must carry...
+    pub identity: SpiffeId,
+    /// ...or one of these (the waypoint service's `subject_alt_names`, as
+    /// `spiffe://` URIs).
+    pub also_accept: Vec<String>,
+}
+
+/// Why a connection to a waypoint-bound destination was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum FailureReason {
+    /// The waypoint names no known service or workload.
+    Unresolved,
+    /// The waypoint is known but none of its endpoints is healthy.
+    NoHealthyEndpoint,
+    /// The chosen waypoint endpoint could not be reached (connect, TLS,
+    /// HTTP/2, or it refused the CONNECT).
+    Unreachable,
+}
+
+impl FailureReason {
+    /// The `reason` label of `shunt_waypoint_failures_total`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureReason::Unresolved => "unresolved",
+            FailureReason::NoHealthyEndpoint => "no_healthy_endpoint",
+            FailureReason::Unreachable => "unreachable",
+        }
+    }
+}
+
+/// A refused connection to a waypoint-bound destination.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WaypointFailure {
+    pub bound: Bound,
+    /// The service or workload whose waypoint failed.
+    pub target: WorkloadKey,
+    pub reason: FailureReason,
+    /// What was wrong, for the log.
+    pub detail: String,
+}
+
+impl std::fmt::Display for WaypointFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "waypoint of {} {}: {}",
+            self.bound.as_str(),
+            self.target,
+            self.detail
+        )
+    }
+}
+
+/// What the proxy needs to know about an outbound connection, read under
+/// one lock of the store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    pub route: Route,
+    /// The `baggage` header describing the source workload (absent when
+    /// the store does not know the source).
+    pub baggage: Option<String>,
+}
+
+/// [`route`] and the source's `baggage`, for the connection of the local
+/// pod `source` (found by key, else by `client`'s IP) to `dst`.
+pub fn plan(
+    store: &WorkloadStore,
+    trust_domain: &TrustDomain,
+    source: &WorkloadKey,
+    client: IpAddr,
+    dst: SocketAddr,
+    pick: usize,
+) -> Plan {
+    let source = store.get(source).or_else(|| store.by_ip(client));
+    Plan {
+        route: route(store, trust_domain, source, dst, pick),
+        baggage: source.map(baggage),
+    }
+}
+
+/// Where a connection from `source` to the original destination `dst`
+/// goes. `pick` chooses among several healthy waypoint endpoints (a
+/// counter of connections: round robin).
+pub fn route(
+    store: &WorkloadStore,
+    trust_domain: &TrustDomain,
+    source: Option<&Workload>,
+    dst: SocketAddr,
+    pick: usize,
+) -> Route {
+    if let Some(service) = store.services().by_addr(dst) {
+        // Addressed to a service: only the service's waypoint counts.
+        return match &service.waypoint {
+            Some(gateway) => via(
+                store,
+                trust_domain,
+                source,
+                gateway,
+                (Bound::Service, service.key()),
+                dst,
+                pick,
+            ),
+            None => Route::Direct,
+        };
+    }
+    match store.by_ip(dst.ip()) {
+        Some(workload) => match &workload.waypoint {
+            Some(gateway) => via(
+                store,
+                trust_domain,
+                source,
+                gateway,
+                (Bound::Workload, workload.key()),
+                dst,
+                pick,
+            ),
+            None => Route::Direct,
+        },
+        None => Route::Direct,
+    }
+}
+
+/// A waypoint resolved to its endpoints.
+struct Resolved<'a> {
+    /// How it is named, for messages.
+    name: String,
+    /// Every endpoint, healthy or not: `(IP, the workload behind it, ready)`.
+    members: Vec<(IpAddr, Option<&'a Workload>, bool)>,
+    /// Its service's `subject_alt_names`, when it is a service.
+    sans: Vec<String>,
+}
+
+fn via(
+    store: &WorkloadStore,
+    trust_domain: &TrustDomain,
+    source: Option<&Workload>,
+    gateway: &GatewayAddress,
+    (bound, target): (Bound, WorkloadKey),
+    dst: SocketAddr,
+    pick: usize,
+) -> Route {
+    let fail = |reason, detail: String| {
+        Route::Fail(WaypointFailure {
+            bound,
+            target: target.clone(),
+            reason,
+            detail,
+        })
+    };
+    let resolved = match resolve(store, &gateway.destination) {
+        Ok(r) => r,
+        Err(detail) => return fail(FailureReason::Unresolved, detail),
+    };
+    // The waypoint's own traffic to what it serves must not come back to
+    // it (ztunnel's from-waypoint check).
+    if let Some(source) = source {
+        let is_member = resolved.members.iter().any(|(ip, w, _)| {
+            source.ips.contains(ip) || w.is_some_and(|w| w.key() == source.key())
+        });
+        if is_member {
+            return Route::Direct;
+        }
+    }
+    let healthy: Vec<(IpAddr, &Workload)> = resolved
+        .members
+        .iter()
+        .filter(|(_, _, ready)| *ready)
+        .filter_map(|(ip, w, _)| Some((*ip, (*w)?)))
+        .filter(|(_, w)| w.status == WorkloadStatus::Healthy)
+        .collect();
+    // The client's family first: the HBONE connection leaves from the
+    // client pod.
+    let same_family: Vec<(IpAddr, &Workload)> = healthy
+        .iter()
+        .copied()
+        .filter(|(ip, _)| ip.is_ipv4() == dst.is_ipv4())
+        .collect();
+    let candidates = if same_family.is_empty() {
+        healthy
+    } else {
+        same_family
+    };
+    if candidates.is_empty() {
+        return fail(
+            FailureReason::NoHealthyEndpoint,
+            format!("waypoint {} has no healthy endpoint", resolved.name),
+        );
+    }
+    let (ip, waypoint) = candidates[pick % candidates.len()];
+    Route::ViaWaypoint(WaypointHop {
+        bound,
+        target,
+        gateway: SocketAddr::new(ip, gateway.hbone_mtls_port),
+        authority: dst,
+        waypoint: waypoint.key(),
+        identity: waypoint.identity(trust_domain),
+        also_accept: resolved.sans,
+    })
+}
+
+fn resolve<'a>(
+    store: &'a WorkloadStore,
+    destination: &GatewayDestination,
+) -> Result<Resolved<'a>, String> {
+    match destination {
+        GatewayDestination::Hostname {
+            namespace,
+            hostname,
+        } => match find_service(store, namespace, hostname) {
+            Some(service) => Ok(members_of(store, service)),
+            None => Err(format!(
+                "waypoint service {namespace}/{hostname} is not known"
+            )),
+        },
+        // An address may be the waypoint service's VIP (ztunnel looks up
+        // services and workloads alike) or one waypoint pod.
+        GatewayDestination::Address { ip, .. } => {
+            if let Some(service) = store.services().iter().find(|s| s.vips.contains(ip)) {
+                return Ok(members_of(store, service));
+            }
+            match store.by_ip(*ip) {
+                Some(w) => Ok(Resolved {
+                    name: format!("{} ({ip})", w.key()),
+                    members: vec![(*ip, Some(w), true)],
+                    sans: Vec::new(),
+                }),
+                None => Err(format!(
+                    "waypoint address {ip} is neither a known workload nor a service"
+                )),
+            }
+        }
+    }
+}
+
+/// The service a waypoint `Hostname` names: by its fully qualified name
+/// (`waypoint.ns.svc.cluster.local`, as istiod sends it), or by its plain
+/// name where the source gives no hostname (the workloads file).
+fn find_service<'a>(
+    store: &'a WorkloadStore,
+    namespace: &str,
+    hostname: &str,
+) -> Option<&'a Service> {
+    let first_label = hostname.split('.').next().unwrap_or(hostname);
+    let by_name = store
+        .services()
+        .get(&WorkloadKey::new(namespace, first_label))
+        .map(|s| s.as_ref())
+        .filter(|s| s.hostname == hostname || s.hostname.is_empty());
+    by_name.or_else(|| {
+        store
+            .services()
+            .iter()
+            .find(|s| s.namespace == namespace && s.hostname == hostname)
+    })
+}
+
+fn members_of<'a>(store: &'a WorkloadStore, service: &'a Service) -> Resolved<'a> {
+    Resolved {
+        name: service.key().to_string(),
+        members: service
+            .endpoints
+            .iter()
+            .map(|e| (e.ip, store.by_ip(e.ip), e.ready))
+            .collect(),
+        sans: service
+            .subject_alt_names
+            .iter()
+            .map(|san| {
+                if san.starts_with("spiffe://") {
+                    san.clone()
+                } else {
+                    format!("spiffe://{san}")
+                }
+            })
+            .collect(),
+    }
+}
+
+// Headers ztunnel sends on every outbound CONNECT.
+
+/// `baggage` (W3C) describing the source workload, as ztunnel writes it.
+/// The model does not carry the pod's owner (istiod's `workload_name` /
+/// `workload_type`), so the workload named is the pod itself
+/// (`k8s.pod.name`), which is also what ztunnel sends for a bare pod.
+pub fn baggage(source: &Workload) -> String {
+    let cluster = if source.cluster_id.is_empty() {
+        DEFAULT_CLUSTER_ID
+    } else {
+        &source.cluster_id
+    };
+    format!(
+        "k8s.cluster.name={cluster},k8s.namespace.name={},k8s.pod.name={},service.name={},service.version={}",
+        source.namespace, source.name, source.canonical_name, source.canonical_revision
+    )
+}
+
+/// `forwarded` (RFC 7239) naming the original client; an IPv6 address is
+/// bracketed and quoted (the `for=` node syntax).
+pub fn forwarded(client: IpAddr) -> String {
+    match client.to_canonical() {
+        IpAddr::V4(v4) => format!("for={v4}"),
+        IpAddr::V6(v6) => format!("for=\"[{v6}]\""),
+    }
+}
+
+/// A W3C `traceparent` (version 00, sampled) from 24 random bytes: 16 for
+/// the trace id, 8 for the span id. An all-zero id is invalid in the
+/// spec, so one is never produced.
+pub fn traceparent(random: [u8; 24]) -> String {
+    let (mut trace, mut span) = ([0u8; 16], [0u8; 8]);
+    trace.copy_from_slice(&random[..16]);
+    span.copy_from_slice(&random[16..]);
+    if trace.iter().all(|b| *b == 0) {
+        trace[15] = 1;
+    }
+    if span.iter().all(|b| *b == 0) {
+        span[7] = 1;
+    }
+    let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    format!("00-{}-{}-01", hex(&trace), hex(&span))
+}
+
+/// The headers of one outbound CONNECT: `baggage` (when the source is
+/// known), `forwarded` for the client, a fresh `traceparent`. A value that
+/// is not a valid header (never expected from validated names) is left
+/// out, never a panic.
+pub fn connect_headers(baggage: Option<&str>, client: IpAddr) -> HeaderMap {
+    use ring::rand::SecureRandom;
+    let mut headers = HeaderMap::new();
+    if let Some(value) = baggage.and_then(|b| HeaderValue::from_str(b).ok()) {
+        headers.insert("baggage", value);
+    }
+    if let Ok(value) = HeaderValue::from_str(&forwarded(client)) {
+        headers.insert("forwarded", value);
+    }
+    let mut random = [0u8; 24];
+    if ring::rand::SystemRandom::new().fill(&mut random).is_ok()
+        && let Ok(value) = HeaderValue::from_str(&traceparent(random))
+    {
+        headers.insert("traceparent", value);
+    }
+    headers
+}
+
+// The failure counter (`shunt_waypoint_failures_total`).
+
+/// Refused waypoint connections by (namespace, name, reason). A mutex, not
+/// atomics: the label set is open, and failures are rare.
+#[derive(Debug, Default)]
+pub(crate) struct WaypointFailures(Mutex<BTreeMap<(WorkloadKey, FailureReason), u64>>);
+
+impl WaypointFailures {
+    pub fn count(&self, failure: &WaypointFailure) {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry((failure.target.clone(), failure.reason))
+            .or_default() += 1;
+    }
+
+    pub fn snapshot(&self) -> Vec<WaypointFailureCount> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|((key, reason), count)| WaypointFailureCount {
+                namespace: key.namespace.clone(),
+                name: key.name.clone(),
+                reason: reason.as_str().to_owned(),
+                count: *count,
+            })
+            .collect()
+    }
+}
+
+/// One series of `shunt_waypoint_failures_total`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WaypointFailureCount {
+    /// The service's (or workload's) namespace and name.
+    pub namespace: String,
+    pub name: String,
+    pub reason: String,
+    pub count: u64,
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,420 @@
+//! The routing decision against ztunnel's behaviour, and the headers'
+//! formats.
+
+use super::*;
+use crate::state::{DataplaneMode, Endpoint, ServicePort};
+
+const WAYPOINT_HOST: &str = "waypoint.default.svc.cluster.local";
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().expect("test IP")
+}
+
+fn addr(s: &str) -> SocketAddr {
+    s.parse().expect("test address")
+}
+
+fn workload(name: &str, sa: &str, ip_: &str) -> Workload {
+    Workload {
+        name: name.into(),
+        namespace: "default".into(),
+        service_account: sa.into(),
+        ips: vec![ip(ip_)],
+        node: "node-a".into(),
+        dataplane_mode: DataplaneMode::Ambient,
+        ..Default::default()
+    }
+}
+
+fn service(name: &str, vip: &str, port: u16, endpoints: &[&str]) -> Service {
+    Service {
+        name: name.into(),
+        namespace: "default".into(),
+        vips: vec![ip(vip)],
+        ports: vec![ServicePort {
+            port,
+            target_port: Some(port),
+        }],
+        endpoints: endpoints
+            .iter()
+            .map(|e| Endpoint::new(ip(e), None))
+            .collect(),
+        ..Default::default()
+    }
+}
+
+fn by_hostname(hostname: &str) -> GatewayAddress {
+    GatewayAddress {
+        destination: GatewayDestination::Hostname {
+            namespace: "default".into(),
+            hostname: hostname.into(),
+        },
+        hbone_mtls_port: 15008,
+    }
+}
+
+fn by_address(ip_: &str) -> GatewayAddress {
+    GatewayAddress {
+        destination: GatewayDestination::Address {
+            network: String::new(),
+            ip: ip(ip_),
+        },
+        hbone_mtls_port: 15008,
+    }
+}
+
+/// client, server (workload waypoint: none), two waypoint replicas behind
+/// the `waypoint` service, and `web` (VIP 198.19.100.1:80 → server) bound
+/// to it.
+struct Bed {
+    workloads: Vec<Workload>,
+    services: Vec<Service>,
+}
+
+impl Bed {
+    fn new() -> Self {
+        let mut waypoint_svc = service(
+            "waypoint",
+            "198.19.100.9",
+            15008,
+            &["198.18.3.10", "198.18.3.11"],
+        );
+        waypoint_svc.hostname = WAYPOINT_HOST.into();
+        waypoint_svc.subject_alt_names = vec!["cluster.local/ns/default/sa/waypoint-extra".into()];
+        let mut web = service("web", "198.19.100.1", 80, &["198.18.2.10"]);
+        web.waypoint = Some(by_hostname(WAYPOINT_HOST));
+        Self {
+            workloads: vec![
+                workload("client", "sleep", "198.18.1.10"),
+                workload("server", "httpbin", "198.18.2.10"),
+                workload("waypoint-1", "waypoint", "198.18.3.10"),
+                workload("waypoint-2", "waypoint", "198.18.3.11"),
+            ],
+            services: vec![
+                waypoint_svc,
+                web,
+                service("plain", "198.19.100.2", 80, &["198.18.2.10"]),
+            ],
+        }
+    }
+
+    fn store(&self) -> WorkloadStore {
+        let mut store = WorkloadStore::new();
+        store.replace_all(self.workloads.clone());
+        store.replace_services(self.services.clone());
+        store
+    }
+
+    fn workload_mut(&mut self, name: &str) -> &mut Workload {
+        self.workloads
+            .iter_mut()
+            .find(|w| w.name == name)
+            .expect("test workload")
+    }
+
+    fn service_mut(&mut self, name: &str) -> &mut Service {
+        self.services
+            .iter_mut()
+            .find(|s| s.name == name)
+            .expect("test service")
+    }
+}
+
+fn route_from(store: &WorkloadStore, source: &str, dst: &str, pick: usize) -> Route {
+    let td = TrustDomain::default();
+    let key = WorkloadKey::new("default", source);
+    plan(store, &td, &key, ip("198.18.9.9"), addr(dst), pick).route
+}
+
+fn hop(route: Route) -> WaypointHop {
+    match route {
+        Route::ViaWaypoint(hop) => hop,
+        other => panic!("expected a waypoint hop, got {other:?}"),
+    }
+}
+
+fn failure(route: Route) -> WaypointFailure {
+    match route {
+        Route::Fail(f) => f,
+        other => panic!("expected a failure, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_service_vip_with_a_waypoint_goes_to_it_with_the_vip_as_authority() {
+    let store = Bed::new().store();
+    let hop = hop(route_from(&store, "client", "198.19.100.1:80", 0));
+    assert_eq!(hop.bound, Bound::Service);
+    assert_eq!(hop.target, WorkloadKey::new("default", "web"));
+    assert_eq!(
+        hop.gateway,
+        addr("198.18.3.10:15008"),
+        "waypoint IP, HBONE port"
+    );
+    assert_eq!(
+        hop.authority,
+        addr("198.19.100.1:80"),
+        "the VIP, untranslated"
+    );
+    assert_eq!(hop.waypoint, WorkloadKey::new("default", "waypoint-1"));
+    assert_eq!(
+        hop.identity.as_str(),
+        "spiffe://cluster.local/ns/default/sa/waypoint"
+    );
+    assert_eq!(
+        hop.also_accept,
+        ["spiffe://cluster.local/ns/default/sa/waypoint-extra"],
+        "the waypoint service's SANs, with the scheme"
+    );
+}
+
+#[test]
+fn several_waypoint_endpoints_are_taken_in_turn_and_only_healthy_ones() {
+    let mut bed = Bed::new();
+    let store = bed.store();
+    let gateways: Vec<SocketAddr> = (0..4)
+        .map(|n| hop(route_from(&store, "client", "198.19.100.1:80", n)).gateway)
+        .collect();
+    assert_eq!(
+        gateways,
+        [
+            addr("198.18.3.10:15008"),
+            addr("198.18.3.11:15008"),
+            addr("198.18.3.10:15008"),
+            addr("198.18.3.11:15008"),
+        ]
+    );
+    // An unhealthy workload and a not-ready endpoint are skipped.
+    bed.workload_mut("waypoint-1").status = WorkloadStatus::Unhealthy;
+    let store = bed.store();
+    for n in 0..3 {
+        let hop = hop(route_from(&store, "client", "198.19.100.1:80", n));
+        assert_eq!(hop.gateway, addr("198.18.3.11:15008"));
+        assert_eq!(hop.waypoint, WorkloadKey::new("default", "waypoint-2"));
+    }
+    bed.workload_mut("waypoint-1").status = WorkloadStatus::Healthy;
+    bed.service_mut("waypoint").endpoints[1].ready = false;
+    let store = bed.store();
+    for n in 0..3 {
+        assert_eq!(
+            hop(route_from(&store, "client", "198.19.100.1:80", n)).gateway,
+            addr("198.18.3.10:15008")
+        );
+    }
+}
+
+#[test]
+fn a_pod_ip_with_a_workload_waypoint_goes_to_it_with_the_pod_as_authority() {
+    let mut bed = Bed::new();
+    bed.workload_mut("server").waypoint = Some(by_address("198.18.3.11"));
+    let store = bed.store();
+    let first = hop(route_from(&store, "client", "198.18.2.10:8080", 0));
+    assert_eq!(first.bound, Bound::Workload);
+    assert_eq!(first.target, WorkloadKey::new("default", "server"));
+    assert_eq!(first.gateway, addr("198.18.3.11:15008"));
+    assert_eq!(first.authority, addr("198.18.2.10:8080"));
+    assert_eq!(first.waypoint, WorkloadKey::new("default", "waypoint-2"));
+    assert!(
+        first.also_accept.is_empty(),
+        "a pod address has no service SANs"
+    );
+    // The waypoint's address may be its service's VIP too.
+    bed.workload_mut("server").waypoint = Some(by_address("198.19.100.9"));
+    let second = hop(route_from(&bed.store(), "client", "198.18.2.10:8080", 1));
+    assert_eq!(second.gateway, addr("198.18.3.11:15008"));
+    assert_eq!(second.also_accept.len(), 1);
+}
+
+#[test]
+fn a_service_without_a_waypoint_goes_direct_whatever_its_endpoints_waypoint() {
+    let mut bed = Bed::new();
+    bed.workload_mut("server").waypoint = Some(by_address("198.18.3.10"));
+    let store = bed.store();
+    assert_eq!(
+        route_from(&store, "client", "198.19.100.2:80", 0),
+        Route::Direct
+    );
+}
+
+#[test]
+fn the_waypoint_itself_is_not_sent_back_to_the_waypoint() {
+    let mut bed = Bed::new();
+    bed.workload_mut("server").waypoint = Some(by_address("198.18.3.10"));
+    let store = bed.store();
+    // Either replica of the service waypoint.
+    for source in ["waypoint-1", "waypoint-2"] {
+        assert_eq!(
+            route_from(&store, source, "198.19.100.1:80", 0),
+            Route::Direct,
+            "{source} → VIP"
+        );
+    }
+    // The workload named by address.
+    assert_eq!(
+        route_from(&store, "waypoint-1", "198.18.2.10:8080", 0),
+        Route::Direct
+    );
+    // An unknown source is found by its IP.
+    let td = TrustDomain::default();
+    let unknown = WorkloadKey::new("default", "gone");
+    assert_eq!(
+        plan(
+            &store,
+            &td,
+            &unknown,
+            ip("198.18.3.11"),
+            addr("198.19.100.1:80"),
+            0
+        )
+        .route,
+        Route::Direct
+    );
+    // Anyone else still goes through it.
+    assert!(matches!(
+        route_from(&store, "client", "198.18.2.10:8080", 0),
+        Route::ViaWaypoint(_)
+    ));
+}
+
+#[test]
+fn no_waypoint_routes_as_before() {
+    let store = Bed::new().store();
+    for dst in [
+        "198.18.2.10:8080",
+        "198.19.100.2:80",
+        "198.18.7.7:80",
+        "198.19.100.1:81",
+    ] {
+        assert_eq!(route_from(&store, "client", dst, 0), Route::Direct, "{dst}");
+    }
+}
+
+#[test]
+fn an_unknown_waypoint_or_one_without_healthy_endpoint_fails_never_bypasses() {
+    let mut bed = Bed::new();
+    bed.service_mut("web").waypoint = Some(by_hostname("missing.default.svc.cluster.local"));
+    bed.workload_mut("server").waypoint = Some(by_address("198.18.7.7"));
+    let store = bed.store();
+    let f = failure(route_from(&store, "client", "198.19.100.1:80", 0));
+    assert_eq!(f.reason, FailureReason::Unresolved);
+    assert_eq!(f.target, WorkloadKey::new("default", "web"));
+    assert_eq!(
+        f.to_string(),
+        "waypoint of service default/web: waypoint service default/missing.default.svc.cluster.local is not known"
+    );
+    let f = failure(route_from(&store, "client", "198.18.2.10:8080", 0));
+    assert_eq!(f.reason, FailureReason::Unresolved);
+    assert_eq!(
+        (f.bound, f.target.to_string()),
+        (Bound::Workload, "default/server".into())
+    );
+
+    let mut bed = Bed::new();
+    bed.service_mut("waypoint")
+        .endpoints
+        .iter_mut()
+        .for_each(|e| e.ready = false);
+    let f = failure(route_from(&bed.store(), "client", "198.19.100.1:80", 0));
+    assert_eq!(f.reason, FailureReason::NoHealthyEndpoint);
+    assert!(
+        f.detail
+            .contains("default/waypoint has no healthy endpoint"),
+        "{f}"
+    );
+    // An endpoint with no workload behind it has no identity to check.
+    let mut bed = Bed::new();
+    bed.service_mut("waypoint").endpoints = vec![Endpoint::new(ip("198.18.7.8"), None)];
+    let f = failure(route_from(&bed.store(), "client", "198.19.100.1:80", 0));
+    assert_eq!(f.reason, FailureReason::NoHealthyEndpoint);
+}
+
+#[test]
+fn a_hostname_waypoint_is_found_by_plain_name_where_the_source_gives_no_hostname() {
+    let mut bed = Bed::new();
+    bed.service_mut("waypoint").hostname.clear();
+    bed.service_mut("web").waypoint = Some(by_hostname("waypoint"));
+    let hop = hop(route_from(&bed.store(), "client", "198.19.100.1:80", 0));
+    assert_eq!(hop.waypoint, WorkloadKey::new("default", "waypoint-1"));
+}
+
+#[test]
+fn failures_are_counted_by_namespace_name_and_reason() {
+    let counts = WaypointFailures::default();
+    let f = WaypointFailure {
+        bound: Bound::Service,
+        target: WorkloadKey::new("default", "web"),
+        reason: FailureReason::Unreachable,
+        detail: String::new(),
+    };
+    counts.count(&f);
+    counts.count(&f);
+    assert_eq!(
+        counts.snapshot(),
+        [WaypointFailureCount {
+            namespace: "default".into(),
+            name: "web".into(),
+            reason: "unreachable".into(),
+            count: 2,
+        }]
+    );
+}
+
+#[test]
+fn baggage_describes_the_source_workload() {
+    let mut w = workload("client-7f9", "sleep", "198.18.1.10");
+    w.canonical_name = "client".into();
+    w.canonical_revision = "v1".into();
+    assert_eq!(
+        baggage(&w),
+        "k8s.cluster.name=Kubernetes,k8s.namespace.name=default,k8s.pod.name=client-7f9,service.name=client,service.version=v1"
+    );
+    w.cluster_id = "east".into();
+    assert!(baggage(&w).starts_with("k8s.cluster.name=east,"));
+}
+
+#[test]
+fn forwarded_names_the_client_with_ipv6_bracketed_and_quoted() {
+    assert_eq!(forwarded(ip("198.18.1.10")), "for=198.18.1.10");
+    assert_eq!(forwarded(ip("2001:db8::1")), "for=\"[2001:db8::1]\"");
+    assert_eq!(forwarded(ip("::ffff:198.18.1.10")), "for=198.18.1.10");
+}
+
+#[test]
+fn traceparent_is_w3c_version_00_sampled() {
+    let mut random = [0u8; 24];
+    for (i, b) in random.iter_mut().enumerate() {
+        *b = 0xa0 + i as u8;
+    }
+    assert_eq!(
+        traceparent(random),
+        "00-a0a1a2a3a4a5a6a7a8a9aaabacadaeaf-b0b1b2b3b4b5b6b7-01"
+    );
+    assert_eq!(
+        traceparent([0; 24]),
+        "00-00000000000000000000000000000001-0000000000000001-01",
+        "all-zero ids are invalid"
+    );
+}
+
+#[test]
+fn connect_headers_carry_all_three_and_a_fresh_trace_each_time() {
+    let a = connect_headers(Some("k8s.cluster.name=Kubernetes"), ip("2001:db8::1"));
+    let b = connect_headers(None, ip("198.18.1.10"));
+    assert_eq!(a["baggage"], "k8s.cluster.name=Kubernetes");
+    assert_eq!(a["forwarded"], "for=\"[2001:db8::1]\"");
+    assert!(b.get("baggage").is_none());
+    let trace = |h: &HeaderMap| h["traceparent"].to_str().expect("ascii").to_owned();
+    let (ta, tb) = (trace(&a), trace(&b));
+    assert_ne!(ta, tb);
+    for t in [ta, tb] {
+        let parts: Vec<&str> = t.split('-').collect();
+        assert_eq!(parts.len(), 4, "{t}");
+        assert_eq!((parts[0], parts[3]), ("00", "01"), "{t}");
+        assert_eq!((parts[1].len(), parts[2].len()), (32, 16), "{t}");
+        assert!(
+            t.chars()
+                .all(|c| c == '-' || c.is_ascii_digit() || ('a'..='f').contains(&c)),
+            "{t}"
+        );
+    }
+}
