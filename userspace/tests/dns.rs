@@ -468,11 +468,11 @@ async fn upstreams_from_a_resolv_conf() {
             ((pid >> 8) % 250) as u8,
             ((pid + attempt) % 250 + 2) as u8,
         );
-        if let Ok(udp) = UdpSocket::bind((candidate, 53)).await {
-            if let Ok(tcp) = TcpListener::bind((candidate, 53)).await {
-                bound = Some((udp, tcp));
-                break;
-            }
+        if let Ok(udp) = UdpSocket::bind((candidate, 53)).await
+            && let Ok(tcp) = TcpListener::bind((candidate, 53)).await
+        {
+            bound = Some((udp, tcp));
+            break;
         }
     }
     let (udp, _tcp) = bound.expect("a free 127.53.x.y:53 (the tests run as root)");
