@@ -468,11 +468,11 @@ async fn upstreams_from_a_resolv_conf() {
             ((pid >> 8) % 250) as u8,
             ((pid + attempt) % 250 + 2) as u8,
         );
-        if let Ok(udp) = UdpSocket::bind((candidate, 53)).await {
-            if let Ok(tcp) = TcpListener::bind((candidate, 53)).await {
-                bound = Some((udp, tcp));
-                break;
-            }
+        if let Ok(udp) = UdpSocket::bind((candidate, 53)).await
+            && let Ok(tcp) = TcpListener::bind((candidate, 53)).await
+        {
+            bound = Some((udp, tcp));
+            break;
         }
     }
     let (udp, _tcp) = bound.expect("a free 127.53.x.y:53 (the tests run as root)");
@@ -513,4 +513,85 @@ async fn upstreams_from_a_resolv_conf() {
     )
     .await;
     assert_eq!(a_records(&answer), vec![ip(EXT_IP)]);
+}
+
+/// hickory's stub resolver, configured as a pod in `default` is (the
+/// kubelet's search list, ndots:5), asking the proxy: mesh names in every
+/// form on the first try, other names through the upstream, the large
+/// answer over TCP after TC.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stub_resolver_configured_as_a_pod_resolves_through_the_proxy() {
+    use hickory_resolver::{
+        Resolver,
+        config::{
+            ConnectionConfig, LookupIpStrategy, NameServerConfig, ResolveHosts, ResolverConfig,
+            ResolverOpts,
+        },
+        net::runtime::TokioRuntimeProvider,
+    };
+    let upstream = start_upstream().await;
+    let server = start("default", vec![upstream], Duration::from_secs(5));
+    assert_eq!(server.udp.port(), server.tcp.port());
+    let connections = [ConnectionConfig::udp(), ConnectionConfig::tcp()]
+        .into_iter()
+        .map(|mut c| {
+            c.port = server.udp.port();
+            c
+        })
+        .collect();
+    let search = [
+        "default.svc.cluster.local.",
+        "svc.cluster.local.",
+        "cluster.local.",
+    ]
+    .iter()
+    .map(|d| Name::from_str(d).expect("search domain"))
+    .collect();
+    let config = ResolverConfig::from_parts(
+        None,
+        search,
+        vec![NameServerConfig::new(server.udp.ip(), true, connections)],
+    );
+    let mut options = ResolverOpts::default();
+    options.ndots = 5;
+    options.cache_size = 0;
+    options.use_hosts_file = ResolveHosts::Never;
+    options.ip_strategy = LookupIpStrategy::Ipv4Only;
+    options.timeout = ANSWER_DEADLINE;
+    let resolver = Resolver::builder_with_config(config, TokioRuntimeProvider::default())
+        .with_options(options)
+        .build()
+        .expect("resolver");
+    let lookup = |name: &'static str| {
+        let resolver = &resolver;
+        async move {
+            let found = resolver
+                .lookup_ip(name)
+                .await
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            found.iter().collect::<Vec<IpAddr>>()
+        }
+    };
+    for name in [
+        "web",
+        "web.default",
+        "web.default.svc",
+        "web.default.svc.cluster.local",
+    ] {
+        assert_eq!(lookup(name).await, vec![ip(WEB_VIP)], "{name}");
+    }
+    // Mesh names never reached the upstream: only the forwarded ones below
+    // count as upstream requests.
+    assert!(
+        !server
+            .metrics
+            .encode(None)
+            .contains("istio_dns_upstream_requests_total{"),
+        "a mesh name was forwarded"
+    );
+    assert_eq!(lookup("ext.example.org").await, vec![ip(EXT_IP)]);
+    assert_eq!(
+        lookup("big.example.org").await.len(),
+        usize::from(BIG_RECORDS)
+    );
 }

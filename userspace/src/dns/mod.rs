@@ -11,7 +11,7 @@
 //! ```ignore
 //! // Once per agent (app/): the names, fed by the store owner; the
 //! // upstreams; the metrics (registered in the agent's registry).
-//! let names: watch::Receiver<Arc<MeshNames>> = ...;    // app's DnsParts
+//! let names: watch::Receiver<Arc<MeshNames>> = ...;    // app's DnsShared
 //! let forwarder = Arc::new(Forwarder::from_resolv_conf(path, timeout)?);
 //! let metrics: Arc<DnsMetrics> = agent_metrics.dns().clone();
 //!
@@ -30,17 +30,17 @@
 //! - [`serve`] must be called inside a tokio runtime (an error otherwise);
 //!   the sockets may be bound in any namespace: a socket keeps the
 //!   namespace it was created in.
-//! - [`MeshNames`]: Services (`<svc>.<ns>.svc.<domain>` or their xDS
+//! - [`MeshNames`] maps Services (`<svc>.<ns>.svc.<domain>` or their xDS
 //!   `hostname`) → VIPs (a Kubernetes headless service: its ready
 //!   endpoints), workloads with a `hostname` → their IPs. Built by
 //!   [`MeshNames::build`] from the store; [`names::publish_names`] is the
 //!   one task that publishes it, fed by the store owner (`app/`).
-//! - [`PodDns`]: the pod's namespace (short names), search domains (the
+//! - [`PodDns`] holds the pod's namespace (short names), search domains (the
 //!   kubelet's ClusterFirst list by default) and canonical name and
 //!   revision (metrics labels).
-//! - [`Forwarder`]: upstreams (a resolv.conf's `nameserver`s) and the
+//! - [`Forwarder`] holds the upstreams (a resolv.conf's `nameserver`s) and the
 //!   timeout; an unanswered query gets SERVFAIL within it.
-//! - [`DnsMetrics`]: `istio_dns_requests_total`,
+//! - [`DnsMetrics`] counts `istio_dns_requests_total`,
 //!   `istio_dns_upstream_requests_total`,
 //!   `istio_dns_upstream_failures_total`,
 //!   `istio_dns_upstream_request_duration_seconds`, labelled as ztunnel
