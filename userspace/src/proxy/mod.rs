@@ -40,12 +40,12 @@ pub use policy::{Decision, InboundPlaintextPolicy, PlaintextConnection, authoriz
 pub use socket::PROXY_MARK;
 // What the HBONE fuzz target (`fuzz/hbone.rs`) drives: the proxy's own
 // frame tap and request checks.
+pub use waypoint::WaypointFailureCount;
 #[cfg(test)]
 pub(crate) use {
     h2_refusals::{FrameParser, FrameTap, H2Refusal},
     inbound::connect_target,
 };
-pub use waypoint::WaypointFailureCount;
 
 use std::{
     collections::HashMap,

@@ -33,9 +33,12 @@ use std::{
 use http::{HeaderMap, HeaderValue};
 use serde::{Deserialize, Serialize};
 
-use crate::state::{
-    GatewayAddress, GatewayDestination, Service, SpiffeId, TrustDomain, Workload, WorkloadKey,
-    WorkloadStatus, WorkloadStore,
+use crate::{
+    state::{
+        GatewayAddress, GatewayDestination, Service, SpiffeId, TrustDomain, Workload, WorkloadKey,
+        WorkloadStatus,
+    },
+    store::WorkloadStore,
 };
 
 /// The cluster name ztunnel reports when none is configured (its
