@@ -245,3 +245,56 @@ impl Drop for Churn {
         let _ = std::fs::remove_file(&self.stop_file);
     }
 }
+
+/// A server that reads a connection to its end and answers with only the
+/// first half of what it read, then closes: the two directions move
+/// different byte counts, so a report that swapped them would show.
+pub struct HalfEcho {
+    peers: Arc<Mutex<Vec<SocketAddr>>>,
+    _thread: thread::JoinHandle<()>,
+}
+
+impl HalfEcho {
+    pub fn on(pod: &Pod, port: u16) -> HalfEcho {
+        let listener = pod
+            .listen_tcp(SocketAddr::from((pod.ip(), port)))
+            .expect("listen");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let peers = Arc::new(Mutex::new(Vec::new()));
+        let seen = peers.clone();
+        let thread = thread::spawn(move || {
+            let start = Instant::now();
+            // Bounded: a test's whole life at most.
+            while start.elapsed() < LIFETIME {
+                let Ok((mut stream, peer)) = listener.accept() else {
+                    thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                seen.lock().expect("peers").push(peer);
+                let _ = stream.set_nonblocking(false);
+                let _ = stream.set_read_timeout(Some(IDLE));
+                let mut all = Vec::new();
+                if stream.read_to_end(&mut all).is_ok() {
+                    let _ = stream.write_all(&all[..all.len() / 2]);
+                }
+            }
+        });
+        HalfEcho {
+            peers,
+            _thread: thread,
+        }
+    }
+
+    /// The client addresses it accepted, in order.
+    pub fn peers(&self) -> Vec<SocketAddr> {
+        self.peers.lock().expect("peers").clone()
+    }
+}
+
+/// The client's own address in a testapp report (`"local"`).
+pub fn local_of(report: &Value) -> SocketAddr {
+    report["local"]
+        .as_str()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no local address in {report}"))
+}

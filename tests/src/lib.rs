@@ -51,6 +51,7 @@ pub mod dns;
 mod error;
 pub mod inspect;
 mod names;
+pub mod scrape;
 mod sweep;
 mod topology;
 pub mod waypoint;

@@ -15,66 +15,14 @@ use serde_json::Value;
 use shunt_testbed::{
     Cgroup, Node, Pod, Topology,
     agent::{Agent, WorkloadSpec, http, mesh_pods_enrolled, workloads_yaml},
-    apps::{EchoServer, TestApp},
+    apps::{EchoServer, HalfEcho, TestApp, local_of},
     require_root,
+    scrape::{metrics, sample, wait_metrics},
 };
 
 const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
 const TIMEOUT: Duration = Duration::from_secs(30);
-const METRICS_PORT: u16 = 15020;
 const FAST: [&str; 4] = ["--redirect", "ebpf", "--fast-path", "on"];
-
-/// The sum of the samples of `name` carrying every label of `labels`
-/// (`None`: no such sample).
-fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    let mut found = None;
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix(name) else {
-            continue;
-        };
-        let (label_part, value) = match rest.strip_prefix('{') {
-            Some(rest) => match rest.rsplit_once("} ") {
-                Some(pair) => pair,
-                None => continue,
-            },
-            None => match rest.strip_prefix(' ') {
-                Some(value) => ("", value),
-                None => continue,
-            },
-        };
-        if labels
-            .iter()
-            .all(|(k, v)| label_part.contains(&format!("{k}=\"{v}\"")))
-            && let Ok(value) = value.trim().parse::<f64>()
-        {
-            *found.get_or_insert(0.0) += value;
-        }
-    }
-    found
-}
-
-fn metrics(node: &Node) -> String {
-    let (code, body) = http(node, "GET", METRICS_PORT, "/metrics").expect("GET /metrics");
-    assert_eq!(code, 200, "{body}");
-    body
-}
-
-/// Polls the node's metrics until `done` holds for them (bounded).
-fn wait_metrics(node: &Node, agent: &Agent, what: &str, done: impl Fn(&str) -> bool) -> String {
-    let start = Instant::now();
-    loop {
-        let text = metrics(node);
-        if done(&text) {
-            return text;
-        }
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "timed out waiting for {what}; metrics:\n{text}\nagent log:\n{}",
-            agent.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
 
 fn proxy_passthrough(agent: &Agent) -> u64 {
     agent
@@ -111,13 +59,6 @@ fn wait_proxy(
     }
 }
 
-fn local_of(report: &Value) -> SocketAddr {
-    report["local"]
-        .as_str()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("no local address in {report}"))
-}
-
 /// The labels of the proxy's passthrough report from `client` to `dst`.
 fn passthrough_labels<'a>(
     client: &'a str,
@@ -132,51 +73,6 @@ fn passthrough_labels<'a>(
         ("destination_principal", "unknown"),
         ("connection_security_policy", "unknown"),
     ]
-}
-
-/// A server that reads a connection to its end and answers with only the
-/// first half of what it read, then closes: the two directions move
-/// different byte counts, so a report that swapped them would show.
-struct HalfEcho {
-    peers: std::sync::Arc<std::sync::Mutex<Vec<SocketAddr>>>,
-    _thread: std::thread::JoinHandle<()>,
-}
-
-impl HalfEcho {
-    fn on(pod: &Pod, port: u16) -> HalfEcho {
-        use std::io::{Read, Write};
-        let listener = pod
-            .listen_tcp(SocketAddr::from((pod.ip(), port)))
-            .expect("listen");
-        listener.set_nonblocking(true).expect("nonblocking");
-        let peers = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let seen = peers.clone();
-        let thread = std::thread::spawn(move || {
-            let start = Instant::now();
-            // Bounded: the test's whole life at most.
-            while start.elapsed() < Duration::from_secs(120) {
-                let Ok((mut stream, peer)) = listener.accept() else {
-                    std::thread::sleep(Duration::from_millis(5));
-                    continue;
-                };
-                seen.lock().expect("peers").push(peer);
-                let _ = stream.set_nonblocking(false);
-                let _ = stream.set_read_timeout(Some(TIMEOUT));
-                let mut all = Vec::new();
-                if stream.read_to_end(&mut all).is_ok() {
-                    let _ = stream.write_all(&all[..all.len() / 2]);
-                }
-            }
-        });
-        HalfEcho {
-            peers,
-            _thread: thread,
-        }
-    }
-
-    fn peers(&self) -> Vec<SocketAddr> {
-        self.peers.lock().expect("peers").clone()
-    }
 }
 
 /// Sends `bytes` from `client` to `dst`'s server, which answers with
@@ -499,7 +395,7 @@ fn the_opt_outs_and_an_incomplete_table_keep_flows_on_the_proxy() {
         .wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_enrolled)
         .expect("enrolled");
     carried_by_the_proxy(&apps, &agent, &client, &plain, &echo);
-    let text = metrics(&node);
+    let text = metrics(&node, &agent);
     assert_eq!(
         sample(&text, "shunt_fast_path_table_valid", &[]),
         Some(0.0),

@@ -24,9 +24,10 @@ use shunt_common::{PolicyVerdict, PolicyVerdictKey, maps};
 use shunt_testbed::{
     Cgroup, Node, Pod, Topology,
     agent::{Agent, WorkloadSpec, http, mesh_pods_enrolled, workloads_yaml},
-    apps::{EchoServer, TestApp},
+    apps::{EchoServer, HalfEcho, TestApp, local_of},
     authz_bed::{AuthzBed, policy_file},
     require_root,
+    scrape::{metrics, sample, wait_metrics},
 };
 
 const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
@@ -34,58 +35,6 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 const FAST: [&str; 4] = ["--redirect", "ebpf", "--fast-path", "on"];
 /// connect() failing with EPERM: the kernel refused it.
 const EPERM: i64 = 1;
-
-/// The sum of the samples of `name` carrying every label of `labels`.
-fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    let mut found = None;
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix(name) else {
-            continue;
-        };
-        let (label_part, value) = match rest.strip_prefix('{') {
-            Some(rest) => match rest.rsplit_once("} ") {
-                Some(pair) => pair,
-                None => continue,
-            },
-            None => match rest.strip_prefix(' ') {
-                Some(value) => ("", value),
-                None => continue,
-            },
-        };
-        if labels
-            .iter()
-            .all(|(k, v)| label_part.contains(&format!("{k}=\"{v}\"")))
-            && let Ok(value) = value.trim().parse::<f64>()
-        {
-            *found.get_or_insert(0.0) += value;
-        }
-    }
-    found
-}
-
-fn metrics(node: &Node, agent: &Agent) -> String {
-    let port = agent.endpoints().metrics.port();
-    let (code, body) = http(node, "GET", port, "/metrics").expect("GET /metrics");
-    assert_eq!(code, 200, "{body}");
-    body
-}
-
-/// Polls the node's metrics until `done` holds (bounded).
-fn wait_metrics(node: &Node, agent: &Agent, what: &str, done: impl Fn(&str) -> bool) -> String {
-    let start = Instant::now();
-    loop {
-        let text = metrics(node, agent);
-        if done(&text) {
-            return text;
-        }
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "timed out waiting for {what}; metrics:\n{text}\nagent log:\n{}",
-            agent.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
 
 fn mesh_enabled(node: &Node, agent: &Agent, on: bool) {
     let want = if on { 1.0 } else { 0.0 };
@@ -110,56 +59,6 @@ fn proxy_work(agent: &Agent) -> (u64, u64, u64, u64, u64, u64) {
 
 fn principal(pod: &Pod, namespace: &str) -> String {
     format!("spiffe://cluster.local/ns/{namespace}/sa/sa-{}", pod.name())
-}
-
-fn local_of(report: &Value) -> SocketAddr {
-    report["local"]
-        .as_str()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("no local address in {report}"))
-}
-
-/// A server that reads a connection to its end and answers with the first
-/// half of it, then closes: the two directions move different byte
-/// counts, so a report that swapped them would show.
-struct HalfEcho {
-    peers: Arc<Mutex<Vec<SocketAddr>>>,
-    _thread: std::thread::JoinHandle<()>,
-}
-
-impl HalfEcho {
-    fn on(pod: &Pod, port: u16) -> HalfEcho {
-        let listener = pod
-            .listen_tcp(SocketAddr::from((pod.ip(), port)))
-            .expect("listen");
-        listener.set_nonblocking(true).expect("nonblocking");
-        let peers = Arc::new(Mutex::new(Vec::new()));
-        let seen = peers.clone();
-        let thread = std::thread::spawn(move || {
-            let start = Instant::now();
-            while start.elapsed() < Duration::from_secs(180) {
-                let Ok((mut stream, peer)) = listener.accept() else {
-                    std::thread::sleep(Duration::from_millis(5));
-                    continue;
-                };
-                seen.lock().expect("peers").push(peer);
-                let _ = stream.set_nonblocking(false);
-                let _ = stream.set_read_timeout(Some(TIMEOUT));
-                let mut all = Vec::new();
-                if stream.read_to_end(&mut all).is_ok() {
-                    let _ = stream.write_all(&all[..all.len() / 2]);
-                }
-            }
-        });
-        HalfEcho {
-            peers,
-            _thread: thread,
-        }
-    }
-
-    fn peers(&self) -> Vec<SocketAddr> {
-        self.peers.lock().expect("peers").clone()
-    }
 }
 
 /// The labels both ends report a same-node kernel-carried connection with.

@@ -13,6 +13,8 @@
 //! socket the proxy opens carries `SO_MARK` 0x539 and listeners use
 //! `SO_REUSEPORT`, so a new agent can bind while the old one drains.
 
+mod accept;
+mod access_log;
 mod dns_sockets;
 mod h2;
 mod h2_refusals;
@@ -38,9 +40,9 @@ pub use observe::{
 };
 pub use policy::{Decision, InboundPlaintextPolicy, PlaintextConnection, authorize};
 pub use socket::PROXY_MARK;
+pub use waypoint::WaypointFailureCount;
 // What the HBONE fuzz target (`fuzz/hbone.rs`) drives: the proxy's own
 // frame tap and request checks.
-pub use waypoint::WaypointFailureCount;
 #[cfg(test)]
 pub(crate) use {
     h2_refusals::{FrameParser, FrameTap, H2Refusal},
@@ -58,6 +60,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use accept::{Listener, accept_loop};
+pub(crate) use access_log::{AccessLog, Outcome};
 use shunt_common::{PORT_HBONE, PORT_INBOUND_PLAINTEXT, PORT_OUTBOUND};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
@@ -783,299 +787,6 @@ fn no_ipv6(e: &std::io::Error) -> bool {
         e.raw_os_error(),
         Some(libc::EAFNOSUPPORT) | Some(libc::EADDRNOTAVAIL)
     )
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Listener {
-    Outbound,
-    InboundPlaintext,
-    Hbone,
-}
-
-impl Listener {
-    /// The inbound listeners, which the limits apply to.
-    fn inbound(self) -> Option<limits::Inbound> {
-        match self {
-            Listener::Outbound => None,
-            Listener::InboundPlaintext => Some(limits::Inbound::Plaintext),
-            Listener::Hbone => Some(limits::Inbound::Hbone),
-        }
-    }
-
-    fn as_str(self) -> &'static str {
-        match self {
-            Listener::Outbound => "outbound",
-            Listener::InboundPlaintext => "inbound_plaintext",
-            Listener::Hbone => "inbound",
-        }
-    }
-}
-
-async fn accept_loop(
-    shared: Arc<Shared>,
-    pod: Arc<PodState>,
-    kind: Listener,
-    listener: tokio::net::TcpListener,
-) {
-    let local = listener.local_addr().ok();
-    let mut backoff = None;
-    loop {
-        let accepted = tokio::select! {
-            _ = pod.listeners.cancelled() => break,
-            accepted = listener.accept() => accepted,
-        };
-        let (stream, peer) = match accepted {
-            Ok(a) => {
-                backoff = None;
-                a
-            }
-            Err(e) => {
-                // EMFILE and friends: shed a pending handshake and back off
-                // instead of spinning; the backlog holds new connections
-                // meanwhile.
-                let wait = limits::accept_backoff(backoff);
-                backoff = Some(wait);
-                limits::accept_failed(&shared, &pod.key, kind.as_str(), &e, wait);
-                tokio::time::sleep(wait).await;
-                continue;
-            }
-        };
-        // Inbound connections pass the limits first (refused ones are
-        // reset, counted and logged there).
-        let (stream, admission) = match kind.inbound() {
-            None => (stream, None),
-            Some(inbound) => match limits::admit_or_refuse(&shared, &pod, inbound, stream, peer) {
-                Some((stream, admission)) => (stream, Some(admission)),
-                None => continue,
-            },
-        };
-        let _ = stream.set_nodelay(true);
-        let shared2 = shared.clone();
-        let pod2 = pod.clone();
-        let abort = shared.abort.clone();
-        let task = async move {
-            match kind {
-                Listener::Outbound => outbound::serve(shared2, pod2, stream, peer).await,
-                Listener::InboundPlaintext => {
-                    // Holds the connection's per-source slot until it ends.
-                    let _admission = admission;
-                    inbound_plaintext::serve(shared2, pod2, stream, peer).await
-                }
-                Listener::Hbone => inbound::serve(shared2, pod2, stream, peer, admission).await,
-            }
-        };
-        shared.tracker.spawn(async move {
-            tokio::select! {
-                _ = abort.cancelled() => {}
-                () = task => {}
-            }
-        });
-    }
-    tracing::debug!(pod = %pod.key, ?kind, ?local, "listener closed");
-}
-
-/// How a connection or stream ended, for the access log.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Outcome {
-    Success,
-    Refused,
-    /// Refused by an authorization policy.
-    Denied,
-    Failed,
-}
-
-impl Outcome {
-    fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Success => "success",
-            Outcome::Refused => "refused",
-            Outcome::Denied => "denied",
-            Outcome::Failed => "failed",
-        }
-    }
-}
-
-/// One access-log line: who talked to whom, how much, how long, and how it
-/// ended. Also feeds the counters.
-pub(crate) struct AccessLog<'a> {
-    pub direction: &'static str,
-    pub src_addr: SocketAddr,
-    pub src_identity: Option<&'a str>,
-    pub dst_addr: SocketAddr,
-    pub dst_identity: Option<&'a str>,
-    /// The service whose VIP the source connected to, when it did.
-    pub dst_service: Option<WorkloadKey>,
-    pub started: Instant,
-    /// Bytes from the connection's initiator to its target, and back.
-    pub bytes_sent: u64,
-    pub bytes_received: u64,
-    pub outcome: Outcome,
-    pub reason: Option<String>,
-    /// The local pod served (see [`ConnectionInfo::pod`]).
-    pub pod: Option<&'a WorkloadKey>,
-    /// Whether [`AccessLog::open`] reported the connection open.
-    pub opened: bool,
-    /// The authorization policy that allowed or denied it, if one did.
-    pub policy: Option<crate::authz::PolicyKey>,
-    /// Why it was refused, for the refusal counter; unset: the proxy's own
-    /// checks (`request`), or `policy` for a denial.
-    pub refusal: Option<RefusalReason>,
-    /// Counted, but no line written (rate-limited refusals).
-    pub quiet: bool,
-}
-
-impl<'a> AccessLog<'a> {
-    /// A connection from `src` to `dst` that has moved nothing yet and is
-    /// refused unless the handler says otherwise.
-    pub fn new(direction: &'static str, src_addr: SocketAddr, dst_addr: SocketAddr) -> Self {
-        Self {
-            direction,
-            src_addr,
-            src_identity: None,
-            dst_addr,
-            dst_identity: None,
-            dst_service: None,
-            started: Instant::now(),
-            bytes_sent: 0,
-            bytes_received: 0,
-            outcome: Outcome::Refused,
-            reason: None,
-            pod: None,
-            opened: false,
-            policy: None,
-            refusal: None,
-            quiet: false,
-        }
-    }
-
-    /// Records an authorization decision: the deciding policy, and for a
-    /// denial the outcome and reason.
-    pub fn decided(&mut self, decision: &Decision) {
-        match decision {
-            Decision::Allow(policy) => self.policy = policy.clone(),
-            Decision::Deny { reason, policy } => {
-                self.policy = policy.clone();
-                self.reason = Some(reason.clone());
-                // The node-wide switch is no authorization policy: a plain
-                // refusal, as before policies existed.
-                self.outcome = if policy.is_some() {
-                    Outcome::Denied
-                } else {
-                    Outcome::Refused
-                };
-            }
-        }
-    }
-
-    fn info(&self) -> ConnectionInfo<'_> {
-        ConnectionInfo {
-            direction: observe::Direction::from_log(self.direction),
-            pod: self.pod,
-            src_addr: self.src_addr,
-            src_identity: self.src_identity,
-            dst_addr: self.dst_addr,
-            dst_identity: self.dst_identity,
-            dst_service: self.dst_service.as_ref(),
-        }
-    }
-
-    /// Reports the connection open (its target is known and reached).
-    pub fn open(&mut self, shared: &Shared) {
-        if !self.opened {
-            self.opened = true;
-            if let Some(observer) = shared.observer.get() {
-                observer.opened(&self.info());
-            }
-        }
-    }
-
-    pub fn emit(&mut self, shared: &Shared) {
-        if let Some(observer) = shared.observer.get() {
-            let info = self.info();
-            if !self.opened {
-                observer.opened(&info);
-            }
-            let close = ConnectionClose {
-                bytes_to_target: self.bytes_sent,
-                bytes_from_target: self.bytes_received,
-                duration: self.started.elapsed(),
-                outcome: match self.outcome {
-                    Outcome::Success => ConnectionOutcome::Success,
-                    Outcome::Refused => ConnectionOutcome::Refused,
-                    Outcome::Denied => ConnectionOutcome::Denied,
-                    Outcome::Failed => ConnectionOutcome::Failed,
-                },
-            };
-            observer.closed(&info, &close);
-        }
-        self.opened = true;
-        let c = &shared.counters;
-        let counter = match self.direction {
-            "outbound" => &c.outbound_hbone,
-            "passthrough" => &c.outbound_passthrough,
-            "inbound" => &c.inbound_hbone,
-            _ => &c.inbound_plaintext,
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
-        match self.outcome {
-            Outcome::Success => {}
-            Outcome::Refused | Outcome::Denied => {
-                c.refused.fetch_add(1, Ordering::Relaxed);
-                shared
-                    .limits
-                    .count(self.refusal.unwrap_or(match self.outcome {
-                        Outcome::Denied => RefusalReason::Policy,
-                        _ => RefusalReason::Request,
-                    }));
-            }
-            Outcome::Failed => {
-                c.failed.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        if matches!(self.direction, "outbound" | "passthrough") {
-            c.bytes_out.fetch_add(self.bytes_sent, Ordering::Relaxed);
-            c.bytes_in.fetch_add(self.bytes_received, Ordering::Relaxed);
-        }
-        if self.quiet {
-            return;
-        }
-        let duration_ms = self.started.elapsed().as_millis() as u64;
-        let src_identity = self.src_identity.unwrap_or("-");
-        let dst_identity = self.dst_identity.unwrap_or("-");
-        let reason = self.reason.as_deref().unwrap_or("");
-        let dst_service = match &self.dst_service {
-            Some(key) => key.to_string(),
-            None => "-".to_owned(),
-        };
-        let policy = match &self.policy {
-            Some(key) => key.to_string(),
-            None => "-".to_owned(),
-        };
-        macro_rules! line {
-            ($level:ident) => {
-                tracing::$level!(
-                    target: "shunt::access",
-                    direction = self.direction,
-                    src.addr = %self.src_addr,
-                    src.identity = src_identity,
-                    dst.addr = %self.dst_addr,
-                    dst.identity = dst_identity,
-                    dst.service = %dst_service,
-                    bytes_sent = self.bytes_sent,
-                    bytes_received = self.bytes_received,
-                    duration_ms,
-                    result = self.outcome.as_str(),
-                    policy = %policy,
-                    reason,
-                    "connection complete"
-                )
-            };
-        }
-        match self.outcome {
-            Outcome::Success => line!(info),
-            _ => line!(warn),
-        }
-    }
 }
 
 /// Resolves when a policy change (seen through `changes`, subscribed

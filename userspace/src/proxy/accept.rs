@@ -1,0 +1,96 @@
+//! A pod's listeners' accept loops: the inbound limits first, then one task
+//! per connection (outbound, inbound plaintext or HBONE), tracked so a drain
+//! can wait for them.
+
+use std::sync::Arc;
+
+use super::{PodState, Shared, inbound, inbound_plaintext, limits, outbound};
+
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Listener {
+    Outbound,
+    InboundPlaintext,
+    Hbone,
+}
+
+impl Listener {
+    /// The inbound listeners, which the limits apply to.
+    fn inbound(self) -> Option<limits::Inbound> {
+        match self {
+            Listener::Outbound => None,
+            Listener::InboundPlaintext => Some(limits::Inbound::Plaintext),
+            Listener::Hbone => Some(limits::Inbound::Hbone),
+        }
+    }
+
+    pub(super) fn as_str(self) -> &'static str {
+        match self {
+            Listener::Outbound => "outbound",
+            Listener::InboundPlaintext => "inbound_plaintext",
+            Listener::Hbone => "inbound",
+        }
+    }
+}
+
+pub(super) async fn accept_loop(
+    shared: Arc<Shared>,
+    pod: Arc<PodState>,
+    kind: Listener,
+    listener: tokio::net::TcpListener,
+) {
+    let local = listener.local_addr().ok();
+    let mut backoff = None;
+    loop {
+        let accepted = tokio::select! {
+            _ = pod.listeners.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, peer) = match accepted {
+            Ok(a) => {
+                backoff = None;
+                a
+            }
+            Err(e) => {
+                // EMFILE and friends: shed a pending handshake and back off
+                // instead of spinning; the backlog holds new connections
+                // meanwhile.
+                let wait = limits::accept_backoff(backoff);
+                backoff = Some(wait);
+                limits::accept_failed(&shared, &pod.key, kind.as_str(), &e, wait);
+                tokio::time::sleep(wait).await;
+                continue;
+            }
+        };
+        // Inbound connections pass the limits first (refused ones are
+        // reset, counted and logged there).
+        let (stream, admission) = match kind.inbound() {
+            None => (stream, None),
+            Some(inbound) => match limits::admit_or_refuse(&shared, &pod, inbound, stream, peer) {
+                Some((stream, admission)) => (stream, Some(admission)),
+                None => continue,
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let shared2 = shared.clone();
+        let pod2 = pod.clone();
+        let abort = shared.abort.clone();
+        let task = async move {
+            match kind {
+                Listener::Outbound => outbound::serve(shared2, pod2, stream, peer).await,
+                Listener::InboundPlaintext => {
+                    // Holds the connection's per-source slot until it ends.
+                    let _admission = admission;
+                    inbound_plaintext::serve(shared2, pod2, stream, peer).await
+                }
+                Listener::Hbone => inbound::serve(shared2, pod2, stream, peer, admission).await,
+            }
+        };
+        shared.tracker.spawn(async move {
+            tokio::select! {
+                _ = abort.cancelled() => {}
+                () = task => {}
+            }
+        });
+    }
+    tracing::debug!(pod = %pod.key, ?kind, ?local, "listener closed");
+}
