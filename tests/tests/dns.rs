@@ -89,7 +89,7 @@ fn bed(test: &str) -> Bed {
     let pin = PinDir::new(&topo, "dns");
     let cgroup_root = topo.cgroup_root().expect("cgroup root");
     Bed {
-        topo: topo,
+        topo,
         client,
         apps,
         upstream,
