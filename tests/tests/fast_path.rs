@@ -14,7 +14,7 @@ use std::{
 use serde_json::Value;
 use shunt_testbed::{
     Cgroup, Node, Pod, Topology,
-    agent::{Agent, WorkloadSpec, http, mesh_pods_enrolled, workloads_yaml},
+    agent::{Agent, WorkloadSpec, mesh_pods_enrolled, workloads_yaml},
     apps::{EchoServer, HalfEcho, TestApp, local_of},
     require_root,
     scrape::{metrics, sample, wait_metrics},

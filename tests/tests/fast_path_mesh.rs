@@ -12,7 +12,7 @@ use std::{
     io::{Read, Write},
     net::SocketAddr,
     sync::{
-        Arc, Mutex,
+        Arc,
         atomic::{AtomicBool, Ordering},
     },
     time::{Duration, Instant},
