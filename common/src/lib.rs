@@ -212,10 +212,8 @@ pub mod maps {
     ];
 }
 
-/// Names of the globals the agent sets when it loads a pod's instance.
+/// Names of the globals the agent sets when it loads the programs.
 pub mod globals {
-    /// `u32`: the pod's slot, baked into its TC programs.
-    pub const POD_SLOT: &str = "POD_SLOT";
     /// `u8`: the most verbose aya-log level the programs emit.
     pub const LOG_LEVEL: &str = "AYA_LOG_LEVEL";
     /// `u8`: non-zero to log connection starts (debug level) from TC egress.

@@ -3,13 +3,16 @@
 //! turn the application's replies to the proxy's transparent inbound sockets
 //! back into the pod (source-address preservation).
 //!
-//! Every enrolled pod gets its own instance of these programs, loaded with
-//! `POD_SLOT` fixed to the pod's slot. A per-packet map lookup cannot find
-//! the pod instead: `bpf_get_netns_cookie()` on an skb answers for the
+//! One instance of these programs, loaded and verified once by the agent,
+//! serves every enrolled pod: each pod's filter carries the pod's slot in its
+//! `classid` (minor = slot + 1), which `cls_bpf` copies into the packet's
+//! `tc_classid` before running the program. A per-packet map lookup cannot
+//! find the pod instead: `bpf_get_netns_cookie()` on an skb answers for the
 //! packet's socket, and arriving packets have none yet (measured: it returned
 //! the wrong namespace on ingress), while ifindexes repeat across pod
-//! namespaces. Baking the slot in costs one program load per pod and nothing
-//! per packet.
+//! namespaces. The classid costs nothing per packet and no program load per
+//! pod (an earlier release loaded one instance per pod with the slot baked
+//! in; filters it left behind keep working until their pod is unenrolled).
 
 use aya_ebpf::{
     Global,
@@ -29,11 +32,6 @@ use shunt_common::{
 };
 
 use crate::maps::{CONFIG, POD_CONFIG, counters};
-
-/// The slot of the pod this instance was loaded for (set by the agent at
-/// load time; `u32::MAX` means "no pod").
-#[unsafe(no_mangle)]
-static POD_SLOT: Global<u32> = Global::new(u32::MAX);
 
 /// Non-zero when the agent logs kernel debug lines: only then does egress
 /// parse headers to log connection starts (nothing extra per packet
@@ -61,7 +59,7 @@ const LOOPBACK_IFINDEX: u32 = 1;
 /// the packet is dropped and counted (fail closed). Miss path: `TC_ACT_OK`.
 #[classifier]
 pub fn shunt_tc_ingress(ctx: TcContext) -> i32 {
-    let slot = POD_SLOT.load();
+    let slot = pod_slot(&ctx);
     // Out of range (including "no pod") fails the lookup: the miss path.
     let Some(stats) = counters(slot) else {
         return TC_ACT_OK;
@@ -102,7 +100,7 @@ pub fn shunt_tc_ingress(ctx: TcContext) -> i32 {
 /// is on (not measured here); none when it is off. Miss path: `TC_ACT_OK`.
 #[classifier]
 pub fn shunt_tc_egress(ctx: TcContext) -> i32 {
-    let slot = POD_SLOT.load();
+    let slot = pod_slot(&ctx);
     let Some(stats) = counters(slot) else {
         return TC_ACT_OK;
     };
@@ -135,6 +133,17 @@ pub fn shunt_tc_egress(ctx: TcContext) -> i32 {
         );
     }
     TC_ACT_OK
+}
+
+/// The slot of the pod whose filter runs this program: the filter's classid
+/// minor minus one (`cls_bpf` writes it into `tc_classid` before every run; see
+/// the module docs). A filter without a classid gives `u32::MAX`, which no
+/// per-pod array holds: the miss path.
+#[inline(always)]
+fn pod_slot(ctx: &TcContext) -> u32 {
+    // SAFETY: the context's skb; `tc_classid` is readable by TC programs.
+    let classid = unsafe { (*ctx.skb.skb).tc_classid };
+    (classid & 0xffff).wrapping_sub(1)
 }
 
 /// Whether a socket of this netns, not a listener or a request, owns the

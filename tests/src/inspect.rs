@@ -38,6 +38,10 @@ pub struct TcFilter {
     pub priority: u64,
     /// The BPF program's name (e.g. `shunt_tc_ingress`), if it is a BPF filter.
     pub program: Option<String>,
+    /// The kernel's id of the BPF program the filter runs.
+    pub program_id: Option<u64>,
+    /// The minor of the filter's classid (`flowid` in `tc`), if it has one.
+    pub classid_minor: Option<u32>,
 }
 
 /// The filters on `interface`'s clsact `hook` (`ingress` or `egress`) inside
@@ -58,6 +62,13 @@ pub fn tc_filters(netns: &Path, interface: &str, hook: &str) -> Result<Vec<TcFil
                 .map(|f| TcFilter {
                     priority: f["pref"].as_u64().unwrap_or(0),
                     program: f["options"]["bpf_name"].as_str().map(str::to_string),
+                    program_id: f["options"]["prog"]["id"].as_u64(),
+                    // `tc` prints a classid as "MAJOR:MINOR" in hex (":3"
+                    // when the major is 0).
+                    classid_minor: f["options"]["flowid"]
+                        .as_str()
+                        .and_then(|id| id.rsplit(':').next())
+                        .and_then(|minor| u32::from_str_radix(minor, 16).ok()),
                 })
                 .collect()
         })

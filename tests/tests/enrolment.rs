@@ -114,6 +114,65 @@ fn shunt_filters(pod: &Pod) -> Vec<String> {
         .collect()
 }
 
+/// One verified instance of the TC programs serves every pod (#20 part 6:
+/// enrolment loads no program): both pods' filters run the same program, and
+/// each filter names its pod's slot in its classid (minor = slot + 1), which
+/// is how the shared program finds the pod's counters and settings.
+#[test]
+fn every_pod_runs_the_one_tc_program_with_its_slot_in_the_classid() {
+    let (topo, pods) = topology("shared-tc", &["client", "server"]);
+    let node = topo.node("node-a").expect("node");
+    let yaml = workloads_yaml(&[
+        WorkloadSpec::for_pod(&pods[0], true),
+        WorkloadSpec::for_pod(&pods[1], true),
+    ]);
+    let mut agent = Agent::start(&topo, node, &yaml, &[]).expect("agent");
+    let status = agent
+        .wait_for("both pods enrolled", TIMEOUT, |s| {
+            pods.iter().all(|pod| is_enrolled(s, pod))
+        })
+        .expect("enrolled");
+    let entries = inspect::enrolled_entries(agent.pin_dir()).expect("map");
+    for hook in ["ingress", "egress"] {
+        let mut program_ids = Vec::new();
+        for pod in &pods {
+            let cookie = pod_status(&status, pod).netns_cookie.expect("cookie");
+            let slot = *entries.get(&cookie).expect("the pod's entry");
+            let filters =
+                inspect::tc_filters(&pod.netns_path(), pod.interface(), hook).expect("tc");
+            let [filter] = filters.as_slice() else {
+                panic!(
+                    "{} {hook}: expected one filter, found {filters:?}",
+                    pod.name()
+                );
+            };
+            assert_eq!(
+                filter.classid_minor,
+                Some(slot + 1),
+                "{} {hook}: the classid names the pod's slot {slot}",
+                pod.name()
+            );
+            program_ids.push(filter.program_id.expect("program id"));
+        }
+        assert_eq!(
+            program_ids[0], program_ids[1],
+            "{hook}: both pods run the same program instance"
+        );
+    }
+    // And each pod's traffic lands in its own counters through it.
+    echo_roundtrip(&pods[0], &pods[1], 7010, 16 * 1024);
+    for pod in &pods {
+        let cookie = pod_status(&status, pod).netns_cookie.expect("cookie");
+        let slot = *entries.get(&cookie).expect("entry");
+        let counters = inspect::slot_counters(agent.pin_dir(), slot).expect("counters");
+        assert!(
+            counters.bytes_out >= 16 * 1024 && counters.bytes_in >= 16 * 1024,
+            "{}: {counters:?}",
+            pod.name()
+        );
+    }
+}
+
 #[test]
 fn enrolled_pod_counts_exactly_what_crosses_eth0() {
     let (topo, pods) = topology("counts", &["client", "server", "outsider"]);

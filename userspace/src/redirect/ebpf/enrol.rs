@@ -1,7 +1,7 @@
 //! Enrolling, verifying, listing and unenrolling pods: the [`Redirector`]
 //! side of the eBPF mode (the steps are in the module docs of [`super`]).
 
-use super::{load::loader, *};
+use super::*;
 use crate::{
     authz::{PolicyKey, kernel::VerdictTable},
     redirect::VerdictsWritten,
@@ -112,29 +112,17 @@ impl EbpfRedirector {
         }
     }
 
-    /// Loads the pod's instance of the TC programs and attaches it inside
-    /// the pod's netns.
+    /// Attaches the agent's TC programs inside the pod's netns, with the
+    /// pod's slot in the filters' classid.
     fn attach_tc(
         &mut self,
         pod: &WorkloadKey,
         netns: &NetNs,
         slot: u32,
     ) -> Result<(), RedirectError> {
-        let mut pod_ebpf = loader(&self.pin_dir, &slot, &self.log_level)
-            .load(EBPF_OBJECT)
-            .map_err(|e| kernel(pod, "loading the pod's TC programs", e))?;
-        for (name, _) in tc::programs() {
-            let program: &mut SchedClassifier = pod_ebpf
-                .program_mut(name)
-                .ok_or_else(|| kernel(pod, "finding the TC program", missing(name)))?
-                .try_into()
-                .map_err(|e| kernel(pod, "finding the TC program", e))?;
-            program
-                .load()
-                .map_err(|e| kernel(pod, "loading the TC program into the kernel", e))?;
-        }
         let netns_path = netns.path().to_path_buf();
-        netns.run(|| tc::attach(pod, &mut pod_ebpf, &netns_path))?
+        let ebpf = &mut self.ebpf;
+        netns.run(|| tc::attach(pod, ebpf, slot, &netns_path))?
     }
 
     /// Writes the record that lets a later agent clean up after this pod.

@@ -91,7 +91,10 @@ impl EbpfRedirector {
         };
         let log_level = kernel_log_level();
         pins::check(pin_dir)?;
-        let mut ebpf = loader(pin_dir, &u32::MAX, &log_level).load(EBPF_OBJECT)?;
+        let mut ebpf = loader(pin_dir, &log_level).load(EBPF_OBJECT)?;
+        // One verified instance of the TC programs serves every pod (each
+        // pod's filter names its slot in its classid: `tc.rs`).
+        tc::load(&mut ebpf)?;
         let enrolled_map: BpfHashMap<MapData, u64, PodSlot> = take_map(&mut ebpf, maps::ENROLLED)?;
         let counters_map: PerCpuArray<MapData, PodCounters> =
             take_map(&mut ebpf, maps::POD_COUNTERS)?;
@@ -152,7 +155,6 @@ impl EbpfRedirector {
             pin_dir: pin_dir.to_path_buf(),
             cgroup_root,
             original_dst,
-            log_level,
             splice,
             preserve_source: options.preserve_source,
             fast_path: options.fast_path,
@@ -179,9 +181,8 @@ impl EbpfRedirector {
     }
 }
 
-/// A loader for the object with every map shared through its pin and the
-/// pod's slot baked in.
-pub(super) fn loader<'a>(pin_dir: &Path, slot: &'a u32, log_level: &'a u8) -> EbpfLoader<'a> {
+/// A loader for the object with every map shared through its pin.
+pub(super) fn loader<'a>(pin_dir: &Path, log_level: &'a u8) -> EbpfLoader<'a> {
     let mut loader = EbpfLoader::new();
     for name in maps::ALL.into_iter().chain([shunt_common::LOG_MAP]) {
         loader.map_pin_path(name, pin_dir.join(name));
@@ -189,7 +190,6 @@ pub(super) fn loader<'a>(pin_dir: &Path, slot: &'a u32, log_level: &'a u8) -> Eb
     // aya-log level 4 is debug: only then are connection starts logged.
     let log_connections: &'static u8 = if *log_level >= 4 { &1 } else { &0 };
     loader
-        .override_global(globals::POD_SLOT, slot, true)
         .override_global(globals::LOG_LEVEL, log_level, true)
         .override_global(globals::LOG_CONNECTIONS, log_connections, true);
     loader

@@ -48,7 +48,6 @@ use std::{
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuValues},
-    programs::SchedClassifier,
     util::nr_cpus,
 };
 pub use cgroup::cgroup2_mount;
@@ -104,8 +103,6 @@ pub struct EbpfRedirector {
     pin_dir: PathBuf,
     cgroup_root: PathBuf,
     original_dst: Arc<EbpfOriginalDst>,
-    /// aya-log level baked into every pod's programs.
-    log_level: u8,
     /// Which pods' new app ⇄ proxy connections are spliced.
     splice: SpliceMode,
     /// Whether pods get the reply path of source preservation.

@@ -15,7 +15,7 @@ use aya::{
 use shunt_common::programs;
 use tracing::debug;
 
-use super::kernel;
+use super::{LoadError, kernel};
 use crate::{
     redirect::{POD_INTERFACE, RedirectError, tc_dump},
     state::WorkloadKey,
@@ -44,12 +44,41 @@ pub fn direction(attach_type: TcAttachType) -> &'static str {
     }
 }
 
-/// Adds `clsact` to `eth0` and attaches the (loaded) programs of `pod_ebpf`
-/// as netlink filters. A filter already there under shunt's priority and
-/// handle (a previous agent's, for the same slot) is kept.
+/// Loads (verifies) the TC programs into the kernel, once per agent: every
+/// pod's filters run this one instance.
+pub fn load(ebpf: &mut Ebpf) -> Result<(), LoadError> {
+    for (name, _) in programs() {
+        let program_error = |source| LoadError::Program { name, source };
+        let program: &mut SchedClassifier = ebpf
+            .program_mut(name)
+            .ok_or(LoadError::Program {
+                name,
+                source: aya::programs::ProgramError::UnexpectedProgramType,
+            })?
+            .try_into()
+            .map_err(program_error)?;
+        program.load().map_err(program_error)?;
+    }
+    Ok(())
+}
+
+/// The classid that tells the shared programs which pod a filter serves:
+/// the slot + 1 in the minor (`cls_bpf` hands the programs only the minor;
+/// 0 means "no classid").
+pub fn classid(slot: u32) -> TcHandle {
+    const _: () = assert!(shunt_common::MAX_PODS < u16::MAX as u32);
+    // Slots are below MAX_PODS (4096): slot + 1 fits in 16 bits.
+    TcHandle::new(0, (slot + 1) as u16)
+}
+
+/// Adds `clsact` to `eth0` and attaches the agent's (loaded) TC programs as
+/// netlink filters whose classid names `slot`. A filter already there under
+/// shunt's priority and handle (a previous agent's, for the same slot) is
+/// kept.
 pub fn attach(
     pod: &WorkloadKey,
-    pod_ebpf: &mut Ebpf,
+    ebpf: &mut Ebpf,
+    slot: u32,
     netns_path: &std::path::Path,
 ) -> Result<(), RedirectError> {
     match tc::qdisc_add_clsact(POD_INTERFACE) {
@@ -65,7 +94,7 @@ pub fn attach(
         Err(error) => return Err(kernel(pod, "adding the clsact qdisc on eth0", error)),
     }
     for (name, attach_type) in programs() {
-        let program: &mut SchedClassifier = pod_ebpf
+        let program: &mut SchedClassifier = ebpf
             .program_mut(name)
             .ok_or_else(|| kernel(pod, "finding the TC program", super::missing(name)))?
             .try_into()
@@ -73,7 +102,7 @@ pub fn attach(
         let options = TcAttachOptions::Netlink(NlOptions {
             priority: TC_PRIORITY,
             handle: TC_HANDLE,
-            classid: None,
+            classid: Some(classid(slot)),
         });
         match program.attach_with_options(POD_INTERFACE, attach_type, options) {
             Ok(link_id) => {
