@@ -35,6 +35,11 @@ use shunt::{
 };
 use shunt_testbed::{Cgroup, Pod, Topology, agent::PinDir, require_root};
 
+/// Pods per testbed node (its pod subnet is a /24).
+const PODS_PER_NODE: usize = 200;
+/// The most pods one run enrols (a node's worth, as `MAX_PODS` allows).
+const MAX_PODS: usize = 1000;
+
 #[derive(Parser)]
 struct Args {
     /// Pods to enrol and unenrol per mode.
@@ -55,9 +60,17 @@ fn main() -> anyhow::Result<()> {
     }
     require_root()?;
     let mut topo = Topology::new("enrolbench")?;
-    topo.add_node("node-a")?;
-    let pods: Vec<Pod> = (0..args.pods.clamp(2, 200))
-        .map(|i| topo.add_pod("node-a", &format!("p{i}")))
+    // A testbed node's pod subnet is a /24: spread the pods over as many
+    // nodes as they need (one redirector enrols them all, as on one node).
+    let count = args.pods.clamp(2, MAX_PODS);
+    let nodes: Vec<String> = (0..count.div_ceil(PODS_PER_NODE))
+        .map(|i| format!("node-{i}"))
+        .collect();
+    for node in &nodes {
+        topo.add_node(node)?;
+    }
+    let pods: Vec<Pod> = (0..count)
+        .map(|i| topo.add_pod(&nodes[i / PODS_PER_NODE], &format!("p{i}")))
         .collect::<Result<_, _>>()?;
     let apps = Cgroup::create(&topo, "apps")?;
     let pin = PinDir::new(&topo, "bench");
@@ -68,16 +81,20 @@ fn main() -> anyhow::Result<()> {
     let mut ebpf = EbpfRedirector::load(&options).context("loading the eBPF redirector")?;
     let (enrol, unenrol) = enrol_all(&mut ebpf, &pods)?;
     println!(
-        "  ebpf      enrol {}   unenrol {}",
+        "  ebpf      enrol {}   unenrol {}   all {} pods enrolled in {:.2?}",
         summary(&enrol),
-        summary(&unenrol)
+        summary(&unenrol),
+        pods.len(),
+        enrol.iter().sum::<Duration>()
     );
     let mut iptables = IptablesRedirector::new(IptablesOptions::new("bench"))?;
     let (enrol, unenrol) = enrol_all(&mut iptables, &pods)?;
     println!(
-        "  iptables  enrol {}   unenrol {}",
+        "  iptables  enrol {}   unenrol {}   all {} pods enrolled in {:.2?}",
         summary(&enrol),
-        summary(&unenrol)
+        summary(&unenrol),
+        pods.len(),
+        enrol.iter().sum::<Duration>()
     );
 
     // Connect latency: the client is pods[0], the destination pods[1].
