@@ -5,7 +5,8 @@
 //!   socket, `ZdsHello{V1}`, each request read with its SCM_RIGHTS fds, an
 //!   `Ack` per request;
 //! - [`InPodProxy`]: the listeners bound inside the pod's netns received
-//!   over ZDS (`127.0.0.1:15001`; `0.0.0.0:15006` and `0.0.0.0:15008` with
+//!   over ZDS (`127.0.0.1:15001`, or `[::]:15001` dual stack as ztunnel
+//!   binds it with IPv6 on; `0.0.0.0:15006` and `0.0.0.0:15008` with
 //!   `IP_TRANSPARENT`), the original destination of an outbound connection
 //!   from `getsockopt(SO_ORIGINAL_DST)` (then `IP6T_SO_ORIGINAL_DST`), that
 //!   of an inbound one from the same call or else the accepted socket's
