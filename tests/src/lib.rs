@@ -49,6 +49,7 @@ mod cgroup;
 mod cmd;
 pub mod dns;
 mod error;
+pub mod hbone;
 pub mod inspect;
 mod names;
 pub mod scrape;

@@ -27,15 +27,17 @@ use std::{
 use bytes::Bytes;
 use h2::{RecvStream, SendStream};
 use http::{Method, Request, Response, StatusCode};
-use rustls_pki_types::ServerName;
 use shunt::{
     identity::{IdentityConfig, IdentityManager, ca::BuiltinCa},
-    state::{SpiffeId, TrustDomain},
-    tls::{TrustRoots, client_config, server_config},
+    state::SpiffeId,
+    tls::TrustRoots,
 };
 use tokio::sync::oneshot;
 
-use crate::{Pod, Result, TestbedError};
+use crate::{
+    Pod, Result, TestbedError,
+    hbone::{self, pump},
+};
 
 /// How long any step may take.
 const STEP: Duration = Duration::from_secs(20);
@@ -234,19 +236,7 @@ async fn serve_connection(
         .certificate(&config.identity)
         .await
         .map_err(|e| e.to_string())?;
-    let tls_config =
-        server_config(&cert, &config.roots, &TrustDomain::default()).map_err(|e| e.to_string())?;
-    let tls = tokio::time::timeout(
-        STEP,
-        tokio_rustls::TlsAcceptor::from(tls_config).accept(tcp),
-    )
-    .await
-    .map_err(|_| "TLS handshake timed out".to_string())?
-    .map_err(|e| format!("TLS handshake: {e}"))?;
-    let peer_identity = shunt::tls::peer_identity(tls.get_ref().1);
-    let mut conn = h2::server::handshake(tls)
-        .await
-        .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
+    let (mut conn, peer_identity) = hbone::accept(tcp, &cert, &config.roots).await?;
     while let Some(request) = conn.accept().await {
         let (request, respond) = request.map_err(|e| format!("HTTP/2: {e}"))?;
         let config = config.clone();
@@ -353,56 +343,12 @@ async fn connect_upstream(
         .certificate(&config.identity)
         .await
         .map_err(|e| e.to_string())?;
-    let tls_config =
-        client_config(&cert, &config.roots, &upstream.identity).map_err(|e| e.to_string())?;
-    let tls = tokio::time::timeout(
-        STEP,
-        tokio_rustls::TlsConnector::from(tls_config)
-            .connect(ServerName::IpAddress(hbone.ip().into()), tcp),
+    hbone::connect(
+        tcp,
+        &cert,
+        &config.roots,
+        &upstream.identity,
+        upstream.target,
     )
     .await
-    .map_err(|_| "TLS handshake timed out".to_string())?
-    .map_err(|e| format!("TLS handshake with {hbone}: {e}"))?;
-    let (send, connection) = h2::client::handshake(tls)
-        .await
-        .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    let mut send = send.ready().await.map_err(|e| e.to_string())?;
-    let request = Request::builder()
-        .method(Method::CONNECT)
-        .uri(upstream.target.to_string())
-        .body(())
-        .map_err(|e| e.to_string())?;
-    let (response, stream) = send
-        .send_request(request, false)
-        .map_err(|e| e.to_string())?;
-    let response = tokio::time::timeout(STEP, response)
-        .await
-        .map_err(|_| "CONNECT answer timed out".to_string())?
-        .map_err(|e| e.to_string())?;
-    if response.status() != StatusCode::OK {
-        return Err(format!("upstream answered {}", response.status()));
-    }
-    Ok((stream, response.into_body()))
-}
-
-/// Moves one direction's bytes from an HTTP/2 stream to another, then
-/// ends the sending stream.
-async fn pump(mut from: RecvStream, mut to: SendStream<Bytes>) -> std::result::Result<(), String> {
-    while let Some(chunk) = from.data().await {
-        let mut chunk = chunk.map_err(|e| e.to_string())?;
-        let _ = from.flow_control().release_capacity(chunk.len());
-        while !chunk.is_empty() {
-            to.reserve_capacity(chunk.len());
-            let granted = std::future::poll_fn(|cx| to.poll_capacity(cx))
-                .await
-                .ok_or_else(|| "stream closed".to_string())?
-                .map_err(|e| e.to_string())?;
-            let part = chunk.split_to(granted.min(chunk.len()));
-            to.send_data(part, false).map_err(|e| e.to_string())?;
-        }
-    }
-    to.send_data(Bytes::new(), true).map_err(|e| e.to_string())
 }

@@ -5,7 +5,8 @@
 //!   socket, `ZdsHello{V1}`, each request read with its SCM_RIGHTS fds, an
 //!   `Ack` per request;
 //! - [`InPodProxy`]: the listeners bound inside the pod's netns received
-//!   over ZDS (`127.0.0.1:15001`; `0.0.0.0:15006` and `0.0.0.0:15008` with
+//!   over ZDS (`127.0.0.1:15001`, or `[::]:15001` dual stack as ztunnel
+//!   binds it with IPv6 on; `0.0.0.0:15006` and `0.0.0.0:15008` with
 //!   `IP_TRANSPARENT`), the original destination of an outbound connection
 //!   from `getsockopt(SO_ORIGINAL_DST)` (then `IP6T_SO_ORIGINAL_DST`), that
 //!   of an inbound one from the same call or else the accepted socket's
@@ -13,11 +14,23 @@
 //!   connection it opens created in the pod's netns with `SO_MARK` 0x539 —
 //!   to the application with `IP_TRANSPARENT`, from the client's address.
 //!
-//! It relays plain bytes: between two stand-ins the hop is plaintext TCP,
-//! not HBONE (nothing here speaks TLS or HTTP/2 CONNECT; 15008 is bound but
-//! only accepts and closes).
+//! Given a [`Mesh`] (what a ztunnel learns from istiod and its CA: its
+//! pod's certificate, the mesh workloads' identities by IP), it speaks
+//! HBONE between stand-ins as ztunnel does ([`crate::hbone`]): an outbound
+//! connection to a mesh workload goes as TLS + HTTP/2 `CONNECT` with
+//! `:authority` the original destination to that workload's IP:15008,
+//! from a socket made in the client pod's netns with mark 0x539; the
+//! 15008 listener terminates it, answers 400 for an authority whose IP is
+//! not the one the connection arrived on, 503 for one of the proxy's own
+//! ports, and otherwise delivers to the authority with `IP_TRANSPARENT`
+//! from the HBONE client's address. Without a [`Mesh`] every outbound
+//! connection goes as plaintext TCP to its original destination (the
+//! server's capture takes it to its 15006) and 15008 accepts and closes.
+
+mod hbone_hop;
 
 use std::{
+    collections::BTreeMap,
     io::{IoSlice, IoSliceMut},
     mem::{size_of, zeroed},
     net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream},
@@ -31,6 +44,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::hbone::Credentials;
 use nix::{
     sched::{CloneFlags, setns},
     sys::socket::{
@@ -41,6 +55,7 @@ use nix::{
     sys::time::TimeVal,
 };
 use prost::Message as _;
+use shunt::state::SpiffeId;
 use shunt_proto::istio::zds::{
     Ack, Version, WorkloadRequest, WorkloadResponse, ZdsHello, workload_request::Payload,
     workload_response,
@@ -48,6 +63,8 @@ use shunt_proto::istio::zds::{
 
 /// The mark ztunnel puts on its own sockets (1337).
 pub const ZTUNNEL_MARK: u32 = 0x539;
+/// ztunnel's own ports: it never delivers to them (503 over HBONE).
+const OWN_PORTS: [u16; 3] = [15001, 15006, 15008];
 /// How long any step of the stand-in may take.
 const TIMEOUT: Duration = Duration::from_secs(20);
 /// The stand-in's whole life (its threads end by then at the latest).
@@ -159,19 +176,62 @@ pub struct Outbound {
     /// `getsockopt(SO_ORIGINAL_DST)` (then `IP6T_SO_ORIGINAL_DST`): the
     /// address, or the errno of the last attempt.
     pub original: Result<SocketAddr, i32>,
+    /// `None`: relayed as plaintext TCP (or not at all); else HBONE to the
+    /// destination's 15008: `Ok` once the CONNECT was answered 200, or
+    /// what failed.
+    pub hbone: Option<Result<(), String>>,
 }
 
-/// A connection the stand-in accepted on 15006 (or 15008).
+/// A connection the stand-in accepted on 15006, or a CONNECT stream it
+/// accepted on 15008.
 #[derive(Clone, Debug)]
 pub struct Inbound {
     pub listener_port: u16,
+    /// The accepted TCP connection's local and peer addresses.
     pub local: SocketAddr,
     pub peer: SocketAddr,
-    /// Where it was delivered (ztunnel's `orig_dst_addr_or_default`).
+    /// HBONE: the CONNECT's `:authority`.
+    pub authority: Option<String>,
+    /// HBONE: the client's SPIFFE id, from its certificate.
+    pub peer_identity: Option<String>,
+    /// Where it was delivered: on 15006 ztunnel's
+    /// `orig_dst_addr_or_default`, on 15008 the authority.
     pub destination: SocketAddr,
     /// The delivery socket's local address (the client's IP when the
     /// transparent bind worked), or why it failed.
     pub delivered_from: Result<SocketAddr, String>,
+}
+
+/// What a ztunnel knows to speak HBONE: its pod's certificate (from its
+/// CA) and which destinations are mesh workloads, with their identities
+/// (from istiod).
+#[derive(Clone)]
+pub struct Mesh {
+    pub credentials: Credentials,
+    pub workloads: BTreeMap<IpAddr, SpiffeId>,
+}
+
+/// How a stand-in serves its pod.
+#[derive(Clone)]
+pub struct Options {
+    /// The cgroup v2 directory every socket of the stand-in is created in
+    /// (see [`InPodProxy::start`]).
+    pub cgroup: Option<PathBuf>,
+    /// Where the outbound listener binds: `127.0.0.1:15001`, or `[::]:15001`
+    /// (dual stack) as ztunnel binds it with IPv6 on.
+    pub outbound: SocketAddr,
+    /// HBONE between stand-ins; `None`: plaintext.
+    pub mesh: Option<Mesh>,
+}
+
+impl Options {
+    pub fn new(cgroup: Option<PathBuf>) -> Options {
+        Options {
+            cgroup,
+            outbound: SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 15001),
+            mesh: None,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -198,8 +258,15 @@ impl InPodProxy {
     /// attached (a socket's cgroup is its creator's at `socket()`; accepted
     /// sockets inherit the listener's).
     pub fn start(netns: OwnedFd, cgroup: Option<PathBuf>) -> std::io::Result<InPodProxy> {
+        InPodProxy::start_with(netns, Options::new(cgroup))
+    }
+
+    /// [`InPodProxy::start`] with every option.
+    pub fn start_with(netns: OwnedFd, options: Options) -> std::io::Result<InPodProxy> {
         let netns = Arc::new(netns);
-        let cgroup = Arc::new(cgroup);
+        let cgroup = Arc::new(options.cgroup);
+        let mesh = Arc::new(options.mesh);
+        let outbound = options.outbound;
         let listeners = {
             let cgroup = cgroup.clone();
             in_netns(
@@ -207,10 +274,7 @@ impl InPodProxy {
                 move || -> std::io::Result<Vec<(u16, TcpListener)>> {
                     let cgroup = cgroup.as_deref();
                     Ok(vec![
-                        (
-                            15001,
-                            listen("127.0.0.1:15001".parse().expect("addr"), false, cgroup)?,
-                        ),
+                        (15001, listen(outbound, false, cgroup)?),
                         (
                             15006,
                             listen("0.0.0.0:15006".parse().expect("addr"), true, cgroup)?,
@@ -228,9 +292,14 @@ impl InPodProxy {
         let threads = listeners
             .into_iter()
             .map(|(port, listener)| {
-                let (seen, stop, netns, cgroup) =
-                    (seen.clone(), stop.clone(), netns.clone(), cgroup.clone());
-                thread::spawn(move || serve(port, listener, netns, cgroup, seen, stop))
+                let stand_in = StandIn {
+                    netns: netns.clone(),
+                    cgroup: cgroup.clone(),
+                    mesh: mesh.clone(),
+                    seen: seen.clone(),
+                };
+                let stop = stop.clone();
+                thread::spawn(move || serve(port, listener, stand_in, stop))
             })
             .collect();
         Ok(InPodProxy {
@@ -329,14 +398,27 @@ fn listen(
     Ok(listener)
 }
 
-fn serve(
-    port: u16,
-    listener: TcpListener,
+/// What every connection thread of one stand-in shares.
+#[derive(Clone)]
+struct StandIn {
     netns: Arc<OwnedFd>,
     cgroup: Arc<Option<PathBuf>>,
+    mesh: Arc<Option<Mesh>>,
     seen: Arc<Seen>,
-    stop: Arc<AtomicBool>,
-) {
+}
+
+impl StandIn {
+    /// A TCP connection to `to` made in the pod's netns (see
+    /// [`connect_marked`]).
+    fn connect(&self, to: SocketAddr, from: Option<IpAddr>) -> std::io::Result<TcpStream> {
+        let cgroup = self.cgroup.clone();
+        in_netns(&self.netns, move || {
+            connect_marked(to, from, cgroup.as_deref())
+        })?
+    }
+}
+
+fn serve(port: u16, listener: TcpListener, stand_in: StandIn, stop: Arc<AtomicBool>) {
     let start = Instant::now();
     while !stop.load(Ordering::Relaxed) && start.elapsed() < LIFETIME {
         let (stream, peer) = match listener.accept() {
@@ -347,68 +429,74 @@ fn serve(
             }
         };
         let _ = stream.set_nonblocking(false);
-        let (seen, netns, cgroup) = (seen.clone(), netns.clone(), cgroup.clone());
+        let stand_in = stand_in.clone();
         thread::spawn(move || match port {
-            15001 => outbound(stream, peer, &netns, &cgroup, &seen),
-            15006 => inbound(port, stream, peer, &netns, &cgroup, &seen),
-            // Not HBONE: see the module docs.
+            15001 => outbound(stream, peer, &stand_in),
+            15006 => inbound(port, stream, peer, &stand_in),
+            _ if stand_in.mesh.is_some() => hbone_hop::inbound(stream, peer, &stand_in),
+            // No HBONE without a mesh: see the module docs.
             _ => drop(stream),
         });
     }
 }
 
-fn outbound(
-    app: TcpStream,
-    peer: SocketAddr,
-    netns: &Arc<OwnedFd>,
-    cgroup: &Arc<Option<PathBuf>>,
-    seen: &Seen,
-) {
+fn outbound(app: TcpStream, peer: SocketAddr, stand_in: &StandIn) {
     let original = original_dst(&app);
-    lock(&seen.outbound).push(Outbound { peer, original });
+    let record = |hbone| {
+        lock(&stand_in.seen.outbound).push(Outbound {
+            peer,
+            original,
+            hbone,
+        })
+    };
     let Ok(destination) = original else {
-        return;
+        return record(None);
     };
     // As ztunnel: never connect to its own listener (a connection made
     // straight to 15001, which conntrack answers with its own address).
-    if app.local_addr().is_ok_and(|local| local == destination) {
-        return;
+    if app.local_addr().is_ok_and(|local| same(local, destination)) {
+        return record(None);
     }
-    let cgroup = cgroup.clone();
-    let upstream = in_netns(netns, move || {
-        connect_marked(destination, None, cgroup.as_deref())
-    });
-    if let Ok(Ok(upstream)) = upstream {
+    let to_mesh = (*stand_in.mesh)
+        .as_ref()
+        .and_then(|m| Some((m, m.workloads.get(&destination.ip())?)));
+    if let Some((mesh, identity)) = to_mesh {
+        return hbone_hop::outbound(app, destination, mesh, identity, stand_in, record);
+    }
+    record(None);
+    if let Ok(upstream) = stand_in.connect(destination, None) {
         relay(app, upstream);
     }
 }
 
-fn inbound(
-    port: u16,
-    client: TcpStream,
-    peer: SocketAddr,
-    netns: &Arc<OwnedFd>,
-    cgroup: &Arc<Option<PathBuf>>,
-    seen: &Seen,
-) {
+/// Whether two addresses are the same, a v4-mapped IPv6 one equal to its
+/// IPv4 (what a dual-stack listener's socket reports).
+fn same(a: SocketAddr, b: SocketAddr) -> bool {
+    a.port() == b.port() && a.ip().to_canonical() == b.ip().to_canonical()
+}
+
+fn inbound(port: u16, client: TcpStream, peer: SocketAddr, stand_in: &StandIn) {
     let Ok(local) = client.local_addr() else {
         return;
     };
     let destination = original_dst(&client).unwrap_or(local);
-    let from = peer.ip();
-    let cgroup = cgroup.clone();
-    let upstream = in_netns(netns, move || {
-        connect_marked(destination, Some(from), cgroup.as_deref())
-    })
-    .and_then(|r| r);
+    let upstream = if OWN_PORTS.contains(&destination.port()) {
+        Err(std::io::Error::other(format!(
+            "refused: {destination} is one of the proxy's own ports"
+        )))
+    } else {
+        stand_in.connect(destination, Some(peer.ip()))
+    };
     let delivered_from = match &upstream {
         Ok(stream) => stream.local_addr().map_err(|e| e.to_string()),
         Err(e) => Err(e.to_string()),
     };
-    lock(&seen.inbound).push(Inbound {
+    lock(&stand_in.seen.inbound).push(Inbound {
         listener_port: port,
         local,
         peer,
+        authority: None,
+        peer_identity: None,
         destination,
         delivered_from,
     });

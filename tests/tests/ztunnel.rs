@@ -4,42 +4,41 @@
 //! namespace as the `AddWorkload`'s SCM_RIGHTS fd, binds its listeners
 //! inside it (15001; 15006 and 15008 with IP_TRANSPARENT) and acks; it reads
 //! an outbound connection's original destination with
-//! `getsockopt(SO_ORIGINAL_DST)` and delivers inbound connections to the
-//! application with IP_TRANSPARENT from the client's address, every socket
-//! it opens marked 0x539.
+//! `getsockopt(SO_ORIGINAL_DST)`, carries it to another stand-in (here as
+//! plaintext TCP; as HBONE in `ztunnel_hbone.rs`) and delivers inbound
+//! connections to the application with IP_TRANSPARENT from the client's
+//! address, every socket it opens marked 0x539.
 //!
 //! Covered, in the eBPF mode and in the iptables mode with Istio's rules:
 //! the pod redirected only after the ack; bytes both ways through the
 //! client's stand-in (original destination from `SO_ORIGINAL_DST`, IPv4
-//! and v4-mapped IPv6) and the server's (inbound plaintext, the
+//! and v4-mapped IPv6) and the server's (inbound plaintext on 15006: the
 //! application sees the client's address and its replies come back);
 //! inbound plaintext from a pod outside the mesh; `SO_ORIGINAL_DST` on a
 //! connection that was not redirected answers the kernel's error (eBPF)
 //! or its own destination (conntrack), never another connection's.
+//! Inbound HBONE, and `SO_ORIGINAL_DST` on a dual-stack `[::]:15001`
+//! listener: `ztunnel_hbone.rs`.
 //!
-//! Not covered: inbound HBONE (the stand-in speaks no TLS or HTTP/2; the
-//! hop between the two stand-ins is plaintext TCP), a real ztunnel binary.
+//! Not covered: a real ztunnel binary (the stand-in checks no
+//! authorization and only the peer's chain and trust domain, not the
+//! client's identity against a policy).
+
+mod ztunnel_harness;
 
 use std::{
-    collections::BTreeMap,
     net::{SocketAddr, TcpListener},
     os::fd::OwnedFd,
-    path::PathBuf,
     time::Duration,
 };
 
 use nix::sched::{CloneFlags, setns};
 use shunt::{
-    agent::{NodeAgent, Reconciler, ReconcilerInputs},
-    app::AgentSink,
-    control::{NodePods, SourceSink},
     redirect::{
-        Capture, Redirector,
-        ebpf::{EbpfOptions, EbpfRedirector},
+        Redirector,
         iptables::{InpodRules, IptablesOptions, IptablesRedirector},
     },
-    snapshot::NodeSnapshot,
-    state::{DataplaneMode, PodState, TrustDomain, Workload, WorkloadKey},
+    state::{DataplaneMode, PodState},
 };
 use shunt_proto::istio::zds::workload_request::Payload;
 use shunt_testbed::{
@@ -49,9 +48,7 @@ use shunt_testbed::{
     require_root,
     ztunnel::{InPodProxy, ZdsClient},
 };
-
-const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
-const TIMEOUT: Duration = Duration::from_secs(30);
+use ztunnel_harness::{Agent, TESTAPP, ebpf_redirector, workload};
 
 /// Binds ztunnel's in-pod listeners inside the netns `netns` (a thread
 /// enters it; the sockets stay there).
@@ -65,143 +62,6 @@ fn bind_in(netns: OwnedFd) -> Vec<TcpListener> {
     })
     .join()
     .expect("listener thread")
-}
-
-fn workload(pod: &Pod, mode: DataplaneMode) -> Workload {
-    Workload {
-        name: pod.name().to_string(),
-        namespace: "default".into(),
-        service_account: "sa".into(),
-        ips: vec![pod.ip().into()],
-        node: "node-a".into(),
-        netns: Some(pod.netns_path()),
-        dataplane_mode: mode,
-        uid: format!("uid-{}", pod.name()),
-        ..Default::default()
-    }
-}
-
-fn ebpf_redirector(topo: &Topology, pin: &PinDir) -> Box<dyn Redirector> {
-    let mut options = EbpfOptions::new(pin.path());
-    options.cgroup_root = Some(topo.cgroup_root().expect("cgroup root"));
-    Box::new(EbpfRedirector::load(&options).expect("load eBPF"))
-}
-
-/// The agent's reconciler with a ZDS server on a socket of the test's own.
-struct Agent {
-    reconciler: Reconciler,
-    socket: PathBuf,
-    socket_dir: PathBuf,
-}
-
-impl Agent {
-    fn start(topo: &Topology, redirector: Box<dyn Redirector>, pods: Vec<Workload>) -> Agent {
-        let socket_dir = PathBuf::from(format!("/tmp/{}-zds", topo.prefix()));
-        let socket = socket_dir.join("ztunnel.sock");
-        let (server_task, link) =
-            shunt::inpod::bind(&socket, Duration::from_secs(5)).expect("ZDS socket");
-        tokio::spawn(server_task.run());
-        let agent = NodeAgent::new(
-            "node-a".into(),
-            TrustDomain::default(),
-            redirector,
-            Capture::all(),
-        )
-        .with_ztunnel(link);
-        let (pods_tx, pods_rx) = tokio::sync::watch::channel(None);
-        let reconciler = Reconciler::spawn(
-            agent,
-            ReconcilerInputs {
-                pods: pods_rx,
-                store_applied: None,
-                verify_every: Duration::from_secs(1),
-            },
-            tokio::runtime::Handle::current(),
-        )
-        .expect("reconcile thread");
-        AgentSink::new(pods_tx, None).node_pods(NodePods {
-            trust_domain: TrustDomain::default(),
-            pods,
-        });
-        Agent {
-            reconciler,
-            socket,
-            socket_dir,
-        }
-    }
-
-    /// Waits (bounded) for a snapshot where `pod` is in `state`.
-    async fn wait_for(&self, pod: &str, state: PodState) -> NodeSnapshot {
-        let key = WorkloadKey::new("default", pod);
-        let mut snapshots = self.reconciler.snapshots();
-        let found = tokio::time::timeout(TIMEOUT, async {
-            snapshots
-                .wait_for(|s| {
-                    s.pods
-                        .iter()
-                        .any(|p| p.workload.key() == key && p.state == state)
-                })
-                .await
-                .map(|s| (**s).clone())
-        })
-        .await;
-        match found {
-            Ok(Ok(snapshot)) => snapshot,
-            _ => panic!(
-                "{pod} not {state:?} within {TIMEOUT:?}: {:?}",
-                self.reconciler.snapshots().borrow().pods
-            ),
-        }
-    }
-
-    /// The stand-in ztunnel connects, serves every pod it is handed (its
-    /// in-pod proxy started, then the ack), and acks the snapshot's end.
-    /// Connects a stand-in ztunnel and serves requests until it holds a
-    /// proxy for each of `expected` pods and has seen `SnapshotSent`. A
-    /// stand-in that connects before the agent knows the pods gets an empty
-    /// snapshot and the pods' `AddWorkload`s after it, so both orders are
-    /// served.
-    fn serve_with_stand_in(
-        &self,
-        cgroup: &Cgroup,
-        expected: usize,
-    ) -> (ZdsClient, BTreeMap<String, InPodProxy>) {
-        let zds = ZdsClient::connect(&self.socket).expect("connect to the ZDS socket");
-        zds.hello().expect("hello");
-        let mut proxies = BTreeMap::new();
-        let mut snapshot_sent = false;
-        // Bounded: a few pods and SnapshotSent (each `recv` has its own
-        // timeout).
-        for _ in 0..16 {
-            let (payload, mut fds) = zds.recv().expect("a request from the agent");
-            match payload {
-                Payload::Add(add) => {
-                    assert_eq!(fds.len(), 1, "one netns fd with {add:?}");
-                    let proxy = InPodProxy::start(fds.remove(0), Some(cgroup.path().to_path_buf()))
-                        .expect("bind in the pod");
-                    proxies.insert(add.uid, proxy);
-                    zds.ack().expect("ack");
-                }
-                Payload::SnapshotSent(_) => {
-                    zds.ack().expect("ack");
-                    snapshot_sent = true;
-                }
-                other => panic!("unexpected request {other:?}"),
-            }
-            if snapshot_sent && proxies.len() == expected {
-                return (zds, proxies);
-            }
-        }
-        panic!(
-            "after 16 requests: snapshot sent {snapshot_sent}, {} of {expected} pods added",
-            proxies.len()
-        );
-    }
-
-    async fn stop(self) {
-        self.reconciler.stop(true).await;
-        let _ = std::fs::remove_dir_all(&self.socket_dir);
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -308,7 +168,7 @@ async fn bytes_flow_through_the_stand_ins(
         ],
     );
     let (zds, proxies) =
-        tokio::task::block_in_place(|| agent.serve_with_stand_in(&ztunnel_cgroup, 2));
+        tokio::task::block_in_place(|| agent.serve_with_stand_in(&ztunnel_cgroup, 2, None));
     for pod in ["client", "server"] {
         let snapshot = agent.wait_for(pod, PodState::Enrolled).await;
         let entry = snapshot

@@ -1,0 +1,219 @@
+//! HBONE as the stand-ins speak it (the waypoint's, `waypoint.rs`, and
+//! ztunnel's, `ztunnel.rs`): TLS 1.3 with the agent crate's own
+//! configurations (`shunt::tls`: SPIFFE certificates both ways, ALPN h2),
+//! one HTTP/2 CONNECT stream per connection with `:authority` the
+//! destination `ip:port`, and the pumps that move bytes between such a
+//! stream and another stream or a TCP socket.
+//!
+//! [`MeshCa`] issues the certificates for a stand-in that no agent serves
+//! (the waypoint's come from an agent's `--ca-dir` instead).
+
+use std::{net::SocketAddr, sync::Arc, thread, time::Duration};
+
+use bytes::Bytes;
+use h2::{RecvStream, SendStream};
+use http::{Method, Request, StatusCode};
+use rustls_pki_types::ServerName;
+use shunt::{
+    identity::{
+        CertificateAuthority, IdentityConfig, IdentityManager, WorkloadCert, ca::BuiltinCa,
+    },
+    state::{SpiffeId, TrustDomain},
+    tls::{TrustRoots, client_config, server_config},
+};
+use tokio::{
+    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt},
+    net::TcpStream,
+};
+use tokio_rustls::server::TlsStream;
+
+use crate::{Result, TestbedError};
+
+/// How long a handshake or a CONNECT answer may take.
+const STEP: Duration = Duration::from_secs(20);
+
+/// A server-side HBONE connection: accept its CONNECT streams with
+/// `accept()` (which also drives the connection).
+pub type ServerConnection = h2::server::Connection<TlsStream<TcpStream>, Bytes>;
+
+/// A workload's HBONE credentials: its certificate and the mesh's roots.
+#[derive(Clone)]
+pub struct Credentials {
+    pub cert: Arc<WorkloadCert>,
+    pub roots: TrustRoots,
+}
+
+impl Credentials {
+    pub fn identity(&self) -> &SpiffeId {
+        self.cert.identity()
+    }
+}
+
+/// A root CA of the default trust domain, in memory, for stand-ins that
+/// no agent serves.
+pub struct MeshCa {
+    ca: Arc<BuiltinCa>,
+}
+
+impl MeshCa {
+    pub fn generate() -> Result<MeshCa> {
+        let (ca, _files) = BuiltinCa::generate(&TrustDomain::default())
+            .map_err(|e| TestbedError::Invalid(format!("test CA: {e}")))?;
+        Ok(MeshCa { ca: Arc::new(ca) })
+    }
+
+    /// A certificate for `identity` issued by this CA (through the agent's
+    /// identity manager, on a runtime of its own: callable from anywhere).
+    pub fn credentials(&self, identity: &SpiffeId) -> Result<Credentials> {
+        let ca: Arc<dyn CertificateAuthority> = self.ca.clone();
+        let identity = identity.clone();
+        thread::spawn(move || -> std::result::Result<Credentials, String> {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| format!("runtime: {e}"))?;
+            runtime.block_on(async move {
+                let manager = IdentityManager::new(ca, IdentityConfig::default());
+                manager.register(&identity);
+                let cert = manager
+                    .certificate(&identity)
+                    .await
+                    .map_err(|e| format!("certificate of {identity}: {e}"))?;
+                let roots = TrustRoots::new(&manager.roots()).map_err(|e| format!("roots: {e}"))?;
+                Ok(Credentials { cert, roots })
+            })
+        })
+        .join()
+        .map_err(|_| TestbedError::Invalid("test CA: issuing thread panicked".into()))?
+        .map_err(TestbedError::Invalid)
+    }
+}
+
+/// The server side of an HBONE connection on `tcp`: TLS presenting `cert`,
+/// a client certificate of the default trust domain required, then the
+/// HTTP/2 handshake. Returns the connection and the client's SPIFFE id.
+pub async fn accept(
+    tcp: TcpStream,
+    cert: &WorkloadCert,
+    roots: &TrustRoots,
+) -> std::result::Result<(ServerConnection, Option<String>), String> {
+    let tls_config =
+        server_config(cert, roots, &TrustDomain::default()).map_err(|e| e.to_string())?;
+    let tls = tokio::time::timeout(
+        STEP,
+        tokio_rustls::TlsAcceptor::from(tls_config).accept(tcp),
+    )
+    .await
+    .map_err(|_| "TLS handshake timed out".to_string())?
+    .map_err(|e| format!("TLS handshake: {e}"))?;
+    let peer_identity = shunt::tls::peer_identity(tls.get_ref().1);
+    let conn = h2::server::handshake(tls)
+        .await
+        .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
+    Ok((conn, peer_identity))
+}
+
+/// The client side: TLS over `tcp` (connected to a peer's 15008)
+/// presenting `cert` and accepting only a server that is `expected`, the
+/// HTTP/2 handshake, one CONNECT to `authority`. Returns the stream once
+/// the answer is 200.
+pub async fn connect(
+    tcp: TcpStream,
+    cert: &WorkloadCert,
+    roots: &TrustRoots,
+    expected: &SpiffeId,
+    authority: SocketAddr,
+) -> std::result::Result<(SendStream<Bytes>, RecvStream), String> {
+    let peer = tcp.peer_addr().map_err(|e| e.to_string())?;
+    let tls_config = client_config(cert, roots, expected).map_err(|e| e.to_string())?;
+    let tls = tokio::time::timeout(
+        STEP,
+        tokio_rustls::TlsConnector::from(tls_config)
+            .connect(ServerName::IpAddress(peer.ip().into()), tcp),
+    )
+    .await
+    .map_err(|_| "TLS handshake timed out".to_string())?
+    .map_err(|e| format!("TLS handshake with {peer}: {e}"))?;
+    let (send, connection) = h2::client::handshake(tls)
+        .await
+        .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    let mut send = send.ready().await.map_err(|e| e.to_string())?;
+    let request = Request::builder()
+        .method(Method::CONNECT)
+        .uri(authority.to_string())
+        .body(())
+        .map_err(|e| e.to_string())?;
+    let (response, stream) = send
+        .send_request(request, false)
+        .map_err(|e| e.to_string())?;
+    let response = tokio::time::timeout(STEP, response)
+        .await
+        .map_err(|_| "CONNECT answer timed out".to_string())?
+        .map_err(|e| e.to_string())?;
+    if response.status() != StatusCode::OK {
+        return Err(format!("upstream answered {}", response.status()));
+    }
+    Ok((stream, response.into_body()))
+}
+
+/// Sends `chunk` on `to` as flow control allows.
+async fn send_all(to: &mut SendStream<Bytes>, mut chunk: Bytes) -> std::result::Result<(), String> {
+    while !chunk.is_empty() {
+        to.reserve_capacity(chunk.len());
+        let granted = std::future::poll_fn(|cx| to.poll_capacity(cx))
+            .await
+            .ok_or_else(|| "stream closed".to_string())?
+            .map_err(|e| e.to_string())?;
+        let part = chunk.split_to(granted.min(chunk.len()));
+        to.send_data(part, false).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// Moves one direction's bytes from an HTTP/2 stream to another, then
+/// ends the sending stream.
+pub async fn pump(
+    mut from: RecvStream,
+    mut to: SendStream<Bytes>,
+) -> std::result::Result<(), String> {
+    while let Some(chunk) = from.data().await {
+        let chunk = chunk.map_err(|e| e.to_string())?;
+        let _ = from.flow_control().release_capacity(chunk.len());
+        send_all(&mut to, chunk).await?;
+    }
+    to.send_data(Bytes::new(), true).map_err(|e| e.to_string())
+}
+
+/// Moves bytes read from a socket onto a stream until the socket's EOF,
+/// then ends the stream (END_STREAM: the half-close ztunnel passes on).
+pub async fn pump_from_socket(
+    mut from: impl AsyncRead + Unpin,
+    mut to: SendStream<Bytes>,
+) -> std::result::Result<(), String> {
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = from.read(&mut buf).await.map_err(|e| e.to_string())?;
+        if n == 0 {
+            break;
+        }
+        send_all(&mut to, Bytes::copy_from_slice(&buf[..n])).await?;
+    }
+    to.send_data(Bytes::new(), true).map_err(|e| e.to_string())
+}
+
+/// Moves a stream's bytes into a socket until END_STREAM, then half-closes
+/// the socket.
+pub async fn pump_to_socket(
+    mut from: RecvStream,
+    mut to: impl AsyncWrite + Unpin,
+) -> std::result::Result<(), String> {
+    while let Some(chunk) = from.data().await {
+        let chunk = chunk.map_err(|e| e.to_string())?;
+        let _ = from.flow_control().release_capacity(chunk.len());
+        to.write_all(&chunk).await.map_err(|e| e.to_string())?;
+    }
+    to.shutdown().await.map_err(|e| e.to_string())
+}
