@@ -68,8 +68,8 @@ mod raw;
 mod waypoints;
 
 use entries::{NameRule, check_entries, check_services};
-pub use problems::{Entry, Problem, WorkloadsFileError};
 use problems::structure_problem;
+pub use problems::{Entry, Problem, WorkloadsFileError};
 use raw::RawFile;
 
 use crate::state::{Service, TrustDomain, Workload, WorkloadKey};
@@ -91,7 +91,6 @@ pub struct LocalWorkloads {
     /// logged by [`load`], not fatal.
     pub policy_findings: policies::Findings,
 }
-
 
 /// Reads the workloads file at `path` and checks it for the agent of `node`:
 /// [`parse`], then [`validate_for_node`].
@@ -208,7 +207,6 @@ pub fn validate_for_node(local: &LocalWorkloads, node: &str) -> Result<(), Workl
         })
     }
 }
-
 
 #[cfg(test)]
 mod tests;

@@ -65,8 +65,8 @@ use std::{
 pub(crate) use access_log::{AccessLog, Outcome};
 pub use lookup::WorkloadLookup;
 use pods::no_ipv6;
-pub(crate) use shared::{PodState, Shared};
 use shared::Counters;
+pub(crate) use shared::{PodState, Shared};
 use shunt_common::{PORT_HBONE, PORT_INBOUND_PLAINTEXT, PORT_OUTBOUND};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
@@ -124,7 +124,6 @@ impl Default for ProxyConfig {
         }
     }
 }
-
 
 /// A pod the proxy serves, as the agent hands it over.
 #[derive(Clone, Debug)]
@@ -336,7 +335,6 @@ impl Proxy {
         left
     }
 }
-
 
 /// Resolves when a policy change (seen through `changes`, subscribed
 /// before the connection was first checked) denies `connection` to `pod`:

@@ -48,7 +48,12 @@ pub struct Entry {
 const LISTS: [&str; 4] = ["workloads", "services", "namespaces", "waypoints"];
 
 impl Entry {
-    pub(super) fn new(list: &'static str, index: usize, namespace: Option<&str>, name: Option<&str>) -> Self {
+    pub(super) fn new(
+        list: &'static str,
+        index: usize,
+        namespace: Option<&str>,
+        name: Option<&str>,
+    ) -> Self {
         let label = match (namespace, name) {
             (Some(ns), Some(name)) if !ns.is_empty() && !name.is_empty() => {
                 Some(format!("{ns}/{name}"))
