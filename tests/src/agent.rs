@@ -642,6 +642,28 @@ pub fn http(node: &Node, method: &str, port: u16, path: &str) -> std::io::Result
     Ok((code, body.to_string()))
 }
 
+/// Starts an agent on each of `nodes`, all on the workloads file `yaml`
+/// with `extra_args`, then waits (each bounded by `timeout`) until every
+/// one has enrolled its node's mesh pods.
+pub fn start_enrolled<const N: usize>(
+    topology: &Topology,
+    nodes: [&Node; N],
+    yaml: &str,
+    extra_args: &[&str],
+    timeout: Duration,
+) -> Result<[Agent; N]> {
+    let mut agents = Vec::with_capacity(N);
+    for node in nodes {
+        agents.push(Agent::start(topology, node, yaml, extra_args)?);
+    }
+    for agent in &mut agents {
+        agent.wait_for("mesh pods enrolled", timeout, mesh_pods_enrolled)?;
+    }
+    agents
+        .try_into()
+        .map_err(|_| TestbedError::Invalid("one agent per node".into()))
+}
+
 /// Whether every pod of `status` that opts into the mesh is enrolled.
 pub fn mesh_pods_enrolled(status: &NodeStatus) -> bool {
     status

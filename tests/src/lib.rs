@@ -42,6 +42,7 @@
 //! /sys, bpffs and cgroup2 visible); [`Cgroup::place`] additionally starts
 //! them inside a cgroup.
 
+pub mod access_log;
 pub mod agent;
 pub mod apps;
 pub mod authz_bed;

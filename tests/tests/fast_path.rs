@@ -14,7 +14,7 @@ use std::{
 use serde_json::Value;
 use shunt_testbed::{
     Cgroup, Node, Pod, Topology,
-    agent::{Agent, WorkloadSpec, mesh_pods_enrolled, workloads_yaml},
+    agent::{Agent, WorkloadSpec, mesh_pods_enrolled, start_enrolled, workloads_yaml},
     apps::{EchoServer, HalfEcho, TestApp, local_of},
     require_root,
     scrape::{metrics, sample, wait_metrics},
@@ -179,13 +179,8 @@ fn passthrough_goes_direct_and_is_reported_as_the_proxy_would() {
     ]);
     let node_a = topo.node("node-a").expect("node").clone();
     let node_b = topo.node("node-b").expect("node").clone();
-    let mut agent_a = Agent::start(&topo, &node_a, &yaml, &FAST).expect("agent a");
-    let mut agent_b = Agent::start(&topo, &node_b, &yaml, &FAST).expect("agent b");
-    for agent in [&mut agent_a, &mut agent_b] {
-        agent
-            .wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_enrolled)
-            .expect("enrolled");
-    }
+    let [mut agent_a, mut agent_b] =
+        start_enrolled(&topo, [&node_a, &node_b], &yaml, &FAST, TIMEOUT).expect("agents enrolled");
     wait_metrics(&node_a, &agent_a, "the fast-path table in use", |m| {
         sample(m, "shunt_fast_path_table_valid", &[]) == Some(1.0)
     });

@@ -23,7 +23,7 @@ use serde_json::Value;
 use shunt_common::{PolicyVerdict, PolicyVerdictKey, maps};
 use shunt_testbed::{
     Cgroup, Node, Pod, Topology,
-    agent::{Agent, WorkloadSpec, http, mesh_pods_enrolled, workloads_yaml},
+    agent::{Agent, WorkloadSpec, http, mesh_pods_enrolled, start_enrolled, workloads_yaml},
     apps::{EchoServer, HalfEcho, TestApp, local_of},
     authz_bed::{AuthzBed, policy_file},
     require_root,
@@ -225,13 +225,8 @@ fn same_node_mesh_flows_are_carried_in_the_kernel_and_reported_by_both_ends() {
     ]);
     let node_a = topo.node("node-a").expect("node").clone();
     let node_b = topo.node("node-b").expect("node").clone();
-    let mut agent_a = Agent::start(&topo, &node_a, &yaml, &FAST).expect("agent a");
-    let mut agent_b = Agent::start(&topo, &node_b, &yaml, &FAST).expect("agent b");
-    for agent in [&mut agent_a, &mut agent_b] {
-        agent
-            .wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_enrolled)
-            .expect("enrolled");
-    }
+    let [mut agent_a, mut agent_b] =
+        start_enrolled(&topo, [&node_a, &node_b], &yaml, &FAST, TIMEOUT).expect("agents enrolled");
     mesh_enabled(&node_a, &agent_a, true);
     let half = HalfEcho::on(&server, 8080);
     let _keeper_echo = EchoServer::on(&keeper, 8080).expect("echo");

@@ -5,16 +5,13 @@
 //! endpoints — over HBONE to a mesh pod on another node, as plain TCP to a
 //! pod outside the mesh, or nowhere (RST) when the service has no endpoint.
 
-use std::{
-    net::Ipv4Addr,
-    thread,
-    time::{Duration, Instant},
-};
+use std::{net::Ipv4Addr, time::Duration};
 
 use serde_json::Value;
 use shunt::api::{NodeStatus, PodState};
 use shunt_testbed::{
     Cgroup, Topology,
+    access_log::wait_for_access_line,
     agent::{Agent, ServiceSpec, WorkloadSpec, services_yaml, workloads_yaml},
     apps::{EchoServer, TestApp},
     require_root,
@@ -39,37 +36,6 @@ fn service(name: &str, vip: Ipv4Addr, endpoints: &[&str]) -> ServiceSpec {
         port: 80,
         target_port: 8080,
         endpoints: endpoints.iter().map(|e| e.to_string()).collect(),
-    }
-}
-
-/// The access-log lines (JSON logs) of `direction`.
-fn access_lines(logs: &str, direction: &str) -> Vec<Value> {
-    logs.lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|l| l["target"] == "shunt::access" && l["fields"]["direction"] == direction)
-        .collect()
-}
-
-/// Waits (bounded) for an access-log line of `direction` that `matches`:
-/// the proxy writes it once both sides closed, which may be just after the
-/// client has its answer. Panics with the lines seen.
-fn wait_for_access_line(
-    agent: &Agent,
-    direction: &str,
-    what: &str,
-    matches: impl Fn(&Value) -> bool,
-) {
-    let start = Instant::now();
-    loop {
-        let lines = access_lines(&agent.logs(), direction);
-        if lines.iter().any(&matches) {
-            return;
-        }
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "no {direction} access-log line: {what}; seen: {lines:?}"
-        );
-        thread::sleep(Duration::from_millis(100));
     }
 }
 

@@ -24,6 +24,7 @@ use shunt::{
 };
 use shunt_testbed::{
     Cgroup, Topology,
+    access_log::wait_for_access_line,
     agent::{Agent, WorkloadSpec, http, workloads_yaml},
     apps::{EchoServer, TestApp},
     require_root,
@@ -97,34 +98,6 @@ waypoints:
 "
     ));
     yaml
-}
-
-/// The access-log lines (JSON logs) of `direction`.
-fn access_lines(logs: &str, direction: &str) -> Vec<Value> {
-    logs.lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|l| l["target"] == "shunt::access" && l["fields"]["direction"] == direction)
-        .collect()
-}
-
-fn wait_for_access_line(
-    agent: &Agent,
-    direction: &str,
-    what: &str,
-    matches: impl Fn(&Value) -> bool,
-) {
-    let start = Instant::now();
-    loop {
-        let lines = access_lines(&agent.logs(), direction);
-        if lines.iter().any(&matches) {
-            return;
-        }
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "no {direction} access-log line: {what}; seen: {lines:?}"
-        );
-        thread::sleep(Duration::from_millis(100));
-    }
 }
 
 /// Waits (bounded) until the stand-in has recorded `n` CONNECTs.

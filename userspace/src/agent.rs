@@ -16,24 +16,27 @@ use std::{
     collections::BTreeMap,
     path::Path,
     sync::{Arc, RwLock},
-    time::{Duration, Instant},
+    time::Instant,
 };
 
-use tokio::sync::{oneshot, watch};
+use tokio::sync::watch;
 use tracing::{error, info, info_span, warn};
+
+mod kernel_authz;
+mod reconciler;
+
+pub use reconciler::{PodsUpdate, Reconciler, ReconcilerInputs};
 
 use crate::{
     api::KernelAuthzStatus,
     authz::{
         PolicyKey,
-        kernel::{KernelSource, KernelVerdict, VerdictKey, compile},
+        kernel::{KernelVerdict, VerdictKey},
     },
     control::NodePods,
     inpod::{Answer, Answers, Wanted, ZdsPod, ZtunnelLink},
     proxy::{PodNet, Proxy},
-    redirect::{
-        Capture, EnrolledPod, MeshLocalTable, MeshLocalWritten, PodTarget, Redirector, Verification,
-    },
+    redirect::{Capture, EnrolledPod, MeshLocalWritten, PodTarget, Redirector, Verification},
     snapshot::{NodeSnapshot, PodSnapshot},
     state::{PodState, TrustDomain, Workload, WorkloadKey},
     store::WorkloadStore,
@@ -250,124 +253,6 @@ impl NodeAgent {
         self.compile_verdicts();
     }
 
-    /// Compiles the verdicts of connects between this node's enrolled pods
-    /// with the one engine and writes them into the kernel (a diff against
-    /// what is there). The reconciler is the table's only writer: it alone
-    /// knows the slots, and reads the policies and workloads from the
-    /// store.
-    fn compile_verdicts(&mut self) {
-        let Some(store) = &self.kernel_authz else {
-            return;
-        };
-        let enrolled: Vec<(&WorkloadKey, &PodEntry, u32)> = self
-            .pods
-            .iter()
-            .filter(|(_, e)| e.state == PodState::Enrolled)
-            .filter_map(|(key, e)| Some((key, e, self.redirector.slot(key)?)))
-            .collect();
-        // The source speaks with the identity its proxy presents; the
-        // destination is judged as the proxy judges it: by the store's
-        // workload, and only for addresses the store gives it (any other
-        // destination is not a mesh peer to the proxy).
-        let identities: Vec<String> = enrolled
-            .iter()
-            .map(|(_, e, _)| e.workload.identity(&self.trust_domain).to_string())
-            .collect();
-        let (policies, slotted) = {
-            let store = store.read().unwrap_or_else(|p| p.into_inner());
-            let slotted: Vec<(u32, Workload)> = enrolled
-                .iter()
-                .filter_map(|(key, _, slot)| Some((*slot, store.get(key)?.clone())))
-                .filter(|(_, w)| w.wants_mesh())
-                .collect();
-            (store.policies().clone(), slotted)
-        };
-        let destinations: Vec<Workload> = slotted.iter().map(|(_, w)| w.clone()).collect();
-        let sources: Vec<KernelSource<'_>> = enrolled
-            .iter()
-            .zip(&identities)
-            .map(|((_, e, slot), identity)| KernelSource {
-                slot: *slot,
-                identity,
-                ips: &e.workload.ips,
-            })
-            .collect();
-        let destinations: Vec<&Workload> = destinations.iter().collect();
-        let table = compile(&policies, &sources, &destinations);
-        // Flow 2 of the fast path trusts this table (a missing entry means
-        // "allowed"): off before it changes, on again only once it was
-        // written whole (`redirect::mesh_local`).
-        let verdicts_changed = self.last_verdicts.as_ref() != Some(&table.entries);
-        if verdicts_changed {
-            self.redirector.write_mesh_local(None);
-        }
-        let Some(written) = self.redirector.write_verdicts(&table) else {
-            info!(
-                mode = %self.redirector.mode(),
-                "this redirection mode has no kernel enforcement point: the proxy alone enforces authorization"
-            );
-            self.kernel_authz = None;
-            return;
-        };
-        let status = KernelAuthzStatus {
-            policies: table.policies.iter().map(ToString::to_string).collect(),
-            entries: written.entries,
-            left_to_proxy: table.left_to_proxy + written.failed_pairs,
-            error: written.error.clone(),
-        };
-        if let Some(error) = &written.error {
-            warn!(
-                %error,
-                failed_pairs = written.failed_pairs,
-                "the kernel's authorization table could not take every verdict; those pod pairs are left to the proxy, which enforces them"
-            );
-        }
-        if written.inserted + written.deleted > 0
-            || self.kernel_authz_status.as_ref() != Some(&status)
-        {
-            info!(
-                entries = written.entries,
-                inserted = written.inserted,
-                deleted = written.deleted,
-                policies = table.policies.len(),
-                sources = sources.len(),
-                left_to_proxy = status.left_to_proxy,
-                "authorization verdicts compiled into the kernel"
-            );
-        }
-        self.kernel_authz_status = Some(status);
-        let complete = written.error.is_none();
-        self.last_verdicts = complete.then(|| table.entries.clone());
-        let mesh_local = complete.then(|| {
-            let enrolled: Vec<(u32, &Workload)> =
-                slotted.iter().map(|(slot, w)| (*slot, w)).collect();
-            let mut mesh_local = MeshLocalTable::derive(&enrolled, &table.inexact);
-            // Every enrolled pod was compiled as a source, including those
-            // the store does not know yet (never destinations then).
-            mesh_local.sources.extend(sources.iter().map(|s| s.slot));
-            mesh_local
-        });
-        if let Some(result) = self.redirector.write_mesh_local(mesh_local.as_ref())
-            && self.mesh_local_status.as_ref() != Some(&result)
-        {
-            match &result.error {
-                Some(error) => warn!(
-                    %error,
-                    "same-node mesh fast path left off: those connections go through the proxy"
-                ),
-                None if result.on => info!(
-                    sources = result.sources,
-                    destinations = result.destinations,
-                    "same-node mesh fast path on"
-                ),
-                None => info!(
-                    "same-node mesh fast path off (the authorization table is incomplete, or --fast-path off)"
-                ),
-            }
-            self.mesh_local_status = Some(result);
-        }
-    }
-
     /// Checks every pod of the last list again: repairs what someone
     /// removed (and counts it), retries pods left pending, then reads every
     /// enrolled pod's hooks and counters.
@@ -403,16 +288,6 @@ impl NodeAgent {
             self.compile_verdicts();
         }
         self.verify_passes += 1;
-    }
-
-    /// Every enrolled pod with its slot (what the kernel's verdicts are
-    /// keyed by).
-    fn enrolled_slots(&self) -> Vec<(WorkloadKey, u32)> {
-        self.pods
-            .iter()
-            .filter(|(_, e)| e.state == PodState::Enrolled)
-            .filter_map(|(key, _)| Some((key.clone(), self.redirector.slot(key)?)))
-            .collect()
     }
 
     fn converge_all(&mut self, pods: NodePods) {
@@ -611,200 +486,5 @@ impl NodeAgent {
             )
         }
         .with_proxy(self.proxy.as_ref().map(|h| &h.proxy))
-    }
-}
-
-/// This node's pods as a source pushed them, with how many cluster views
-/// had been pushed before: the reconciler lets the workload store catch up
-/// with those first, so that a pod enrolled now finds the services and
-/// peers its source announced with it.
-#[derive(Clone, Debug)]
-pub struct PodsUpdate {
-    pub pods: NodePods,
-    pub after_cluster_views: u64,
-}
-
-/// What the reconciler thread listens to.
-pub struct ReconcilerInputs {
-    /// The latest list of this node's pods (`None` until a source pushed).
-    pub pods: watch::Receiver<Option<PodsUpdate>>,
-    /// How many cluster views the workload store has applied (absent when
-    /// nothing keeps a store: no proxy).
-    pub store_applied: Option<watch::Receiver<u64>>,
-    /// How often every pod is verified (and repaired), and its hooks and
-    /// counters read.
-    pub verify_every: Duration,
-}
-
-/// The running reconciler: a thread that owns the [`NodeAgent`].
-pub struct Reconciler {
-    snapshots: watch::Receiver<Arc<NodeSnapshot>>,
-    stop: Option<oneshot::Sender<bool>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-/// How long a reconcile waits for the workload store to apply the cluster
-/// views pushed before its pods (applying one takes milliseconds).
-const STORE_CATCH_UP: Duration = Duration::from_secs(2);
-
-impl Reconciler {
-    /// Starts the reconciler thread; it publishes a snapshot at once (empty,
-    /// not synced), then after every reconcile and verify pass.
-    pub fn spawn(
-        agent: NodeAgent,
-        inputs: ReconcilerInputs,
-        runtime: tokio::runtime::Handle,
-    ) -> std::io::Result<Self> {
-        let (publish, snapshots) = watch::channel(Arc::new(agent.snapshot()));
-        let (stop, stopped) = oneshot::channel();
-        let thread = std::thread::Builder::new()
-            .name("reconcile".into())
-            .spawn(move || reconcile_loop(agent, inputs, publish, stopped, runtime))?;
-        Ok(Self {
-            snapshots,
-            stop: Some(stop),
-            thread: Some(thread),
-        })
-    }
-
-    /// The published snapshots.
-    pub fn snapshots(&self) -> watch::Receiver<Arc<NodeSnapshot>> {
-        self.snapshots.clone()
-    }
-
-    /// Stops the thread once it is done with what it is doing; with
-    /// `unenrol`, it unenrols every pod first.
-    pub async fn stop(mut self, unenrol: bool) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(unenrol);
-        }
-        if let Some(thread) = self.thread.take() {
-            let joined = tokio::task::spawn_blocking(move || thread.join()).await;
-            if !matches!(joined, Ok(Ok(()))) {
-                error!("the reconcile thread panicked");
-            }
-        }
-    }
-}
-
-impl Drop for Reconciler {
-    /// Dropped without [`Reconciler::stop`]: the thread stops after what it
-    /// is doing, leaving every pod as it is.
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(false);
-        }
-    }
-}
-
-enum Wake {
-    Pods,
-    StoreChanged,
-    StoreGone,
-    ZtunnelAnswered,
-    ZtunnelGone,
-    SourcesGone,
-    Verify,
-    Stop(bool),
-}
-
-fn reconcile_loop(
-    mut agent: NodeAgent,
-    mut inputs: ReconcilerInputs,
-    publish: watch::Sender<Arc<NodeSnapshot>>,
-    mut stop: oneshot::Receiver<bool>,
-    runtime: tokio::runtime::Handle,
-) {
-    let verify_every = inputs.verify_every.max(Duration::from_millis(100));
-    let mut next_verify = tokio::time::Instant::now() + verify_every;
-    let mut sources_open = true;
-    let mut ztunnel_answers = agent.ztunnel_answers();
-    // The kernel's verdicts follow every view the store owner applies
-    // (a receiver of its own: the catch-up wait below marks views seen).
-    let mut store_changes = inputs
-        .store_applied
-        .clone()
-        .filter(|_| agent.has_kernel_authz());
-    loop {
-        let wake = runtime.block_on(async {
-            tokio::select! {
-                biased;
-                unenrol = &mut stop => Wake::Stop(unenrol.unwrap_or(false)),
-                changed = inputs.pods.changed(), if sources_open => match changed {
-                    Ok(()) => Wake::Pods,
-                    Err(_) => Wake::SourcesGone,
-                },
-                changed = async {
-                    match ztunnel_answers.as_mut() {
-                        Some(answers) => answers.changed().await,
-                        None => std::future::pending().await,
-                    }
-                } => match changed {
-                    Ok(()) => Wake::ZtunnelAnswered,
-                    Err(_) => Wake::ZtunnelGone,
-                },
-                changed = async {
-                    match store_changes.as_mut() {
-                        Some(applied) => applied.changed().await,
-                        None => std::future::pending().await,
-                    }
-                } => match changed {
-                    Ok(()) => Wake::StoreChanged,
-                    Err(_) => Wake::StoreGone,
-                },
-                _ = tokio::time::sleep_until(next_verify) => Wake::Verify,
-            }
-        });
-        match wake {
-            Wake::Pods => {
-                let update = inputs.pods.borrow_and_update().clone();
-                let Some(update) = update else { continue };
-                if let Some(applied) = inputs.store_applied.as_mut() {
-                    let wanted = update.after_cluster_views;
-                    // (The timer must be made inside the runtime's context.)
-                    let caught_up = runtime.block_on(async {
-                        let applied = applied.wait_for(|n| *n >= wanted);
-                        matches!(
-                            tokio::time::timeout(STORE_CATCH_UP, applied).await,
-                            Ok(Ok(_))
-                        )
-                    });
-                    if !caught_up {
-                        warn!(
-                            "the workload store has not applied the cluster view pushed before these pods; reconciling anyway"
-                        );
-                    }
-                }
-                agent.apply(update.pods);
-            }
-            // (`changed` marked the answers seen.)
-            Wake::ZtunnelAnswered => agent.reconverge(),
-            Wake::StoreChanged => agent.store_changed(),
-            Wake::StoreGone => {
-                store_changes = None;
-                continue;
-            }
-            Wake::ZtunnelGone => {
-                ztunnel_answers = None;
-                continue;
-            }
-            Wake::SourcesGone => {
-                sources_open = false;
-                continue;
-            }
-            Wake::Verify => {
-                agent.verify();
-                next_verify = tokio::time::Instant::now() + verify_every;
-            }
-            Wake::Stop(unenrol) => {
-                if unenrol {
-                    info!("unenrolling every pod");
-                    agent.unenrol_all();
-                    publish.send_replace(Arc::new(agent.snapshot()));
-                }
-                return;
-            }
-        }
-        publish.send_replace(Arc::new(agent.snapshot()));
     }
 }

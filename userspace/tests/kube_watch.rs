@@ -17,6 +17,8 @@
 mod fake_apiserver;
 #[path = "support/fake_cri.rs"]
 mod fake_cri;
+#[path = "support/kube_harness.rs"]
+mod kube_harness;
 
 use std::{
     collections::BTreeMap,
@@ -26,10 +28,11 @@ use std::{
 };
 
 use fake_apiserver::{FakeApiServer, Kind, endpoint_slice, namespace, pod, service};
+use kube_harness::{cluster_store, wait_for};
 use serde_json::{Value, json};
 use shunt::{
     agent::{NodeAgent, Reconciler, ReconcilerInputs},
-    app::{AgentSink, Latest, own_store},
+    app::AgentSink,
     control::{
         SourceSink,
         kube::{
@@ -64,18 +67,6 @@ fn init_logging() {
 }
 
 // ---------------------------------------------------------------- harness
-
-/// Waits until `check` holds, polling every 50 ms, for at most `timeout`.
-async fn wait_for(what: &str, timeout: Duration, mut check: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !check() {
-        assert!(
-            start.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 /// A bpf pin dir for one test agent, removed when dropped (also on panic).
 struct PinDir(PathBuf);
@@ -1460,19 +1451,6 @@ async fn cluster_services_follow_services_and_endpointslices() {
         "the pod is still known: services and pods are separate"
     );
     task.abort();
-}
-
-/// A workload store with the agent's own writer behind the agent's sink:
-/// what a cluster source pushes lands there as it would in the agent.
-fn cluster_store() -> (Arc<RwLock<WorkloadStore>>, Arc<dyn SourceSink>) {
-    let store = Arc::new(RwLock::new(WorkloadStore::new()));
-    let views = Arc::new(Latest::default());
-    let (applied, _) = watch::channel(0);
-    // No proxy here to re-check connections when policies change.
-    tokio::spawn(own_store(store.clone(), views.clone(), applied, || {}));
-    // No reconciler listens to this node's pods here.
-    let (pods, _) = watch::channel(None);
-    (store, Arc::new(AgentSink::new(pods, Some(views))))
 }
 
 fn read(store: &RwLock<WorkloadStore>) -> std::sync::RwLockReadGuard<'_, WorkloadStore> {

@@ -23,22 +23,24 @@ mod fake_apiserver;
 #[path = "support/captured_logs.rs"]
 mod captured_logs;
 
+#[path = "support/kube_harness.rs"]
+mod kube_harness;
+
 use std::{
     net::{IpAddr, SocketAddr},
-    sync::{Arc, RwLock},
-    time::{Duration, Instant},
+    sync::RwLock,
+    time::Duration,
 };
 
 use captured_logs::log_lines_with;
 use fake_apiserver::{FakeApiServer, Kind, endpoint_slice, gateway, namespace, pod, service};
+use kube_harness::{cluster_store, wait_for};
 use serde_json::json;
 use shunt::{
-    app::{AgentSink, Latest, own_store},
-    control::{SourceSink, kube::ClusterWorkloads},
+    control::kube::ClusterWorkloads,
     state::{GatewayAddress, GatewayDestination},
     store::WorkloadStore,
 };
-use tokio::sync::watch;
 
 /// Upper bound for anything the agent should do after a change.
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -46,28 +48,6 @@ const GATEWAYS_PATH: &str = "/apis/gateway.networking.k8s.io/v1/gateways";
 
 fn init_logging() {
     captured_logs::init_logging("info,shunt=debug");
-}
-
-/// Waits until `check` holds, polling every 50 ms, for at most `timeout`.
-async fn wait_for(what: &str, timeout: Duration, mut check: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !check() {
-        assert!(
-            start.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// A workload store with the agent's own writer behind the agent's sink.
-fn cluster_store() -> (Arc<RwLock<WorkloadStore>>, Arc<dyn SourceSink>) {
-    let store = Arc::new(RwLock::new(WorkloadStore::new()));
-    let views = Arc::new(Latest::default());
-    let (applied, _) = watch::channel(0);
-    tokio::spawn(own_store(store.clone(), views.clone(), applied, || {}));
-    let (pods, _) = watch::channel(None);
-    (store, Arc::new(AgentSink::new(pods, Some(views))))
 }
 
 /// The waypoint istiod gives for Gateway `namespace/name`.

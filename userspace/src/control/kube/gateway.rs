@@ -16,16 +16,15 @@
 
 use std::{borrow::Cow, sync::Arc};
 
-use ::kube::{
-    Api, Client, Resource,
-    runtime::{WatchStreamExt as _, watcher},
-};
-use futures::{StreamExt as _, stream::BoxStream};
+use ::kube::{Client, Resource};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
-use tracing::{debug, info, warn};
+use tracing::warn;
 
-use super::{SourceStats, Step, apply_event, cache::ObjectCache, lenient::Lenient, policy};
+use super::{
+    SourceStats,
+    optional_crd::{OptionalCrd, OptionalCrdWatch},
+};
 use crate::control::waypoint::{
     WAYPOINT_FOR_LABEL, WAYPOINT_GATEWAY_CLASS, WaypointFor, WaypointGateway,
 };
@@ -117,109 +116,27 @@ pub(crate) fn waypoint_of(
     }))
 }
 
+/// The Gateway API's `Gateway` CRD, for [`OptionalCrdWatch`].
+static CRD: OptionalCrd = OptionalCrd {
+    resource: "gateways.gateway.networking.k8s.io",
+    crd: "Gateway API CRD (gateway.networking.k8s.io/v1 Gateway)",
+    without: "waypoints from Kubernetes",
+    served: "waypoint Gateways apply",
+    watch: "gateways",
+    cache: "gateway",
+};
+
 /// The `Gateway` watch of cluster discovery.
-pub(crate) struct GatewayWatch {
-    events: BoxStream<'static, Result<watcher::Event<Lenient<GatewayObject>>, watcher::Error>>,
-    gateways: ObjectCache<Option<WaypointGateway>>,
-    /// The API server answers 404: the CRD is not installed.
-    absent: bool,
-    /// The API server answered 403 (said once).
-    forbidden: bool,
-    /// The watch failed at least once: discovery does not wait for it.
-    failed: bool,
-    stats: Arc<SourceStats>,
-}
+pub(crate) type GatewayWatch = OptionalCrdWatch<GatewayObject, WaypointGateway, MissingField>;
 
 impl GatewayWatch {
     pub(crate) fn new(client: &Client, stats: Arc<SourceStats>) -> Self {
-        Self {
-            events: watcher(Api::all(client.clone()), watcher::Config::default())
-                .default_backoff()
-                .boxed(),
-            gateways: ObjectCache::new("gateway"),
-            absent: false,
-            forbidden: false,
-            failed: false,
-            stats,
-        }
-    }
-
-    /// Whether the first cluster view may go out: the Gateways are listed,
-    /// or known not to come (see `PolicyWatch::settled`).
-    pub(crate) fn settled(&self) -> bool {
-        self.gateways.listed() || self.absent || self.forbidden || self.failed
+        Self::watch(&CRD, client, stats, waypoint_of)
     }
 
     /// The waypoint Gateways: none while the CRD is not served.
     pub(crate) fn waypoints(&self) -> Vec<WaypointGateway> {
-        if self.absent {
-            return Vec::new();
-        }
-        self.gateways.values().flatten().cloned().collect()
-    }
-
-    /// Waits for the next event of the watch and applies it.
-    /// Cancel-safe: an event is applied as soon as it is received.
-    pub(crate) async fn step(&mut self) -> Step {
-        let event = self.events.next().await;
-        let before = self.settled();
-        let mut revived = false;
-        match &event {
-            Some(Err(error)) => {
-                self.failed = true;
-                match policy::api_code(error) {
-                    Some(404) => return self.not_served(before),
-                    Some(403) if !self.forbidden => {
-                        self.forbidden = true;
-                        warn!(
-                            "the agent may not list {PLURAL}.{GROUP} (403): running without \
-                             waypoints from Kubernetes; grant list and watch on them \
-                             (deploy/base/rbac.yaml)"
-                        );
-                        return Step::Changed;
-                    }
-                    _ => {}
-                }
-            }
-            Some(Ok(watcher::Event::InitDone)) if self.absent || self.forbidden => {
-                info!("{PLURAL}.{GROUP} is served now: waypoint Gateways apply");
-                self.absent = false;
-                self.forbidden = false;
-                revived = true;
-            }
-            _ => {}
-        }
-        let step = apply_event(
-            "gateways",
-            event,
-            &mut self.gateways,
-            waypoint_of,
-            &self.stats,
-        );
-        match step {
-            Step::Unchanged if revived || (!before && self.settled()) => Step::Changed,
-            step => step,
-        }
-    }
-
-    /// A 404: the Gateway API is not installed (or was removed, with its
-    /// objects).
-    fn not_served(&mut self, was_settled: bool) -> Step {
-        if self.absent {
-            debug!("{PLURAL}.{GROUP} still not served; retrying after a backoff");
-            return Step::Unchanged;
-        }
-        let had = !self.waypoints().is_empty();
-        self.absent = true;
-        info!(
-            "the Gateway API CRD ({GROUP}/{VERSION} {KIND}) is not installed: running without \
-             waypoints from Kubernetes; retrying the list with a backoff (up to 30 s)"
-        );
-        if had || !was_settled {
-            Step::Changed
-        } else {
-            Step::Unchanged
-        }
+        self.values()
     }
 }
 
@@ -236,6 +153,15 @@ mod tests {
                      "listeners": [{"name": "mesh", "port": 15008, "protocol": "HBONE"}]},
         }))
         .expect("a Gateway")
+    }
+
+    #[test]
+    fn the_crd_is_named_as_rbac_grants_it() {
+        assert_eq!(CRD.resource, format!("{PLURAL}.{GROUP}"));
+        assert_eq!(
+            CRD.crd,
+            format!("Gateway API CRD ({GROUP}/{VERSION} {KIND})")
+        );
     }
 
     #[test]

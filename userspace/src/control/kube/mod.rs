@@ -56,6 +56,7 @@ pub mod cri;
 pub mod gateway;
 pub mod lenient;
 pub mod netns;
+mod optional_crd;
 pub mod pod;
 pub mod policy;
 pub mod service;

@@ -22,19 +22,18 @@
 //! without `authorizationpolicies`) is said once likewise. Neither ever
 //! holds back readiness or the workload and service discovery.
 
-use std::{borrow::Cow, sync::Arc};
+use std::{borrow::Cow, convert::Infallible, sync::Arc};
 
-use ::kube::{
-    Api, Client, Resource,
-    runtime::{WatchStreamExt as _, watcher},
-};
-use futures::{StreamExt as _, stream::BoxStream};
+use ::kube::{Client, Resource};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::{Deserialize, Deserializer, de::Error as _};
 use serde_json::Value;
-use tracing::{debug, error, info, warn};
+use tracing::{error, info, warn};
 
-use super::{SourceStats, Step, apply_event, cache::ObjectCache, lenient::Lenient};
+use super::{
+    SourceStats,
+    optional_crd::{OptionalCrd, OptionalCrdWatch},
+};
 use crate::authz::{
     Policy,
     crd::{self, Translated},
@@ -154,131 +153,27 @@ fn name_of(object: &AuthorizationPolicyObject) -> String {
     )
 }
 
+/// The `AuthorizationPolicy` CRD, for [`OptionalCrdWatch`].
+static CRD: OptionalCrd = OptionalCrd {
+    resource: "authorizationpolicies.security.istio.io",
+    crd: "AuthorizationPolicy CRD (security.istio.io/v1)",
+    without: "Kubernetes authorization policies",
+    served: "Kubernetes authorization policies apply",
+    watch: "authorizationpolicies",
+    cache: "authorizationpolicy",
+};
+
 /// The `AuthorizationPolicy` watch of cluster discovery.
-pub(crate) struct PolicyWatch {
-    events: BoxStream<
-        'static,
-        Result<watcher::Event<Lenient<AuthorizationPolicyObject>>, watcher::Error>,
-    >,
-    policies: ObjectCache<Option<Policy>>,
-    /// The API server answers 404: the CRD is not installed (said once per
-    /// time it goes missing).
-    absent: bool,
-    /// The API server answered 403 (said once).
-    forbidden: bool,
-    /// The watch failed at least once: discovery goes ahead without
-    /// waiting for the policies (see [`Self::settled`]).
-    failed: bool,
-    stats: Arc<SourceStats>,
-}
+pub(crate) type PolicyWatch = OptionalCrdWatch<AuthorizationPolicyObject, Policy, Infallible>;
 
 impl PolicyWatch {
     pub(crate) fn new(client: &Client, stats: Arc<SourceStats>) -> Self {
-        Self {
-            events: watcher(Api::all(client.clone()), watcher::Config::default())
-                .default_backoff()
-                .boxed(),
-            policies: ObjectCache::new("authorizationpolicy"),
-            absent: false,
-            forbidden: false,
-            failed: false,
-            stats,
-        }
-    }
-
-    /// Whether the first cluster view may go out: the policies are listed,
-    /// or known not to come (not installed, forbidden, failing). Until then
-    /// discovery holds its first view back (bounded, see `cluster.rs`), so
-    /// that a workload is not served without its policies by a mere race
-    /// between two lists.
-    pub(crate) fn settled(&self) -> bool {
-        self.policies.listed() || self.absent || self.forbidden || self.failed
+        Self::watch(&CRD, client, stats, |object| Ok(translate(object)))
     }
 
     /// The policies to apply: none while the CRD is not served.
     pub(crate) fn policies(&self) -> Vec<Policy> {
-        if self.absent {
-            return Vec::new();
-        }
-        self.policies.values().flatten().cloned().collect()
-    }
-
-    /// Waits for the next event of the watch and applies it.
-    /// Cancel-safe: an event is applied as soon as it is received.
-    pub(crate) async fn step(&mut self) -> Step {
-        let event = self.events.next().await;
-        let before = self.settled();
-        let mut revived = false;
-        match &event {
-            Some(Err(error)) => {
-                self.failed = true;
-                match api_code(error) {
-                    Some(404) => return self.not_served(before),
-                    Some(403) if !self.forbidden => {
-                        self.forbidden = true;
-                        warn!(
-                            "the agent may not list {PLURAL}.{GROUP} (403): running without Kubernetes \
-                             authorization policies; grant list and watch on them (deploy/base/rbac.yaml)"
-                        );
-                        return Step::Changed;
-                    }
-                    _ => {}
-                }
-            }
-            Some(Ok(watcher::Event::InitDone)) if self.absent || self.forbidden => {
-                info!("{PLURAL}.{GROUP} is served now: Kubernetes authorization policies apply");
-                self.absent = false;
-                self.forbidden = false;
-                revived = true;
-            }
-            _ => {}
-        }
-        let step = apply_event(
-            "authorizationpolicies",
-            event,
-            &mut self.policies,
-            |object: &AuthorizationPolicyObject| {
-                Ok::<_, std::convert::Infallible>(translate(object))
-            },
-            &self.stats,
-        );
-        match step {
-            // Settling is a change too (the held-back first view may go),
-            // and so is a CRD served again (its policies apply again).
-            Step::Unchanged if revived || (!before && self.settled()) => Step::Changed,
-            step => step,
-        }
-    }
-
-    /// A 404: the CRD is not installed (or was removed, with its objects).
-    fn not_served(&mut self, was_settled: bool) -> Step {
-        if self.absent {
-            debug!("{PLURAL}.{GROUP} still not served; retrying after a backoff");
-            return Step::Unchanged;
-        }
-        let had = !self.policies().is_empty();
-        self.absent = true;
-        info!(
-            "the AuthorizationPolicy CRD ({GROUP}/{VERSION}) is not installed: running without \
-             Kubernetes authorization policies; retrying the list with a backoff (up to 30 s)"
-        );
-        if had || !was_settled {
-            Step::Changed
-        } else {
-            Step::Unchanged
-        }
-    }
-}
-
-/// The HTTP status the API server answered a watcher's request with, if it
-/// answered at all.
-pub(crate) fn api_code(error: &watcher::Error) -> Option<u16> {
-    match error {
-        watcher::Error::InitialListFailed(::kube::Error::Api(e))
-        | watcher::Error::WatchStartFailed(::kube::Error::Api(e))
-        | watcher::Error::WatchFailed(::kube::Error::Api(e)) => Some(e.code),
-        watcher::Error::WatchError(e) => Some(e.code),
-        _ => None,
+        self.values()
     }
 }
 
@@ -290,6 +185,15 @@ mod tests {
 
     fn object(value: Value) -> AuthorizationPolicyObject {
         serde_json::from_value(value).expect("an object with metadata")
+    }
+
+    #[test]
+    fn the_crd_is_named_as_rbac_grants_it() {
+        assert_eq!(CRD.resource, format!("{PLURAL}.{GROUP}"));
+        assert_eq!(
+            CRD.crd,
+            format!("AuthorizationPolicy CRD ({GROUP}/{VERSION})")
+        );
     }
 
     #[test]

@@ -1,6 +1,9 @@
 //! Tests of the workloads file's parsing and validation (`super`).
 
+use std::net::IpAddr;
+
 use super::*;
+use crate::state::{DataplaneMode, Endpoint, ServicePort};
 
 const GOOD: &str = "\
 trustDomain: example.org

@@ -1,0 +1,42 @@
+//! The agent's access log as tests read it: one JSON line per connection
+//! (`target` `shunt::access`), written once both sides closed.
+
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::agent::Agent;
+
+/// How long an access-log line may take to appear.
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The access-log lines (JSON logs) of `direction`.
+pub fn access_lines(logs: &str, direction: &str) -> Vec<Value> {
+    logs.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["target"] == "shunt::access" && l["fields"]["direction"] == direction)
+        .collect()
+}
+
+/// Waits (bounded) for an access-log line of `direction` that `matches`:
+/// the proxy writes it once both sides closed, which may be just after the
+/// client has its answer. Panics with the lines seen.
+pub fn wait_for_access_line(
+    agent: &Agent,
+    direction: &str,
+    what: &str,
+    matches: impl Fn(&Value) -> bool,
+) {
+    let start = Instant::now();
+    loop {
+        let lines = access_lines(&agent.logs(), direction);
+        if lines.iter().any(&matches) {
+            return;
+        }
+        assert!(
+            start.elapsed() < TIMEOUT,
+            "no {direction} access-log line: {what}; seen: {lines:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

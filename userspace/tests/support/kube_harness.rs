@@ -1,0 +1,40 @@
+//! What the tests of the Kubernetes sources share around the in-test API
+//! server (`fake_apiserver.rs`): bounded waits, and a workload store fed
+//! the way the agent feeds it.
+
+use std::{
+    sync::{Arc, RwLock},
+    time::{Duration, Instant},
+};
+
+use shunt::{
+    app::{AgentSink, Latest, own_store},
+    control::SourceSink,
+    store::WorkloadStore,
+};
+use tokio::sync::watch;
+
+/// Waits until `check` holds, polling every 50 ms, for at most `timeout`.
+pub async fn wait_for(what: &str, timeout: Duration, mut check: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !check() {
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A workload store with the agent's own writer behind the agent's sink:
+/// what a cluster source pushes lands there as it would in the agent.
+pub fn cluster_store() -> (Arc<RwLock<WorkloadStore>>, Arc<dyn SourceSink>) {
+    let store = Arc::new(RwLock::new(WorkloadStore::new()));
+    let views = Arc::new(Latest::default());
+    let (applied, _) = watch::channel(0);
+    // No proxy here to re-check connections when policies change.
+    tokio::spawn(own_store(store.clone(), views.clone(), applied, || {}));
+    // No reconciler listens to this node's pods here.
+    let (pods, _) = watch::channel(None);
+    (store, Arc::new(AgentSink::new(pods, Some(views))))
+}
