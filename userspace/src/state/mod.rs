@@ -400,6 +400,41 @@ impl Workload {
         }
     }
 
+    /// Its canonical service and revision as Istio derives them (metrics
+    /// labels): the source's values (istiod sends them), else the labels
+    /// `service.istio.io/canonical-name`, `app.kubernetes.io/name`, `app`,
+    /// else the owner's name; the revision from
+    /// `service.istio.io/canonical-revision`, `app.kubernetes.io/version`,
+    /// `version`, else `latest`.
+    pub fn canonical_service(&self) -> (&str, &str) {
+        let label = |keys: [&str; 3]| {
+            keys.iter()
+                .find_map(|k| self.labels.get(*k).filter(|v| !v.is_empty()))
+                .map(String::as_str)
+        };
+        let name = if self.canonical_name.is_empty() {
+            label([
+                "service.istio.io/canonical-name",
+                "app.kubernetes.io/name",
+                "app",
+            ])
+            .unwrap_or(self.owner().1)
+        } else {
+            &self.canonical_name
+        };
+        let revision = if self.canonical_revision.is_empty() {
+            label([
+                "service.istio.io/canonical-revision",
+                "app.kubernetes.io/version",
+                "version",
+            ])
+            .unwrap_or("latest")
+        } else {
+            &self.canonical_revision
+        };
+        (name, revision)
+    }
+
     /// Whether the pod opted into the mesh (it is then a mesh peer,
     /// reached over HBONE).
     pub fn wants_mesh(&self) -> bool {
@@ -500,6 +535,24 @@ pub(crate) mod tests {
         assert!(w.wants_mesh());
         w.dataplane_mode = DataplaneMode::None;
         assert!(!w.wants_mesh());
+    }
+
+    #[test]
+    fn canonical_service_follows_istios_fallbacks() {
+        let mut w = workload("default", "ratings-v1-5d8-x2", "198.18.1.2", "node-a");
+        assert_eq!(w.canonical_service(), ("ratings-v1-5d8-x2", "latest"));
+        w.workload_name = "ratings-v1".into();
+        w.workload_type = WorkloadType::Deployment;
+        assert_eq!(w.canonical_service(), ("ratings-v1", "latest"));
+        w.labels.insert("app".into(), "ratings".into());
+        w.labels.insert("version".into(), "v1".into());
+        assert_eq!(w.canonical_service(), ("ratings", "v1"));
+        w.labels
+            .insert("service.istio.io/canonical-name".into(), "stars".into());
+        assert_eq!(w.canonical_service(), ("stars", "v1"));
+        w.canonical_name = "from-istiod".into();
+        w.canonical_revision = "r9".into();
+        assert_eq!(w.canonical_service(), ("from-istiod", "r9"));
     }
 
     #[test]
