@@ -454,6 +454,63 @@ async fn names_published_later_are_answered_and_shutdown_closes_the_sockets() {
     std::net::TcpListener::bind(tcp).expect("the TCP port is free again");
 }
 
+/// Names built from the store, as the agent publishes them: a pod of a
+/// headless service answers to `<hostname>.<subdomain>.<ns>.svc.<domain>`,
+/// and the asking pod's metrics carry its canonical service from the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_subdomain_record_and_the_askers_canonical_names_come_from_the_store() {
+    use shunt::state::{Endpoint, Service, Workload};
+    let mut store = shunt::store::WorkloadStore::new();
+    store.replace_services([Service {
+        name: "db".into(),
+        namespace: "default".into(),
+        endpoints: vec![Endpoint::new(ip("198.18.20.1"), None)],
+        ..Default::default()
+    }]);
+    let mut asker = Workload {
+        name: "sleep-7f9-x2".into(),
+        namespace: "default".into(),
+        ips: vec![ip("198.18.20.9")],
+        ..Default::default()
+    };
+    asker.labels.insert("app".into(), "sleeper".into());
+    asker.labels.insert("version".into(), "v3".into());
+    store.replace_all([
+        Workload {
+            name: "db-0".into(),
+            namespace: "default".into(),
+            ips: vec![ip("198.18.20.1")],
+            pod_hostname: "db-0".into(),
+            pod_subdomain: "db".into(),
+            ..Default::default()
+        },
+        asker,
+    ]);
+    let (publish, names) = names_channel("cluster.local");
+    publish.send_replace(Arc::new(MeshNames::build(&store, "cluster.local")));
+    let metrics = shunt::metrics::Metrics::new();
+    let sockets = DnsSockets::bind(&["127.0.0.1:0".parse().expect("addr")]).expect("bind");
+    let handle = serve(
+        sockets,
+        PodDns::kubernetes("default", "cluster.local").for_pod("sleep-7f9-x2"),
+        names,
+        Arc::new(Forwarder::new(Vec::new(), Duration::from_secs(5))),
+        metrics.dns().clone(),
+    )
+    .expect("serve");
+    let answer = ask_udp(
+        handle.udp_addrs()[0],
+        &query("db-0.db.default.svc.cluster.local.", RecordType::A, false),
+    )
+    .await;
+    assert_eq!(answer.metadata.response_code, ResponseCode::NoError);
+    assert_eq!(a_records(&answer), vec![ip("198.18.20.1")]);
+    let scrape = metrics.encode(None);
+    let line = "istio_dns_requests_total{request_query_type=\"a\",request_protocol=\"udp\",source_canonical_service=\"sleeper\",source_canonical_revision=\"v3\"} 1";
+    assert!(scrape.contains(line), "{line} missing in\n{scrape}");
+    handle.shutdown().await;
+}
+
 /// The upstreams come from a resolv.conf: a `nameserver` on a loopback
 /// address of its own, port 53 (resolv.conf cannot say another).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -60,12 +60,20 @@ impl Handler {
         let [question] = query.queries.as_slice() else {
             return encode(&error(&query, ResponseCode::FormErr), &query, protocol);
         };
-        let labels = DnsLabels::new(
-            &question.query_type().to_string(),
-            protocol,
-            &self.pod.canonical_name,
-            &self.pod.canonical_revision,
-        );
+        let labels = {
+            // The store's view of the pod (the latest published), else
+            // what the server was started with.
+            let names = self.names.borrow();
+            let (service, revision) = names
+                .canonical(&self.pod.namespace, &self.pod.name)
+                .unwrap_or((&self.pod.canonical_name, &self.pod.canonical_revision));
+            DnsLabels::new(
+                &question.query_type().to_string(),
+                protocol,
+                service,
+                revision,
+            )
+        };
         self.metrics.request(&labels);
         let answer = match self.local_answer(&query, question) {
             Some(answer) => answer,

@@ -160,11 +160,15 @@ impl DnsSockets {
 pub struct PodDns {
     /// The pod's namespace: `web` means `web.<namespace>.svc.<domain>`.
     pub namespace: String,
+    /// The pod's name: its canonical service (metrics labels) is looked up
+    /// by it in the published names; empty: not known.
+    pub name: String,
     /// The search domains of the pod's resolv.conf, in order (no trailing
     /// dots): a query name ending in one may be a name plus it.
     pub search: Vec<String>,
     /// `service.istio.io/canonical-name` / `-revision` of the pod (metrics
-    /// labels; empty: `unknown`).
+    /// labels) when the published names do not know the pod; empty:
+    /// `unknown`.
     pub canonical_name: String,
     pub canonical_revision: String,
 }
@@ -183,6 +187,13 @@ impl PodDns {
             ],
             ..Self::default()
         }
+    }
+
+    /// Names the pod, so its metrics carry its canonical service from the
+    /// store (see [`MeshNames::canonical`]).
+    pub fn for_pod(mut self, name: &str) -> Self {
+        self.name = name.to_string();
+        self
     }
 
     pub fn with_canonical(mut self, name: &str, revision: &str) -> Self {

@@ -29,8 +29,12 @@ pub struct MeshNames {
     /// wildcard ServiceEntry host) → one entry per namespace that declares
     /// it, sorted by namespace.
     services: HashMap<String, Vec<MeshHost>>,
-    /// Workloads with a `hostname`, the same way.
+    /// Workloads with a `hostname`, and pods with a hostname and subdomain
+    /// of a headless service, the same way.
     workloads: HashMap<String, Vec<MeshHost>>,
+    /// Each workload's canonical service and revision, by namespace then
+    /// name: the DNS metrics' `source_canonical_*` labels.
+    canonical: HashMap<String, HashMap<String, (String, String)>>,
 }
 
 /// A name's addresses as declared in one namespace.
@@ -71,7 +75,12 @@ impl MeshNames {
     ///   network; a Kubernetes headless service (no VIP) its ready
     ///   endpoints' IPs; any other service without a VIP is left to the
     ///   upstream resolvers, as ztunnel leaves it;
-    /// - a workload with a `hostname`: its IPs.
+    /// - a workload with a `hostname`: its IPs;
+    /// - a pod with `spec.hostname` and `spec.subdomain` where the subdomain
+    ///   is a headless service of its namespace that has the pod as a
+    ///   ready endpoint: `<hostname>.<subdomain>.<ns>.svc.<cluster domain>`
+    ///   → those of its IPs (Kubernetes' pod records, which ztunnel serves
+    ///   too).
     pub fn build(store: &WorkloadStore, cluster_domain: &str) -> Self {
         let mut names = Self::new(cluster_domain);
         let kube_suffix = format!(".svc.{}", names.cluster_domain);
@@ -113,7 +122,30 @@ impl MeshNames {
                 workload.ips.clone(),
             );
         }
+        for workload in store.iter() {
+            if let Some((hostname, ips)) = pod_record(store, workload, &names.cluster_domain) {
+                names.insert_workload(&hostname, &workload.namespace, ips);
+            }
+            let (service, revision) = workload.canonical_service();
+            names
+                .canonical
+                .entry(workload.namespace.clone())
+                .or_default()
+                .insert(
+                    workload.name.clone(),
+                    (service.to_string(), revision.to_string()),
+                );
+        }
         names
+    }
+
+    /// The canonical service and revision of pod `namespace/name`, if the
+    /// store knows it.
+    pub fn canonical(&self, namespace: &str, name: &str) -> Option<(&str, &str)> {
+        self.canonical
+            .get(namespace)?
+            .get(name)
+            .map(|(s, r)| (s.as_str(), r.as_str()))
     }
 
     /// Adds (or extends) a service name.
@@ -228,6 +260,39 @@ impl MeshNames {
             _ => Vec::new(),
         }
     }
+}
+
+/// A pod's own DNS record, `<hostname>.<subdomain>.<ns>.svc.<domain>`, and
+/// its addresses: only when its subdomain names a headless service of its
+/// namespace (no VIP) of which the pod is a ready endpoint, as Kubernetes
+/// publishes it.
+fn pod_record(
+    store: &WorkloadStore,
+    workload: &crate::state::Workload,
+    cluster_domain: &str,
+) -> Option<(String, Vec<IpAddr>)> {
+    if workload.pod_hostname.is_empty() || workload.pod_subdomain.is_empty() {
+        return None;
+    }
+    let key = crate::state::WorkloadKey::new(&workload.namespace, &workload.pod_subdomain);
+    let service = store.services().get(&key)?;
+    if !service.vips.is_empty() {
+        return None;
+    }
+    let ips: Vec<IpAddr> = workload
+        .ips
+        .iter()
+        .filter(|ip| service.endpoints.iter().any(|e| e.ready && e.ip == **ip))
+        .copied()
+        .collect();
+    if ips.is_empty() {
+        return None;
+    }
+    let hostname = format!(
+        "{}.{}.{}.svc.{cluster_domain}",
+        workload.pod_hostname, workload.pod_subdomain, workload.namespace
+    );
+    Some((hostname, ips))
 }
 
 #[derive(Debug)]
@@ -503,6 +568,69 @@ mod tests {
         // Only VIPs on the local network.
         assert_eq!(addrs("remote"), Some(vec![ip("10.96.0.30")]));
         assert_eq!(addrs("vm1.example.org"), Some(vec![ip("10.0.0.7")]));
+    }
+
+    #[test]
+    fn pods_of_a_headless_service_answer_to_hostname_dot_subdomain() {
+        let mut store = WorkloadStore::new();
+        store.replace_services([
+            service("db", &[], &[("10.1.0.1", true), ("10.1.0.2", false)], ""),
+            service("web", &["10.96.0.10"], &[("10.1.0.3", true)], ""),
+        ]);
+        let pod_of = |name: &str, ip_: &str, hostname: &str, subdomain: &str| Workload {
+            name: name.into(),
+            namespace: "default".into(),
+            ips: vec![ip(ip_)],
+            pod_hostname: hostname.into(),
+            pod_subdomain: subdomain.into(),
+            ..Default::default()
+        };
+        store.replace_all([
+            pod_of("db-0", "10.1.0.1", "db-0", "db"),
+            // Not ready: no record yet (Kubernetes publishes ready ones).
+            pod_of("db-1", "10.1.0.2", "db-1", "db"),
+            // The subdomain is a service with a VIP: no pod record.
+            pod_of("web-0", "10.1.0.3", "web-0", "web"),
+            // No such service.
+            pod_of("lone", "10.1.0.4", "lone", "nothing"),
+        ]);
+        let n = MeshNames::build(&store, "example.internal");
+        let p = PodDns::kubernetes("default", "example.internal");
+        let addrs = |q: &str| n.resolve(q, &p).map(|m| m.host.addrs.clone());
+        assert_eq!(
+            addrs("db-0.db.default.svc.example.internal"),
+            Some(vec![ip("10.1.0.1")])
+        );
+        assert_eq!(
+            addrs("DB-0.db.default.svc.example.internal."),
+            Some(vec![ip("10.1.0.1")]),
+            "any case, trailing dot"
+        );
+        assert_eq!(addrs("db-1.db.default.svc.example.internal"), None);
+        assert_eq!(addrs("web-0.web.default.svc.example.internal"), None);
+        assert_eq!(addrs("lone.nothing.default.svc.example.internal"), None);
+        // The headless service itself still answers with its ready pods.
+        assert_eq!(addrs("db"), Some(vec![ip("10.1.0.1")]));
+    }
+
+    #[test]
+    fn canonical_names_of_the_stores_workloads() {
+        let mut store = WorkloadStore::new();
+        let mut labelled = Workload {
+            name: "ratings-v1-5d8-x2".into(),
+            namespace: "default".into(),
+            ..Default::default()
+        };
+        labelled.labels.insert("app".into(), "ratings".into());
+        labelled.labels.insert("version".into(), "v1".into());
+        store.replace_all([labelled]);
+        let n = MeshNames::build(&store, "cluster.local");
+        assert_eq!(
+            n.canonical("default", "ratings-v1-5d8-x2"),
+            Some(("ratings", "v1"))
+        );
+        assert_eq!(n.canonical("default", "other"), None);
+        assert_eq!(n.canonical("other", "ratings-v1-5d8-x2"), None);
     }
 
     #[test]

@@ -92,7 +92,7 @@ pub(crate) async fn start(
         .filter_map(|s| s.local_addr().ok())
         .collect();
     let cluster_domain = shared.names.borrow().cluster_domain().to_string();
-    let asker = crate::dns::PodDns::kubernetes(&pod.namespace, &cluster_domain);
+    let asker = crate::dns::PodDns::kubernetes(&pod.namespace, &cluster_domain).for_pod(&pod.name);
     let handle = crate::dns::serve(
         crate::dns::DnsSockets {
             udp: bound.udp,

@@ -292,6 +292,10 @@ fn resolve_service(
         return Some(dst);
     };
     log.dst_service = Some(service.key());
+    if service.is_passthrough() {
+        // Load-balancing mode PASSTHROUGH: no endpoint choice.
+        return Some(dst);
+    }
     match service.pick(dst, n) {
         Some((endpoint, target)) => {
             tracing::debug!(service = %service.key(), vip = %dst, endpoint = %target, pod = ?endpoint.pod, "service endpoint chosen");

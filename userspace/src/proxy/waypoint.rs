@@ -36,7 +36,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     state::{
         GatewayAddress, GatewayDestination, Service, SpiffeId, TrustDomain, Workload, WorkloadKey,
-        WorkloadStatus,
+        WorkloadStatus, weighted_pick,
     },
     store::WorkloadStore,
 };
@@ -170,7 +170,8 @@ pub fn plan(
 
 /// Where a connection from `source` to the original destination `dst`
 /// goes. `pick` chooses among several healthy waypoint endpoints (a
-/// counter of connections: round robin).
+/// counter of connections: weighted round robin by each replica's
+/// capacity, plain round robin when they are equal).
 pub fn route(
     store: &WorkloadStore,
     trust_domain: &TrustDomain,
@@ -218,6 +219,8 @@ struct Resolved<'a> {
     members: Vec<(IpAddr, Option<&'a Workload>, bool)>,
     /// Its service's `subject_alt_names`, when it is a service.
     sans: Vec<String>,
+    /// Its service's health policy lets unhealthy replicas serve.
+    allow_unhealthy: bool,
 }
 
 fn via(
@@ -256,7 +259,7 @@ fn via(
         .iter()
         .filter(|(_, _, ready)| *ready)
         .filter_map(|(ip, w, _)| Some((*ip, (*w)?)))
-        .filter(|(_, w)| w.status == WorkloadStatus::Healthy)
+        .filter(|(_, w)| resolved.allow_unhealthy || w.status == WorkloadStatus::Healthy)
         .collect();
     // The client's family first: the HBONE connection leaves from the
     // client pod.
@@ -270,13 +273,12 @@ fn via(
     } else {
         same_family
     };
-    if candidates.is_empty() {
+    let Some(&(ip, waypoint)) = weighted_pick(&candidates, |(_, w)| w.capacity, pick) else {
         return fail(
             FailureReason::NoHealthyEndpoint,
             format!("waypoint {} has no healthy endpoint", resolved.name),
         );
-    }
-    let (ip, waypoint) = candidates[pick % candidates.len()];
+    };
     Route::ViaWaypoint(WaypointHop {
         bound,
         target,
@@ -313,6 +315,7 @@ fn resolve<'a>(
                     name: format!("{} ({ip})", w.key()),
                     members: vec![(*ip, Some(w), true)],
                     sans: Vec::new(),
+                    allow_unhealthy: false,
                 }),
                 None => Err(format!(
                     "waypoint address {ip} is neither a known workload nor a service"
@@ -323,25 +326,24 @@ fn resolve<'a>(
 }
 
 /// The service a waypoint `Hostname` names: by its fully qualified name
-/// (`waypoint.ns.svc.cluster.local`, as istiod sends it), or by its plain
-/// name where the source gives no hostname (the workloads file).
+/// (`waypoint.ns.svc.cluster.local`, as istiod sends it; the store's
+/// hostname index), or by its plain name where the source gives no
+/// hostname (the workloads file). Two map lookups at most, whatever the
+/// number of services.
 fn find_service<'a>(
     store: &'a WorkloadStore,
     namespace: &str,
     hostname: &str,
 ) -> Option<&'a Service> {
+    if let Some(service) = store.services().by_hostname(namespace, hostname) {
+        return Some(service);
+    }
     let first_label = hostname.split('.').next().unwrap_or(hostname);
-    let by_name = store
+    store
         .services()
         .get(&WorkloadKey::new(namespace, first_label))
         .map(|s| s.as_ref())
-        .filter(|s| s.hostname == hostname || s.hostname.is_empty());
-    by_name.or_else(|| {
-        store
-            .services()
-            .iter()
-            .find(|s| s.namespace == namespace && s.hostname == hostname)
-    })
+        .filter(|s| s.hostname.is_empty())
 }
 
 fn members_of<'a>(store: &'a WorkloadStore, service: &'a Service) -> Resolved<'a> {
@@ -363,24 +365,26 @@ fn members_of<'a>(store: &'a WorkloadStore, service: &'a Service) -> Resolved<'a
                 }
             })
             .collect(),
+        allow_unhealthy: service.allows_unhealthy(),
     }
 }
 
 // Headers ztunnel sends on every outbound CONNECT.
 
-/// `baggage` (W3C) describing the source workload, as ztunnel writes it.
-/// The model does not carry the pod's owner (istiod's `workload_name` /
-/// `workload_type`), so the workload named is the pod itself
-/// (`k8s.pod.name`), which is also what ztunnel sends for a bare pod.
+/// `baggage` (W3C) describing the source workload, as ztunnel writes it:
+/// cluster, namespace, the workload's owner as `k8s.<type>.name`
+/// (`k8s.deployment.name=ratings-v1`; `k8s.pod.name=<pod>` for a bare pod
+/// or a source that names no owner), canonical service name and revision.
 pub fn baggage(source: &Workload) -> String {
     let cluster = if source.cluster_id.is_empty() {
         DEFAULT_CLUSTER_ID
     } else {
         &source.cluster_id
     };
+    let (owner_type, owner_name) = source.owner();
     format!(
-        "k8s.cluster.name={cluster},k8s.namespace.name={},k8s.pod.name={},service.name={},service.version={}",
-        source.namespace, source.name, source.canonical_name, source.canonical_revision
+        "k8s.cluster.name={cluster},k8s.namespace.name={},k8s.{owner_type}.name={owner_name},service.name={},service.version={}",
+        source.namespace, source.canonical_name, source.canonical_revision
     )
 }
 

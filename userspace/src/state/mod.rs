@@ -4,14 +4,18 @@
 //! produced them (the local workloads file or the Kubernetes watch),
 //! so that reconciling, enrolment and the proxy never see a source's format.
 
+mod owner;
 mod pod_state;
 mod service;
+mod weighted;
 
+pub use owner::{ApplicationTunnel, ApplicationTunnelProtocol, WorkloadType, pod_owner};
 pub use pod_state::PodState;
 pub use service::{
-    Endpoint, LoadBalancing, LoadBalancingMode, LoadBalancingScope, Service, ServicePort,
-    ServiceStore,
+    Endpoint, HealthPolicy, LoadBalancing, LoadBalancingMode, LoadBalancingScope, Service,
+    ServicePort, ServiceStore,
 };
+pub use weighted::weighted_pick;
 
 use std::{collections::BTreeMap, fmt, net::IpAddr, path::PathBuf, str::FromStr};
 
@@ -186,8 +190,9 @@ pub struct UnknownDataplaneMode(pub String);
 /// The fields after `splice` come from the richer sources (istiod's
 /// `istio.workload.Workload`, the Kubernetes watch); a source that does not
 /// know one leaves its default, which means what the simple sources always
-/// meant (the mesh's trust domain, HBONE, healthy, no waypoint).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// meant (the mesh's trust domain, HBONE, healthy, no waypoint, the pod
+/// as its own owner, capacity 1).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Workload {
     /// Pod name.
     pub name: String,
@@ -249,6 +254,67 @@ pub struct Workload {
     /// Its DNS name, for workloads known by name rather than address (xDS
     /// `hostname`); empty otherwise.
     pub hostname: String,
+    /// The name of what owns it (xDS `workload_name`; the kube source
+    /// derives it from the controller reference, [`pod_owner`]); empty:
+    /// not known, the pod is named (see [`Workload::owner`]).
+    pub workload_name: String,
+    /// The kind of that owner (xDS `workload_type`).
+    pub workload_type: WorkloadType,
+    /// It speaks HBONE itself, with no node proxy in front (xDS
+    /// `native_tunnel`). Stored; the proxy does not act on it yet.
+    pub native_tunnel: bool,
+    /// Its weight in endpoint and waypoint choice, relative to its peers
+    /// (xDS `capacity`; 1 when unset or from other sources). 0 takes no new
+    /// connections while a peer has capacity (see [`weighted_pick`]).
+    pub capacity: u32,
+    /// How the proxy should wrap what it delivers (xDS
+    /// `application_tunnel`). Stored; not acted on yet.
+    pub application_tunnel: Option<ApplicationTunnel>,
+    /// The pod's `spec.hostname` and `spec.subdomain`: with a headless
+    /// service named like the subdomain, the pod answers to
+    /// `<hostname>.<subdomain>.<ns>.svc.<domain>` in DNS. Empty: not set.
+    pub pod_hostname: String,
+    pub pod_subdomain: String,
+}
+
+impl Default for Workload {
+    /// Spelled out because `capacity` defaults to 1, not 0.
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            namespace: String::new(),
+            service_account: String::new(),
+            ips: Vec::new(),
+            node: String::new(),
+            netns: None,
+            dataplane_mode: DataplaneMode::default(),
+            splice: None,
+            fast_path: None,
+            dns_capture: None,
+            uid: String::new(),
+            labels: BTreeMap::new(),
+            trust_domain: None,
+            tunnel: TunnelProtocol::default(),
+            canonical_name: String::new(),
+            canonical_revision: String::new(),
+            network: String::new(),
+            cluster_id: String::new(),
+            status: WorkloadStatus::default(),
+            waypoint: None,
+            authorization_policies: Vec::new(),
+            services: BTreeMap::new(),
+            network_gateway: None,
+            locality: None,
+            hostname: String::new(),
+            workload_name: String::new(),
+            workload_type: WorkloadType::default(),
+            native_tunnel: false,
+            capacity: 1,
+            application_tunnel: None,
+            pod_hostname: String::new(),
+            pod_subdomain: String::new(),
+        }
+    }
 }
 
 /// A workload's region, zone and subzone (`istio.workload.Locality`).
@@ -322,6 +388,51 @@ impl Workload {
     pub fn identity(&self, trust_domain: &TrustDomain) -> SpiffeId {
         let trust_domain = self.trust_domain.as_ref().unwrap_or(trust_domain);
         SpiffeId::for_service_account(trust_domain, &self.namespace, &self.service_account)
+    }
+
+    /// What owns it, as telemetry names it (`k8s.<type>.name=<name>`): the
+    /// source's owner, or the pod itself when the source named none.
+    pub fn owner(&self) -> (WorkloadType, &str) {
+        if self.workload_name.is_empty() {
+            (WorkloadType::Pod, &self.name)
+        } else {
+            (self.workload_type, &self.workload_name)
+        }
+    }
+
+    /// Its canonical service and revision as Istio derives them (metrics
+    /// labels): the source's values (istiod sends them), else the labels
+    /// `service.istio.io/canonical-name`, `app.kubernetes.io/name`, `app`,
+    /// else the owner's name; the revision from
+    /// `service.istio.io/canonical-revision`, `app.kubernetes.io/version`,
+    /// `version`, else `latest`.
+    pub fn canonical_service(&self) -> (&str, &str) {
+        let label = |keys: [&str; 3]| {
+            keys.iter()
+                .find_map(|k| self.labels.get(*k).filter(|v| !v.is_empty()))
+                .map(String::as_str)
+        };
+        let name = if self.canonical_name.is_empty() {
+            label([
+                "service.istio.io/canonical-name",
+                "app.kubernetes.io/name",
+                "app",
+            ])
+            .unwrap_or(self.owner().1)
+        } else {
+            &self.canonical_name
+        };
+        let revision = if self.canonical_revision.is_empty() {
+            label([
+                "service.istio.io/canonical-revision",
+                "app.kubernetes.io/version",
+                "version",
+            ])
+            .unwrap_or("latest")
+        } else {
+            &self.canonical_revision
+        };
+        (name, revision)
     }
 
     /// Whether the pod opted into the mesh (it is then a mesh peer,
@@ -424,6 +535,24 @@ pub(crate) mod tests {
         assert!(w.wants_mesh());
         w.dataplane_mode = DataplaneMode::None;
         assert!(!w.wants_mesh());
+    }
+
+    #[test]
+    fn canonical_service_follows_istios_fallbacks() {
+        let mut w = workload("default", "ratings-v1-5d8-x2", "198.18.1.2", "node-a");
+        assert_eq!(w.canonical_service(), ("ratings-v1-5d8-x2", "latest"));
+        w.workload_name = "ratings-v1".into();
+        w.workload_type = WorkloadType::Deployment;
+        assert_eq!(w.canonical_service(), ("ratings-v1", "latest"));
+        w.labels.insert("app".into(), "ratings".into());
+        w.labels.insert("version".into(), "v1".into());
+        assert_eq!(w.canonical_service(), ("ratings", "v1"));
+        w.labels
+            .insert("service.istio.io/canonical-name".into(), "stars".into());
+        assert_eq!(w.canonical_service(), ("stars", "v1"));
+        w.canonical_name = "from-istiod".into();
+        w.canonical_revision = "r9".into();
+        assert_eq!(w.canonical_service(), ("from-istiod", "r9"));
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::{
     sync::Arc,
 };
 
-use super::{GatewayAddress, WorkloadKey};
+use super::{GatewayAddress, WorkloadKey, weighted_pick};
 
 /// A service with at least one cluster IP.
 ///
@@ -40,6 +40,9 @@ pub struct Service {
     pub waypoint: Option<GatewayAddress>,
     /// How endpoints are preferred; `None`: any ready endpoint.
     pub load_balancing: Option<LoadBalancing>,
+    /// The one service that owns its hostname when several share it (xDS
+    /// `canonical`): it wins the hostname index.
+    pub canonical: bool,
 }
 
 /// Locality-aware endpoint choice (`istio.workload.LoadBalancing`).
@@ -49,6 +52,18 @@ pub struct LoadBalancing {
     /// first.
     pub routing_preference: Vec<LoadBalancingScope>,
     pub mode: LoadBalancingMode,
+    pub health_policy: HealthPolicy,
+}
+
+/// Whether unhealthy workloads count as endpoints
+/// (`istio.workload.LoadBalancing.HealthPolicy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum HealthPolicy {
+    /// Only healthy workloads (the default).
+    #[default]
+    OnlyHealthy,
+    /// Every workload, healthy or not.
+    AllowAll,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -70,6 +85,9 @@ pub enum LoadBalancingMode {
     Strict,
     /// The best-matching endpoints first, the others when none is ready.
     Failover,
+    /// No endpoint choice: the connection keeps the address the client
+    /// dialled.
+    Passthrough,
 }
 
 /// One port of a service.
@@ -95,6 +113,9 @@ pub struct Endpoint {
     /// it per endpoint (EndpointSlice ports); wins over
     /// [`ServicePort::target_port`].
     pub ports: BTreeMap<u16, u16>,
+    /// Its weight among the service's endpoints (the workload's
+    /// capacity; 1 where the source has no notion of it).
+    pub capacity: u32,
 }
 
 impl Endpoint {
@@ -105,6 +126,7 @@ impl Endpoint {
             ready: true,
             pod,
             ports: BTreeMap::new(),
+            capacity: 1,
         }
     }
 }
@@ -140,15 +162,28 @@ impl Service {
             .collect()
     }
 
-    /// The `n`-th ready target, wrapping around (round robin when `n`
-    /// counts connections); `None` when no endpoint is ready.
+    /// The ready target for connection number `n`: weighted round robin
+    /// by endpoint capacity ([`weighted_pick`]; plain round robin when the
+    /// capacities are equal); `None` when no endpoint is ready.
     pub fn pick(&self, dst: SocketAddr, n: usize) -> Option<(&Endpoint, SocketAddr)> {
         let targets = self.ready_targets(dst);
-        let count = targets.len();
-        if count == 0 {
-            return None;
-        }
-        targets.into_iter().nth(n % count)
+        weighted_pick(&targets, |(e, _)| e.capacity, n).copied()
+    }
+
+    /// Whether connections keep the address the client dialled instead of
+    /// going to a chosen endpoint (load-balancing mode `PASSTHROUGH`).
+    pub fn is_passthrough(&self) -> bool {
+        self.load_balancing
+            .as_ref()
+            .is_some_and(|lb| lb.mode == LoadBalancingMode::Passthrough)
+    }
+
+    /// Whether unhealthy workloads are endpoints too (health policy
+    /// `ALLOW_ALL`).
+    pub fn allows_unhealthy(&self) -> bool {
+        self.load_balancing
+            .as_ref()
+            .is_some_and(|lb| lb.health_policy == HealthPolicy::AllowAll)
     }
 }
 
@@ -161,6 +196,9 @@ impl Service {
 pub struct ServiceStore {
     by_key: BTreeMap<WorkloadKey, Arc<Service>>,
     by_addr: HashMap<SocketAddr, WorkloadKey>,
+    /// hostname → namespace → service, for services that have a hostname
+    /// (how waypoints are named). Nested so a lookup borrows its `&str`s.
+    by_hostname: HashMap<String, HashMap<String, WorkloadKey>>,
 }
 
 impl ServiceStore {
@@ -188,13 +226,39 @@ impl ServiceStore {
                 }
             }
         }
+        let mut by_hostname: HashMap<String, HashMap<String, WorkloadKey>> = HashMap::new();
+        for (key, s) in &next {
+            if s.hostname.is_empty() {
+                continue;
+            }
+            let in_namespaces = by_hostname.entry(s.hostname.clone()).or_default();
+            match in_namespaces.get(&s.namespace).and_then(|k| next.get(k)) {
+                // The canonical one owns a shared hostname; else the
+                // greater key (as for VIPs: the same whatever the order).
+                Some(held) if held.canonical && !s.canonical => continue,
+                Some(held) if held.canonical == s.canonical => {
+                    tracing::debug!(hostname = %s.hostname, service = %key, other = %held.key(), "hostname shared by two services");
+                }
+                _ => {}
+            }
+            in_namespaces.insert(s.namespace.clone(), key.clone());
+        }
         let changed = next.len() != self.by_key.len()
             || next
                 .iter()
                 .any(|(key, s)| self.by_key.get(key).is_none_or(|old| old != s));
         self.by_key = next;
         self.by_addr = by_addr;
+        self.by_hostname = by_hostname;
         changed
+    }
+
+    /// The service named `hostname` in `namespace` (one map lookup).
+    pub fn by_hostname(&self, namespace: &str, hostname: &str) -> Option<&Arc<Service>> {
+        self.by_hostname
+            .get(hostname)
+            .and_then(|in_namespaces| in_namespaces.get(namespace))
+            .and_then(|key| self.by_key.get(key))
     }
 
     /// The service whose VIP and port `dst` is.
@@ -319,5 +383,42 @@ mod tests {
 
         web.endpoints.iter_mut().for_each(|e| e.ready = false);
         assert_eq!(web.pick(dst, 0), None);
+    }
+
+    #[test]
+    fn endpoints_are_picked_by_capacity() {
+        let mut web = service("default", "web", "198.19.100.1", 80, 8080);
+        let mut heavy = Endpoint::new(ip("198.18.2.10"), None);
+        heavy.capacity = 2;
+        let mut drained = Endpoint::new(ip("198.18.2.12"), None);
+        drained.capacity = 0;
+        web.endpoints = vec![heavy, Endpoint::new(ip("198.18.2.11"), None), drained];
+        let dst = addr("198.19.100.1:80");
+        let picks: Vec<SocketAddr> = (0..6)
+            .filter_map(|n| web.pick(dst, n).map(|(_, a)| a))
+            .collect();
+        let (a, b) = (addr("198.18.2.10:8080"), addr("198.18.2.11:8080"));
+        assert_eq!(picks, [a, b, a, a, b, a], "2:1, capacity 0 never");
+    }
+
+    #[test]
+    fn hostname_index_prefers_the_canonical_service() {
+        let mut a = service("default", "a", "198.19.100.1", 80, 80);
+        a.hostname = "shared.example.org".into();
+        let mut b = service("default", "b", "198.19.100.2", 80, 80);
+        b.hostname = "shared.example.org".into();
+        let mut store = ServiceStore::default();
+        store.replace_all(vec![a.clone(), b.clone()]);
+        let owner = |s: &ServiceStore| {
+            s.by_hostname("default", "shared.example.org")
+                .map(|s| s.name.clone())
+        };
+        assert_eq!(owner(&store), Some("b".into()), "greater key by default");
+        a.canonical = true;
+        store.replace_all(vec![a, b]);
+        assert_eq!(owner(&store), Some("a".into()), "canonical wins");
+        assert!(store.by_hostname("default", "other.example.org").is_none());
+        store.replace_all(Vec::new());
+        assert_eq!(owner(&store), None, "the index follows the services");
     }
 }

@@ -13,8 +13,8 @@ use shunt_proto::istio::workload as pb;
 
 use super::{FieldError, ip_from_bytes, port, workload::gateway};
 use crate::state::{
-    Endpoint, LoadBalancing, LoadBalancingMode, LoadBalancingScope, Service, ServicePort, Workload,
-    WorkloadStatus,
+    Endpoint, HealthPolicy, LoadBalancing, LoadBalancingMode, LoadBalancingScope, Service,
+    ServicePort, Workload, WorkloadStatus,
 };
 
 /// Translates one service (without endpoints: see [`attach_endpoints`]).
@@ -75,19 +75,31 @@ pub(crate) fn translate(s: pb::Service) -> Result<Service, FieldError> {
         subject_alt_names: s.subject_alt_names,
         waypoint,
         load_balancing,
+        canonical: s.canonical,
     })
 }
 
 fn load_balancing(lb: &pb::LoadBalancing) -> Result<LoadBalancing, FieldError> {
-    use pb::load_balancing::{Mode, Scope};
+    use pb::load_balancing::{HealthPolicy as PbHealthPolicy, Mode, Scope};
     let mode = match Mode::try_from(lb.mode) {
         Ok(Mode::UnspecifiedMode) => LoadBalancingMode::Unspecified,
         Ok(Mode::Strict) => LoadBalancingMode::Strict,
         Ok(Mode::Failover) => LoadBalancingMode::Failover,
+        Ok(Mode::Passthrough) => LoadBalancingMode::Passthrough,
         Err(_) => {
             return Err(FieldError::new(
                 "load_balancing.mode",
                 format!("unknown value {}", lb.mode),
+            ));
+        }
+    };
+    let health_policy = match PbHealthPolicy::try_from(lb.health_policy) {
+        Ok(PbHealthPolicy::OnlyHealthy) => HealthPolicy::OnlyHealthy,
+        Ok(PbHealthPolicy::AllowAll) => HealthPolicy::AllowAll,
+        Err(_) => {
+            return Err(FieldError::new(
+                "load_balancing.health_policy",
+                format!("unknown value {}", lb.health_policy),
             ));
         }
     };
@@ -112,6 +124,7 @@ fn load_balancing(lb: &pb::LoadBalancing) -> Result<LoadBalancing, FieldError> {
     Ok(LoadBalancing {
         routing_preference,
         mode,
+        health_policy,
     })
 }
 
@@ -144,7 +157,7 @@ pub(crate) fn attach_endpoints<'a>(
                 ));
                 continue;
             };
-            if w.status == WorkloadStatus::Unhealthy {
+            if w.status == WorkloadStatus::Unhealthy && !services[i].allows_unhealthy() {
                 continue;
             }
             // A target port of 0 defers to the service's (ServicePort).
@@ -159,6 +172,7 @@ pub(crate) fn attach_endpoints<'a>(
                     ready: true,
                     pod: Some(w.key()),
                     ports: ports.clone(),
+                    capacity: w.capacity,
                 });
             }
         }
@@ -224,7 +238,9 @@ mod tests {
             load_balancing: Some(pb::LoadBalancing {
                 routing_preference: vec![pb::load_balancing::Scope::Zone as i32],
                 mode: pb::load_balancing::Mode::Failover as i32,
+                health_policy: 0,
             }),
+            canonical: true,
             ..Default::default()
         }
     }
@@ -272,6 +288,39 @@ mod tests {
         let lb = s.load_balancing.expect("load balancing");
         assert_eq!(lb.mode, LoadBalancingMode::Failover);
         assert_eq!(lb.routing_preference, [LoadBalancingScope::Zone]);
+        assert_eq!(lb.health_policy, HealthPolicy::OnlyHealthy);
+        assert!(s.canonical);
+    }
+
+    #[test]
+    fn allow_all_keeps_unhealthy_workloads_and_passthrough_is_kept() {
+        let mut p = proto();
+        p.load_balancing = Some(pb::LoadBalancing {
+            routing_preference: Vec::new(),
+            mode: pb::load_balancing::Mode::Passthrough as i32,
+            health_policy: pb::load_balancing::HealthPolicy::AllowAll as i32,
+        });
+        let mut services = vec![translate(p).expect("valid")];
+        assert!(services[0].is_passthrough());
+        assert!(services[0].allows_unhealthy());
+        let mut heavy = backend("heavy", "198.18.2.1", &[(80, 0)], true);
+        heavy.capacity = 3;
+        let workloads = [heavy, backend("sick", "198.18.2.3", &[(80, 0)], false)];
+        attach_endpoints(&mut services, workloads.iter());
+        let vip: SocketAddr = "198.19.100.1:80".parse().expect("addr");
+        let targets: Vec<(SocketAddr, u32)> = services[0]
+            .ready_targets(vip)
+            .into_iter()
+            .map(|(e, a)| (a, e.capacity))
+            .collect();
+        assert_eq!(
+            targets,
+            [
+                ("198.18.2.1:8080".parse().expect("heavy"), 3),
+                ("198.18.2.3:8080".parse().expect("sick"), 1)
+            ],
+            "ALLOW_ALL: the unhealthy workload is an endpoint; capacities carried"
+        );
     }
 
     #[test]
@@ -332,7 +381,18 @@ mod tests {
         p.load_balancing = Some(pb::LoadBalancing {
             routing_preference: vec![42],
             mode: 0,
+            health_policy: 0,
         });
+        let mut bad_policy = p.clone();
+        bad_policy.load_balancing = Some(pb::LoadBalancing {
+            routing_preference: Vec::new(),
+            mode: 0,
+            health_policy: 9,
+        });
+        assert_eq!(
+            translate(bad_policy).expect_err("policy").field,
+            "load_balancing.health_policy"
+        );
         assert_eq!(
             translate(p).expect_err("scope").field,
             "load_balancing.routing_preference[0]"

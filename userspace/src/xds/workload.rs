@@ -11,8 +11,9 @@ use shunt_proto::istio::workload as pb;
 
 use super::{FieldError, ip_from_bytes, port};
 use crate::state::{
-    DataplaneMode, GatewayAddress, GatewayDestination, Locality, TrustDomain, TunnelProtocol,
-    Workload, WorkloadStatus,
+    ApplicationTunnel, ApplicationTunnelProtocol, DataplaneMode, GatewayAddress,
+    GatewayDestination, Locality, TrustDomain, TunnelProtocol, Workload, WorkloadStatus,
+    WorkloadType,
 };
 
 /// The HBONE port when istiod leaves `hbone_mtls_port` at 0.
@@ -100,6 +101,23 @@ pub(crate) fn translate(w: pb::Workload, resource_name: &str) -> Result<Workload
         }
         services.insert(key.clone(), ports);
     }
+    let workload_type = match pb::WorkloadType::try_from(w.workload_type) {
+        Ok(pb::WorkloadType::Deployment) => WorkloadType::Deployment,
+        Ok(pb::WorkloadType::Cronjob) => WorkloadType::CronJob,
+        Ok(pb::WorkloadType::Pod) => WorkloadType::Pod,
+        Ok(pb::WorkloadType::Job) => WorkloadType::Job,
+        Err(_) => {
+            return Err(FieldError::new(
+                "workload_type",
+                format!("unknown value {}", w.workload_type),
+            ));
+        }
+    };
+    let application_tunnel = w
+        .application_tunnel
+        .as_ref()
+        .map(application_tunnel)
+        .transpose()?;
     let uid = if w.uid.is_empty() {
         resource_name.to_owned()
     } else {
@@ -141,6 +159,35 @@ pub(crate) fn translate(w: pb::Workload, resource_name: &str) -> Result<Workload
             subzone: l.subzone,
         }),
         hostname: w.hostname,
+        workload_name: w.workload_name,
+        workload_type,
+        native_tunnel: w.native_tunnel,
+        // Unset means 1; an explicit 0 is kept (no new connections while a
+        // peer has capacity).
+        capacity: w.capacity.unwrap_or(1),
+        application_tunnel,
+        // istiod's `hostname` is a DNS name for address-less workloads,
+        // not the pod's spec.hostname.
+        pod_hostname: String::new(),
+        pod_subdomain: String::new(),
+    })
+}
+
+fn application_tunnel(t: &pb::ApplicationTunnel) -> Result<ApplicationTunnel, FieldError> {
+    use pb::application_tunnel::Protocol;
+    let protocol = match Protocol::try_from(t.protocol) {
+        Ok(Protocol::None) => ApplicationTunnelProtocol::None,
+        Ok(Protocol::Proxy) => ApplicationTunnelProtocol::Proxy,
+        Err(_) => {
+            return Err(FieldError::new(
+                "application_tunnel.protocol",
+                format!("unknown value {}", t.protocol),
+            ));
+        }
+    };
+    Ok(ApplicationTunnel {
+        protocol,
+        port: port(t.port, true, "application_tunnel.port")?,
     })
 }
 
@@ -281,6 +328,66 @@ mod tests {
         assert!(!w.wants_mesh());
     }
 
+    /// Bytes as istiod puts them on the wire, written by hand (not by our
+    /// own encoder, which would agree with any numbering we declare):
+    /// field 12 is the owner's type, 13 its name, 14 `native_tunnel`, 27
+    /// `capacity` (a `UInt32Value` wrapper).
+    #[test]
+    fn istio_field_numbers_decode_into_the_owner_and_capacity() {
+        use prost::Message;
+        let mut wire = Vec::new();
+        let mut field = |tag: u8, bytes: &[u8]| {
+            wire.push(tag);
+            wire.push(bytes.len() as u8);
+            wire.extend_from_slice(bytes);
+        };
+        field(0x0a, b"ratings-v1-5d8f7b9c4-x2x7q"); // 1: name
+        field(0x12, b"bookinfo"); // 2: namespace
+        field(0x6a, b"ratings-v1"); // 13: workload_name
+        wire.extend_from_slice(&[0x60, 0x01]); // 12: workload_type = CRONJOB
+        wire.extend_from_slice(&[0x70, 0x01]); // 14: native_tunnel = true
+        wire.extend_from_slice(&[0xda, 0x01, 0x02, 0x08, 0x05]); // 27: capacity {5}
+        let decoded = pb::Workload::decode(wire.as_slice()).expect("Istio's numbering decodes");
+        let w = translate(decoded, "r").expect("valid");
+        assert_eq!(w.workload_name, "ratings-v1");
+        assert_eq!(w.workload_type, WorkloadType::CronJob);
+        assert_eq!(w.workload_type.as_str(), "cronjob");
+        assert_eq!(w.owner(), (WorkloadType::CronJob, "ratings-v1"));
+        assert!(w.native_tunnel);
+        assert_eq!(w.capacity, 5);
+
+        // Unset capacity is 1; an explicit 0 stays 0.
+        let mut wire = Vec::new();
+        wire.extend_from_slice(&[0x0a, 0x01, b'a', 0x12, 0x01, b'b']);
+        let unset = translate(pb::Workload::decode(wire.as_slice()).expect("decodes"), "r");
+        let unset = unset.expect("valid");
+        assert_eq!(
+            (unset.capacity, unset.workload_type, unset.native_tunnel),
+            (1, WorkloadType::Deployment, false),
+            "proto defaults: DEPLOYMENT is 0"
+        );
+        wire.extend_from_slice(&[0xda, 0x01, 0x00]);
+        let zero = translate(pb::Workload::decode(wire.as_slice()).expect("decodes"), "r");
+        assert_eq!(zero.expect("valid").capacity, 0);
+    }
+
+    #[test]
+    fn application_tunnel_lands() {
+        let mut p = proto();
+        p.application_tunnel = Some(pb::ApplicationTunnel {
+            protocol: pb::application_tunnel::Protocol::Proxy as i32,
+            port: 15088,
+        });
+        let w = translate(p, "r").expect("valid");
+        assert_eq!(
+            w.application_tunnel,
+            Some(ApplicationTunnel {
+                protocol: ApplicationTunnelProtocol::Proxy,
+                port: 15088
+            })
+        );
+    }
+
     /// How a test case spoils a valid workload.
     type Breakage = Box<dyn Fn(&mut pb::Workload)>;
 
@@ -309,6 +416,21 @@ mod tests {
                 "unknown value 9",
             ),
             (Box::new(|p| p.status = 4), "status", "unknown value 4"),
+            (
+                Box::new(|p| p.workload_type = 7),
+                "workload_type",
+                "unknown value 7",
+            ),
+            (
+                Box::new(|p| {
+                    p.application_tunnel = Some(pb::ApplicationTunnel {
+                        protocol: 0,
+                        port: 70000,
+                    })
+                }),
+                "application_tunnel.port",
+                "not a port",
+            ),
             (
                 Box::new(|p| p.waypoint = Some(pb::GatewayAddress::default())),
                 "waypoint.destination",

@@ -56,6 +56,12 @@ pub struct PodFacts {
     pub dns_capture: Option<bool>,
     /// The pod's labels (authorization policies select pods by them).
     pub labels: BTreeMap<String, String>,
+    /// What owns the pod, from its controller reference
+    /// ([`crate::state::pod_owner`]).
+    pub owner: (crate::state::WorkloadType, String),
+    /// `spec.hostname` and `spec.subdomain` (DNS pod records).
+    pub pod_hostname: String,
+    pub pod_subdomain: String,
 }
 
 /// What the agent needs to know about one namespace.
@@ -113,7 +119,23 @@ impl PodFacts {
             }
         }
         let annotations = meta.annotations.as_ref();
+        let controller = meta
+            .owner_references
+            .as_ref()
+            .and_then(|refs| refs.iter().find(|r| r.controller == Some(true)))
+            .map(|r| (r.kind.as_str(), r.name.as_str()));
+        let owner = crate::state::pod_owner(
+            &key.name,
+            controller,
+            meta.labels
+                .as_ref()
+                .and_then(|l| l.get("pod-template-hash"))
+                .map(String::as_str),
+        );
         Ok(Self {
+            owner,
+            pod_hostname: spec.and_then(|s| s.hostname.clone()).unwrap_or_default(),
+            pod_subdomain: spec.and_then(|s| s.subdomain.clone()).unwrap_or_default(),
             uid,
             resource_version: meta.resource_version.clone().unwrap_or_default(),
             mode_label: label(meta.labels.as_ref()),
@@ -185,6 +207,10 @@ impl PodFacts {
             },
             dns_capture: self.dns_capture,
             labels: self.labels.clone(),
+            workload_type: self.owner.0,
+            workload_name: self.owner.1.clone(),
+            pod_hostname: self.pod_hostname.clone(),
+            pod_subdomain: self.pod_subdomain.clone(),
             ..Default::default()
         }
     }
@@ -295,6 +321,29 @@ mod tests {
             fast_path: None,
             waypoint_labels: BTreeMap::new(),
         }
+    }
+
+    #[test]
+    fn the_owner_and_dns_names_come_from_the_pod() {
+        let mut value = basic(json!({"pod-template-hash": "5d8f7b9c4"}));
+        value["metadata"]["ownerReferences"] = json!([
+            {"apiVersion": "v1", "kind": "Node", "name": "ignored", "uid": "u0"},
+            {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "ratings-v1-5d8f7b9c4",
+             "uid": "u1", "controller": true}
+        ]);
+        value["spec"]["hostname"] = json!("db-0");
+        value["spec"]["subdomain"] = json!("db");
+        let w = pod(value).to_workload(None);
+        assert_eq!(
+            (w.workload_type.as_str(), w.workload_name.as_str()),
+            ("deployment", "ratings-v1")
+        );
+        assert_eq!(
+            (w.pod_hostname.as_str(), w.pod_subdomain.as_str()),
+            ("db-0", "db")
+        );
+        let bare = pod(basic(json!({}))).to_workload(None);
+        assert_eq!(bare.owner(), (crate::state::WorkloadType::Pod, "web-0"));
     }
 
     #[test]

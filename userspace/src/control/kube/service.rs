@@ -235,6 +235,7 @@ pub(crate) fn join<'a>(
                             ready: *ready,
                             pod: pod.clone(),
                             ports: ports.clone(),
+                            capacity: 1,
                         }),
                     }
                 }

@@ -329,6 +329,91 @@ fn an_unknown_waypoint_or_one_without_healthy_endpoint_fails_never_bypasses() {
 }
 
 #[test]
+fn waypoint_replicas_are_picked_by_capacity() {
+    let mut bed = Bed::new();
+    bed.workload_mut("waypoint-1").capacity = 3;
+    let store = bed.store();
+    let picks: Vec<String> = (0..8)
+        .map(|n| {
+            hop(route_from(&store, "client", "198.19.100.1:80", n))
+                .waypoint
+                .name
+        })
+        .collect();
+    assert_eq!(
+        picks,
+        [
+            "waypoint-1",
+            "waypoint-2",
+            "waypoint-1",
+            "waypoint-1",
+            "waypoint-1",
+            "waypoint-2",
+            "waypoint-1",
+            "waypoint-1"
+        ],
+        "3:1, interleaved"
+    );
+    // Equal capacities (whatever their value) keep plain round robin.
+    bed.workload_mut("waypoint-2").capacity = 3;
+    let store = bed.store();
+    let picks: Vec<String> = (0..4)
+        .map(|n| {
+            hop(route_from(&store, "client", "198.19.100.1:80", n))
+                .waypoint
+                .name
+        })
+        .collect();
+    assert_eq!(
+        picks,
+        ["waypoint-1", "waypoint-2", "waypoint-1", "waypoint-2"]
+    );
+}
+
+#[test]
+fn an_allow_all_waypoint_service_keeps_unhealthy_replicas() {
+    let mut bed = Bed::new();
+    bed.workload_mut("waypoint-1").status = WorkloadStatus::Unhealthy;
+    bed.workload_mut("waypoint-2").status = WorkloadStatus::Unhealthy;
+    let only_healthy = route_from(&bed.store(), "client", "198.19.100.1:80", 0);
+    assert_eq!(
+        failure(only_healthy).reason,
+        FailureReason::NoHealthyEndpoint
+    );
+    bed.service_mut("waypoint").load_balancing = Some(crate::state::LoadBalancing {
+        health_policy: crate::state::HealthPolicy::AllowAll,
+        ..Default::default()
+    });
+    let hop = hop(route_from(&bed.store(), "client", "198.19.100.1:80", 1));
+    assert_eq!(hop.waypoint, WorkloadKey::new("default", "waypoint-2"));
+}
+
+#[test]
+fn a_waypoint_hostname_that_differs_from_the_service_name_is_found_by_index() {
+    let mut bed = Bed::new();
+    // istiod names waypoints by hostname; the service's name need not be
+    // its first label.
+    bed.service_mut("waypoint").name = "wp-gateway".into();
+    let store = bed.store();
+    let hop = hop(route_from(&store, "client", "198.19.100.1:80", 0));
+    assert_eq!(hop.waypoint, WorkloadKey::new("default", "waypoint-1"));
+    assert_eq!(
+        store
+            .services()
+            .by_hostname("default", WAYPOINT_HOST)
+            .map(|s| s.key()),
+        Some(WorkloadKey::new("default", "wp-gateway"))
+    );
+    assert!(
+        store
+            .services()
+            .by_hostname("other", WAYPOINT_HOST)
+            .is_none(),
+        "the namespace is part of the name"
+    );
+}
+
+#[test]
 fn a_hostname_waypoint_is_found_by_plain_name_where_the_source_gives_no_hostname() {
     let mut bed = Bed::new();
     bed.service_mut("waypoint").hostname.clear();
@@ -370,6 +455,27 @@ fn baggage_describes_the_source_workload() {
     );
     w.cluster_id = "east".into();
     assert!(baggage(&w).starts_with("k8s.cluster.name=east,"));
+}
+
+#[test]
+fn baggage_names_the_owner_by_its_type() {
+    let mut w = workload("ratings-v1-5d8f7b9c4-x2x7q", "ratings", "198.18.1.10");
+    w.canonical_name = "ratings".into();
+    w.canonical_revision = "v1".into();
+    w.workload_name = "ratings-v1".into();
+    w.workload_type = crate::state::WorkloadType::Deployment;
+    assert_eq!(
+        baggage(&w),
+        "k8s.cluster.name=Kubernetes,k8s.namespace.name=default,k8s.deployment.name=ratings-v1,service.name=ratings,service.version=v1"
+    );
+    w.workload_name = "nightly".into();
+    w.workload_type = crate::state::WorkloadType::CronJob;
+    assert!(
+        baggage(&w).contains(",k8s.cronjob.name=nightly,"),
+        "{}",
+        baggage(&w)
+    );
+    assert!(!baggage(&w).contains("k8s.pod.name"), "one owner key only");
 }
 
 #[test]
