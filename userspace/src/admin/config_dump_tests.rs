@@ -439,7 +439,7 @@ fn certificates_dump_their_chain_with_serials_and_dates() {
     let dump = build(&DumpInputs {
         node: &node,
         store: None,
-        pending_identities: &[id.clone()],
+        pending_identities: std::slice::from_ref(&id),
         roots: &roots,
         proxied: Vec::new(),
         log_filter: None,
