@@ -658,26 +658,29 @@ fn admin_dumps_config_and_bpf_and_changes_the_log_level() {
         .expect("enrolled");
     let client_id = "spiffe://cluster.local/ns/default/sa/sa-client";
 
-    // /config_dump
+    // /config_dump, in ztunnel's shape (what `istioctl ztunnel-config`
+    // reads), shunt's own facts under `shunt`.
     let dump: Value = eventually(
         "the client's certificate in /config_dump",
         || {
             let (code, body) = get(&node, ADMIN_PORT, "/config_dump");
             assert_eq!(code, 200, "{body}");
             let dump: Value = serde_json::from_str(&body).expect("json");
-            let has_cert = dump["identities"]
+            let has_cert = dump["certificates"]
                 .as_array()?
                 .iter()
-                .any(|i| i["identity"] == client_id && i["certificate"].is_object());
+                .any(|c| c["identity"] == client_id && c["state"] == "Available");
             has_cert.then_some(dump)
         },
         || get(&node, ADMIN_PORT, "/config_dump").1,
     );
-    assert_eq!(dump["node"], "node-a");
-    assert_eq!(dump["mode"], "ebpf");
-    assert_eq!(dump["trust_domain"], "cluster.local");
-    assert_eq!(dump["synced"], true);
-    assert!(dump["log_filter"].is_string(), "{dump}");
+    let shunt = &dump["shunt"];
+    assert_eq!(shunt["node"], "node-a");
+    assert_eq!(shunt["mode"], "ebpf");
+    assert_eq!(shunt["trustDomain"], "cluster.local");
+    assert_eq!(shunt["synced"], true);
+    assert_eq!(shunt["sources"]["pods"], "workloads-file", "{dump}");
+    assert!(shunt["logFilter"].is_string(), "{dump}");
     let workloads = dump["workloads"].as_array().expect("workloads");
     let by_name = |name: &str| {
         workloads
@@ -685,25 +688,63 @@ fn admin_dumps_config_and_bpf_and_changes_the_log_level() {
             .find(|w| w["name"] == name)
             .unwrap_or_else(|| panic!("{name} in {dump}"))
     };
-    assert_eq!(by_name("client")["identity"], client_id);
-    assert_eq!(by_name("client")["dataplane_mode"], "ambient");
-    assert_eq!(by_name("client")["state"]["state"], "enrolled");
-    assert_eq!(by_name("outsider")["state"]["state"], "not-in-mesh");
-    assert_eq!(by_name("client")["ips"][0], client.ip().to_string());
-    let certificate = &dump["identities"]
+    let client_dump = by_name("client");
+    assert_eq!(client_dump["shunt"]["identity"], client_id);
+    assert_eq!(client_dump["serviceAccount"], "sa-client");
+    assert_eq!(client_dump["protocol"], "HBONE");
+    assert_eq!(client_dump["status"], "Healthy");
+    assert_eq!(client_dump["node"], "node-a");
+    assert_eq!(client_dump["shunt"]["dataplaneMode"], "ambient");
+    assert_eq!(client_dump["shunt"]["state"]["state"], "enrolled");
+    assert_eq!(
+        by_name("outsider")["shunt"]["state"]["state"],
+        "not-in-mesh"
+    );
+    assert_eq!(client_dump["workloadIps"][0], client.ip().to_string());
+    // The enrolled pod's state, by uid, as ztunnel lists its pods.
+    let uid = client_dump["uid"].as_str().expect("uid");
+    let state = &dump["workloadState"][uid];
+    assert_eq!(state["state"], "Up", "{dump}");
+    assert_eq!(state["info"]["serviceAccount"], "sa-client", "{dump}");
+    assert!(
+        dump["workloadState"]
+            .as_object()
+            .is_some_and(|m| m.len() == 1),
+        "only the captured pod: {dump}"
+    );
+    let certificate = dump["certificates"]
         .as_array()
-        .expect("identities")
+        .expect("certificates")
         .iter()
-        .find(|i| i["identity"] == client_id)
-        .expect("client identity")["certificate"];
-    assert!(certificate["not_after"].as_f64().expect("not_after") > now_unix());
-    let enrolled = dump["enrolled"].as_array().expect("enrolled");
+        .find(|c| c["identity"] == client_id)
+        .expect("client identity");
+    let leaf = &certificate["certChain"][0];
+    assert!(
+        leaf["pem"]
+            .as_str()
+            .is_some_and(|p| p.starts_with("-----BEGIN CERTIFICATE-----")),
+        "{certificate}"
+    );
+    assert!(
+        leaf["serialNumber"]
+            .as_str()
+            .is_some_and(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit())),
+        "{certificate}"
+    );
+    let expires = leaf["expirationTime"].as_str().expect("expirationTime");
+    assert!(
+        expires.len() == 20
+            && expires.ends_with('Z')
+            && expires > leaf["validFrom"].as_str().expect("validFrom"),
+        "{certificate}"
+    );
+    let enrolled = shunt["enrolled"].as_array().expect("enrolled");
     assert_eq!(enrolled.len(), 1, "{dump}");
     assert_eq!(enrolled[0]["name"], "client");
     let hooks = enrolled[0]["hooks"].as_array().expect("hooks");
     assert!(hooks.len() >= 2, "{dump}");
     assert!(hooks.iter().all(|h| h["present"] == true), "{dump}");
-    assert_eq!(dump["proxied"], serde_json::json!(["default/client"]));
+    assert_eq!(shunt["proxied"], serde_json::json!(["default/client"]));
 
     // /debug/bpf
     let (code, body) = get(&node, ADMIN_PORT, "/debug/bpf");

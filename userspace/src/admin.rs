@@ -2,8 +2,11 @@
 //! agent owns, and the log filter. `shunt status` is its client.
 //!
 //! - `GET /status`: the node and its pods ([`NodeStatus`]);
-//! - `GET /config_dump`: workloads, identities with their certificates,
-//!   enrolled pods and their hooks ([`ConfigDump`]);
+//! - `GET /config_dump`: in ztunnel's shape (what `istioctl
+//!   ztunnel-config` reads): workloads, services, policies, certificates,
+//!   this node's captured pods; shunt's own facts (sources, istiod's
+//!   connection, pod states, hooks) under `shunt` keys ([`ConfigDump`],
+//!   built by [`config_dump::build`]);
 //! - `GET /debug/bpf`: in eBPF mode the pinned maps (type, sizes, fill) and
 //!   links; in iptables mode each pod's chains and rules ([`DebugBpf`]);
 //! - `GET|POST /logging?level=FILTER`: replaces the log filter at run time
@@ -16,8 +19,6 @@
 //! netns.
 
 use std::{
-    collections::BTreeMap,
-    net::IpAddr,
     path::PathBuf,
     sync::{Arc, RwLock},
 };
@@ -31,12 +32,16 @@ use axum::{
 use serde::{Deserialize, Serialize};
 use tracing::{debug, error, info};
 
+pub mod config_dump;
+
 use crate::{
-    api::{CertificateStatus, KernelDenial, NodeStatus, PodStatus},
+    api::{
+        CertificateStatus, KernelDenial, NodeStatus, PodStatus,
+        config_dump::{ConfigDump, EnrolledDump},
+    },
     authz::PolicySet,
-    redirect::{Hook, RedirectMode},
+    redirect::RedirectMode,
     snapshot::{NodeSnapshot, SnapshotReader},
-    state::PodState,
     store::WorkloadStore,
 };
 
@@ -141,200 +146,33 @@ async fn status(State(state): State<AdminState>) -> Json<NodeStatus> {
     Json(status)
 }
 
-/// `GET /config_dump`: what the agent was given and what it made of it.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct ConfigDump {
-    pub node: String,
-    /// Redirection mode in use.
-    pub mode: String,
-    pub trust_domain: String,
-    /// Whether the pod source has listed every pod.
-    pub synced: bool,
-    /// The log filter in force.
-    pub log_filter: Option<String>,
-    /// Every workload the agent knows (every node's with the builtin proxy,
-    /// which needs them to find peers; else this node's).
-    pub workloads: Vec<WorkloadDump>,
-    /// Identities the proxy holds certificates for.
-    pub identities: Vec<IdentityDump>,
-    /// Pods the redirector has enrolled, with their hooks.
-    pub enrolled: Vec<EnrolledDump>,
-    /// Pods the proxy serves (listeners bound in their netns).
-    pub proxied: Vec<String>,
-    /// With `--xds-address`: istiod's connection (connected since, last
-    /// ACK/NACK per type and why) and every resource it sent, with its
-    /// version: where each workload, service and policy came from.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub xds: Option<crate::api::XdsStatus>,
-    /// Every authorization policy the proxy enforces, in key order.
-    #[serde(default)]
-    pub policies: Vec<PolicyDump>,
-}
-
-/// An authorization policy, summarised.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct PolicyDump {
-    pub namespace: String,
-    pub name: String,
-    /// `global`, `namespace` or `workload_selector`.
-    pub scope: String,
-    /// `ALLOW` or `DENY`.
-    pub action: String,
-    /// The selector's labels (workload-selector policies from the file or
-    /// the Kubernetes API).
-    pub selector: Option<BTreeMap<String, String>>,
-    /// How many rules (an ALLOW with none allows nothing).
-    pub rules: usize,
-    pub dry_run: bool,
-}
-
-impl From<&crate::authz::Policy> for PolicyDump {
-    fn from(p: &crate::authz::Policy) -> Self {
-        Self {
-            namespace: p.namespace.clone(),
-            name: p.name.clone(),
-            scope: match p.scope {
-                crate::authz::Scope::Global => "global",
-                crate::authz::Scope::Namespace => "namespace",
-                crate::authz::Scope::WorkloadSelector => "workload_selector",
-            }
-            .into(),
-            action: p.action.to_string(),
-            selector: p.selector.clone(),
-            rules: p.rules.len(),
-            dry_run: p.dry_run,
-        }
-    }
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct WorkloadDump {
-    pub namespace: String,
-    pub name: String,
-    pub service_account: String,
-    pub identity: String,
-    pub ips: Vec<IpAddr>,
-    pub node: String,
-    pub netns: Option<PathBuf>,
-    pub dataplane_mode: String,
-    /// What the agent did with it (this node's pods only).
-    pub state: Option<PodState>,
-    /// The authorization policies that apply to it (`namespace/name`).
-    #[serde(default)]
-    pub policies: Vec<String>,
-    /// The source's id (xDS: the resource name, e.g.
-    /// `Kubernetes//Pod/default/web-0`); empty when the source has none.
-    #[serde(default)]
-    pub uid: String,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct IdentityDump {
-    pub identity: String,
-    /// Absent while the first certificate is being issued.
-    pub certificate: Option<CertificateStatus>,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct EnrolledDump {
-    pub namespace: String,
-    pub name: String,
-    pub netns: PathBuf,
-    pub netns_cookie: u64,
-    pub mode: String,
-    pub hooks: Vec<Hook>,
-}
-
 async fn config_dump(State(state): State<AdminState>) -> Json<ConfigDump> {
     debug!(target: "shunt::admin", request = "config_dump", "admin request");
     let node = state.reader.read();
-    let td = &node.trust_domain;
-    let states: BTreeMap<_, _> = node
-        .pods
-        .iter()
-        .map(|p| (p.workload.key(), p.state.clone()))
-        .collect();
-    let policy_set = state.policies();
-    let dump = |w: &crate::state::Workload| WorkloadDump {
-        policies: policy_set
-            .as_ref()
-            .map(|set| set.applicable_names(w))
-            .unwrap_or_default(),
-        namespace: w.namespace.clone(),
-        name: w.name.clone(),
-        service_account: w.service_account.clone(),
-        identity: w.identity(td).to_string(),
-        ips: w.ips.clone(),
-        node: w.node.clone(),
-        netns: w.netns.clone(),
-        dataplane_mode: w.dataplane_mode.to_string(),
-        state: states.get(&w.key()).cloned(),
-        uid: w.uid.clone(),
-    };
-    let mut workloads: Vec<WorkloadDump> = match &state.store {
-        Some(store) => store
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .map(dump)
-            .collect(),
-        None => node.pods.iter().map(|p| dump(&p.workload)).collect(),
-    };
-    workloads.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-    let identities = node
-        .certificates
-        .iter()
-        .map(|(id, cert)| IdentityDump {
-            identity: id.to_string(),
-            certificate: Some(CertificateStatus::from(cert.as_ref())),
-        })
-        .chain(state.reader.proxy().into_iter().flat_map(|proxy| {
-            // Identities registered but not issued yet.
-            proxy
-                .identities()
-                .identities()
-                .into_iter()
-                .filter(|id| !node.certificates.contains_key(id))
-                .map(|id| IdentityDump {
-                    identity: id.to_string(),
-                    certificate: None,
-                })
-        }))
-        .collect();
-    let proxied = state
-        .reader
-        .proxy()
-        .map(|proxy| proxy.pods().iter().map(ToString::to_string).collect())
+    let proxy = state.reader.proxy();
+    let pending_identities = proxy
+        .map(|p| p.identities().identities())
         .unwrap_or_default();
-    Json(ConfigDump {
-        node: node.node.clone(),
-        mode: node.mode.to_string(),
-        trust_domain: td.to_string(),
-        synced: node.synced,
-        log_filter: crate::logging::current_filter(),
-        workloads,
-        identities,
-        enrolled: node.enrolled().cloned().map(EnrolledDump::from).collect(),
+    let roots = proxy.map(|p| p.identities().roots()).unwrap_or_default();
+    let proxied = proxy
+        .map(|p| p.pods().iter().map(ToString::to_string).collect())
+        .unwrap_or_default();
+    // The store's read lock is held while the dump is built (copies of
+    // what it holds; no I/O, no await): its one writer waits that long.
+    let store = state
+        .store
+        .as_ref()
+        .map(|s| s.read().unwrap_or_else(|p| p.into_inner()));
+    Json(config_dump::build(&config_dump::DumpInputs {
+        node: &node,
+        store: store.as_deref(),
+        pending_identities: &pending_identities,
+        roots: &roots,
         proxied,
-        policies: policy_set
-            .iter()
-            .flat_map(|set| set.iter().map(PolicyDump::from))
-            .collect(),
+        log_filter: crate::logging::current_filter(),
         xds: state.reader.xds().map(|x| x.snapshot()),
-    })
-}
-
-impl From<crate::redirect::EnrolledPod> for EnrolledDump {
-    fn from(p: crate::redirect::EnrolledPod) -> Self {
-        Self {
-            namespace: p.key.namespace.clone(),
-            name: p.key.name.clone(),
-            netns: p.netns,
-            netns_cookie: p.netns_cookie,
-            mode: p.mode.to_string(),
-            hooks: p.hooks,
-        }
-    }
+        pod_source: state.reader.pod_source(),
+    }))
 }
 
 /// `GET /debug/bpf`: the kernel objects behind redirection.
@@ -354,7 +192,7 @@ async fn debug_bpf(
     debug!(target: "shunt::admin", request = "debug_bpf", "admin request");
     let node = state.reader.read();
     let mode = node.mode;
-    let pods = node.enrolled().cloned().map(EnrolledDump::from).collect();
+    let pods = node.enrolled().map(config_dump::enrolled_dump).collect();
     // Reading the pins opens files under bpffs (no netns): on a blocking
     // thread all the same, as it is file I/O.
     let pin_dir = state.bpf_pin_dir.clone();

@@ -1,5 +1,8 @@
 //! The admin API's wire types, shared by the server (`admin.rs`) and its
-//! client (`shunt status`, the testbed): what `GET /status` answers.
+//! client (`shunt status`, the testbed): what `GET /status` answers, and
+//! `GET /config_dump` in ztunnel's shape ([`config_dump`]).
+
+pub mod config_dump;
 
 use std::{
     net::IpAddr,

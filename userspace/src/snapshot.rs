@@ -132,6 +132,9 @@ pub struct SnapshotReader {
     proxy: Option<Proxy>,
     /// With `--xds-address`: istiod's connection and what it sent.
     xds: Option<crate::api::XdsStatusHandle>,
+    /// Where this node's pods come from (`workloads-file`, `kubernetes`),
+    /// for `/config_dump`.
+    pod_source: &'static str,
 }
 
 impl SnapshotReader {
@@ -140,7 +143,20 @@ impl SnapshotReader {
             snapshots,
             proxy,
             xds: None,
+            pod_source: "",
         }
+    }
+
+    /// Names where this node's pods come from (`workloads-file`,
+    /// `kubernetes`).
+    pub fn with_pod_source(mut self, name: &'static str) -> Self {
+        self.pod_source = name;
+        self
+    }
+
+    /// Where this node's pods come from.
+    pub fn pod_source(&self) -> &'static str {
+        self.pod_source
     }
 
     /// Also reads istiod's connection status (readiness, admin API).

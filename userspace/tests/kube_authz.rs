@@ -26,7 +26,7 @@ use std::{
 use fake_apiserver::{FakeApiServer, Kind, authorization_policy, namespace, pod};
 use serde_json::{Value, json};
 use shunt::{
-    admin::ConfigDump,
+    api::config_dump::ConfigDump,
     app::{AgentSink, Latest, own_store},
     control::{SourceSink, kube::ClusterWorkloads},
     store::WorkloadStore,
@@ -143,7 +143,7 @@ fn config_dump(admin: SocketAddr) -> Option<Seen> {
             (
                 format!("{}/{}", p.namespace, p.name),
                 p.action.clone(),
-                p.rules,
+                p.rules.len(),
             )
         })
         .collect();
@@ -151,6 +151,7 @@ fn config_dump(admin: SocketAddr) -> Option<Seen> {
         .workloads
         .iter()
         .find(|w| w.namespace == "shop" && w.name == "web")?
+        .shunt
         .policies
         .clone();
     Some((policies, web))
@@ -248,9 +249,9 @@ async fn kube_policies_follow_create_modify_delete_in_config_dump() {
             "both policies listed",
             (
                 vec![
-                    entry("shop/allow-client", "ALLOW", 1),
+                    entry("shop/allow-client", "Allow", 1),
                     // The stand-in of the broken ALLOW: allows nothing.
-                    entry("shop/typo", "ALLOW", 0),
+                    entry("shop/typo", "Allow", 0),
                 ],
                 vec!["shop/allow-client".into(), "shop/typo".into()],
             ),
@@ -287,8 +288,8 @@ async fn kube_policies_follow_create_modify_delete_in_config_dump() {
             "the modification applied",
             (
                 vec![
-                    entry("shop/allow-client", "DENY", 2),
-                    entry("shop/typo", "ALLOW", 0),
+                    entry("shop/allow-client", "Deny", 2),
+                    entry("shop/typo", "Allow", 0),
                 ],
                 vec!["shop/allow-client".into(), "shop/typo".into()],
             ),
@@ -301,7 +302,7 @@ async fn kube_policies_follow_create_modify_delete_in_config_dump() {
         wait_dump(
             "the deletion applied",
             (
-                vec![entry("shop/typo", "ALLOW", 0)],
+                vec![entry("shop/typo", "Allow", 0)],
                 vec!["shop/typo".into()],
             ),
         )

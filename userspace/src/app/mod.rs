@@ -234,6 +234,11 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     if let Some(xds) = &xds {
         reader = reader.with_xds(xds.status());
     }
+    // config_dump (issue 14): where this node's pods come from.
+    reader = reader.with_pod_source(match &source {
+        PodSource::File(_) => "workloads-file",
+        PodSource::Kube(_) => "kubernetes",
+    });
     let observers = Observers {
         reader,
         store: proxy.as_ref().map(|p| p.store.clone()),
