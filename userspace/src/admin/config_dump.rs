@@ -15,9 +15,9 @@ use crate::{
     api::{
         XdsStatus,
         config_dump::{
-            CertDump, CertsDump, ConfigDump, EndpointDump, EnrolledDump, GatewayDump,
-            LoadBalancerDump, LocalityDump, MatchDump, NodeDump, Origin, PolicyDump, PolicyExtra,
-            ServiceDump, SourcesDump, StringMatchDump, WorkloadDump, WorkloadExtra,
+            ApplicationTunnelDump, CertDump, CertsDump, ConfigDump, EndpointDump, EnrolledDump,
+            GatewayDump, LoadBalancerDump, LocalityDump, MatchDump, NodeDump, Origin, PolicyDump,
+            PolicyExtra, ServiceDump, SourcesDump, StringMatchDump, WorkloadDump, WorkloadExtra,
             WorkloadInfoDump, WorkloadStateDump,
         },
     },
@@ -26,8 +26,9 @@ use crate::{
     redirect::EnrolledPod,
     snapshot::NodeSnapshot,
     state::{
-        GatewayAddress, GatewayDestination, LoadBalancingMode, LoadBalancingScope, PodState,
-        Service, SpiffeId, TrustDomain, TunnelProtocol, Workload, WorkloadStatus,
+        ApplicationTunnelProtocol, GatewayAddress, GatewayDestination, HealthPolicy,
+        LoadBalancingMode, LoadBalancingScope, PodState, Service, SpiffeId, TrustDomain,
+        TunnelProtocol, Workload, WorkloadStatus,
     },
     store::WorkloadStore,
 };
@@ -212,9 +213,8 @@ fn workload(
         name: w.name.clone(),
         namespace: w.namespace.clone(),
         service_account: w.service_account.clone(),
-        // Not in the store yet: see the module's report.
-        workload_name: String::new(),
-        workload_type: String::new(),
+        workload_name: w.owner().1.to_string(),
+        workload_type: w.owner().0.as_str().to_string(),
         canonical_name: w.canonical_name.clone(),
         canonical_revision: w.canonical_revision.clone(),
         cluster_id: w.cluster_id.clone(),
@@ -233,7 +233,16 @@ fn workload(
         status: health(w.status == WorkloadStatus::Healthy),
         hostname: w.hostname.clone(),
         authorization_policies: w.authorization_policies.clone(),
-        native_tunnel: false,
+        native_tunnel: w.native_tunnel,
+        application_tunnel: w.application_tunnel.map(|t| ApplicationTunnelDump {
+            protocol: match t.protocol {
+                ApplicationTunnelProtocol::None => "NONE",
+                ApplicationTunnelProtocol::Proxy => "PROXY",
+            }
+            .into(),
+            port: (t.port != 0).then_some(t.port),
+        }),
+        capacity: w.capacity,
         services: w.services.clone(),
         shunt: WorkloadExtra {
             identity: w.identity(td).to_string(),
@@ -266,7 +275,7 @@ fn gateway(g: &GatewayAddress) -> GatewayDump {
                 hostname,
             } => format!("{namespace}/{hostname}"),
         },
-        port: g.hbone_mtls_port,
+        hbone_mtls_port: g.hbone_mtls_port,
     }
 }
 
@@ -327,6 +336,7 @@ fn service(
                 LoadBalancingMode::Unspecified => "Standard",
                 LoadBalancingMode::Strict => "Strict",
                 LoadBalancingMode::Failover => "Failover",
+                LoadBalancingMode::Passthrough => "Passthrough",
             }
             .into(),
             routing_preferences: lb
@@ -344,7 +354,11 @@ fn service(
                     .to_owned()
                 })
                 .collect(),
-            health_policy: "OnlyHealthy".into(),
+            health_policy: match lb.health_policy {
+                HealthPolicy::OnlyHealthy => "OnlyHealthy",
+                HealthPolicy::AllowAll => "AllowAll",
+            }
+            .into(),
         }),
         waypoint: s.waypoint.as_ref().map(gateway),
         endpoints,

@@ -16,7 +16,10 @@ use crate::{
     identity::{CertificateAuthority, ca::BuiltinCa},
     redirect::{Hook, RedirectMode},
     snapshot::PodSnapshot,
-    state::{DataplaneMode, Endpoint, LoadBalancing, Locality, ServicePort, WorkloadKey},
+    state::{
+        ApplicationTunnel, ApplicationTunnelProtocol, DataplaneMode, Endpoint, HealthPolicy,
+        LoadBalancing, Locality, ServicePort, WorkloadKey, WorkloadType,
+    },
 };
 
 fn ip(s: &str) -> IpAddr {
@@ -59,6 +62,14 @@ fn server(name: &str, addr: &str, status: WorkloadStatus) -> Workload {
         canonical_name: "web".into(),
         canonical_revision: "v1".into(),
         cluster_id: "Kubernetes".into(),
+        workload_name: "web".into(),
+        workload_type: WorkloadType::Deployment,
+        native_tunnel: name == "web-0",
+        capacity: 2,
+        application_tunnel: (name == "web-0").then_some(ApplicationTunnel {
+            protocol: ApplicationTunnelProtocol::Proxy,
+            port: 0,
+        }),
         status,
         waypoint: Some(GatewayAddress {
             destination: GatewayDestination::Hostname {
@@ -102,6 +113,7 @@ fn web() -> Service {
         load_balancing: Some(LoadBalancing {
             routing_preference: vec![LoadBalancingScope::Zone],
             mode: LoadBalancingMode::Failover,
+            health_policy: HealthPolicy::AllowAll,
         }),
         ..Default::default()
     }
@@ -227,16 +239,16 @@ fn a_fixed_snapshot_dumps_as_ztunnel_does() {
         for (k, v) in origin.as_object().expect("object") {
             shunt[k] = v.clone();
         }
-        json!({
+        let mut dump = json!({
             "uid": format!("Kubernetes//Pod/default/{name}"),
             "workloadIps": [if name == "web-0" { "198.18.2.2" } else { "198.18.2.3" }],
-            "waypoint": {"destination": "default/waypoint.default.svc.cluster.local", "port": 15008},
+            "waypoint": {"destination": "default/waypoint.default.svc.cluster.local", "hboneMtlsPort": 15008},
             "protocol": "HBONE",
             "name": name,
             "namespace": "default",
             "serviceAccount": "web",
-            "workloadName": "",
-            "workloadType": "",
+            "workloadName": "web",
+            "workloadType": "deployment",
             "canonicalName": "web",
             "canonicalRevision": "v1",
             "clusterId": "Kubernetes",
@@ -245,10 +257,19 @@ fn a_fixed_snapshot_dumps_as_ztunnel_does() {
             "status": status,
             "hostname": "",
             "authorizationPolicies": ["default/allow-client"],
-            "nativeTunnel": false,
+            "nativeTunnel": name == "web-0",
+            "applicationTunnel": if name == "web-0" { json!({"protocol": "PROXY"}) } else { Value::Null },
+            "capacity": 2,
             "services": {"default/web.default.svc.cluster.local": {"80": 8080}},
             "shunt": shunt,
-        })
+        });
+        if name != "web-0" {
+            // Absent, not null, when istiod sent none.
+            dump.as_object_mut()
+                .expect("object")
+                .remove("applicationTunnel");
+        }
+        dump
     };
     let want = json!({
         "workloads": [
@@ -259,8 +280,8 @@ fn a_fixed_snapshot_dumps_as_ztunnel_does() {
                 "name": "client",
                 "namespace": "default",
                 "serviceAccount": "sleep",
-                "workloadName": "",
-                "workloadType": "",
+                "workloadName": "client",
+                "workloadType": "pod",
                 "canonicalName": "",
                 "canonicalRevision": "",
                 "clusterId": "",
@@ -268,6 +289,7 @@ fn a_fixed_snapshot_dumps_as_ztunnel_does() {
                 "status": "Healthy",
                 "hostname": "",
                 "nativeTunnel": false,
+                "capacity": 1,
                 "shunt": {
                     "identity": "spiffe://cluster.local/ns/default/sa/sleep",
                     "dataplaneMode": "ambient",
@@ -284,8 +306,8 @@ fn a_fixed_snapshot_dumps_as_ztunnel_does() {
                 "name": "outsider",
                 "namespace": "default",
                 "serviceAccount": "default",
-                "workloadName": "",
-                "workloadType": "",
+                "workloadName": "outsider",
+                "workloadType": "pod",
                 "canonicalName": "",
                 "canonicalRevision": "",
                 "clusterId": "",
@@ -293,6 +315,7 @@ fn a_fixed_snapshot_dumps_as_ztunnel_does() {
                 "status": "Healthy",
                 "hostname": "",
                 "nativeTunnel": false,
+                "capacity": 1,
                 "shunt": {
                     "identity": "spiffe://cluster.local/ns/default/sa/default",
                     "dataplaneMode": "none",
@@ -313,7 +336,7 @@ fn a_fixed_snapshot_dumps_as_ztunnel_does() {
             "loadBalancer": {
                 "mode": "Failover",
                 "routingPreferences": ["Zone"],
-                "healthPolicy": "OnlyHealthy",
+                "healthPolicy": "AllowAll",
             },
             "endpoints": {
                 "Kubernetes//Pod/default/web-0:/198.18.2.2": {

@@ -51,8 +51,8 @@ pub struct WorkloadDump {
     pub name: String,
     pub namespace: String,
     pub service_account: String,
-    /// The owning workload's name and kind (`deployment`, `job`…): empty
-    /// while the store does not hold them.
+    /// The owning workload's name and kind (`deployment`, `cronjob`, `job`,
+    /// or the pod itself: `pod`).
     pub workload_name: String,
     pub workload_type: String,
     pub canonical_name: String,
@@ -73,6 +73,12 @@ pub struct WorkloadDump {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub authorization_policies: Vec<String>,
     pub native_tunnel: bool,
+    /// How deliveries to it are wrapped (istiod's `application_tunnel`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub application_tunnel: Option<ApplicationTunnelDump>,
+    /// Its weight in endpoint and waypoint choice (istiod's `capacity`; 1
+    /// when unset).
+    pub capacity: u32,
     /// The services it backs: `namespace/hostname` → service port → target
     /// port (0: the service's own).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -81,12 +87,21 @@ pub struct WorkloadDump {
 }
 
 /// A waypoint or network gateway: `destination` is `network/ip` or
-/// `namespace/hostname`; `port` its HBONE port.
+/// `namespace/hostname`; `hboneMtlsPort` its HBONE port (ztunnel's keys).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct GatewayDump {
     pub destination: String,
-    pub port: u16,
+    pub hbone_mtls_port: u16,
+}
+
+/// `protocol` is `NONE` or `PROXY`; `port` 0 means the connection's own.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ApplicationTunnelDump {
+    pub protocol: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
