@@ -22,7 +22,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use fake_istiod::{FakeIstiod, Pki, pod, policy, response, service, workload};
+use fake_istiod::{FakeIstiod, Pki, WEB, pod, policy, response, service, web_backend, workload};
 use serde_json::Value;
 use shunt::{
     api::{NodeStatus, PodState},
@@ -40,31 +40,10 @@ const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
 const TIMEOUT: Duration = Duration::from_secs(30);
 /// In the test range; no interface, route or pod holds it.
 const VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 100, 1);
-const WEB: &str = "default/web.default.svc.cluster.local";
 const CLIENT_ID: &str = "spiffe://cluster.local/ns/default/sa/sa-client";
 
 fn all_enrolled(status: &NodeStatus) -> bool {
     status.pods.iter().all(|p| p.state == PodState::Enrolled)
-}
-
-/// A workload for a testbed pod as istiod sends it: the file's service
-/// account, backing `web` on port 80 (target port 0: the service's).
-fn backend(p: &Pod, healthy: bool) -> workload_pb::Workload {
-    let mut w = pod("default", p.name(), p.ip().octets(), p.node().name());
-    w.service_account = format!("sa-{}", p.name());
-    w.services.insert(
-        WEB.into(),
-        workload_pb::PortList {
-            ports: vec![workload_pb::Port {
-                service_port: 80,
-                target_port: 0,
-            }],
-        },
-    );
-    if !healthy {
-        w.status = workload_pb::WorkloadStatus::Unhealthy as i32;
-    }
-    w
 }
 
 fn web() -> workload_pb::Service {
@@ -195,8 +174,26 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone_in_ebp
         "a1",
         vec![
             workload(client_pb, "1"),
-            workload(backend(&server, true), "1"),
-            workload(backend(&sick, false), "1"),
+            workload(
+                web_backend(
+                    server.name(),
+                    server.ip().octets(),
+                    server.node().name(),
+                    &format!("sa-{}", server.name()),
+                    true,
+                ),
+                "1",
+            ),
+            workload(
+                web_backend(
+                    sick.name(),
+                    sick.ip().octets(),
+                    sick.node().name(),
+                    &format!("sa-{}", sick.name()),
+                    false,
+                ),
+                "1",
+            ),
             service(web(), "4"),
         ],
         &[],

@@ -17,7 +17,8 @@ use std::{
 };
 
 use fake_istiod::{
-    FakeIstiod, NODE_ID, Pki, any_resource, pod, policy, response, service, wait_for, workload,
+    FakeIstiod, NODE_ID, Pki, any_resource, pod, policy, response, service, wait_for, web_backend,
+    workload,
 };
 use shunt::{
     authz::{Action, PolicyKey, Scope},
@@ -112,24 +113,6 @@ fn web_service() -> workload_pb::Service {
     }
 }
 
-fn web_backend(name: &str, ip: [u8; 4], healthy: bool) -> workload_pb::Workload {
-    let mut w = pod("default", name, ip, "node-b");
-    w.service_account = "web".into();
-    w.services.insert(
-        "default/web.default.svc.cluster.local".into(),
-        workload_pb::PortList {
-            ports: vec![workload_pb::Port {
-                service_port: 80,
-                target_port: 0,
-            }],
-        },
-    );
-    if !healthy {
-        w.status = workload_pb::WorkloadStatus::Unhealthy as i32;
-    }
-    w
-}
-
 fn deny_policy() -> security_pb::Authorization {
     security_pb::Authorization {
         name: "deny-evil".into(),
@@ -173,8 +156,14 @@ async fn synced_source(pki: &Pki, server: &FakeIstiod, config: XdsConfig) -> Run
         "a1",
         vec![
             workload(pod("default", "client", [198, 18, 1, 2], "node-a"), "1"),
-            workload(web_backend("web-0", [198, 18, 2, 10], true), "1"),
-            workload(web_backend("web-1", [198, 18, 2, 11], false), "1"),
+            workload(
+                web_backend("web-0", [198, 18, 2, 10], "node-b", "web", true),
+                "1",
+            ),
+            workload(
+                web_backend("web-1", [198, 18, 2, 11], "node-b", "web", false),
+                "1",
+            ),
             service(web_service(), "1"),
         ],
         &[],
@@ -215,8 +204,14 @@ async fn initial_push_lands_in_the_view_with_acks_and_readiness() {
         "a1",
         vec![
             workload(pod("default", "client", [198, 18, 1, 2], "node-a"), "1"),
-            workload(web_backend("web-0", [198, 18, 2, 10], true), "1"),
-            workload(web_backend("web-1", [198, 18, 2, 11], false), "1"),
+            workload(
+                web_backend("web-0", [198, 18, 2, 10], "node-b", "web", true),
+                "1",
+            ),
+            workload(
+                web_backend("web-1", [198, 18, 2, 11], "node-b", "web", false),
+                "1",
+            ),
             workload(plain, "1"),
             service(web_service(), "1"),
         ],
@@ -325,7 +320,10 @@ async fn a_response_that_cannot_be_applied_is_nacked_and_the_last_state_kept() {
         ADDRESS_TYPE_URL,
         vec![0x0a, 0xff, 0xff],
     );
-    let newcomer = workload(web_backend("web-2", [198, 18, 2, 12], true), "2");
+    let newcomer = workload(
+        web_backend("web-2", [198, 18, 2, 12], "node-b", "web", true),
+        "2",
+    );
     server.push(response(
         ADDRESS_TYPE_URL,
         "bad1",
@@ -345,7 +343,7 @@ async fn a_response_that_cannot_be_applied_is_nacked_and_the_last_state_kept() {
     );
 
     // One that decodes but is invalid: a 5-byte address.
-    let mut five = web_backend("web-3", [198, 18, 2, 13], true);
+    let mut five = web_backend("web-3", [198, 18, 2, 13], "node-b", "web", true);
     five.addresses = vec![vec![198, 18, 2, 13, 7]];
     server.push(response(
         ADDRESS_TYPE_URL,
@@ -458,7 +456,10 @@ async fn a_reconnect_sends_the_versions_held_and_applies_only_the_difference() {
     server.push(response(
         ADDRESS_TYPE_URL,
         "a2",
-        vec![workload(web_backend("web-2", [198, 18, 2, 12], true), "2")],
+        vec![workload(
+            web_backend("web-2", [198, 18, 2, 12], "node-b", "web", true),
+            "2",
+        )],
         &["Kubernetes//Pod/default/web-1"],
     ));
     assert_eq!(server.answer_to("a2").await.error_detail, None);

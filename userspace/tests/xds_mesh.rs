@@ -23,7 +23,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use fake_istiod::{FakeIstiod, Pki, pod, policy, response, service, workload};
+use fake_istiod::{FakeIstiod, Pki, pod, policy, response, service, web_backend, workload};
 use serde_json::Value;
 use shunt::state::PodState;
 use shunt::xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL};
@@ -37,28 +37,6 @@ use shunt_testbed::{
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 const VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 100, 1);
-const WEB: &str = "default/web.default.svc.cluster.local";
-
-/// A workload for a testbed pod, as istiod would send it: the service
-/// account the workloads file gives it, backing `web` on port 80 (target
-/// port 0: the service's).
-fn backend(p: &shunt_testbed::Pod, healthy: bool) -> workload_pb::Workload {
-    let mut w = pod("default", p.name(), p.ip().octets(), p.node().name());
-    w.service_account = format!("sa-{}", p.name());
-    w.services.insert(
-        WEB.into(),
-        workload_pb::PortList {
-            ports: vec![workload_pb::Port {
-                service_port: 80,
-                target_port: 0,
-            }],
-        },
-    );
-    if !healthy {
-        w.status = workload_pb::WorkloadStatus::Unhealthy as i32;
-    }
-    w
-}
 
 /// One echo round trip through the VIP from the client pod's netns;
 /// `Err` when the connection is refused or reset.
@@ -148,8 +126,26 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone() {
         "a1",
         vec![
             workload(client_pb, "1"),
-            workload(backend(&server, true), "1"),
-            workload(backend(&sick, false), "1"),
+            workload(
+                web_backend(
+                    server.name(),
+                    server.ip().octets(),
+                    server.node().name(),
+                    &format!("sa-{}", server.name()),
+                    true,
+                ),
+                "1",
+            ),
+            workload(
+                web_backend(
+                    sick.name(),
+                    sick.ip().octets(),
+                    sick.node().name(),
+                    &format!("sa-{}", sick.name()),
+                    false,
+                ),
+                "1",
+            ),
             service(service_pb, "1"),
         ],
         &[],
@@ -242,7 +238,16 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone() {
     istiod.push(response(
         ADDRESS_TYPE_URL,
         "a2",
-        vec![workload(backend(&server, true), "2")],
+        vec![workload(
+            web_backend(
+                server.name(),
+                server.ip().octets(),
+                server.node().name(),
+                &format!("sa-{}", server.name()),
+                true,
+            ),
+            "2",
+        )],
         &[],
     ));
     assert_eq!(istiod.answer_to("a2").await.error_detail, None);

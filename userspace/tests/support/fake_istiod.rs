@@ -418,3 +418,32 @@ pub fn pod(ns: &str, name: &str, ip: [u8; 4], node: &str) -> workload_pb::Worklo
         ..Default::default()
     }
 }
+
+/// The `web` service's key (`namespace/hostname`), as istiod names it.
+pub const WEB: &str = "default/web.default.svc.cluster.local";
+
+/// A pod workload backing `web` on port 80 (target port 0: the service's
+/// own), running as `service_account`, healthy or not.
+pub fn web_backend(
+    name: &str,
+    ip: [u8; 4],
+    node: &str,
+    service_account: &str,
+    healthy: bool,
+) -> workload_pb::Workload {
+    let mut w = pod("default", name, ip, node);
+    w.service_account = service_account.into();
+    w.services.insert(
+        WEB.into(),
+        workload_pb::PortList {
+            ports: vec![workload_pb::Port {
+                service_port: 80,
+                target_port: 0,
+            }],
+        },
+    );
+    if !healthy {
+        w.status = workload_pb::WorkloadStatus::Unhealthy as i32;
+    }
+    w
+}
