@@ -191,19 +191,33 @@ fn enrolled_pod_counts_exactly_what_crosses_eth0() {
         .expect("enrolled");
     assert_eq!(pod_status(&status, outsider).state, PodState::NotInMesh);
 
-    // The TC programs count what the interface itself counts: take the
-    // interface's counters now, move real bytes both ways, compare deltas.
-    let before = link(client);
-    // Counters in the status are as the last verify pass read them.
-    let status = agent.status_after_verify(TIMEOUT).expect("status");
-    let before_counters = pod_status(&status, client).counters.expect("counters");
+    // The TC programs count what the interface itself counts: read both
+    // counts at the same moment, once nothing has crossed the interface for
+    // 200 ms (the kernel's counters straight from the pinned map: the
+    // status shows them only as of the last verify pass, seconds apart from
+    // the interface's reading, and a stray packet in between made the
+    // comparison flaky), move real bytes both ways, compare deltas.
+    let cookie = pod_status(&status, client).netns_cookie.expect("cookie");
+    let slot = *inspect::enrolled_entries(agent.pin_dir())
+        .expect("map")
+        .get(&cookie)
+        .expect("client's entry");
+    let kernel_counters = || inspect::slot_counters(agent.pin_dir(), slot).expect("counters");
+    let before = quiet_link(client);
+    let before_counters = kernel_counters();
     echo_roundtrip(client, server, 7001, 256 * 1024);
     echo_roundtrip(outsider, client, 7002, 64 * 1024);
     // Let the last ACKs of the closing handshakes land before both counts
     // are read, so neither side of the comparison misses them.
     let after = quiet_link(client);
+    let counters = kernel_counters();
+    // `shunt status` shows those counters (as of its last verify pass).
     let status = agent.status_after_verify(TIMEOUT).expect("status");
-    let counters = pod_status(&status, client).counters.expect("counters");
+    let shown = pod_status(&status, client).counters.expect("counters");
+    assert!(
+        shown.bytes_out >= counters.bytes_out && shown.bytes_in >= counters.bytes_in,
+        "status {shown:?} behind the kernel's {counters:?}"
+    );
     let delta = |a: u64, b: u64| a - b;
     assert_eq!(
         delta(counters.bytes_out, before_counters.bytes_out),
