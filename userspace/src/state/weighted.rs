@@ -18,8 +18,11 @@
 /// Weights are divided by their greatest common divisor first, so
 /// `{2, 2}` is the same round robin as `{1, 1}`.
 pub fn weighted_pick<T>(items: &[T], weight: impl Fn(&T) -> u32, n: usize) -> Option<&T> {
-    if items.is_empty() {
-        return None;
+    let first = weight(items.first()?);
+    // The common case (every capacity 1, or all equal): plain round robin,
+    // with no allocation on the connection's path.
+    if items.iter().all(|i| weight(i) == first) {
+        return items.get(n % items.len());
     }
     let mut weights: Vec<u64> = items.iter().map(|i| u64::from(weight(i))).collect();
     if weights.iter().all(|w| *w == 0) {
