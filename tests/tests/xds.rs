@@ -22,13 +22,16 @@ use std::{
     time::{Duration, Instant},
 };
 
-use fake_istiod::{FakeIstiod, Pki, WEB, pod, policy, response, service, web_backend, workload};
+use fake_istiod::{
+    FakeIstiod, Pki, WEB, pod, policy, principal_policy, response, service, web_backend,
+    web_service, workload,
+};
 use serde_json::Value;
 use shunt::{
     api::{NodeStatus, PodState},
     xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL},
 };
-use shunt_proto::istio::{security as security_pb, workload as workload_pb};
+use shunt_proto::istio::security as security_pb;
 use shunt_testbed::{
     Cgroup, Pod, Topology,
     agent::{Agent, WorkloadSpec, http, workloads_yaml},
@@ -44,48 +47,6 @@ const CLIENT_ID: &str = "spiffe://cluster.local/ns/default/sa/sa-client";
 
 fn all_enrolled(status: &NodeStatus) -> bool {
     status.pods.iter().all(|p| p.state == PodState::Enrolled)
-}
-
-fn web() -> workload_pb::Service {
-    workload_pb::Service {
-        name: "web".into(),
-        namespace: "default".into(),
-        hostname: "web.default.svc.cluster.local".into(),
-        addresses: vec![workload_pb::NetworkAddress {
-            network: String::new(),
-            address: VIP.octets().to_vec(),
-        }],
-        ports: vec![workload_pb::Port {
-            service_port: 80,
-            target_port: 8080,
-        }],
-        ..Default::default()
-    }
-}
-
-/// DENY, in namespace `default`, of a principal no pod has, to port 9:
-/// present in the dump, deciding nothing in this test.
-fn deny_nobody() -> security_pb::Authorization {
-    security_pb::Authorization {
-        name: "deny-nobody".into(),
-        namespace: "default".into(),
-        scope: security_pb::Scope::Namespace as i32,
-        action: security_pb::Action::Deny as i32,
-        groups: vec![security_pb::Group {
-            rules: vec![security_pb::Rules {
-                matches: vec![security_pb::Match {
-                    principals: vec![security_pb::StringMatch {
-                        match_type: Some(security_pb::string_match::MatchType::Exact(
-                            "cluster.local/ns/default/sa/nobody".into(),
-                        )),
-                    }],
-                    destination_ports: vec![9],
-                    ..Default::default()
-                }],
-            }],
-        }],
-        dry_run: false,
-    }
 }
 
 /// The access-log lines (JSON logs) of `direction`.
@@ -194,14 +155,23 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone_in_ebp
                 ),
                 "1",
             ),
-            service(web(), "4"),
+            service(web_service(VIP.octets()), "4"),
         ],
         &[],
     ));
     istiod.push(response(
         AUTHORIZATION_TYPE_URL,
         "p1",
-        vec![policy(deny_nobody(), "2")],
+        vec![policy(
+            principal_policy(
+                "deny-nobody",
+                security_pb::Scope::Namespace,
+                security_pb::Action::Deny,
+                "cluster.local/ns/default/sa/nobody",
+                &[9],
+            ),
+            "2",
+        )],
         &[],
     ));
     assert_eq!(istiod.answer_to("a1").await.error_detail, None);

@@ -14,25 +14,22 @@
 
 #[path = "support/fake_apiserver.rs"]
 mod fake_apiserver;
+#[path = "support/kube_harness.rs"]
+mod kube_harness;
 
 use std::{
     io::{Read as _, Write as _},
     net::{SocketAddr, TcpStream},
     path::PathBuf,
-    sync::{Arc, RwLock},
+    sync::RwLock,
     time::{Duration, Instant},
 };
 
 use fake_apiserver::{FakeApiServer, Kind, authorization_policy, namespace, pod};
+use kube_harness::{cluster_store, wait_for};
 use serde_json::{Value, json};
-use shunt::{
-    api::config_dump::ConfigDump,
-    app::{AgentSink, Latest, own_store},
-    control::{SourceSink, kube::ClusterWorkloads},
-    store::WorkloadStore,
-};
+use shunt::{api::config_dump::ConfigDump, control::kube::ClusterWorkloads, store::WorkloadStore};
 use shunt_testbed::{Topology, require_root};
-use tokio::sync::watch;
 
 /// Upper bound for anything the agent should do after a change.
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -46,18 +43,6 @@ use captured_logs::log_lines_with;
 
 fn init_logging() {
     captured_logs::init_logging("info,shunt=debug");
-}
-
-/// Waits until `check` holds, polling every 50 ms, for at most `timeout`.
-async fn wait_for(what: &str, timeout: Duration, mut check: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !check() {
-        assert!(
-            start.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 // ---------------------------------------------------------------- policies
@@ -310,16 +295,6 @@ async fn kube_policies_follow_create_modify_delete_in_config_dump() {
 }
 
 // ---------------------------------------------------------------- no CRD
-
-/// A workload store with the agent's own writer behind the agent's sink.
-fn cluster_store() -> (Arc<RwLock<WorkloadStore>>, Arc<dyn SourceSink>) {
-    let store = Arc::new(RwLock::new(WorkloadStore::new()));
-    let views = Arc::new(Latest::default());
-    let (applied, _) = watch::channel(0);
-    tokio::spawn(own_store(store.clone(), views.clone(), applied, || {}));
-    let (pods, _) = watch::channel(None);
-    (store, Arc::new(AgentSink::new(pods, Some(views))))
-}
 
 fn policy_names(store: &RwLock<WorkloadStore>) -> Vec<String> {
     store

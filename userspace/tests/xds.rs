@@ -17,8 +17,8 @@ use std::{
 };
 
 use fake_istiod::{
-    FakeIstiod, NODE_ID, Pki, any_resource, pod, policy, response, service, wait_for, web_backend,
-    workload,
+    FakeIstiod, NODE_ID, Pki, any_resource, pod, policy, principal_policy, response, service,
+    wait_for, web_backend, web_service, workload,
 };
 use shunt::{
     authz::{Action, PolicyKey, Scope},
@@ -96,45 +96,6 @@ fn start_source(config: XdsConfig) -> Running {
     Running { sink, status, task }
 }
 
-fn web_service() -> workload_pb::Service {
-    workload_pb::Service {
-        name: "web".into(),
-        namespace: "default".into(),
-        hostname: "web.default.svc.cluster.local".into(),
-        addresses: vec![workload_pb::NetworkAddress {
-            network: String::new(),
-            address: vec![198, 19, 100, 1],
-        }],
-        ports: vec![workload_pb::Port {
-            service_port: 80,
-            target_port: 8080,
-        }],
-        ..Default::default()
-    }
-}
-
-fn deny_policy() -> security_pb::Authorization {
-    security_pb::Authorization {
-        name: "deny-evil".into(),
-        namespace: "default".into(),
-        scope: security_pb::Scope::Namespace as i32,
-        action: security_pb::Action::Deny as i32,
-        groups: vec![security_pb::Group {
-            rules: vec![security_pb::Rules {
-                matches: vec![security_pb::Match {
-                    principals: vec![security_pb::StringMatch {
-                        match_type: Some(security_pb::string_match::MatchType::Exact(
-                            "cluster.local/ns/evil/sa/default".into(),
-                        )),
-                    }],
-                    ..Default::default()
-                }],
-            }],
-        }],
-        dry_run: false,
-    }
-}
-
 fn vip() -> SocketAddr {
     "198.19.100.1:80".parse().expect("VIP")
 }
@@ -164,14 +125,23 @@ async fn synced_source(pki: &Pki, server: &FakeIstiod, config: XdsConfig) -> Run
                 web_backend("web-1", [198, 18, 2, 11], "node-b", "web", false),
                 "1",
             ),
-            service(web_service(), "1"),
+            service(web_service([198, 19, 100, 1]), "1"),
         ],
         &[],
     ));
     server.push(response(
         AUTHORIZATION_TYPE_URL,
         "p1",
-        vec![policy(deny_policy(), "1")],
+        vec![policy(
+            principal_policy(
+                "deny-evil",
+                security_pb::Scope::Namespace,
+                security_pb::Action::Deny,
+                "cluster.local/ns/evil/sa/default",
+                &[],
+            ),
+            "1",
+        )],
         &[],
     ));
     server.answer_to("p1").await;
@@ -213,7 +183,7 @@ async fn initial_push_lands_in_the_view_with_acks_and_readiness() {
                 "1",
             ),
             workload(plain, "1"),
-            service(web_service(), "1"),
+            service(web_service([198, 19, 100, 1]), "1"),
         ],
         &[],
     ));
@@ -272,7 +242,16 @@ async fn initial_push_lands_in_the_view_with_acks_and_readiness() {
     server.push(response(
         AUTHORIZATION_TYPE_URL,
         "p1",
-        vec![policy(deny_policy(), "1")],
+        vec![policy(
+            principal_policy(
+                "deny-evil",
+                security_pb::Scope::Namespace,
+                security_pb::Action::Deny,
+                "cluster.local/ns/evil/sa/default",
+                &[],
+            ),
+            "1",
+        )],
         &[],
     ));
     assert_eq!(server.answer_to("p1").await.error_detail, None);

@@ -23,11 +23,14 @@ use std::{
     time::{Duration, Instant},
 };
 
-use fake_istiod::{FakeIstiod, Pki, pod, policy, response, service, web_backend, workload};
+use fake_istiod::{
+    FakeIstiod, Pki, pod, policy, principal_policy, response, service, web_backend, web_service,
+    workload,
+};
 use serde_json::Value;
 use shunt::state::PodState;
 use shunt::xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL};
-use shunt_proto::istio::{security as security_pb, workload as workload_pb};
+use shunt_proto::istio::security as security_pb;
 use shunt_testbed::{
     Topology,
     agent::{Agent, WorkloadSpec, http, workloads_yaml},
@@ -105,20 +108,7 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone() {
     assert_eq!(code, 503, "{body}");
     assert!(body.contains("xds: FAIL"), "{body}");
 
-    let service_pb = workload_pb::Service {
-        name: "web".into(),
-        namespace: "default".into(),
-        hostname: "web.default.svc.cluster.local".into(),
-        addresses: vec![workload_pb::NetworkAddress {
-            network: String::new(),
-            address: VIP.octets().to_vec(),
-        }],
-        ports: vec![workload_pb::Port {
-            service_port: 80,
-            target_port: 8080,
-        }],
-        ..Default::default()
-    };
+    let service_pb = web_service(VIP.octets());
     let mut client_pb = pod("default", client.name(), client.ip().octets(), "node-a");
     client_pb.service_account = "sa-client".into();
     istiod.push(response(
@@ -323,29 +313,6 @@ fn xds_args<'a>(
     args
 }
 
-/// ALLOW to the workloads that name it, from `principal` only.
-fn allow_only(principal: &str) -> security_pb::Authorization {
-    security_pb::Authorization {
-        name: "allow-client".into(),
-        namespace: "default".into(),
-        scope: security_pb::Scope::WorkloadSelector as i32,
-        action: security_pb::Action::Allow as i32,
-        groups: vec![security_pb::Group {
-            rules: vec![security_pb::Rules {
-                matches: vec![security_pb::Match {
-                    principals: vec![security_pb::StringMatch {
-                        match_type: Some(security_pb::string_match::MatchType::Exact(
-                            principal.into(),
-                        )),
-                    }],
-                    ..Default::default()
-                }],
-            }],
-        }],
-        dry_run: false,
-    }
-}
-
 /// The access-log lines (JSON) of `agent` for inbound HBONE.
 fn inbound_lines(agent: &Agent) -> Vec<Value> {
     agent
@@ -416,7 +383,13 @@ async fn an_istiod_policy_answers_other_identities_with_401_until_removed() {
         AUTHORIZATION_TYPE_URL,
         "p1",
         vec![policy(
-            allow_only("cluster.local/ns/default/sa/sa-client"),
+            principal_policy(
+                "allow-client",
+                security_pb::Scope::WorkloadSelector,
+                security_pb::Action::Allow,
+                "cluster.local/ns/default/sa/sa-client",
+                &[],
+            ),
             "1",
         )],
         &[],

@@ -447,3 +447,52 @@ pub fn web_backend(
     }
     w
 }
+
+/// The `web` service ([`WEB`]) at `vip`: port 80 to target port 8080.
+pub fn web_service(vip: [u8; 4]) -> workload_pb::Service {
+    workload_pb::Service {
+        name: "web".into(),
+        namespace: "default".into(),
+        hostname: "web.default.svc.cluster.local".into(),
+        addresses: vec![workload_pb::NetworkAddress {
+            network: String::new(),
+            address: vip.to_vec(),
+        }],
+        ports: vec![workload_pb::Port {
+            service_port: 80,
+            target_port: 8080,
+        }],
+        ..Default::default()
+    }
+}
+
+/// A policy `name` in namespace `default` with one rule: exactly
+/// `principal`, and one of `ports` when any are given.
+pub fn principal_policy(
+    name: &str,
+    scope: security_pb::Scope,
+    action: security_pb::Action,
+    principal: &str,
+    ports: &[u32],
+) -> security_pb::Authorization {
+    security_pb::Authorization {
+        name: name.into(),
+        namespace: "default".into(),
+        scope: scope as i32,
+        action: action as i32,
+        groups: vec![security_pb::Group {
+            rules: vec![security_pb::Rules {
+                matches: vec![security_pb::Match {
+                    principals: vec![security_pb::StringMatch {
+                        match_type: Some(security_pb::string_match::MatchType::Exact(
+                            principal.into(),
+                        )),
+                    }],
+                    destination_ports: ports.to_vec(),
+                    ..Default::default()
+                }],
+            }],
+        }],
+        dry_run: false,
+    }
+}
