@@ -29,7 +29,10 @@ use std::{
 
 use bytes::{Buf, Bytes};
 use h2::{Reason, RecvStream, SendStream};
-use tokio::{io::AsyncWrite, net::TcpStream};
+use tokio::{
+    io::{AsyncRead, AsyncWrite, ReadBuf},
+    net::TcpStream,
+};
 
 use super::h2::{H2Stream, h2_to_io};
 
@@ -115,17 +118,21 @@ impl Up {
                 self.done = true;
                 return Poll::Ready(Ok(()));
             }
-            ready!(tcp.poll_read_ready(cx))?;
+            // `poll_read`, not `poll_read_ready` + `try_read`: a read that
+            // fills less than the buffer has drained the socket, and tokio
+            // then clears the readiness itself, so the next poll waits for
+            // epoll instead of paying a `recvfrom` that says EAGAIN (one
+            // per request on a request/response connection).
             let read = SCRATCH_BUFFER.with(|scratch| {
                 let mut scratch = scratch.borrow_mut();
-                tcp.try_read(&mut scratch[..])
-                    .map(|n| Bytes::copy_from_slice(&scratch[..n]))
+                let mut buf = ReadBuf::new(&mut scratch[..]);
+                Pin::new(&mut *tcp)
+                    .poll_read(cx, &mut buf)
+                    .map_ok(|()| Bytes::copy_from_slice(buf.filled()))
             });
-            match read {
+            match ready!(read) {
                 Ok(data) if data.is_empty() => self.eof = true,
                 Ok(data) => self.pending = data,
-                // Readiness was stale (tokio cleared it): wait again.
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(e) => return Poll::Ready(Err(e)),
             }
         }
