@@ -8,7 +8,9 @@ use super::{
     Entry, Problem,
     raw::{RawService, RawWorkload},
 };
-use crate::state::{DataplaneMode, Endpoint, Service, ServicePort, Workload, WorkloadKey};
+use crate::state::{
+    DataplaneMode, Endpoint, Service, ServicePort, Workload, WorkloadKey, WorkloadType,
+};
 
 /// Checks the entries' values; returns the workloads and adds a problem for
 /// each bad value (the result is only used when no problem was found).
@@ -81,6 +83,13 @@ pub(super) fn check_entries(raw: Vec<RawWorkload>, problems: &mut Vec<Problem>) 
             }
         };
 
+        let owner = owner(&raw, &mut report);
+        for (field, value) in [("hostname", &raw.hostname), ("subdomain", &raw.subdomain)] {
+            if let Some(message) = value.as_deref().and_then(|v| NameRule::Label.check(v)) {
+                report(field, message);
+            }
+        }
+
         let workload = Workload {
             name: raw.name,
             namespace: raw.namespace,
@@ -93,6 +102,11 @@ pub(super) fn check_entries(raw: Vec<RawWorkload>, problems: &mut Vec<Problem>) 
             fast_path: raw.fast_path,
             dns_capture: raw.dns_capture,
             labels: raw.labels,
+            workload_type: owner.0,
+            workload_name: owner.1,
+            pod_hostname: raw.hostname.unwrap_or_default(),
+            pod_subdomain: raw.subdomain.unwrap_or_default(),
+            capacity: raw.capacity.unwrap_or(1),
             ..Default::default()
         };
         match keys.get(&workload.key()) {
@@ -113,6 +127,40 @@ pub(super) fn check_entries(raw: Vec<RawWorkload>, problems: &mut Vec<Problem>) 
         }
     }
     workloads
+}
+
+/// The entry's owner (`workloadType`, `workloadName`): both or neither;
+/// without them the pod is its own owner, as `Workload::owner` says.
+fn owner(raw: &RawWorkload, report: &mut impl FnMut(&str, String)) -> (WorkloadType, String) {
+    let kind = match raw.workload_type.as_deref() {
+        None => None,
+        Some(name) => match WorkloadType::from_name(name) {
+            Some(kind) => Some(kind),
+            None => {
+                report(
+                    "workloadType",
+                    format!("{name:?} is not one of deployment, cronjob, job, pod"),
+                );
+                None
+            }
+        },
+    };
+    match (&raw.workload_name, raw.workload_type.is_some()) {
+        (Some(name), _) => {
+            if let Some(message) = NameRule::Subdomain.check(name) {
+                report("workloadName", message);
+            }
+            (kind.unwrap_or_default(), name.clone())
+        }
+        (None, true) => {
+            report(
+                "workloadType",
+                "names the owner's kind: give `workloadName` too".into(),
+            );
+            (WorkloadType::default(), String::new())
+        }
+        (None, false) => (WorkloadType::default(), String::new()),
+    }
 }
 
 /// Checks the services against each other and the (valid) workloads; returns

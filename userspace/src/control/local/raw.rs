@@ -54,6 +54,18 @@ pub(super) struct RawWorkload {
     pub(super) dns_capture: Option<bool>,
     #[serde(default)]
     pub(super) labels: std::collections::BTreeMap<String, String>,
+    /// The pod's owner, as istiod names it (`workload_name`): what the
+    /// `baggage` header and the metrics call the workload (default: the
+    /// pod itself).
+    pub(super) workload_name: Option<String>,
+    /// The owner's kind: `deployment`, `cronjob`, `job` or `pod`.
+    pub(super) workload_type: Option<String>,
+    /// The pod's `spec.hostname` and `spec.subdomain` (DNS pod records).
+    pub(super) hostname: Option<String>,
+    pub(super) subdomain: Option<String>,
+    /// Its share of new connections among a service's endpoints (xDS
+    /// `capacity`; default 1, 0: none while another has capacity).
+    pub(super) capacity: Option<u32>,
 }
 
 #[derive(Deserialize)]

@@ -3,7 +3,7 @@
 use std::net::IpAddr;
 
 use super::*;
-use crate::state::{DataplaneMode, Endpoint, ServicePort};
+use crate::state::{DataplaneMode, Endpoint, ServicePort, WorkloadType};
 
 const GOOD: &str = "\
 trustDomain: example.org
@@ -584,7 +584,55 @@ fn serde_yaml_error_format_is_as_expected() {
         err.as_deref(),
         Some(
             "workloads[0]: unknown field `nme`, expected one of `name`, `namespace`, \
-                 `serviceAccount`, `ips`, `node`, `netns`, `dataplaneMode`, `splice`, `fastPath`, `dnsCapture`, `labels` at line 2 column 5"
+                 `serviceAccount`, `ips`, `node`, `netns`, `dataplaneMode`, `splice`, `fastPath`, `dnsCapture`, `labels`, `workloadName`, `workloadType`, `hostname`, `subdomain`, `capacity` at line 2 column 5"
         )
     );
+}
+
+#[test]
+fn owner_hostname_and_capacity_are_the_workloads_own() {
+    let parsed = parse(
+        file(),
+        &with_second(
+            Some(
+                "workloadName: ratings-v1\n    workloadType: deployment\n    hostname: r0\n    subdomain: ratings\n    capacity: 3",
+            ),
+            None,
+        ),
+    )
+    .expect("valid");
+    let second = &parsed.workloads[1];
+    assert_eq!(second.owner(), (WorkloadType::Deployment, "ratings-v1"));
+    assert_eq!(
+        (second.pod_hostname.as_str(), second.pod_subdomain.as_str()),
+        ("r0", "ratings")
+    );
+    assert_eq!(second.capacity, 3);
+    let first = &parsed.workloads[0];
+    assert_eq!(
+        first.owner(),
+        (WorkloadType::Pod, "first"),
+        "the pod by default"
+    );
+    assert_eq!(first.capacity, 1, "capacity 1 by default");
+
+    let cases = [
+        (
+            "workloadType: statefulset\n    workloadName: db",
+            "field `workloadType`: \"statefulset\" is not one of deployment, cronjob, job, pod",
+        ),
+        (
+            "workloadType: deployment",
+            "field `workloadType`: names the owner's kind: give `workloadName` too",
+        ),
+        ("workloadName: Ratings", "field `workloadName`: "),
+        ("hostname: a.b", "field `hostname`: "),
+    ];
+    for (set, want) in cases {
+        let e = error(&with_second(Some(set), None));
+        assert!(
+            e.contains(&format!("workloads[1] (default/second): {want}")),
+            "{set}: {e}"
+        );
+    }
 }
