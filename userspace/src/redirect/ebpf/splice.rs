@@ -141,8 +141,8 @@ pub fn attach_or_adopt(
     if decision.is_some() {
         // A raw tracepoint link cannot switch programs: the new link runs
         // beside the old one until the rename below drops the old pin
-        // (and with it the old link). Both count a read once each in
-        // between: the backlog reads high for that moment, never low.
+        // (and with it the old link). In that moment a read may be counted
+        // twice in a splice backlog (it reads low, briefly).
         let fresh = pin.with_extension("new");
         let _ = std::fs::remove_file(&fresh);
         link.pin(&fresh).map_err(|e| LoadError::Link {

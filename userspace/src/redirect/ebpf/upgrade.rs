@@ -55,7 +55,7 @@ pub struct ProgramChange {
     pub new_tag: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub old_id: Option<u32>,
-    /// The program running there now.
+    /// The program running there now (the adopted one when kept).
     pub id: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<&'static str>,
@@ -64,6 +64,7 @@ pub struct ProgramChange {
 /// Test seam (`test-seams` builds only): `SHUNT_TEST_EBPF_OBJECT=previous-release-fixture`
 /// makes the agent load the upgrade test's "older release"
 /// (`ebpf/src/fixture.rs`, built by `build.rs`).
+#[cfg(feature = "test-seams")]
 pub const OBJECT_ENV: &str = "SHUNT_TEST_EBPF_OBJECT";
 
 #[cfg(feature = "test-seams")]
@@ -218,7 +219,11 @@ impl Upgrade {
             old_tag,
             new_tag,
             old_id,
-            id: new.id(),
+            // A kept attachment still runs the adopted program.
+            id: match (action, old_id) {
+                ("kept", Some(old)) => old,
+                _ => new.id(),
+            },
             reason,
         });
     }
