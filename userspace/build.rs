@@ -58,9 +58,21 @@ fn run() -> anyhow::Result<()> {
     // The build-dependency on shunt-ebpf covers its library; this covers
     // its binaries (the programs).
     println!("cargo:rerun-if-changed={root_dir}");
-    build(ebpf.name.as_str()).context(
-        "building the eBPF programs (ebpf/) failed; if bpf-linker or the nightly's rust-src is missing, `cargo xtask setup` installs them",
-    )
+    let hint = "building the eBPF programs (ebpf/) failed; if bpf-linker or the nightly's rust-src is missing, `cargo xtask setup` installs them";
+    build(ebpf.name.as_str(), "", "").context(hint)?;
+    // The agent's upgrade test loads an "older release" (the same programs
+    // with an instruction-level difference and one map resized: see
+    // ebpf/src/fixture.rs). Built only for test-seams agents: one more
+    // compile of the eBPF crate (its `core` is shared), a few seconds.
+    if env::var_os("CARGO_FEATURE_TEST_SEAMS").is_some() {
+        build(
+            ebpf.name.as_str(),
+            "previous-release-fixture",
+            "-previous-release-fixture",
+        )
+        .context(hint)?;
+    }
+    Ok(())
 }
 
 fn is_set(var: &str) -> bool {
@@ -120,7 +132,9 @@ fn use_build_std(package: &str) -> anyhow::Result<bool> {
     Ok(release.contains("-nightly"))
 }
 
-fn build(package: &str) -> anyhow::Result<()> {
+/// Builds `package`'s programs with `features` and copies each program
+/// object to `OUT_DIR/<name><suffix>`.
+fn build(package: &str, features: &str, suffix: &str) -> anyhow::Result<()> {
     let out_dir = PathBuf::from(env_var("OUT_DIR")?);
     let target = match env_var("CARGO_CFG_TARGET_ENDIAN")?.as_str() {
         "little" => "bpfel-unknown-none",
@@ -148,7 +162,7 @@ fn build(package: &str) -> anyhow::Result<()> {
     if use_build_std(package)? {
         cmd.args(["-Z", "build-std=core"]);
     }
-    cmd.args(["--features", ""]);
+    cmd.args(["--features", features]);
     let mut rustflags = OsString::new();
     for part in [
         "--cfg=bpf_target_arch=\"",
@@ -240,7 +254,7 @@ fn build(package: &str) -> anyhow::Result<()> {
         println!("cargo:warning={line}");
     }
     for (name, binary) in executables {
-        copy(&binary, &out_dir.join(name))?;
+        copy(&binary, &out_dir.join(format!("{name}{suffix}")))?;
     }
     Ok(())
 }

@@ -38,6 +38,7 @@ const LOOPBACK_V4: u32 = u32::from_be_bytes([127, 0, 0, 1]);
 /// `dns::connect4`. Miss path: `ALLOW` unchanged.
 #[cgroup_sock_addr(connect4)]
 pub fn shunt_connect4(ctx: SockAddrContext) -> i32 {
+    crate::fixture::previous_release_marker();
     // SAFETY: the context pointer is valid for the program's run.
     let addr = unsafe { &mut *ctx.sock_addr };
     let Some((slot, config)) = pod_of(&ctx) else {

@@ -7,6 +7,7 @@
 
 mod connect;
 mod dns;
+mod fixture;
 mod maps;
 mod mesh_local;
 mod passthrough;

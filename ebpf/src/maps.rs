@@ -15,7 +15,15 @@ use shunt_common::{
 
 /// netns cookie → slot: which namespaces are enrolled.
 #[map(name = "SHUNT_ENROLLED")]
-pub static ENROLLED: HashMap<u64, PodSlot> = HashMap::with_max_entries(MAX_PODS, 0);
+pub static ENROLLED: HashMap<u64, PodSlot> = HashMap::with_max_entries(ENROLLED_ENTRIES, 0);
+
+/// `MAX_PODS`; half of it in the upgrade test's "previous release"
+/// (`fixture.rs`), a map an upgrade must migrate.
+const ENROLLED_ENTRIES: u32 = if cfg!(feature = "previous-release-fixture") {
+    MAX_PODS / 2
+} else {
+    MAX_PODS
+};
 
 /// Per-pod counters, per CPU (no atomics on the BPF target).
 #[map(name = "SHUNT_POD_COUNTERS")]

@@ -59,6 +59,7 @@ const LOOPBACK_IFINDEX: u32 = 1;
 /// the packet is dropped and counted (fail closed). Miss path: `TC_ACT_OK`.
 #[classifier]
 pub fn shunt_tc_ingress(ctx: TcContext) -> i32 {
+    crate::fixture::previous_release_marker();
     let slot = pod_slot(&ctx);
     // Out of range (including "no pod") fails the lookup: the miss path.
     let Some(stats) = counters(slot) else {
@@ -100,6 +101,7 @@ pub fn shunt_tc_ingress(ctx: TcContext) -> i32 {
 /// is on (not measured here); none when it is off. Miss path: `TC_ACT_OK`.
 #[classifier]
 pub fn shunt_tc_egress(ctx: TcContext) -> i32 {
+    crate::fixture::previous_release_marker();
     let slot = pod_slot(&ctx);
     let Some(stats) = counters(slot) else {
         return TC_ACT_OK;

@@ -304,6 +304,16 @@ impl Agent {
         self.endpoints
     }
 
+    /// Sets (`Some`) or removes (`None`) an environment variable of the
+    /// agent's later starts ([`Agent::restart`], [`Agent::successor`]),
+    /// e.g. the upgrade test's switch back from an "older release".
+    pub fn set_env(&mut self, name: &str, value: Option<&str>) {
+        self.env.retain(|(k, _)| k != name);
+        if let Some(value) = value {
+            self.env.push((name.to_string(), value.to_string()));
+        }
+    }
+
     /// Stops the agent and starts it again with `RLIMIT_NOFILE` set to
     /// (soft, hard) from its first instruction (set between fork and exec),
     /// kept for later restarts.

@@ -3,7 +3,8 @@
 //! once per agent to its cgroup root through BPF links pinned under
 //! `<pin dir>/links/`. A pinned link outlives the agent, so a restart (even
 //! after `kill -9`) never leaves a moment without outbound capture; a new
-//! agent finds the pins and keeps them.
+//! agent finds the pins and keeps them, switching a link to its own program
+//! in place when the release's program differs (`upgrade.rs`).
 
 use std::{
     fs::File,
@@ -21,7 +22,10 @@ use aya::{
 use shunt_common::programs;
 use tracing::info;
 
-use super::LoadError;
+use super::{
+    LoadError,
+    upgrade::{Decision, Upgrade},
+};
 
 /// The socket programs, by name. The DNS capture's four come last (see
 /// [`DNS_PROGRAMS`]): they are `CgroupSockAddr` programs like connect4/6,
@@ -52,12 +56,16 @@ pub fn links_dir(pin_dir: &Path) -> PathBuf {
     pin_dir.join("links")
 }
 
-/// Attaches each socket program to `cgroup_root` unless a pinned link from a
-/// previous agent is already there (then that link is kept as it is).
+/// Attaches each socket program to `cgroup_root`, or, where a previous
+/// agent's pinned link is already there, keeps it when it runs this
+/// release's program and otherwise switches the link to this release's
+/// program in place (`BPF_LINK_UPDATE` with `BPF_F_REPLACE`: atomic, the
+/// hook never runs without a program; `upgrade.rs` decides).
 pub fn attach_or_adopt(
     ebpf: &mut Ebpf,
     cgroup_root: &Path,
     pin_dir: &Path,
+    upgrade: &mut Upgrade,
 ) -> Result<(), LoadError> {
     let dir = links_dir(pin_dir);
     std::fs::create_dir_all(&dir).map_err(|source| LoadError::PinDir {
@@ -70,8 +78,37 @@ pub fn attach_or_adopt(
     })?;
     for name in PROGRAMS {
         let pin = dir.join(name);
-        if PinnedLink::from_pin(&pin).is_ok() {
-            info!(program = name, pin = %pin.display(), "socket program already attached by a previous agent; keeping it");
+        let program = ebpf.program_mut(name).ok_or(LoadError::Program {
+            name,
+            source: aya::programs::ProgramError::UnexpectedProgramType,
+        })?;
+        let program_error = |source| LoadError::Program { name, source };
+        // Loaded (verified) in any case: its tag is what an adopted link's
+        // program is compared with.
+        match name {
+            programs::GETSOCKOPT => {
+                let program: &mut CgroupSockopt = program.try_into().map_err(program_error)?;
+                program.load().map_err(program_error)?;
+            }
+            programs::SOCKOPS => {
+                let program: &mut SockOps = program.try_into().map_err(program_error)?;
+                program.load().map_err(program_error)?;
+            }
+            _ => {
+                let program: &mut CgroupSockAddr = program.try_into().map_err(program_error)?;
+                program.load().map_err(program_error)?;
+            }
+        }
+        let new_info = ebpf
+            .program(name)
+            .ok_or(LoadError::Program {
+                name,
+                source: aya::programs::ProgramError::UnexpectedProgramType,
+            })?
+            .info()
+            .map_err(program_error)?;
+        if let Ok(pinned) = PinnedLink::from_pin(&pin) {
+            adopt(ebpf, name, &pin, pinned, &new_info, upgrade)?;
             continue;
         }
         // A pin that no longer opens as a link is garbage.
@@ -80,45 +117,84 @@ pub fn attach_or_adopt(
             name,
             source: aya::programs::ProgramError::UnexpectedProgramType,
         })?;
-        let program_error = |source| LoadError::Program { name, source };
         // A BPF link always attaches in multi-program mode (other agents and
         // tools keep theirs); the kernel refuses link_create with any attach
         // flag, so "Single" (no flag) is the one that works here.
         let mode = CgroupAttachMode::Single;
         if name == programs::GETSOCKOPT {
             let program: &mut CgroupSockopt = program.try_into().map_err(program_error)?;
-            program.load().map_err(program_error)?;
             let fd = program.fd().map_err(program_error)?;
             link_and_pin(fd.as_fd(), &cgroup, BPF_CGROUP_GETSOCKOPT, &pin)
                 .map_err(|detail| LoadError::Link { name, detail })?;
-            info!(program = name, cgroup = %cgroup_root.display(), pin = %pin.display(), "socket program attached");
-            continue;
-        }
-        let link: FdLink = if name == programs::SOCKOPS {
-            let program: &mut SockOps = program.try_into().map_err(program_error)?;
-            program.load().map_err(program_error)?;
-            let id = program.attach(&cgroup, mode).map_err(program_error)?;
-            let link = program.take_link(id).map_err(program_error)?;
-            FdLink::try_from(link).map_err(|e| LoadError::Link {
-                name,
-                detail: e.to_string(),
-            })?
         } else {
-            let program: &mut CgroupSockAddr = program.try_into().map_err(program_error)?;
-            program.load().map_err(program_error)?;
-            let id = program.attach(&cgroup, mode).map_err(program_error)?;
-            let link = program.take_link(id).map_err(program_error)?;
-            FdLink::try_from(link).map_err(|e| LoadError::Link {
+            let link: FdLink = if name == programs::SOCKOPS {
+                let program: &mut SockOps = program.try_into().map_err(program_error)?;
+                let id = program.attach(&cgroup, mode).map_err(program_error)?;
+                let link = program.take_link(id).map_err(program_error)?;
+                FdLink::try_from(link).map_err(|e| LoadError::Link {
+                    name,
+                    detail: e.to_string(),
+                })?
+            } else {
+                let program: &mut CgroupSockAddr = program.try_into().map_err(program_error)?;
+                let id = program.attach(&cgroup, mode).map_err(program_error)?;
+                let link = program.take_link(id).map_err(program_error)?;
+                FdLink::try_from(link).map_err(|e| LoadError::Link {
+                    name,
+                    detail: e.to_string(),
+                })?
+            };
+            link.pin(&pin).map_err(|e| LoadError::Link {
                 name,
-                detail: e.to_string(),
-            })?
-        };
-        link.pin(&pin).map_err(|e| LoadError::Link {
-            name,
-            detail: format!("pinning at {}: {e}", pin.display()),
-        })?;
+                detail: format!("pinning at {}: {e}", pin.display()),
+            })?;
+        }
+        upgrade.record("cgroup".into(), None, name, None, &new_info, None);
         info!(program = name, cgroup = %cgroup_root.display(), pin = %pin.display(), "socket program attached");
     }
+    Ok(())
+}
+
+/// A previous agent's link of `name` at `pin`: kept, or switched to this
+/// release's (loaded) program.
+fn adopt(
+    ebpf: &Ebpf,
+    name: &'static str,
+    pin: &Path,
+    pinned: PinnedLink,
+    new_info: &aya::programs::ProgramInfo,
+    upgrade: &mut Upgrade,
+) -> Result<(), LoadError> {
+    let link_error = |detail: String| LoadError::Link { name, detail };
+    let old_id = FdLink::from(pinned)
+        .info()
+        .map_err(|e| link_error(format!("reading the pinned link {}: {e}", pin.display())))?
+        .program_id();
+    let decision = upgrade.decide(old_id, new_info);
+    if let Decision::Replace(_) = decision {
+        let link = super::sys::obj_get(pin)
+            .map_err(|e| link_error(format!("opening {}: {e}", pin.display())))?;
+        let old = upgrade
+            .adopted_fd(old_id)
+            .ok_or_else(|| link_error(format!("the adopted program {old_id} is gone")))?;
+        let new = ebpf
+            .program(name)
+            .ok_or_else(|| link_error("not in the object".into()))?
+            .fd()
+            .map_err(|e| link_error(e.to_string()))?;
+        super::sys::link_update(link.as_fd(), new.as_fd(), old.as_fd())
+            .map_err(|e| link_error(format!("BPF_LINK_UPDATE of {}: {e}", pin.display())))?;
+    } else {
+        info!(program = name, pin = %pin.display(), "socket program attached by a previous agent is this release's; keeping it");
+    }
+    upgrade.record(
+        "cgroup".into(),
+        None,
+        name,
+        Some(old_id),
+        new_info,
+        Some(decision),
+    );
     Ok(())
 }
 

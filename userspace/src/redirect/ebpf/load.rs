@@ -2,7 +2,7 @@
 //! attaching the socket programs to the cgroup root or adopting a previous
 //! agent's (see the module docs of [`super`]).
 
-use super::*;
+use super::{upgrade::Upgrade, *};
 
 /// Errors from loading the programs and maps.
 #[derive(Debug, thiserror::Error)]
@@ -90,8 +90,19 @@ impl EbpfRedirector {
             None => cgroup2_mount().ok_or(LoadError::NoCgroup2)?,
         };
         let log_level = kernel_log_level();
-        pins::check(pin_dir)?;
-        let mut ebpf = loader(pin_dir, &log_level).load(EBPF_OBJECT)?;
+        // Maps first: every pinned map is reused as it is or migrated to
+        // this release's definition (`pins.rs`), before any program of this
+        // release references it.
+        let object = upgrade::object();
+        let (reused, migrations) = pins::prepare(pin_dir, object)?;
+        let mut ebpf = loader(pin_dir, &log_level).load(object)?;
+        let mut map_changes = reused;
+        for migration in migrations {
+            map_changes.push(migration.complete()?);
+        }
+        // Then the programs: each attachment a previous agent left is kept
+        // or switched to this release's program (`upgrade.rs`).
+        let mut upgrade = Upgrade::new(pin_dir, map_changes);
         // One verified instance of the TC programs serves every pod (each
         // pod's filter names its slot in its classid: `tc.rs`).
         tc::load(&mut ebpf)?;
@@ -104,11 +115,13 @@ impl EbpfRedirector {
             take_map(&mut ebpf, maps::POD_RECORDS)?;
         let policy = policy::PolicyMaps::open(&mut ebpf)?;
         let mesh_local = mesh_local::MeshLocalMaps::open(&mut ebpf, options.fast_path)?;
-        cgroup::attach_or_adopt(&mut ebpf, &cgroup_root, pin_dir)?;
+        cgroup::attach_or_adopt(&mut ebpf, &cgroup_root, pin_dir, &mut upgrade)?;
         let splice = options.splice;
         if splice != SpliceMode::Off {
-            splice::attach_or_adopt(&mut ebpf, pin_dir)?;
+            splice::attach_or_adopt(&mut ebpf, pin_dir, &mut upgrade)?;
         }
+        upgrade_pods(&mut ebpf, &enrolled_map, &records_map, &mut upgrade);
+        upgrade.publish();
         let mut global: Array<MapData, GlobalConfig> = take_map(&mut ebpf, maps::CONFIG)?;
         global
             .set(
@@ -178,6 +191,51 @@ impl EbpfRedirector {
 
     pub fn cgroup_root(&self) -> &Path {
         &self.cgroup_root
+    }
+}
+
+/// The TC filters of every pod a previous agent enrolled (from the pinned
+/// enrolments and records alone, before any source lists a pod): kept or
+/// replaced by this release's programs (`tc::upgrade`). A pod whose netns
+/// is gone is left to `remove_stale`; one that fails keeps its filters as
+/// they are (logged), and enrolment adopts them.
+fn upgrade_pods(
+    ebpf: &mut Ebpf,
+    enrolled: &BpfHashMap<MapData, u64, PodSlot>,
+    records: &BpfHashMap<MapData, u64, PodRecord>,
+    upgrade: &mut Upgrade,
+) {
+    let pods: Vec<(u64, u32)> = enrolled
+        .iter()
+        .filter_map(Result::ok)
+        .map(|(cookie, pod)| (cookie, pod.slot))
+        .collect();
+    let text = |bytes: &[u8]| {
+        let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+        String::from_utf8_lossy(&bytes[..end]).into_owned()
+    };
+    for (cookie, slot) in pods {
+        let Ok(record) = records.get(&cookie, 0) else {
+            warn!(
+                cookie,
+                slot, "enrolled pod without a record: its TC filters are not upgraded"
+            );
+            continue;
+        };
+        let (pod, path) = (text(&record.pod), PathBuf::from(text(&record.netns)));
+        let netns = match NetNs::open(&path) {
+            Ok(netns) if netns.cookie().ok() == Some(cookie) => netns,
+            _ => continue,
+        };
+        match netns.run(|| tc::upgrade(ebpf, slot, &pod, upgrade)) {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => {
+                warn!(%pod, %error, "cannot upgrade the pod's TC filters; they keep their program")
+            }
+            Err(error) => {
+                warn!(%pod, %error, "cannot upgrade the pod's TC filters; they keep their program")
+            }
+        }
     }
 }
 

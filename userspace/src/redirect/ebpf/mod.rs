@@ -35,7 +35,9 @@ mod pin_report;
 mod pins;
 mod policy;
 mod splice;
+mod sys;
 mod tc;
+mod upgrade;
 
 use std::{
     collections::{BTreeMap, HashSet},
@@ -65,6 +67,7 @@ use shunt_common::{
 pub use splice::SpliceMode;
 pub use tc::{TC_HANDLE, TC_PRIORITY};
 use tracing::{info, warn};
+pub use upgrade::{ProgramChange, UpgradeReport};
 
 use super::{
     EnrolledPod, Hook, OriginalDst, PodTarget, RedirectError, RedirectMode, Redirector,

@@ -53,12 +53,16 @@ pub struct PinReport {
     pub maps: Vec<MapReport>,
     pub links: Vec<LinkReport>,
     pub unreadable: Vec<Unreadable>,
+    /// What this agent's load kept, replaced and migrated of what it found
+    /// pinned (`upgrade.rs`); `None` in a process that loaded nothing.
+    pub upgrade: Option<super::upgrade::UpgradeReport>,
 }
 
 /// Reads every object pinned below `pin_dir` (recursively, bounded).
 pub fn pin_report(pin_dir: &Path) -> PinReport {
     let mut report = PinReport {
         pin_dir: pin_dir.to_path_buf(),
+        upgrade: super::upgrade::published(),
         ..Default::default()
     };
     let mut pins = Vec::new();

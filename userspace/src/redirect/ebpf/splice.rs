@@ -17,7 +17,11 @@ use aya::{
 use shunt_common::{SpliceKey, maps, programs};
 use tracing::info;
 
-use super::{LoadError, cgroup::links_dir};
+use super::{
+    LoadError,
+    cgroup::links_dir,
+    upgrade::{Decision, Upgrade},
+};
 
 /// `--splice`: whether app ⇄ proxy payload skips the TCP stack.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -79,9 +83,16 @@ fn recv_link_pin(pin_dir: &Path) -> std::path::PathBuf {
 }
 
 /// Attaches the sk_msg verdict to the splice map (replacing a previous
-/// agent's: sockets already spliced keep the program they joined with) and
-/// the receive hook, unless a previous agent's pinned link is in place.
-pub fn attach_or_adopt(ebpf: &mut Ebpf, pin_dir: &Path) -> Result<(), LoadError> {
+/// agent's: sockets already spliced keep the program they joined with,
+/// sockets added from now on run this one) and the receive hook, unless a
+/// previous agent's pinned link runs this release's program already (a
+/// link of another release is replaced: the new link first, then the old
+/// one's pin goes).
+pub fn attach_or_adopt(
+    ebpf: &mut Ebpf,
+    pin_dir: &Path,
+    upgrade: &mut Upgrade,
+) -> Result<(), LoadError> {
     let map = ebpf.map(maps::SPLICE_SOCKS).ok_or(LoadError::Map {
         name: maps::SPLICE_SOCKS,
         detail: "not in the eBPF object".to_string(),
@@ -104,26 +115,53 @@ pub fn attach_or_adopt(ebpf: &mut Ebpf, pin_dir: &Path) -> Result<(), LoadError>
     // The attachment belongs to the pinned map from now on: dropping the
     // handle would detach it, and a later agent must find it in place.
     std::mem::forget(attachment);
+    let info = program.info().map_err(program_error)?;
+    upgrade.record("sockhash".into(), None, name, None, &info, None);
 
     let name = programs::SPLICE_RECV;
     let pin = recv_link_pin(pin_dir);
-    if PinnedLink::from_pin(&pin).is_ok() {
-        info!(program = name, pin = %pin.display(), "splice receive hook already attached by a previous agent; keeping it");
-        return Ok(());
-    }
-    let _ = std::fs::remove_file(&pin);
     let program_error = |source| LoadError::Program { name, source };
     let program: &mut RawTracePoint = program_mut(ebpf, name)?;
     program.load().map_err(program_error)?;
+    let info = program.info().map_err(program_error)?;
+    let adopted = PinnedLink::from_pin(&pin)
+        .ok()
+        .and_then(|pinned| FdLink::from(pinned).info().ok())
+        .map(|link| link.program_id());
+    let decision = adopted.map(|old_id| upgrade.decide(old_id, &info));
+    if decision == Some(Decision::Keep) {
+        info!(program = name, pin = %pin.display(), "splice receive hook attached by a previous agent is this release's; keeping it");
+        upgrade.record("tracepoint".into(), None, name, adopted, &info, decision);
+        return Ok(());
+    }
     let id = program
         .attach(programs::SPLICE_RECV_TARGET)
         .map_err(program_error)?;
     let link: FdLink = program.take_link(id).map_err(program_error)?.into();
-    link.pin(&pin).map_err(|e| LoadError::Link {
-        name,
-        detail: format!("pinning at {}: {e}", pin.display()),
-    })?;
-    info!(program = name, tracepoint = programs::SPLICE_RECV_TARGET, pin = %pin.display(), "splice receive hook attached");
+    if decision.is_some() {
+        // A raw tracepoint link cannot switch programs: the new link runs
+        // beside the old one until the rename below drops the old pin
+        // (and with it the old link). In that moment a read may be counted
+        // twice in a splice backlog (it reads low, briefly).
+        let fresh = pin.with_extension("new");
+        let _ = std::fs::remove_file(&fresh);
+        link.pin(&fresh).map_err(|e| LoadError::Link {
+            name,
+            detail: format!("pinning at {}: {e}", fresh.display()),
+        })?;
+        std::fs::rename(&fresh, &pin).map_err(|e| LoadError::Link {
+            name,
+            detail: format!("moving {} over {}: {e}", fresh.display(), pin.display()),
+        })?;
+    } else {
+        let _ = std::fs::remove_file(&pin);
+        link.pin(&pin).map_err(|e| LoadError::Link {
+            name,
+            detail: format!("pinning at {}: {e}", pin.display()),
+        })?;
+        info!(program = name, tracepoint = programs::SPLICE_RECV_TARGET, pin = %pin.display(), "splice receive hook attached");
+    }
+    upgrade.record("tracepoint".into(), None, name, adopted, &info, decision);
     Ok(())
 }
 

@@ -15,7 +15,10 @@ use aya::{
 use shunt_common::programs;
 use tracing::debug;
 
-use super::{LoadError, kernel};
+use super::{
+    LoadError, kernel,
+    upgrade::{Decision, Upgrade},
+};
 use crate::{
     redirect::{POD_INTERFACE, RedirectError, tc_dump},
     state::WorkloadKey,
@@ -119,6 +122,70 @@ pub fn attach(
             }
             Err(e) => return Err(kernel(pod, "attaching the TC program", e)),
         }
+    }
+    Ok(())
+}
+
+/// The filters a previous agent left on this netns's `eth0` for `slot`
+/// (found by shunt's priority and handle): each is kept when it runs this
+/// release's program, else replaced in place — a filter change at the same
+/// priority and handle, carrying this release's program and the slot's
+/// classid, which `cls_bpf` swaps atomically (no packet sees no filter, or
+/// both). Filters that are missing are left to enrolment (`attach`).
+pub fn upgrade(ebpf: &mut Ebpf, slot: u32, pod: &str, upgrade: &mut Upgrade) -> Result<(), String> {
+    for (name, attach_type) in programs() {
+        let filters = match tc_dump::bpf_filters(POD_INTERFACE, attach_type) {
+            Ok(filters) => filters,
+            // No eth0 (the pod is going away): nothing to upgrade.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => return Ok(()),
+            Err(e) => return Err(format!("listing the TC filters on eth0: {e}")),
+        };
+        let Some(old_id) = filters
+            .iter()
+            .find(|f| f.priority == TC_PRIORITY && f.handle == u32::from(TC_HANDLE))
+            .and_then(|f| f.program_id)
+        else {
+            continue;
+        };
+        let program: &mut SchedClassifier = ebpf
+            .program_mut(name)
+            .ok_or_else(|| format!("program {name} is not in the object"))?
+            .try_into()
+            .map_err(|e| format!("program {name}: {e}"))?;
+        let new_info = program
+            .info()
+            .map_err(|e| format!("reading program {name}: {e}"))?;
+        let decision = upgrade.decide(old_id, &new_info);
+        if let Decision::Replace(_) = decision {
+            let existing = SchedClassifierLink::attached(
+                POD_INTERFACE,
+                attach_type,
+                TC_PRIORITY,
+                TC_HANDLE,
+                Some(classid(slot)),
+            )
+            .map_err(|e| format!("finding eth0: {e}"))?;
+            // aya sends the change without NLM_F_EXCL (and without
+            // NLM_F_CREATE): the kernel replaces the filter it finds at
+            // that priority and handle, and fails if there is none.
+            let link_id = program
+                .attach_to_link(existing)
+                .map_err(|e| format!("replacing the {} filter: {e}", direction(attach_type)))?;
+            // As in `attach`: the filter belongs to the qdisc, not to us.
+            let link = program
+                .take_link(link_id)
+                .map_err(|e| format!("taking the TC link: {e}"))?;
+            std::mem::forget(link);
+        }
+        upgrade.record(
+            format!("tc {}", direction(attach_type)),
+            Some(pod.to_string()),
+            name,
+            Some(old_id),
+            &new_info,
+            Some(decision),
+        );
     }
     Ok(())
 }
