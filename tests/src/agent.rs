@@ -18,7 +18,15 @@ use nix::{
 };
 use shunt::api::NodeStatus;
 
-use crate::{Cgroup, Node, Pod, Result, TestbedError, Topology};
+use crate::{Cgroup, Node, Result, TestbedError, Topology};
+
+mod layout;
+mod mesh_node;
+mod workloads;
+
+pub use layout::{AgentNetns, http, http_at};
+pub use mesh_node::MeshNode;
+pub use workloads::{ServiceSpec, WorkloadSpec, services_yaml, workloads_yaml};
 
 /// Where the agent's admin API listens (in its node's netns).
 pub const ADMIN_ADDR: &str = "127.0.0.1:15000";
@@ -48,74 +56,6 @@ pub fn shunt_binary() -> Result<PathBuf> {
     }
 }
 
-/// One entry of a workloads file.
-#[derive(Clone, Debug)]
-pub struct WorkloadSpec {
-    pub name: String,
-    pub namespace: String,
-    pub service_account: String,
-    pub ip: std::net::Ipv4Addr,
-    pub node: String,
-    pub netns: Option<PathBuf>,
-    pub ambient: bool,
-    /// `splice:` (the `shunt.io/splice` annotation's counterpart), if any.
-    pub splice: Option<bool>,
-    /// `fastPath:` (the `shunt.io/fast-path` annotation's counterpart), if
-    /// any.
-    pub fast_path: Option<bool>,
-    /// `dnsCapture:` (the `ambient.istio.io/dns-capture` annotation's
-    /// counterpart), if any.
-    pub dns_capture: Option<bool>,
-}
-
-impl WorkloadSpec {
-    /// The pod as a workload of namespace `default`, its service account
-    /// named after it, opting into the mesh or not.
-    pub fn for_pod(pod: &Pod, ambient: bool) -> Self {
-        Self {
-            name: pod.name().to_string(),
-            namespace: "default".into(),
-            service_account: format!("sa-{}", pod.name()),
-            ip: pod.ip(),
-            node: pod.node().name().to_string(),
-            netns: Some(pod.netns_path()),
-            ambient,
-            splice: None,
-            fast_path: None,
-            dns_capture: None,
-        }
-    }
-}
-
-/// The YAML of a workloads file listing `workloads`.
-pub fn workloads_yaml(workloads: &[WorkloadSpec]) -> String {
-    let mut yaml = String::from("trustDomain: cluster.local\nworkloads:\n");
-    for w in workloads {
-        yaml.push_str(&format!(
-            "  - name: {}\n    namespace: {}\n    serviceAccount: {}\n    ips: [\"{}\"]\n    node: {}\n    dataplaneMode: {}\n",
-            w.name,
-            w.namespace,
-            w.service_account,
-            w.ip,
-            w.node,
-            if w.ambient { "ambient" } else { "none" }
-        ));
-        if let Some(netns) = &w.netns {
-            yaml.push_str(&format!("    netns: {}\n", netns.display()));
-        }
-        if let Some(splice) = w.splice {
-            yaml.push_str(&format!("    splice: {splice}\n"));
-        }
-        if let Some(fast_path) = w.fast_path {
-            yaml.push_str(&format!("    fastPath: {fast_path}\n"));
-        }
-        if let Some(dns_capture) = w.dns_capture {
-            yaml.push_str(&format!("    dnsCapture: {dns_capture}\n"));
-        }
-    }
-    yaml
-}
-
 /// Where an agent's admin, metrics and readiness endpoints listen (in its
 /// node's netns). Two agents of one node running at once (a handover) need
 /// different ones.
@@ -143,43 +83,13 @@ impl Endpoints {
     }
 }
 
-/// One entry of a workloads file's `services`: `vip:port` goes to each
-/// endpoint's `target_port`.
-#[derive(Clone, Debug)]
-pub struct ServiceSpec {
-    pub name: String,
-    pub namespace: String,
-    /// Assigned to no interface: connect4 (or iptables) captures it anyway.
-    pub vip: std::net::Ipv4Addr,
-    pub port: u16,
-    pub target_port: u16,
-    /// Pod names (of `namespace`) or IPs.
-    pub endpoints: Vec<String>,
-}
-
-/// The YAML of a workloads file's `services` section, to append to
-/// [`workloads_yaml`]'s.
-pub fn services_yaml(services: &[ServiceSpec]) -> String {
-    let mut yaml = String::from("services:\n");
-    for s in services {
-        let endpoints: Vec<String> = s.endpoints.iter().map(|e| format!("\"{e}\"")).collect();
-        yaml.push_str(&format!(
-            "  - name: {}\n    namespace: {}\n    clusterIPs: [\"{}\"]\n    ports: [{{port: {}, targetPort: {}}}]\n    endpoints: [{}]\n",
-            s.name,
-            s.namespace,
-            s.vip,
-            s.port,
-            s.target_port,
-            endpoints.join(", ")
-        ));
-    }
-    yaml
-}
-
-/// A running `shunt agent` in a node's netns.
+/// A running `shunt agent` of a node: in the node's netns, or in a pod
+/// netns of its own ([`AgentNetns`]).
 pub struct Agent {
     child: Option<Child>,
     node: Node,
+    /// Where the process runs (and its endpoints listen).
+    netns: AgentNetns,
     dir: PathBuf,
     pin_dir: PathBuf,
     cgroup_root: PathBuf,
@@ -221,6 +131,19 @@ impl Agent {
         extra_args: &[&str],
         env: &[(&str, &str)],
     ) -> Result<Agent> {
+        Self::start_in(topology, node, AgentNetns::Node, yaml, extra_args, env)
+    }
+
+    /// [`Agent::start_with_env`] in the network namespace `netns`, with the
+    /// contract's ports (in the pod layout they are the agent pod's own).
+    pub fn start_in(
+        topology: &Topology,
+        node: &Node,
+        netns: AgentNetns,
+        yaml: &str,
+        extra_args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Agent> {
         sweep_stale_pins();
         let dir = std::env::temp_dir().join(format!("{}-{}", topology.prefix(), node.name()));
         fs::create_dir_all(&dir)
@@ -235,6 +158,7 @@ impl Agent {
         let mut agent = Agent {
             child: None,
             node: node.clone(),
+            netns,
             dir,
             pin_dir,
             cgroup_root,
@@ -261,6 +185,18 @@ impl Agent {
     /// removing the shared pin dir and CA dir, so this agent can be stopped
     /// and dropped first.
     pub fn successor(&mut self, endpoints: Endpoints, extra_args: &[&str]) -> Result<Agent> {
+        self.successor_in(AgentNetns::Node, endpoints, extra_args)
+    }
+
+    /// [`Agent::successor`] in the network namespace `netns` (a surge pod
+    /// of the DaemonSet: another pod netns of the same node, where the
+    /// contract's ports are free again).
+    pub fn successor_in(
+        &mut self,
+        netns: AgentNetns,
+        endpoints: Endpoints,
+        extra_args: &[&str],
+    ) -> Result<Agent> {
         let yaml = fs::read_to_string(self.workloads_path())
             .map_err(|e| TestbedError::io("reading the workloads file", e))?;
         let dir = self.dir.with_file_name(format!(
@@ -269,13 +205,14 @@ impl Agent {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default(),
-            endpoints.admin.port()
+            AGENT_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
         fs::create_dir_all(&dir)
             .map_err(|e| TestbedError::io(format!("creating {}", dir.display()), e))?;
         let mut successor = Agent {
             child: None,
             node: self.node.clone(),
+            netns,
             dir,
             pin_dir: self.pin_dir.clone(),
             cgroup_root: self.cgroup_root.clone(),
@@ -324,15 +261,32 @@ impl Agent {
     }
 
     /// `GET /healthz/ready` on the agent's readiness endpoint, from its
-    /// node's netns: the status code and body.
+    /// node's netns as the kubelet probes it (the agent pod's IP in the pod
+    /// layout): the status code and body.
     pub fn readiness(&self) -> Result<(u16, String)> {
-        http(
-            &self.node,
-            "GET",
-            self.endpoints.readiness.port(),
-            "/healthz/ready",
-        )
-        .map_err(|e| TestbedError::io("GET /healthz/ready", e))
+        let addr = self.reachable_from_node(self.endpoints.readiness.port());
+        http_at(&self.node, addr, "GET", "/healthz/ready")
+            .map_err(|e| TestbedError::io(format!("GET {addr}/healthz/ready"), e))
+    }
+
+    /// `GET /metrics` on the agent's metrics endpoint, from its node's
+    /// netns as Prometheus scrapes it (the agent pod's IP in the pod
+    /// layout): the status code and body.
+    pub fn metrics(&self) -> Result<(u16, String)> {
+        let addr = self.reachable_from_node(self.endpoints.metrics.port());
+        http_at(&self.node, addr, "GET", "/metrics")
+            .map_err(|e| TestbedError::io(format!("GET {addr}/metrics"), e))
+    }
+
+    /// Where the node reaches the agent's `port` (see
+    /// [`AgentNetns::reachable_from_node`]).
+    pub fn reachable_from_node(&self, port: u16) -> SocketAddr {
+        self.netns.reachable_from_node(port)
+    }
+
+    /// The network namespace the agent runs in.
+    pub fn netns(&self) -> &AgentNetns {
+        &self.netns
     }
 
     /// Starts the agent again (after [`Agent::kill`] or [`Agent::stop`]), on
@@ -353,7 +307,7 @@ impl Agent {
             .try_clone()
             .map_err(|e| TestbedError::io("opening the agent log", e))?;
         let binary = shunt_binary()?;
-        let mut cmd = self.node.command(&binary);
+        let mut cmd = self.netns.command(&self.node, &binary)?;
         self.cgroup.place(&mut cmd);
         if let Some((soft, hard)) = self.nofile {
             let limit = libc::rlimit {
@@ -471,8 +425,8 @@ impl Agent {
     /// The agent's view of its node, from its admin API.
     pub fn status(&self) -> Result<NodeStatus> {
         let addr = self.endpoints.admin;
-        self.node
-            .run(move || shunt::status::fetch(addr))?
+        self.netns
+            .run(&self.node, move || shunt::status::fetch(addr))?
             .map_err(|e| TestbedError::Invalid(e.to_string()))
     }
 
@@ -624,34 +578,6 @@ impl Drop for Agent {
     }
 }
 
-/// Plain HTTP/1.0 (no chunking, the server closes at the end) to
-/// 127.0.0.1:`port` inside `node`'s netns, where an agent's endpoints
-/// listen: the status code and body.
-pub fn http(node: &Node, method: &str, port: u16, path: &str) -> std::io::Result<(u16, String)> {
-    use std::io::Read as _;
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    let mut stream = node
-        .connect_tcp(addr, Duration::from_secs(5))
-        .map_err(|e| std::io::Error::other(e.to_string()))?;
-    stream.set_read_timeout(Some(Duration::from_secs(20)))?;
-    write!(
-        stream,
-        "{method} {path} HTTP/1.0\r\nHost: localhost\r\nContent-Length: 0\r\n\r\n"
-    )?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| std::io::Error::other(format!("no header end in {text:?}")))?;
-    let code = head
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| std::io::Error::other(format!("bad status line in {head:?}")))?;
-    Ok((code, body.to_string()))
-}
-
 /// Starts an agent on each of `nodes`, all on the workloads file `yaml`
 /// with `extra_args`, then waits (each bounded by `timeout`) until every
 /// one has enrolled its node's mesh pods.
@@ -681,49 +607,6 @@ pub fn mesh_pods_enrolled(status: &NodeStatus) -> bool {
         .iter()
         .filter(|p| p.dataplane_mode == "ambient")
         .all(|p| p.state == shunt::api::PodState::Enrolled)
-}
-
-/// One node whose pods `client` and `server` are in the mesh and
-/// `outsider` is not, a cgroup for their applications (below the agent's
-/// cgroup root), and an agent started with `args` that has enrolled the mesh
-/// pods: the bed of tests that send both mesh and plaintext traffic into a
-/// mesh pod.
-pub struct MeshNode {
-    pub agent: Agent,
-    pub client: Pod,
-    pub server: Pod,
-    pub outsider: Pod,
-    pub apps: Cgroup,
-    // Last: the namespaces go after everything in them.
-    pub topology: Topology,
-}
-
-impl MeshNode {
-    pub fn start(test: &str, args: &[&str]) -> Result<MeshNode> {
-        let (topology, pods) = Topology::single_node(test, &["client", "server", "outsider"])?;
-        let [client, server, outsider] = [pods[0].clone(), pods[1].clone(), pods[2].clone()];
-        let apps = Cgroup::create(&topology, "apps")?;
-        let yaml = workloads_yaml(&[
-            WorkloadSpec::for_pod(&client, true),
-            WorkloadSpec::for_pod(&server, true),
-            WorkloadSpec::for_pod(&outsider, false),
-        ]);
-        let node = client.node().clone();
-        let mut agent = Agent::start(&topology, &node, &yaml, args)?;
-        agent.wait_for(
-            "the mesh pods enrolled",
-            Duration::from_secs(30),
-            mesh_pods_enrolled,
-        )?;
-        Ok(MeshNode {
-            agent,
-            client,
-            server,
-            outsider,
-            apps,
-            topology,
-        })
-    }
 }
 
 /// Removes pin dirs of test agents whose topology is gone (a killed run

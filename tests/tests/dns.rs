@@ -406,14 +406,27 @@ fn port_53_is_left_alone(mesh: &Mesh, pod: &Pod) {
     assert_eq!(seen[before].from.ip(), IpAddr::V4(pod.ip()), "{seen:?}");
 }
 
+/// `istio_dns_upstream_requests_total`, summed over its labels, from the
+/// agent's `/metrics`.
+fn upstream_requests(agent: &Agent) -> u64 {
+    let (code, body) = agent.metrics().expect("GET /metrics");
+    assert_eq!(code, 200, "{body}");
+    body.lines()
+        .filter(|l| l.starts_with("istio_dns_upstream_requests_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
 fn dns_end_to_end(mode: &str) {
     let mesh = Mesh::start(&format!("dns-e2e-{mode}"), mode, false, &[]);
     let upstream = mesh.upstream.addr();
     mesh_names_resolve_in_the_pod(&mesh);
 
     // A name the mesh does not know: forwarded by the agent's DNS server
-    // (from the agent's netns) to the upstream, answered, and the answer
-    // seen as coming from the server the application asked.
+    // (from the pod's netns, as ztunnel's in-pod forwarder) to the
+    // upstream, answered, and the answer seen as coming from the server the
+    // application asked.
+    let upstream_requests_before = upstream_requests(&mesh.agent);
     assert_answer(
         &mesh.dig(&mesh.client, NAME, &[]),
         FROM_UPSTREAM,
@@ -428,11 +441,18 @@ fn dns_end_to_end(mode: &str) {
     );
     let forwarded = mesh.upstream.seen_for(NAME);
     assert!(!forwarded.is_empty(), "the upstream was asked");
+    // Forwarded by the DNS proxy (its upstream counter moved: the captured
+    // query never went out itself), from the pod's own IP: the proxy made
+    // its upstream socket in the pod's netns, not in the agent's.
+    assert!(
+        upstream_requests(&mesh.agent) >= upstream_requests_before + 2,
+        "the DNS proxy forwarded both queries"
+    );
     assert!(
         forwarded
             .iter()
-            .all(|s| s.from.ip() != IpAddr::V4(mesh.client.ip())),
-        "forwarded by the DNS proxy, not sent by the pod: {forwarded:?}"
+            .all(|s| s.from.ip() == IpAddr::V4(mesh.client.ip())),
+        "forwarded from the pod's own IP (its netns), not the agent's: {forwarded:?}"
     );
 
     // A large answer over TCP (and over UDP however the proxy delivers it).

@@ -908,8 +908,8 @@ fn check_args(objects: &[Object]) {
     let spec = pod_spec(&ds);
     let args = effective_agent_args(&agent_container(&spec), &config_maps_in(objects));
     // The contract's loopback-only admin API, and metrics/readiness on
-    // every address (with hostNetwork, the node's: the kubelet and
-    // Prometheus come from outside).
+    // every address of the agent's own pod netns (its pod IP: the kubelet
+    // and Prometheus come from outside).
     let admin: SocketAddr = args["--admin-addr"].parse().expect("admin addr");
     assert!(
         admin.ip().is_loopback(),
@@ -1025,21 +1025,39 @@ fn check_agent_needs(objects: &[Object]) {
     let agent = agent_container(&spec);
     let args = effective_agent_args(&agent, &config_maps_in(objects));
 
-    // Host namespaces: /proc scanning for pods' netns, ports on the node.
+    // Host namespaces: the host's PIDs for /proc scanning for pods' netns;
+    // not the host's network (the agent's ports are its pod's, see
+    // check_rolling_update), so the pod's own cluster DNS policy.
     assert_eq!(
         spec.host_pid,
         Some(true),
         "hostPID: netns discovery scans /proc"
     );
-    assert_eq!(
+    assert_ne!(
         spec.host_network,
         Some(true),
-        "hostNetwork: ports bind in the node's netns"
+        "no hostNetwork: the agent runs in its own pod netns"
     );
+    assert!(
+        spec.dns_policy
+            .as_deref()
+            .is_none_or(|p| p == "ClusterFirst"),
+        "a pod-network pod resolves cluster names with ClusterFirst: {:?}",
+        spec.dns_policy
+    );
+    // An ordinary pod now: it must never be captured as a mesh workload.
+    let template_labels = ds
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.metadata.as_ref())
+        .and_then(|m| m.labels.clone())
+        .unwrap_or_default();
     assert_eq!(
-        spec.dns_policy.as_deref(),
-        Some("ClusterFirstWithHostNet"),
-        "with hostNetwork, cluster DNS needs ClusterFirstWithHostNet"
+        template_labels
+            .get("istio.io/dataplane-mode")
+            .map(String::as_str),
+        Some("none"),
+        "the agent pod opts out of the mesh"
     );
     assert!(
         rust_sources("userspace/src/control/kube")
@@ -1272,9 +1290,9 @@ fn check_agent_needs(objects: &[Object]) {
         Some("spec.nodeName")
     );
 
-    // Ports of the contract: metrics and readiness declared (with
-    // hostNetwork, host port = container port); the readiness probe on its
-    // path; Prometheus told where to scrape.
+    // Ports of the contract: metrics and readiness declared on the pod IP
+    // (no host port); the readiness probe on its path; Prometheus told
+    // where to scrape.
     let metrics = contract_port("PORT_METRICS");
     let readiness = contract_port("PORT_READINESS");
     let ports: BTreeMap<i32, Option<i32>> = agent
@@ -1288,8 +1306,8 @@ fn check_agent_needs(objects: &[Object]) {
             .get(&i32::from(port))
             .unwrap_or_else(|| panic!("port {port} is not declared"));
         assert!(
-            host_port.is_none_or(|p| p == i32::from(port)),
-            "port {port}: with hostNetwork the host port is the container port"
+            host_port.is_none(),
+            "port {port}: the pod IP's, not a host port ({host_port:?})"
         );
     }
     assert!(
@@ -1396,16 +1414,8 @@ fn check_agent_needs(objects: &[Object]) {
     );
 }
 
-fn int_or_percent(value: Option<&IntOrString>) -> Option<bool> {
-    // Whether the value is non-zero.
-    value.map(|v| match v {
-        IntOrString::Int(n) => *n != 0,
-        IntOrString::String(s) => !matches!(s.trim_end_matches('%').parse::<i32>(), Ok(0)),
-    })
-}
-
 #[test]
-fn rolling_update_cannot_hang_and_replaces_one_node_at_a_time() {
+fn rolling_update_is_a_surge_without_host_network_or_host_ports() {
     check_rolling_update(&all_objects());
 }
 
@@ -1419,30 +1429,44 @@ fn check_rolling_update(objects: &[Object]) {
         .expect("an update strategy");
     assert_eq!(strategy.type_.as_deref(), Some("RollingUpdate"));
     let rolling = strategy.rolling_update.expect("rollingUpdate");
-    // The API defaults: maxUnavailable 1, maxSurge 0.
-    let surge = int_or_percent(rolling.max_surge.as_ref()).unwrap_or(false);
-    let unavailable = int_or_percent(rolling.max_unavailable.as_ref()).unwrap_or(true);
-    assert!(
-        surge || unavailable,
-        "the API rejects maxSurge and maxUnavailable both 0"
+    // A surge, one node at a time: the new agent pod starts beside the old
+    // one and is ready before the old one is stopped (maxSurge 1,
+    // maxUnavailable 0), so a node never lacks a proxy during an update
+    // (tests/tests/handover.rs runs that sequence in the pod layout).
+    assert_eq!(
+        rolling.max_surge,
+        Some(IntOrString::Int(1)),
+        "maxSurge: 1 (a surge pod per node, one node at a time)"
     );
-    // A surge pod runs beside the old one on the same node: host ports (all
-    // container ports under hostNetwork) keep it from being scheduled and
-    // the rollout never finishes (kubernetes/kubernetes#106417); and two
-    // agents cannot share one node's pins and cgroup root.
-    let host_ports = spec.host_network == Some(true)
-        || spec
-            .containers
-            .iter()
-            .flat_map(|c| c.ports.iter().flatten())
-            .any(|p| p.host_port.is_some());
-    assert!(
-        !(surge && host_ports),
-        "maxSurge > 0 with host ports: the surge pod can never be scheduled"
+    assert_eq!(
+        rolling.max_unavailable,
+        Some(IntOrString::Int(0)),
+        "maxUnavailable: 0 (the old agent stays until the new one is ready)"
     );
+    // The surge pod runs beside the old one on the same node: a host port
+    // (every container port under hostNetwork) would keep it from being
+    // scheduled and the rollout would never finish
+    // (kubernetes/kubernetes#106417).
+    assert_ne!(
+        spec.host_network,
+        Some(true),
+        "hostNetwork makes every container port a host port: the surge pod could never be scheduled"
+    );
+    let host_ports: Vec<String> = spec
+        .containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+        .flat_map(|c| {
+            c.ports
+                .iter()
+                .flatten()
+                .filter(|p| p.host_port.is_some())
+                .map(move |p| format!("{}: {:?}", c.name, p.host_port))
+        })
+        .collect();
     assert!(
-        !surge,
-        "two agents on one node share pins and cgroup root: no surge"
+        host_ports.is_empty(),
+        "host ports keep the surge pod from being scheduled: {host_ports:?}"
     );
 }
 

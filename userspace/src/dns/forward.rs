@@ -1,16 +1,22 @@
 //! Forwarding what the mesh does not know to the upstream resolvers: UDP
 //! first, TCP when the upstream truncates (or when the client itself came
 //! over TCP), each exchange on a fresh socket with a fresh random id, the
-//! whole bounded by one timeout. The upstream sockets are the agent's (its
-//! own network namespace, where its resolv.conf's resolvers are reachable),
-//! not the pod's.
+//! whole bounded by one timeout. The upstream sockets are made in the
+//! asking pod's network namespace when the caller gives the pod's
+//! [`UpstreamSockets`] (the proxy does: a pod's forwarded query leaves from
+//! the pod's own IP, as ztunnel's in-pod forwarder sends it, whatever netns
+//! the agent runs in); otherwise in the calling thread's (the agent's).
 
 use std::{
     io,
     net::{Ipv4Addr, Ipv6Addr, SocketAddr},
     path::Path,
+    sync::Arc,
     time::Duration,
 };
+
+use futures::future::BoxFuture;
+use socket2::{Domain, SockAddr, Socket};
 
 use hickory_proto::op::{Message, MessageType};
 use tokio::{
@@ -48,12 +54,26 @@ pub enum ForwardError {
     },
 }
 
-/// The upstream resolvers and the time they have. Shared by every pod's
-/// server.
+/// Where a forwarder's upstream sockets are created: a pod's network
+/// namespace (the proxy's socket thread for the pod). Sockets come
+/// non-blocking and marked as the proxy's (never captured by the pod's DNS
+/// capture), neither bound nor connected.
+pub trait UpstreamSockets: Send + Sync + std::fmt::Debug {
+    /// A UDP socket of `domain`.
+    fn udp(&self, domain: Domain) -> BoxFuture<'_, io::Result<Socket>>;
+    /// A TCP socket of `domain`.
+    fn tcp(&self, domain: Domain) -> BoxFuture<'_, io::Result<Socket>>;
+}
+
+/// The upstream resolvers and the time they have, shared by every pod's
+/// server; [`Forwarder::in_pod`] gives one pod's server its copy.
 #[derive(Clone, Debug)]
 pub struct Forwarder {
     upstreams: Vec<SocketAddr>,
     timeout: Duration,
+    /// Where the upstream sockets are made; `None`: the calling thread's
+    /// netns.
+    sockets: Option<Arc<dyn UpstreamSockets>>,
 }
 
 impl Forwarder {
@@ -61,7 +81,20 @@ impl Forwarder {
     /// times out), all within `timeout`. No upstream: every forwarded query
     /// gets SERVFAIL.
     pub fn new(upstreams: Vec<SocketAddr>, timeout: Duration) -> Self {
-        Self { upstreams, timeout }
+        Self {
+            upstreams,
+            timeout,
+            sockets: None,
+        }
+    }
+
+    /// The same upstreams and timeout, with the upstream sockets made by
+    /// `sockets` (a pod's netns).
+    pub fn in_pod(&self, sockets: Arc<dyn UpstreamSockets>) -> Self {
+        Self {
+            sockets: Some(sockets),
+            ..self.clone()
+        }
     }
 
     /// The `nameserver`s of the resolv.conf at `path`.
@@ -91,7 +124,8 @@ impl Forwarder {
             let left = deadline.saturating_duration_since(Instant::now());
             let share = left / (self.upstreams.len() - i) as u32;
             let attempt = Instant::now() + share;
-            match timeout_at(attempt, exchange(*upstream, query, tcp)).await {
+            let exchanged = exchange(self.sockets.as_deref(), *upstream, query, tcp);
+            match timeout_at(attempt, exchanged).await {
                 Ok(Ok(mut answer)) => {
                     answer.metadata.id = query.metadata.id;
                     return Ok(answer);
@@ -106,6 +140,7 @@ impl Forwarder {
 
 /// One upstream, UDP then (truncated) TCP.
 async fn exchange(
+    sockets: Option<&dyn UpstreamSockets>,
     upstream: SocketAddr,
     query: &Message,
     tcp: bool,
@@ -117,15 +152,16 @@ async fn exchange(
         reason: format!("cannot encode the query: {e}"),
     })?;
     if !tcp {
-        let answer = exchange_udp(upstream, &ask, &bytes).await?;
+        let answer = exchange_udp(sockets, upstream, &ask, &bytes).await?;
         if !answer.metadata.truncation {
             return Ok(answer);
         }
     }
-    exchange_tcp(upstream, &ask, &bytes).await
+    exchange_tcp(sockets, upstream, &ask, &bytes).await
 }
 
 async fn exchange_udp(
+    sockets: Option<&dyn UpstreamSockets>,
     upstream: SocketAddr,
     ask: &Message,
     bytes: &[u8],
@@ -135,7 +171,17 @@ async fn exchange_udp(
         SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
         SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
     };
-    let socket = UdpSocket::bind(local).await.map_err(io_err)?;
+    let socket = match sockets {
+        Some(sockets) => {
+            let socket = sockets
+                .udp(Domain::for_address(upstream))
+                .await
+                .map_err(io_err)?;
+            socket.bind(&SockAddr::from(local)).map_err(io_err)?;
+            UdpSocket::from_std(socket.into()).map_err(io_err)?
+        }
+        None => UdpSocket::bind(local).await.map_err(io_err)?,
+    };
     // Connected: the kernel drops datagrams from anyone but the upstream.
     socket.connect(upstream).await.map_err(io_err)?;
     socket.send(bytes).await.map_err(io_err)?;
@@ -151,6 +197,7 @@ async fn exchange_udp(
 }
 
 async fn exchange_tcp(
+    sockets: Option<&dyn UpstreamSockets>,
     upstream: SocketAddr,
     ask: &Message,
     bytes: &[u8],
@@ -160,7 +207,19 @@ async fn exchange_tcp(
         upstream,
         reason: "query too large for TCP".into(),
     })?;
-    let mut stream = TcpStream::connect(upstream).await.map_err(io_err)?;
+    let mut stream = match sockets {
+        Some(sockets) => {
+            let socket = sockets
+                .tcp(Domain::for_address(upstream))
+                .await
+                .map_err(io_err)?;
+            tokio::net::TcpSocket::from_std_stream(socket.into())
+                .connect(upstream)
+                .await
+                .map_err(io_err)?
+        }
+        None => TcpStream::connect(upstream).await.map_err(io_err)?,
+    };
     let mut framed = Vec::with_capacity(bytes.len() + 2);
     framed.extend_from_slice(&len.to_be_bytes());
     framed.extend_from_slice(bytes);

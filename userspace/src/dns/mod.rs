@@ -58,7 +58,7 @@ use std::{io, net::SocketAddr, path::PathBuf, sync::Arc};
 use tokio::{sync::watch, task::JoinHandle};
 use tokio_util::sync::CancellationToken;
 
-pub use forward::{DEFAULT_UPSTREAM_TIMEOUT, ForwardError, Forwarder};
+pub use forward::{DEFAULT_UPSTREAM_TIMEOUT, ForwardError, Forwarder, UpstreamSockets};
 pub use metrics::DnsMetrics;
 pub use names::{MeshNames, names_channel, publish_names};
 pub use resolv_conf::ResolvConf;

@@ -100,7 +100,13 @@ pub(crate) async fn start(
         },
         asker,
         shared.names.clone(),
-        shared.forwarder.clone(),
+        // Upstream queries from the pod's own netns (its IP), not the
+        // agent's.
+        std::sync::Arc::new(
+            shared
+                .forwarder
+                .in_pod(std::sync::Arc::new(sockets.clone())),
+        ),
         shared.metrics.clone(),
     )
     .map_err(|e| ProxyError::Listen {

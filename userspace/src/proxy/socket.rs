@@ -54,6 +54,8 @@ enum Request {
         oneshot::Sender<io::Result<std::net::TcpListener>>,
     ),
     Socket(Domain, oneshot::Sender<io::Result<Socket>>),
+    /// A marked, non-blocking UDP socket (the DNS proxy's upstream queries).
+    Udp(Domain, oneshot::Sender<io::Result<Socket>>),
     /// The DNS proxy's UDP socket and TCP listener on one address.
     Dns(SocketAddr, oneshot::Sender<io::Result<DnsPair>>),
 }
@@ -62,7 +64,9 @@ enum Request {
 /// proxy's 127.0.0.1:15053 or [::1]:15053), non-blocking.
 pub(crate) type DnsPair = (std::net::UdpSocket, std::net::TcpListener);
 
-/// Creates sockets inside one pod's netns. Dropping it ends the thread.
+/// Creates sockets inside one pod's netns. The thread ends when it and
+/// every clone are dropped.
+#[derive(Clone)]
 pub(crate) struct PodSockets {
     netns: PathBuf,
     tx: mpsc::Sender<Request>,
@@ -109,6 +113,9 @@ impl PodSockets {
                     }
                     Request::Socket(domain, reply) => {
                         let _ = reply.send(stream_socket(domain));
+                    }
+                    Request::Udp(domain, reply) => {
+                        let _ = reply.send(datagram_socket(domain));
                     }
                     Request::Dns(addr, reply) => {
                         let _ = reply.send(dns_pair(addr));
@@ -231,6 +238,24 @@ impl PodSockets {
     }
 }
 
+/// The DNS proxy's upstream queries leave from the pod's netns (its IP),
+/// as ztunnel's in-pod forwarder sends them (`dns/forward.rs`).
+impl crate::dns::UpstreamSockets for PodSockets {
+    fn udp(&self, domain: Domain) -> futures::future::BoxFuture<'_, io::Result<Socket>> {
+        Box::pin(async move {
+            let (reply, rx) = oneshot::channel();
+            self.tx
+                .send(Request::Udp(domain, reply))
+                .map_err(|_| gone())?;
+            rx.await.map_err(|_| gone())?
+        })
+    }
+
+    fn tcp(&self, domain: Domain) -> futures::future::BoxFuture<'_, io::Result<Socket>> {
+        Box::pin(self.socket(domain))
+    }
+}
+
 /// Why a transparent connect failed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum SourceError {
@@ -300,6 +325,16 @@ fn stream_socket(domain: Domain) -> io::Result<Socket> {
         domain,
         Type::STREAM.nonblocking().cloexec(),
         Some(Protocol::TCP),
+    )?;
+    socket.set_mark(PROXY_MARK)?;
+    Ok(socket)
+}
+
+fn datagram_socket(domain: Domain) -> io::Result<Socket> {
+    let socket = Socket::new(
+        domain,
+        Type::DGRAM.nonblocking().cloexec(),
+        Some(Protocol::UDP),
     )?;
     socket.set_mark(PROXY_MARK)?;
     Ok(socket)

@@ -110,11 +110,11 @@ fn assert_same_objects(kustomized: Vec<Object>, charted: Vec<Object>, what: &str
 
 #[test]
 fn chart_with_default_values_renders_the_kustomize_base() {
-    assert_same_objects(
-        kustomize::build(""),
-        render("shunt-system", &[], &[]),
-        "default values vs deploy/",
-    );
+    let charted = render("shunt-system", &[], &[]);
+    // The surge strategy, no hostNetwork, no host port, checked on the
+    // rendered chart itself (not only through its equality with deploy/).
+    check_rolling_update(&charted);
+    assert_same_objects(kustomize::build(""), charted, "default values vs deploy/");
 }
 
 #[test]
