@@ -76,7 +76,14 @@ fn n_direct_connections_make_n_reports_and_status_shows_the_fast_path() {
     let node = client.node().clone();
     let _echo = EchoServer::on(&plain, 8080).expect("echo");
     let _echo_server = EchoServer::on(&server, 8080).expect("echo");
-    let mut agent = Agent::start(&topo, &node, &yaml, &FAST).expect("agent");
+    // FAST_PATH_REPORT_RUST_LOG (e.g. `info,shunt::access=warn`) to see
+    // what the access lines cost; they are counted below only at info.
+    let log_filter = std::env::var("FAST_PATH_REPORT_RUST_LOG").ok();
+    let env: Vec<(&str, &str)> = log_filter
+        .as_deref()
+        .map(|f| vec![("RUST_LOG", f)])
+        .unwrap_or_default();
+    let mut agent = Agent::start_with_env(&topo, &node, &yaml, &FAST, &env).expect("agent");
     agent
         .wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_enrolled)
         .expect("enrolled");
@@ -136,7 +143,7 @@ fn n_direct_connections_make_n_reports_and_status_shows_the_fast_path() {
     }
     // One access line per connection (each names the destination).
     let start = Instant::now();
-    loop {
+    while log_filter.is_none() {
         let logs = agent.logs();
         let lines = logs
             .lines()
