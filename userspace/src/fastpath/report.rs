@@ -26,7 +26,8 @@ use crate::{
     store::WorkloadStore,
 };
 
-/// How often the kernel's counters are copied into the metrics.
+/// How often the kernel's counters are copied into the metrics when no
+/// event was read.
 const COUNTERS_EVERY: Duration = Duration::from_secs(1);
 
 /// How often the ring buffer is read without a wake-up: the programs wake
@@ -89,10 +90,15 @@ pub async fn report_events(
             reporter.applied.borrow_and_update();
             labels.clear();
         }
+        let mut read_any = false;
         while let Some(event) = events.get_mut().next_event() {
             reporter.handle(&mut labels, &event);
+            read_any = true;
         }
-        if counters_copied.is_none_or(|at| at.elapsed() >= COUNTERS_EVERY) {
+        // With the events (at most once per read of a batch, so the
+        // kernel's counts move with the connections they name), else once
+        // a second.
+        if read_any || counters_copied.is_none_or(|at| at.elapsed() >= COUNTERS_EVERY) {
             copied = reporter.copy_counters(&counters.read(), copied);
             copied_mesh = reporter.copy_mesh_counters(&counters.read_mesh_local(), copied_mesh);
             reporter
