@@ -19,12 +19,18 @@
 //! once received. Which FINs were counted is read from the state changes
 //! (see `on_state_change`).
 //!
+//! Events do not wake the agent one by one (a wake-up costs the agent more
+//! than the event): each is submitted without a wake-up until the ring holds
+//! `WAKE_AT_BYTES` unread, and the agent reads the ring on a short timer
+//! besides (`fastpath::report`), so an event waits at most that long.
+//!
 //! Flow 2 (`mesh_local.rs`, same-node mesh connections) keeps its records
 //! here too, marked `MESH_LOCAL`: the same events and byte accounting, and
 //! its flow entry is written at the SYN and deleted at the close.
 
 use aya_ebpf::{
     bindings::{
+        BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP,
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG,
         BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_TCP_CLOSE, BPF_TCP_CLOSE_WAIT, BPF_TCP_CLOSING,
         BPF_TCP_FIN_WAIT1, BPF_TCP_FIN_WAIT2, BPF_TCP_LAST_ACK,
@@ -41,6 +47,11 @@ use crate::maps::{
 };
 
 const AF_INET: u32 = 2;
+
+/// Unread bytes in `SHUNT_FP_EVENTS` (256 KiB) at which a submit wakes the
+/// agent: about 300 events, an eighth of the ring, so a burst between two of
+/// the agent's timed reads never fills it.
+const WAKE_AT_BYTES: u64 = 32 * 1024;
 
 /// Called by connect4/6 for a connect they would redirect: true when it
 /// goes direct instead (the pod allows the fast path, the table is valid,
@@ -245,7 +256,12 @@ fn emit(
         bytes_received,
         duration_ns: now.saturating_sub(record.started_ns),
     });
-    entry.submit(0);
+    let wake = if FAST_PATH_EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= WAKE_AT_BYTES {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    };
+    entry.submit(u64::from(wake));
 }
 
 /// The local and remote IPv6 addresses, each word read on its own: the

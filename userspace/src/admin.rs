@@ -83,6 +83,7 @@ pub fn node_status(node: &NodeSnapshot, policies: Option<&PolicySet>) -> NodeSta
                         connects: *connects,
                     })
                     .collect(),
+                fast_path_opt_out: workload.fast_path == Some(false),
             }
         })
         .collect();
@@ -95,6 +96,7 @@ pub fn node_status(node: &NodeSnapshot, policies: Option<&PolicySet>) -> NodeSta
         verify_passes: node.verify_passes,
         xds: None,
         kernel_authz: node.kernel_authz.clone(),
+        fast_path: None,
         pods,
     }
 }
@@ -109,6 +111,8 @@ pub struct AdminState {
     pub store: Option<Arc<RwLock<WorkloadStore>>>,
     /// The eBPF mode's pin dir (`--bpf-pin-dir`), for `/debug/bpf`.
     pub bpf_pin_dir: PathBuf,
+    /// The fast path's published counters (read, never locked).
+    pub fast_path: crate::metrics::FastPathMetrics,
 }
 
 impl AdminState {
@@ -141,8 +145,16 @@ pub async fn serve(listener: tokio::net::TcpListener, state: AdminState) {
 async fn status(State(state): State<AdminState>) -> Json<NodeStatus> {
     debug!(target: "shunt::admin", request = "status", "admin request");
     let policies = state.policies();
-    let mut status = node_status(&state.reader.read(), policies.as_deref());
+    let node = state.reader.read();
+    let mut status = node_status(&node, policies.as_deref());
     status.xds = state.reader.xds().map(|x| x.summary());
+    if node.mode == RedirectMode::Ebpf {
+        status.fast_path = Some(
+            state
+                .fast_path
+                .status(node.mesh_local.as_ref(), node.kernel_authz.as_ref()),
+        );
+    }
     Json(status)
 }
 

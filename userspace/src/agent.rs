@@ -479,6 +479,7 @@ impl NodeAgent {
             pods: Arc::from(pods),
             verify_passes: self.verify_passes,
             kernel_authz: self.kernel_authz_status.clone(),
+            mesh_local: self.mesh_local_status.clone(),
             ..NodeSnapshot::empty(
                 self.node.clone(),
                 self.redirector.mode(),

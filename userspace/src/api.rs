@@ -42,7 +42,34 @@ pub struct NodeStatus {
     /// proxy), as its last compile left it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kernel_authz: Option<KernelAuthzStatus>,
+    /// The fast path (eBPF mode), as its tasks last published it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fast_path: Option<FastPathStatus>,
     pub pods: Vec<PodStatus>,
+}
+
+/// The fast path (`--fast-path`): flow 1 (passthrough connects go direct)
+/// and flow 2 (same-node mesh connects carried in the kernel).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FastPathStatus {
+    /// `--fast-path on` (with capture and the builtin proxy).
+    pub enabled: bool,
+    /// Flow 1: the destination table is complete and in use.
+    pub table_valid: bool,
+    /// Destinations (mesh workload IPs, service VIPs) in flow 1's table.
+    pub destinations: u64,
+    /// Flow 2 is on.
+    pub mesh_local_on: bool,
+    /// Why flow 2 is off (absent while it is on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mesh_local_off_reason: Option<String>,
+    /// Connects that went direct (flow 1), since the agent started.
+    pub passthrough_connections: u64,
+    /// Connects carried in the kernel between this node's mesh pods (flow 2).
+    pub mesh_local_connections: u64,
+    /// Connection events the kernel could not hand over (ring buffer
+    /// full): those connections are missing from the metrics.
+    pub events_dropped: u64,
 }
 
 /// The authorization verdicts compiled into the kernel (`docs/authz.md`).
@@ -97,6 +124,10 @@ pub struct PodStatus {
     /// verify pass read them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub kernel_denials: Vec<KernelDenial>,
+    /// The pod opted out of the fast path (`shunt.io/fast-path: "off"` on it
+    /// or its namespace; `fastPath: false`): its connections take the proxy.
+    #[serde(default)]
+    pub fast_path_opt_out: bool,
 }
 
 /// A workload certificate's validity.

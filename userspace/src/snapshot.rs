@@ -44,6 +44,9 @@ pub struct NodeSnapshot {
     pub certificates: BTreeMap<SpiffeId, Arc<WorkloadCert>>,
     /// The kernel's authorization point, when there is one.
     pub kernel_authz: Option<crate::api::KernelAuthzStatus>,
+    /// What the last write of the fast path's flow 2 maps did (eBPF mode
+    /// with the kernel authorization point).
+    pub mesh_local: Option<crate::redirect::MeshLocalWritten>,
 }
 
 /// One pod of this node.
@@ -72,6 +75,7 @@ impl NodeSnapshot {
             proxy: None,
             certificates: BTreeMap::new(),
             kernel_authz: None,
+            mesh_local: None,
         }
     }
 

@@ -270,6 +270,7 @@ pub fn render_table_at(status: &NodeStatus, now: std::time::SystemTime) -> Strin
                 .unwrap_or_default()
         );
     }
+    render_fast_path(&mut out, status);
     let refused: Vec<&PodStatus> = status
         .pods
         .iter()
@@ -293,6 +294,49 @@ pub fn render_table_at(status: &NodeStatus, now: std::time::SystemTime) -> Strin
         }
     }
     out
+}
+
+/// The fast path (eBPF mode): flow 1's table and flow 2's switch, the
+/// connections each carried, the events lost, and the pods that opted out.
+fn render_fast_path(out: &mut String, status: &NodeStatus) {
+    let Some(fast) = &status.fast_path else {
+        return;
+    };
+    if !fast.enabled {
+        let _ = writeln!(
+            out,
+            "fast path: off (--fast-path off): every connection of an enrolled pod goes through the proxy"
+        );
+        return;
+    }
+    let table = if fast.table_valid {
+        format!("table valid, {} destinations", fast.destinations)
+    } else {
+        "table NOT valid (every connect goes to the proxy)".to_string()
+    };
+    let mesh = match &fast.mesh_local_off_reason {
+        None if fast.mesh_local_on => "on".to_string(),
+        None => "off".to_string(),
+        Some(reason) => format!("off ({reason})"),
+    };
+    let _ = writeln!(
+        out,
+        "fast path: passthrough {table}, {} connections direct; same-node mesh {mesh}, {} connections in the kernel; events lost {}",
+        fast.passthrough_connections, fast.mesh_local_connections, fast.events_dropped
+    );
+    let opted_out: Vec<String> = status
+        .pods
+        .iter()
+        .filter(|p| p.fast_path_opt_out)
+        .map(|p| format!("{}/{}", p.namespace, p.name))
+        .collect();
+    if !opted_out.is_empty() {
+        let _ = writeln!(
+            out,
+            "fast path opted out (through the proxy): {}",
+            opted_out.join(", ")
+        );
+    }
 }
 
 /// `in 23h59m`, `in 4m10s`, or `EXPIRED 5m ago`.
@@ -338,6 +382,16 @@ mod tests {
                 error: None,
             }),
             verify_passes: 3,
+            fast_path: Some(crate::api::FastPathStatus {
+                enabled: true,
+                table_valid: true,
+                destinations: 7,
+                mesh_local_on: false,
+                mesh_local_off_reason: Some("--fast-path off".into()),
+                passthrough_connections: 5,
+                mesh_local_connections: 0,
+                events_dropped: 0,
+            }),
             pods: vec![
                 PodStatus {
                     namespace: "default".into(),
@@ -376,6 +430,7 @@ mod tests {
                         policy: "default/allow-client".into(),
                         connects: 4,
                     }],
+                    fast_path_opt_out: false,
                 },
                 PodStatus {
                     namespace: "default".into(),
@@ -392,6 +447,7 @@ mod tests {
                     certificate: None,
                     policies: vec![],
                     kernel_denials: vec![],
+                    fast_path_opt_out: true,
                 },
             ],
         };
@@ -434,14 +490,23 @@ mod tests {
             lines[6], "kernel authorization: 2 entries from 1 policies, 0 pairs left to the proxy",
             "{table}"
         );
-        assert_eq!(lines[7], "connects refused in the kernel (EPERM):");
         assert_eq!(
-            lines[8], "  default/client: default/allow-client 4",
+            lines[7],
+            "fast path: passthrough table valid, 7 destinations, 5 connections direct; same-node mesh off (--fast-path off), 0 connections in the kernel; events lost 0",
+            "{table}"
+        );
+        assert_eq!(
+            lines[8], "fast path opted out (through the proxy): default/outsider",
+            "{table}"
+        );
+        assert_eq!(lines[9], "connects refused in the kernel (EPERM):");
+        assert_eq!(
+            lines[10], "  default/client: default/allow-client 4",
             "{table}"
         );
         assert_eq!(
             lines.len(),
-            9,
+            11,
             "only pods with policies or refusals are listed: {table}"
         );
         assert_eq!(lifetime(-300), "EXPIRED 5m0s ago");

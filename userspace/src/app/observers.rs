@@ -49,6 +49,7 @@ impl Observers {
             reader: self.reader.clone(),
             store: self.store,
             bpf_pin_dir: self.bpf_pin_dir,
+            fast_path: self.metrics.fast_path().clone(),
         };
         tokio::spawn(crate::admin::serve(listener, admin_state).instrument(info_span!("admin")));
 

@@ -78,6 +78,9 @@ pub(super) fn start_fast_path(
         "passthrough fast path on: enrolled pods' connects outside the mesh go direct once the destination table is written"
     );
     let fast = metrics.fast_path().clone();
+    fast.enabled
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    let reporter_applied = applied.clone();
     tokio::spawn(
         crate::fastpath::table::write_table(
             kernel.table,
@@ -89,9 +92,11 @@ pub(super) fn start_fast_path(
     );
     let reporter = crate::fastpath::report::Reporter {
         observer: metrics.connection_observer(parts.store.clone()),
+        connections: metrics.kernel_connections(parts.store.clone()),
         store: parts.store.clone(),
         trust_domain: trust_domain.clone(),
         metrics: fast,
+        applied: reporter_applied,
     };
     tokio::spawn(
         crate::fastpath::report::report_events(kernel.events, kernel.counters, reporter)

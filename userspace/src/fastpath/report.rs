@@ -5,38 +5,62 @@
 //! construction — and an access log line like the proxy's.
 
 use std::{
+    collections::HashMap,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     sync::{Arc, RwLock},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use shunt_common::{FastPathEvent, FastPathStats, MeshLocalStats};
-use tokio::io::{Interest, unix::AsyncFd};
+use tokio::{
+    io::{Interest, unix::AsyncFd},
+    sync::watch,
+};
 use tracing::warn;
 
 use crate::{
-    metrics::FastPathMetrics,
+    metrics::{FastPathMetrics, KernelConnections, TcpSeries},
     proxy::{ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, Direction},
     redirect::ebpf::{FastPathCounters, FastPathEvents},
-    state::TrustDomain,
+    state::{TrustDomain, WorkloadKey},
     store::WorkloadStore,
 };
 
 /// How often the kernel's counters are copied into the metrics when no
-/// event wakes the task.
+/// event was read.
 const COUNTERS_EVERY: Duration = Duration::from_secs(1);
+
+/// How often the ring buffer is read without a wake-up: the programs wake
+/// the agent only once the ring holds a batch (`ebpf/src/passthrough.rs`),
+/// so this is the longest an event waits to be counted.
+const POLL_EVERY: Duration = Duration::from_millis(20);
+
+/// (source, destination) pairs whose labels are kept; past it the cache
+/// starts again (passthrough destinations are any address).
+const MAX_RESOLVED: usize = 4096;
 
 /// Who the reports name and where they go.
 pub struct Reporter {
+    /// The proxy's observer: a failed connection is counted through it
+    /// (rare; its series differ by `response_flags`).
     pub observer: Arc<dyn ConnectionObserver>,
+    /// Istio's TCP series, resolved once per (source, destination).
+    pub connections: KernelConnections,
     pub store: Arc<RwLock<WorkloadStore>>,
     pub trust_domain: TrustDomain,
     pub metrics: FastPathMetrics,
+    /// The store owner's applied views: the resolved labels are dropped
+    /// when it moves (a workload's name or identity may have changed).
+    pub applied: watch::Receiver<u64>,
 }
 
 /// Reads `events` until the ring buffer fails; copies `counters` into the
 /// metrics as it goes.
-pub async fn report_events(events: FastPathEvents, counters: FastPathCounters, reporter: Reporter) {
+pub async fn report_events(
+    events: FastPathEvents,
+    counters: FastPathCounters,
+    mut reporter: Reporter,
+) {
     // SAFETY: `FastPathEvents` owns the ring buffer's fd and keeps it open,
     // with the same value, until it is dropped together with the AsyncFd.
     let registered = unsafe { AsyncFd::register_with_interest(events, Interest::READABLE) };
@@ -49,24 +73,62 @@ pub async fn report_events(events: FastPathEvents, counters: FastPathCounters, r
     };
     let mut copied = FastPathStats::default();
     let mut copied_mesh = MeshLocalStats::default();
-    let mut tick = tokio::time::interval(COUNTERS_EVERY);
+    let mut labels = Resolved::default();
+    let mut poll = tokio::time::interval(POLL_EVERY);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut counters_copied: Option<Instant> = None;
     loop {
         tokio::select! {
             ready = events.readable_mut() => {
                 let Ok(mut guard) = ready else { return };
-                while let Some(event) = guard.get_inner_mut().next_event() {
-                    reporter.handle(&event);
-                }
+                // Cleared before reading: a wake-up during the read is kept.
                 guard.clear_ready();
             }
-            _ = tick.tick() => {}
+            _ = poll.tick() => {}
         }
-        copied = reporter.copy_counters(&counters.read(), copied);
-        copied_mesh = reporter.copy_mesh_counters(&counters.read_mesh_local(), copied_mesh);
-        reporter
-            .metrics
-            .mesh_local_on
-            .set(i64::from(counters.mesh_local_on()));
+        if reporter.applied.has_changed().unwrap_or(false) {
+            reporter.applied.borrow_and_update();
+            labels.clear();
+        }
+        let mut read_any = false;
+        while let Some(event) = events.get_mut().next_event() {
+            reporter.handle(&mut labels, &event);
+            read_any = true;
+        }
+        // With the events (at most once per read of a batch, so the
+        // kernel's counts move with the connections they name), else once
+        // a second.
+        if read_any || counters_copied.is_none_or(|at| at.elapsed() >= COUNTERS_EVERY) {
+            copied = reporter.copy_counters(&counters.read(), copied);
+            copied_mesh = reporter.copy_mesh_counters(&counters.read_mesh_local(), copied_mesh);
+            reporter
+                .metrics
+                .mesh_local_on
+                .set(i64::from(counters.mesh_local_on()));
+            counters_copied = Some(Instant::now());
+        }
+    }
+}
+
+/// One end's report of a connection: who it names and its series.
+struct Side {
+    direction: Direction,
+    pod: Option<WorkloadKey>,
+    src_identity: Option<String>,
+    dst_identity: Option<String>,
+    series: TcpSeries,
+}
+
+/// The resolved reports, by (flow 2, source address, destination address):
+/// what the labels depend on.
+#[derive(Default)]
+pub struct Resolved {
+    pairs: HashMap<(bool, IpAddr, IpAddr), Vec<Side>>,
+}
+
+impl Resolved {
+    fn clear(&mut self) {
+        self.pairs.clear();
     }
 }
 
@@ -75,10 +137,27 @@ impl Reporter {
     /// closed with its bytes (a connection that never became established
     /// counts as opened and closed with `response_flags="CONNECT"`, as the
     /// proxy counts a passthrough it could not connect).
-    pub fn handle(&self, event: &FastPathEvent) {
+    pub fn handle(&self, resolved: &mut Resolved, event: &FastPathEvent) {
         let src = socket_addr(event.family, event.src_addr, event.src_port);
         let dst = socket_addr(event.family, event.dst_addr, event.dst_port);
         let mesh_local = event.flags & FastPathEvent::MESH_LOCAL != 0;
+        let key = (mesh_local, src.ip(), dst.ip());
+        if !resolved.pairs.contains_key(&key) && resolved.pairs.len() >= MAX_RESOLVED {
+            resolved.clear();
+        }
+        let sides = resolved
+            .pairs
+            .entry(key)
+            .or_insert_with(|| self.resolve(mesh_local, src, dst));
+        for side in sides {
+            self.report(event, side, src, dst);
+        }
+    }
+
+    /// Both ends of a same-node mesh connection (reported as both proxies
+    /// report a same-node HBONE connection, once by each end, with both
+    /// identities); the source's alone of a passthrough one.
+    fn resolve(&self, mesh_local: bool, src: SocketAddr, dst: SocketAddr) -> Vec<Side> {
         let (source, destination) = {
             let store = self.store.read().unwrap_or_else(|p| p.into_inner());
             let named = |ip| {
@@ -91,44 +170,53 @@ impl Reporter {
                 if mesh_local { named(dst.ip()) } else { None },
             )
         };
-        let info = ConnectionInfo {
-            direction: Direction::Passthrough,
-            pod: source.as_ref().map(|(key, _)| key),
-            src_addr: src,
-            src_identity: source.as_ref().map(|(_, id)| id.as_str()),
-            dst_addr: dst,
-            dst_identity: None,
-            dst_service: None,
+        let src_identity = source.as_ref().map(|(_, id)| id.clone());
+        let dst_identity = destination.as_ref().map(|(_, id)| id.clone());
+        let ends = if mesh_local {
+            vec![
+                (Direction::KernelOutbound, source.map(|(key, _)| key)),
+                (Direction::KernelInbound, destination.map(|(key, _)| key)),
+            ]
+        } else {
+            vec![(Direction::Passthrough, source.map(|(key, _)| key))]
         };
-        if mesh_local {
-            // Both ends are this node's: reported as both proxies report a
-            // same-node HBONE connection, once by each end.
-            let outbound = ConnectionInfo {
-                direction: Direction::KernelOutbound,
-                dst_identity: destination.as_ref().map(|(_, id)| id.as_str()),
-                ..info
-            };
-            let inbound = ConnectionInfo {
-                direction: Direction::KernelInbound,
-                pod: destination.as_ref().map(|(key, _)| key),
-                ..outbound
-            };
-            self.report(event, &outbound);
-            self.report(event, &inbound);
-            return;
-        }
-        self.report(event, &info);
+        ends.into_iter()
+            .map(|(direction, pod)| {
+                let info = ConnectionInfo {
+                    direction,
+                    pod: pod.as_ref(),
+                    src_addr: src,
+                    src_identity: src_identity.as_deref(),
+                    dst_addr: dst,
+                    dst_identity: dst_identity.as_deref(),
+                    dst_service: None,
+                };
+                let series = self.connections.series(&info);
+                Side {
+                    direction,
+                    pod,
+                    src_identity: src_identity.clone(),
+                    dst_identity: dst_identity.clone(),
+                    series,
+                }
+            })
+            .collect()
     }
 
-    fn report(&self, event: &FastPathEvent, info: &ConnectionInfo<'_>) {
-        let info = *info;
+    fn report(&self, event: &FastPathEvent, side: &mut Side, src: SocketAddr, dst: SocketAddr) {
+        let info = ConnectionInfo {
+            direction: side.direction,
+            pod: side.pod.as_ref(),
+            src_addr: src,
+            src_identity: side.src_identity.as_deref(),
+            dst_addr: dst,
+            dst_identity: side.dst_identity.as_deref(),
+            dst_service: None,
+        };
         match event.kind {
-            FastPathEvent::OPENED => self.observer.opened(&info),
+            FastPathEvent::OPENED => side.series.opened(),
             FastPathEvent::CLOSED => {
                 let failed = event.flags & FastPathEvent::FAILED != 0;
-                if failed {
-                    self.observer.opened(&info);
-                }
                 let close = ConnectionClose {
                     bytes_to_target: event.bytes_sent,
                     bytes_from_target: event.bytes_received,
@@ -139,7 +227,13 @@ impl Reporter {
                         ConnectionOutcome::Success
                     },
                 };
-                self.observer.closed(&info, &close);
+                if failed {
+                    self.observer.opened(&info);
+                    self.observer.closed(&info, &close);
+                } else {
+                    side.series
+                        .closed(close.bytes_to_target, close.bytes_from_target);
+                }
                 access_log(&info, &close, event);
             }
             _ => {}

@@ -28,6 +28,9 @@ pub struct FastPathMetrics {
     /// Flow 2: same-node mesh connections carried in the kernel.
     pub mesh_local: Counter,
     pub mesh_local_on: Gauge,
+    /// Set once the fast path's tasks started (`--fast-path on`): read by
+    /// `shunt status`.
+    pub enabled: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl FastPathMetrics {
@@ -84,11 +87,120 @@ impl FastPathMetrics {
             .inc();
     }
 
+    /// What `shunt status` shows of the fast path: these counters, and flow
+    /// 2's last write (`mesh_local`) with the kernel authorization point's
+    /// (`authz`) to say why it is off.
+    pub fn status(
+        &self,
+        mesh_local: Option<&crate::redirect::MeshLocalWritten>,
+        authz: Option<&crate::api::KernelAuthzStatus>,
+    ) -> crate::api::FastPathStatus {
+        let enabled = self.enabled.load(std::sync::atomic::Ordering::Relaxed);
+        let mesh_local_on = enabled && self.mesh_local_on.get() == 1;
+        let mesh_local_off_reason = (!mesh_local_on).then(|| {
+            if !enabled {
+                "--fast-path off".to_string()
+            } else if let Some(error) = mesh_local.and_then(|m| m.error.as_ref()) {
+                format!("its maps could not be written: {error}")
+            } else if let Some(error) = authz.and_then(|a| a.error.as_ref()) {
+                format!("the authorization verdicts are not all in the kernel: {error}")
+            } else if authz.is_none() {
+                "the authorization verdicts are not compiled (--kernel-authz off, or not yet)"
+                    .to_string()
+            } else {
+                "not yet written".to_string()
+            }
+        });
+        crate::api::FastPathStatus {
+            enabled,
+            table_valid: enabled && self.table_valid.get() == 1,
+            destinations: u64::try_from(self.destinations.get()).unwrap_or(0),
+            mesh_local_on,
+            mesh_local_off_reason,
+            passthrough_connections: self.direct.get(),
+            mesh_local_connections: self.mesh_local.get(),
+            events_dropped: self.events_dropped.get(),
+        }
+    }
+
     pub fn proxied_for(&self, reason: &str) -> Counter {
         self.proxied
             .get_or_create(&ReasonLabel {
                 reason: reason.to_string(),
             })
             .clone()
+    }
+}
+
+/// Istio's TCP metrics for the connections the kernel carried, resolved
+/// once per label set: the fast path's reporter keeps a [`TcpSeries`] per
+/// (source, destination) instead of taking the store's lock, building the
+/// 23 labels and looking the series up for every event. The labels are the
+/// proxy's observer's, by construction.
+pub struct KernelConnections {
+    observer: super::istio_tcp::TcpObserver,
+}
+
+impl super::Metrics {
+    /// Istio's TCP metrics for the fast path's reporter, naming workloads
+    /// from `workloads`.
+    pub fn kernel_connections(
+        &self,
+        workloads: std::sync::Arc<std::sync::RwLock<crate::store::WorkloadStore>>,
+    ) -> KernelConnections {
+        KernelConnections {
+            observer: super::istio_tcp::TcpObserver {
+                tcp: self.inner.tcp.clone(),
+                workloads,
+            },
+        }
+    }
+}
+
+impl KernelConnections {
+    /// The series `connection` counts in (a successful one: a failure goes
+    /// through the proxy's observer).
+    pub fn series(&self, connection: &crate::proxy::ConnectionInfo<'_>) -> TcpSeries {
+        TcpSeries {
+            labels: self.observer.labels(connection, "-"),
+            tcp: self.observer.tcp.clone(),
+            opened: None,
+            closed: None,
+        }
+    }
+}
+
+/// One label set's counters, each looked up on first use (so that a series
+/// appears when the proxy's would: opened at the open, the rest at the
+/// close) and then kept.
+pub struct TcpSeries {
+    labels: super::istio_tcp::TcpLabels,
+    tcp: super::istio_tcp::TcpMetrics,
+    opened: Option<Counter>,
+    closed: Option<[Counter; 3]>,
+}
+
+impl TcpSeries {
+    pub fn opened(&mut self) {
+        let (tcp, labels) = (&self.tcp, &self.labels);
+        self.opened
+            .get_or_insert_with(|| tcp.opened.get_or_create(labels).clone())
+            .inc();
+    }
+
+    /// A successful close, with the bytes as the proxy's observer counts
+    /// them (received: to the target; sent: from it).
+    pub fn closed(&mut self, bytes_to_target: u64, bytes_from_target: u64) {
+        let (tcp, labels) = (&self.tcp, &self.labels);
+        let [closed, received, sent] = self.closed.get_or_insert_with(|| {
+            [
+                tcp.closed.get_or_create(labels).clone(),
+                tcp.received_bytes.get_or_create(labels).clone(),
+                tcp.sent_bytes.get_or_create(labels).clone(),
+            ]
+        });
+        received.inc_by(bytes_to_target);
+        sent.inc_by(bytes_from_target);
+        closed.inc();
     }
 }

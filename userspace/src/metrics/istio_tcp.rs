@@ -67,7 +67,7 @@ pub(super) struct TcpObserver {
 }
 
 impl TcpObserver {
-    fn labels(&self, c: &ConnectionInfo<'_>, flags: &str) -> TcpLabels {
+    pub(super) fn labels(&self, c: &ConnectionInfo<'_>, flags: &str) -> TcpLabels {
         let store = self.workloads.read().unwrap_or_else(|p| p.into_inner());
         let local = c.pod.and_then(|key| store.get(key));
         let (src, dst) = if c.direction.local_is_source() {
