@@ -99,6 +99,7 @@ impl Reporter {
             dst_addr: dst,
             dst_identity: None,
             dst_service: None,
+            derived_source: None,
         };
         if mesh_local {
             // Both ends are this node's: reported as both proxies report a

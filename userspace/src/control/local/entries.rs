@@ -120,6 +120,7 @@ pub(super) fn check_entries(raw: Vec<RawWorkload>, problems: &mut Vec<Problem>) 
 pub(super) fn check_services(
     raw: Vec<RawService>,
     workloads: &[Workload],
+    cluster_domain: &str,
     problems: &mut Vec<Problem>,
 ) -> Vec<Service> {
     let workload_ips: HashMap<IpAddr, WorkloadKey> = workloads
@@ -263,7 +264,7 @@ pub(super) fn check_services(
                 hostname: crate::control::waypoint::service_hostname(
                     &raw.namespace,
                     &raw.name,
-                    crate::control::waypoint::CLUSTER_DOMAIN,
+                    cluster_domain,
                 ),
                 name: raw.name,
                 namespace: raw.namespace,
