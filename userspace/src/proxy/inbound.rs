@@ -360,10 +360,10 @@ fn check_request(
     request: &Request<RecvStream>,
 ) -> Result<(SocketAddr, SocketAddr, Arc<PodState>), (StatusCode, String)> {
     let target = connect_target(request)?;
-    if target.ip() != arrival.ip() {
-        if let Some((port, pod)) = as_waypoint(shared, arrival, target) {
-            return check_port(port).map(|()| (target, SocketAddr::new(arrival.ip(), port), pod));
-        }
+    if target.ip() != arrival.ip()
+        && let Some((port, pod)) = as_waypoint(shared, arrival, target)
+    {
+        return check_port(port).map(|()| (target, SocketAddr::new(arrival.ip(), port), pod));
     }
     let target_pod = shared.local_pod(target.ip()).ok_or_else(|| {
         (
