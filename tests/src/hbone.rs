@@ -62,6 +62,20 @@ impl MeshCa {
         Ok(MeshCa { ca: Arc::new(ca) })
     }
 
+    /// The CA an agent keeps in `ca_dir` (its `--ca-dir`; an agent of the
+    /// topology must have created it): certificates its peers accept.
+    pub fn from_dir(ca_dir: &std::path::Path) -> Result<MeshCa> {
+        let ca = BuiltinCa::load(ca_dir)
+            .map_err(|e| TestbedError::Invalid(format!("CA in {}: {e}", ca_dir.display())))?
+            .ok_or_else(|| {
+                TestbedError::Invalid(format!(
+                    "no CA in {} (start an agent first)",
+                    ca_dir.display()
+                ))
+            })?;
+        Ok(MeshCa { ca: Arc::new(ca) })
+    }
+
     /// A certificate for `identity` issued by this CA (through the agent's
     /// identity manager, on a runtime of its own: callable from anywhere).
     pub fn credentials(&self, identity: &SpiffeId) -> Result<Credentials> {
@@ -124,6 +138,18 @@ pub async fn connect(
     expected: &SpiffeId,
     authority: SocketAddr,
 ) -> std::result::Result<(SendStream<Bytes>, RecvStream), String> {
+    connect_with_headers(tcp, cert, roots, expected, authority, &[]).await
+}
+
+/// [`connect`], the CONNECT carrying `headers` too (e.g. `baggage`).
+pub async fn connect_with_headers(
+    tcp: TcpStream,
+    cert: &WorkloadCert,
+    roots: &TrustRoots,
+    expected: &SpiffeId,
+    authority: SocketAddr,
+    headers: &[(&str, &str)],
+) -> std::result::Result<(SendStream<Bytes>, RecvStream), String> {
     let peer = tcp.peer_addr().map_err(|e| e.to_string())?;
     let tls_config = client_config(cert, roots, expected).map_err(|e| e.to_string())?;
     let tls = tokio::time::timeout(
@@ -141,11 +167,13 @@ pub async fn connect(
         let _ = connection.await;
     });
     let mut send = send.ready().await.map_err(|e| e.to_string())?;
-    let request = Request::builder()
+    let mut request = Request::builder()
         .method(Method::CONNECT)
-        .uri(authority.to_string())
-        .body(())
-        .map_err(|e| e.to_string())?;
+        .uri(authority.to_string());
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request.body(()).map_err(|e| e.to_string())?;
     let (response, stream) = send
         .send_request(request, false)
         .map_err(|e| e.to_string())?;

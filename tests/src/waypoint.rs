@@ -36,7 +36,7 @@ use tokio::sync::oneshot;
 
 use crate::{
     Pod, Result, TestbedError,
-    hbone::{self, pump},
+    hbone::{self, MeshCa, pump},
 };
 
 /// How long any step may take.
@@ -351,4 +351,71 @@ async fn connect_upstream(
         upstream.target,
     )
     .await
+}
+
+/// One CONNECT from `pod`, a client no agent knows (in no workloads file,
+/// not enrolled), to `target` over HBONE (its IP's port 15008) as
+/// `identity` (a certificate from the CA in `ca_dir`), expecting the
+/// destination's identity `expected`, with `headers` (e.g. `baggage`).
+/// Sends `payload`, ends its side and returns what came back (an echo
+/// server answers the payload).
+pub fn hbone_exchange(
+    pod: &Pod,
+    ca_dir: &Path,
+    (identity, expected): (&SpiffeId, &SpiffeId),
+    target: SocketAddr,
+    headers: &[(&str, &str)],
+    payload: &[u8],
+) -> Result<Vec<u8>> {
+    let credentials = MeshCa::from_dir(ca_dir)?.credentials(identity)?;
+    let tcp = pod.connect_tcp(SocketAddr::new(target.ip(), 15008), STEP)?;
+    tcp.set_nonblocking(true)
+        .map_err(|e| TestbedError::io("HBONE client: nonblocking socket", e))?;
+    let expected = expected.clone();
+    let headers: Vec<(String, String)> = headers
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.to_string()))
+        .collect();
+    let payload = Bytes::copy_from_slice(payload);
+    let exchange = thread::spawn(move || -> std::result::Result<Vec<u8>, String> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("runtime: {e}"))?;
+        runtime.block_on(async move {
+            let tcp = tokio::net::TcpStream::from_std(tcp).map_err(|e| e.to_string())?;
+            let headers: Vec<(&str, &str)> = headers
+                .iter()
+                .map(|(n, v)| (n.as_str(), v.as_str()))
+                .collect();
+            let (mut send, mut recv) = hbone::connect_with_headers(
+                tcp,
+                &credentials.cert,
+                &credentials.roots,
+                &expected,
+                target,
+                &headers,
+            )
+            .await?;
+            let want = payload.len();
+            send.send_data(payload, true).map_err(|e| e.to_string())?;
+            let mut got = Vec::new();
+            while got.len() < want {
+                match tokio::time::timeout(STEP, recv.data()).await {
+                    Ok(Some(Ok(chunk))) => {
+                        let _ = recv.flow_control().release_capacity(chunk.len());
+                        got.extend_from_slice(&chunk);
+                    }
+                    Ok(Some(Err(e))) => return Err(format!("reading the answer: {e}")),
+                    Ok(None) => break,
+                    Err(_) => return Err("the answer timed out".into()),
+                }
+            }
+            Ok(got)
+        })
+    });
+    exchange
+        .join()
+        .map_err(|_| TestbedError::Invalid("HBONE client thread panicked".into()))?
+        .map_err(|e| TestbedError::Invalid(format!("HBONE client to {target}: {e}")))
 }

@@ -202,7 +202,7 @@ pub struct AgentArgs {
         long,
         env = "CLUSTER_DOMAIN",
         value_name = "DOMAIN",
-        default_value = "cluster.local"
+        default_value = crate::control::waypoint::DEFAULT_CLUSTER_DOMAIN
     )]
     pub cluster_domain: String,
     // --- end of the DNS server's flags.

@@ -112,6 +112,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         Some(path) => PodSource::File(FileSource::load(
             path,
             &args.node_name,
+            &args.cluster_domain,
             Duration::from_secs(args.reload_interval.max(1)),
         )?),
         // Configured before anything is loaded, so that a missing
@@ -284,7 +285,8 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             // is, which identity it speaks), not only this node's. With
             // --xds-address istiod tells it instead.
             if proxy.is_some() && args.xds_address.is_none() {
-                let discovery = kube::ClusterWorkloads::new(client);
+                let discovery =
+                    kube::ClusterWorkloads::new(client).with_cluster_domain(&args.cluster_domain);
                 sources.spawn(
                     discovery
                         .run(sink.clone())

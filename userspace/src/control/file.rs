@@ -25,6 +25,8 @@ pub const SOURCE: &str = "workloads-file";
 pub struct FileSource {
     path: PathBuf,
     node: String,
+    /// `--cluster-domain`: services are named in it.
+    cluster_domain: String,
     reload_interval: Duration,
     /// What was loaded last (pushed first by [`FileSource::run`]).
     current: local::LocalWorkloads,
@@ -36,9 +38,10 @@ impl FileSource {
     pub fn load(
         path: &Path,
         node: &str,
+        cluster_domain: &str,
         reload_interval: Duration,
     ) -> Result<Self, local::WorkloadsFileError> {
-        let current = local::load(path, node)?;
+        let current = local::load(path, node, cluster_domain)?;
         info!(
             file = %path.display(),
             workloads = current.workloads.len(),
@@ -49,6 +52,7 @@ impl FileSource {
         Ok(Self {
             path: path.to_path_buf(),
             node: node.to_string(),
+            cluster_domain: cluster_domain.to_string(),
             reload_interval: reload_interval.max(Duration::from_millis(100)),
             current,
         })
@@ -74,7 +78,7 @@ impl FileSource {
                 continue;
             }
             seen = stamp;
-            match local::load(&self.path, &self.node) {
+            match local::load(&self.path, &self.node, &self.cluster_domain) {
                 Ok(workloads) => {
                     info!(file = %self.path.display(), "workloads file changed; reconciling");
                     self.current = workloads;

@@ -93,20 +93,36 @@ pub struct LocalWorkloads {
 }
 
 /// Reads the workloads file at `path` and checks it for the agent of `node`:
-/// [`parse`], then [`validate_for_node`].
-pub fn load(path: &Path, node: &str) -> Result<LocalWorkloads, WorkloadsFileError> {
+/// [`parse_in`] (services named in `cluster_domain`, `--cluster-domain`),
+/// then [`validate_for_node`].
+pub fn load(
+    path: &Path,
+    node: &str,
+    cluster_domain: &str,
+) -> Result<LocalWorkloads, WorkloadsFileError> {
     let text = fs::read_to_string(path).map_err(|source| WorkloadsFileError::Read {
         path: path.to_owned(),
         source,
     })?;
-    let local = parse(path, &text)?;
+    let local = parse_in(path, &text, cluster_domain)?;
     validate_for_node(&local, node)?;
     local.policy_findings.log(path);
     Ok(local)
 }
 
-/// Parses and checks a workloads file; `path` only names it in messages.
+/// [`parse_in`] the default cluster domain (`cluster.local`).
 pub fn parse(path: &Path, text: &str) -> Result<LocalWorkloads, WorkloadsFileError> {
+    parse_in(path, text, crate::control::waypoint::DEFAULT_CLUSTER_DOMAIN)
+}
+
+/// Parses and checks a workloads file; `path` only names it in messages.
+/// Services (and the waypoints reached through them) are named
+/// `<name>.<namespace>.svc.<cluster_domain>`.
+pub fn parse_in(
+    path: &Path,
+    text: &str,
+    cluster_domain: &str,
+) -> Result<LocalWorkloads, WorkloadsFileError> {
     let invalid = |problems| WorkloadsFileError::Invalid {
         path: path.to_owned(),
         problems,
@@ -139,8 +155,9 @@ pub fn parse(path: &Path, text: &str) -> Result<LocalWorkloads, WorkloadsFileErr
         .map(|s| (WorkloadKey::new(&s.namespace, &s.name), s.labels.clone()))
         .collect();
     let mut workloads = check_entries(raw.workloads, &mut problems);
-    let mut services = check_services(raw.services, &workloads, &mut problems);
+    let mut services = check_services(raw.services, &workloads, cluster_domain, &mut problems);
     let inputs = waypoints::Inputs {
+        cluster_domain,
         workload_order: &workload_order,
         service_labels: &service_labels,
     };

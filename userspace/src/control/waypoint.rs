@@ -58,9 +58,10 @@ pub const WAYPOINT_GATEWAY_CLASS: &str = "istio-waypoint";
 pub const NO_WAYPOINT: &str = "none";
 /// The waypoint's HBONE port, as istiod gives it.
 pub const WAYPOINT_HBONE_PORT: u16 = 15008;
-/// The cluster's DNS domain, in service hostnames. shunt is not told
-/// another (as `metrics::istio_tcp`'s `destination_service`).
-pub const CLUSTER_DOMAIN: &str = "cluster.local";
+/// The default of `--cluster-domain`: the cluster's DNS domain, in service
+/// hostnames. The sources are given the flag's value; this is only its
+/// default (and what `control::local::parse` assumes).
+pub const DEFAULT_CLUSTER_DOMAIN: &str = "cluster.local";
 
 /// The labels the rules read, so a source can keep only these of an
 /// object's labels.
@@ -393,7 +394,7 @@ mod tests {
                 name: name.to_string(),
                 waypoint_for: *f,
             }),
-            CLUSTER_DOMAIN,
+            DEFAULT_CLUSTER_DOMAIN,
         )
     }
 
@@ -443,6 +444,23 @@ mod tests {
                 },
                 hbone_mtls_port: 15008,
             })
+        );
+    }
+
+    #[test]
+    fn the_waypoint_hostname_ends_in_the_configured_cluster_domain() {
+        let wp = Waypoints::new(
+            [WaypointGateway {
+                namespace: "shop".into(),
+                name: "wp".into(),
+                waypoint_for: WaypointFor::Service,
+            }],
+            "corp.example",
+        );
+        let got = resolve(&wp, Kind::Service, &[], Some(&[(USE, "wp")]));
+        assert_eq!(
+            hostname(got).as_deref(),
+            Some("shop wp.shop.svc.corp.example:15008")
         );
     }
 

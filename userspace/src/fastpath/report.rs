@@ -190,6 +190,7 @@ impl Reporter {
                     dst_addr: dst,
                     dst_identity: dst_identity.as_deref(),
                     dst_service: None,
+                    derived_source: None,
                 };
                 let series = self.connections.series(&info);
                 Side {
@@ -212,6 +213,7 @@ impl Reporter {
             dst_addr: dst,
             dst_identity: side.dst_identity.as_deref(),
             dst_service: None,
+            derived_source: None,
         };
         match event.kind {
             FastPathEvent::OPENED => side.series.opened(),

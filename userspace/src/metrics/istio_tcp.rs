@@ -11,7 +11,7 @@ use prometheus_client::{
 };
 
 use crate::{
-    proxy::{ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome},
+    proxy::{Baggage, ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome},
     state::{Workload, WorkloadKey},
     store::WorkloadStore,
 };
@@ -81,7 +81,22 @@ impl TcpObserver {
                 local.or_else(|| store.by_ip(c.dst_addr.ip())),
             )
         };
-        let (src, dst) = (Named::of(src), Named::of(dst));
+        // As ztunnel: the source the baggage describes, overridden by the
+        // workload found by the source address when there is one ("source
+        // is more reliable"); the principal is always the TLS identity.
+        let src = match (src, c.derived_source) {
+            (None, Some(derived)) => Named::derived(derived),
+            (known, _) => Named::of(known),
+        };
+        let dst = Named::of(dst);
+        let destination_service = c.dst_service.map(|key| {
+            store
+                .services()
+                .get(key)
+                .map(|s| s.hostname.clone())
+                .filter(|h| !h.is_empty())
+                .unwrap_or_else(|| service_hostname(key))
+        });
         let principal = |id: Option<&str>| id.unwrap_or(UNKNOWN).to_string();
         TcpLabels {
             reporter: if c.direction.local_is_source() {
@@ -91,16 +106,14 @@ impl TcpObserver {
             }
             .into(),
             source_workload: src.workload.clone(),
-            source_canonical_service: src.workload.clone(),
+            source_canonical_service: src.canonical_service,
             source_canonical_revision: src.revision.clone(),
             source_workload_namespace: src.namespace,
             source_principal: principal(c.src_identity),
             source_app: src.workload,
             source_version: src.revision,
             source_cluster: src.cluster,
-            destination_service: c
-                .dst_service
-                .map_or_else(|| UNKNOWN.into(), service_hostname),
+            destination_service: destination_service.unwrap_or_else(|| UNKNOWN.into()),
             destination_service_namespace: c
                 .dst_service
                 .map_or_else(|| UNKNOWN.into(), |s| s.namespace.clone()),
@@ -108,7 +121,7 @@ impl TcpObserver {
                 .dst_service
                 .map_or_else(|| UNKNOWN.into(), |s| s.name.clone()),
             destination_workload: dst.workload.clone(),
-            destination_canonical_service: dst.workload.clone(),
+            destination_canonical_service: dst.canonical_service,
             destination_canonical_revision: dst.revision.clone(),
             destination_workload_namespace: dst.namespace,
             destination_principal: principal(c.dst_identity),
@@ -122,15 +135,20 @@ impl TcpObserver {
     }
 }
 
-/// Istio's `destination_service`: the service's cluster DNS name (Istio's
-/// default cluster domain; the agent is not told another).
+/// Istio's `destination_service` for a service the store no longer knows
+/// (or knows without hostname): its DNS name in the default cluster domain.
 fn service_hostname(service: &WorkloadKey) -> String {
-    format!("{}.{}.svc.cluster.local", service.name, service.namespace)
+    crate::control::waypoint::service_hostname(
+        &service.namespace,
+        &service.name,
+        crate::control::waypoint::DEFAULT_CLUSTER_DOMAIN,
+    )
 }
 
 /// A workload's label values (`unknown` when not known).
 struct Named {
     workload: String,
+    canonical_service: String,
     namespace: String,
     revision: String,
     cluster: String,
@@ -143,16 +161,32 @@ impl Named {
             // for the workload and its canonical service.
             Some(w) => Named {
                 workload: w.name.clone(),
+                canonical_service: w.name.clone(),
                 namespace: w.namespace.clone(),
                 revision: REVISION.into(),
                 cluster: CLUSTER.into(),
             },
             None => Named {
                 workload: UNKNOWN.into(),
+                canonical_service: UNKNOWN.into(),
                 namespace: UNKNOWN.into(),
                 revision: UNKNOWN.into(),
                 cluster: UNKNOWN.into(),
             },
+        }
+    }
+
+    /// ztunnel's `with_derived_source`: the source as its `baggage`
+    /// describes it (`source_app` is the workload name, `source_version`
+    /// the revision, as there).
+    fn derived(baggage: &Baggage) -> Self {
+        let value = |v: &Option<String>| v.clone().unwrap_or_else(|| UNKNOWN.into());
+        Named {
+            workload: value(&baggage.workload_name),
+            canonical_service: value(&baggage.service_name),
+            namespace: value(&baggage.namespace),
+            revision: value(&baggage.revision),
+            cluster: value(&baggage.cluster_id),
         }
     }
 }
@@ -251,6 +285,7 @@ mod tests {
             dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
             // The client connected to the service web's VIP.
             dst_service: Some(&web),
+            derived_source: None,
         };
         observer.opened(&info);
         let text = metrics.encode(None);
@@ -314,6 +349,7 @@ mod tests {
             dst_addr: "198.18.2.2:8080".parse().expect("addr"),
             dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
             dst_service: None,
+            derived_source: None,
         };
         observer.opened(&info);
         let denied = ConnectionClose {
@@ -346,6 +382,87 @@ mod tests {
     }
 
     #[test]
+    fn the_destination_names_an_unknown_source_by_its_baggage_a_known_one_by_its_address() {
+        let metrics = Metrics::new();
+        let observer = metrics.connection_observer(store());
+        let server = WorkloadKey::new("default", "server");
+        let baggage = Baggage {
+            cluster_id: Some("east".into()),
+            namespace: Some("shop".into()),
+            workload_name: Some("productpage-v1".into()),
+            service_name: Some("productpage".into()),
+            revision: Some("v1".into()),
+            ..Baggage::default()
+        };
+        let from = |src: &str| ConnectionInfo {
+            direction: Direction::Inbound,
+            pod: Some(&server),
+            src_addr: src.parse().expect("addr"),
+            src_identity: Some("spiffe://cluster.local/ns/shop/sa/productpage"),
+            dst_addr: "198.18.2.2:8080".parse().expect("addr"),
+            dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
+            dst_service: None,
+            derived_source: Some(&baggage),
+        };
+        // 198.18.9.9 is no workload the store knows: the baggage names it.
+        observer.opened(&from("198.18.9.9:5000"));
+        // 198.18.1.2 is `client`: its address wins over what it says.
+        observer.opened(&from("198.18.1.2:5000"));
+        let text = metrics.encode(None);
+        let principal = "source_principal=\"spiffe://cluster.local/ns/shop/sa/productpage\"";
+        let derived = [
+            "reporter=\"destination\"",
+            "source_workload=\"productpage-v1\"",
+            "source_canonical_service=\"productpage\"",
+            "source_canonical_revision=\"v1\"",
+            "source_workload_namespace=\"shop\"",
+            principal,
+            "source_app=\"productpage-v1\"",
+            "source_version=\"v1\"",
+            "source_cluster=\"east\"",
+            "destination_workload=\"server\"",
+        ];
+        assert_eq!(
+            sample(&text, "istio_tcp_connections_opened_total", &derived),
+            Some("1"),
+            "{text}"
+        );
+        let known = [
+            "source_workload=\"client\"",
+            "source_canonical_service=\"client\"",
+            "source_workload_namespace=\"default\"",
+            "source_cluster=\"Kubernetes\"",
+            principal,
+        ];
+        assert_eq!(
+            sample(&text, "istio_tcp_connections_opened_total", &known),
+            Some("1"),
+            "{text}"
+        );
+        // Absent values print `unknown`.
+        let partial = Baggage {
+            namespace: Some("shop".into()),
+            ..Baggage::default()
+        };
+        observer.opened(&ConnectionInfo {
+            derived_source: Some(&partial),
+            ..from("198.18.9.8:5000")
+        });
+        let text = metrics.encode(None);
+        let unknown = [
+            "source_workload=\"unknown\"",
+            "source_canonical_service=\"unknown\"",
+            "source_workload_namespace=\"shop\"",
+            "source_cluster=\"unknown\"",
+        ];
+        assert_eq!(
+            sample(&text, "istio_tcp_connections_opened_total", &unknown),
+            Some("1"),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn inbound_plaintext_is_reported_by_the_destination_without_mtls() {
         let metrics = Metrics::new();
         let observer = metrics.connection_observer(store());
@@ -358,6 +475,7 @@ mod tests {
             dst_addr: "198.18.2.2:8080".parse().unwrap(),
             dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
             dst_service: None,
+            derived_source: None,
         };
         // Refused before it was reported open: both at close.
         observer.closed(

@@ -57,6 +57,8 @@ pub(crate) struct AccessLog<'a> {
     pub refusal: Option<RefusalReason>,
     /// Counted, but no line written (rate-limited refusals).
     pub quiet: bool,
+    /// See [`ConnectionInfo::derived_source`].
+    pub derived_source: Option<&'a super::Baggage>,
 }
 
 impl<'a> AccessLog<'a> {
@@ -80,6 +82,7 @@ impl<'a> AccessLog<'a> {
             policy: None,
             refusal: None,
             quiet: false,
+            derived_source: None,
         }
     }
 
@@ -111,6 +114,7 @@ impl<'a> AccessLog<'a> {
             dst_addr: self.dst_addr,
             dst_identity: self.dst_identity,
             dst_service: self.dst_service.as_ref(),
+            derived_source: self.derived_source,
         }
     }
 

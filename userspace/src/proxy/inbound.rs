@@ -9,12 +9,21 @@
 //! |---|---|
 //! | not CONNECT | 400 ([`NON_CONNECT_STATUS`]) |
 //! | `:authority` not `ip:port` | 400 |
+//! | authority bound to a waypoint the arrival pod is (an enrolled waypoint) | on to the arrival pod's port for it (below) |
 //! | IP not a workload served on this node (no open relay) | 401 |
 //! | IP differs from the one the connection arrived on | 400 |
 //! | port is one of the proxy's own (15001/15006/15008) | 503 |
 //! | an authorization policy denies it (peer identity, source IP, target) | 401 |
 //! | application refuses / unreachable | 503 |
 //! | otherwise | 200, then bytes both ways |
+//!
+//! A CONNECT whose authority is not the arrival address is accepted only
+//! when the pod it arrived at is the named waypoint of that authority (a
+//! service's `VIP:port` or a workload's `IP:port` bound to a waypoint whose
+//! endpoint the pod is: the waypoint deployment itself may be enrolled). As
+//! ztunnel's inbound without an application tunnel, it goes to the
+//! waypoint pod's address, at the service port's target port (a workload's
+//! port as is); the access line's `dst.addr` is the authority.
 //!
 //! Headers too large for `max_header_list_size` get 431 from h2 itself,
 //! and a stream over [`MAX_CONCURRENT_STREAMS`](super::MAX_CONCURRENT_STREAMS)
@@ -243,8 +252,12 @@ async fn serve_stream(
     request: Request<RecvStream>,
     mut respond: SendResponse<Bytes>,
 ) {
+    // What the source's proxy says of the source (for the metrics when the
+    // source is not known by its address; never a reason to refuse).
+    let derived_source = super::Baggage::from_headers(request.headers());
     let mut log = AccessLog {
         src_identity: peer_identity.as_deref(),
+        derived_source: Some(&derived_source),
         ..AccessLog::new("inbound", peer, arrival)
     };
     let mut refuse = |status: StatusCode, reason: String, log: &mut AccessLog<'_>| {
@@ -257,7 +270,7 @@ async fn serve_stream(
     };
 
     let checked = check_request(&shared, arrival, &request);
-    let (target, target_pod) = match checked {
+    let (target, upstream_addr, target_pod) = match checked {
         Ok(t) => t,
         Err((status, reason)) => {
             refuse(status, reason, &mut log);
@@ -274,7 +287,7 @@ async fn serve_stream(
     let connection = crate::authz::Connection {
         src_ip: peer.ip(),
         src_identity: peer_identity.as_deref(),
-        dst: target,
+        dst: upstream_addr,
     };
     let decision = super::authorize(shared.workloads.as_ref(), &target_pod.key, &connection);
     log.decided(&decision);
@@ -285,12 +298,15 @@ async fn serve_stream(
     }
     // The client is the source of the HBONE connection: the source pod's
     // own address (shunt and ztunnel open HBONE from inside the source pod).
-    let mut upstream = match target_pod.connect_app(&shared.config, target, peer).await {
+    let mut upstream = match target_pod
+        .connect_app(&shared.config, upstream_addr, peer)
+        .await
+    {
         Ok(s) => s,
         Err(e) => {
             refuse(
                 StatusCode::SERVICE_UNAVAILABLE,
-                format!("application at {target}: {e}"),
+                format!("application at {upstream_addr}: {e}"),
                 &mut log,
             );
             log.emit(&shared);
@@ -336,13 +352,19 @@ async fn serve_stream(
     log.emit(&shared);
 }
 
-/// The checks of the table above, in that order.
+/// The checks of the table above, in that order: the authority, the
+/// address the application is dialled at, and the local pod it is.
 fn check_request(
     shared: &Shared,
     arrival: SocketAddr,
     request: &Request<RecvStream>,
-) -> Result<(SocketAddr, Arc<PodState>), (StatusCode, String)> {
+) -> Result<(SocketAddr, SocketAddr, Arc<PodState>), (StatusCode, String)> {
     let target = connect_target(request)?;
+    if target.ip() != arrival.ip()
+        && let Some((port, pod)) = as_waypoint(shared, arrival, target)
+    {
+        return check_port(port).map(|()| (target, SocketAddr::new(arrival.ip(), port), pod));
+    }
     let target_pod = shared.local_pod(target.ip()).ok_or_else(|| {
         (
             StatusCode::UNAUTHORIZED,
@@ -358,13 +380,32 @@ fn check_request(
             ),
         ));
     }
-    if PROXY_PORTS.contains(&target.port()) {
+    check_port(target.port())?;
+    Ok((target, target, target_pod))
+}
+
+fn check_port(port: u16) -> Result<(), (StatusCode, String)> {
+    if PROXY_PORTS.contains(&port) {
         return Err((
             StatusCode::SERVICE_UNAVAILABLE,
-            format!("port {} is the proxy's own", target.port()),
+            format!("port {port} is the proxy's own"),
         ));
     }
-    Ok((target, target_pod))
+    Ok(())
+}
+
+/// The local pod the connection arrived at and its port for `authority`,
+/// when that pod is the waypoint `authority` is bound to.
+fn as_waypoint(
+    shared: &Shared,
+    arrival: SocketAddr,
+    authority: SocketAddr,
+) -> Option<(u16, Arc<PodState>)> {
+    let pod = shared.local_pod(arrival.ip())?;
+    let port = shared
+        .workloads
+        .waypoint_inbound_port(&pod.key, authority)?;
+    Some((port, pod))
 }
 
 /// The first checks of the table, on the request alone: a CONNECT whose

@@ -39,6 +39,11 @@ pub trait WorkloadLookup: Send + Sync {
         dst: SocketAddr,
         pick: usize,
     ) -> waypoint::Plan;
+
+    /// Inbound at the local pod `waypoint`: the port a CONNECT for
+    /// `authority` (not the arrival address) goes to when this pod is the
+    /// waypoint `authority` is bound to ([`waypoint::inbound_port`]).
+    fn waypoint_inbound_port(&self, waypoint: &WorkloadKey, authority: SocketAddr) -> Option<u16>;
 }
 
 impl WorkloadLookup for RwLock<WorkloadStore> {
@@ -90,5 +95,10 @@ impl WorkloadLookup for RwLock<WorkloadStore> {
     ) -> waypoint::Plan {
         let store = self.read().unwrap_or_else(|p| p.into_inner());
         waypoint::plan(&store, trust_domain, source, client, dst, pick)
+    }
+
+    fn waypoint_inbound_port(&self, waypoint: &WorkloadKey, authority: SocketAddr) -> Option<u16> {
+        let store = self.read().unwrap_or_else(|p| p.into_inner());
+        waypoint::inbound_port(&store, waypoint, authority)
     }
 }

@@ -15,6 +15,7 @@
 
 mod accept;
 mod access_log;
+mod baggage;
 mod dns_sockets;
 mod h2;
 mod h2_refusals;
@@ -32,6 +33,7 @@ mod shared;
 mod socket;
 pub mod waypoint;
 
+pub use baggage::Baggage;
 pub use h2::H2Settings;
 pub use inbound::NON_CONNECT_STATUS;
 pub use limits::{

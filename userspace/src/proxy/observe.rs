@@ -107,6 +107,11 @@ pub struct ConnectionInfo<'a> {
     /// `dst_addr` is then the endpoint chosen (outbound and passthrough
     /// only: the destination's proxy sees the endpoint address).
     pub dst_service: Option<&'a WorkloadKey>,
+    /// What the source's proxy said of the source workload (the inbound
+    /// CONNECT's `baggage`; ztunnel's derived source), for the metrics'
+    /// source labels when the source is not known by its address. None
+    /// outside inbound HBONE.
+    pub derived_source: Option<&'a super::Baggage>,
 }
 
 /// What is known once a connection closed.

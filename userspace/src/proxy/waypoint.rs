@@ -105,6 +105,10 @@ pub enum FailureReason {
     /// The chosen waypoint endpoint could not be reached (connect, TLS,
     /// HTTP/2, or it refused the CONNECT).
     Unreachable,
+    /// Every healthy endpoint of the waypoint is on another network: only
+    /// that network's gateway reaches it, and shunt has no network-gateway
+    /// support.
+    OtherNetwork,
 }
 
 impl FailureReason {
@@ -114,6 +118,7 @@ impl FailureReason {
             FailureReason::Unresolved => "unresolved",
             FailureReason::NoHealthyEndpoint => "no_healthy_endpoint",
             FailureReason::Unreachable => "unreachable",
+            FailureReason::OtherNetwork => "other_network",
         }
     }
 }
@@ -221,6 +226,14 @@ struct Resolved<'a> {
     sans: Vec<String>,
     /// Its service's health policy lets unhealthy replicas serve.
     allow_unhealthy: bool,
+    /// The network an `Address` destination names (empty: ours).
+    network: &'a str,
+}
+
+/// Whether `network` (a workload's or an address's; empty: the local one)
+/// is another network than `local` (the source pod's, which is the node's).
+fn other_network(network: &str, local: &str) -> bool {
+    !network.is_empty() && network != local
 }
 
 fn via(
@@ -246,13 +259,24 @@ fn via(
     };
     // The waypoint's own traffic to what it serves must not come back to
     // it (ztunnel's from-waypoint check).
-    if let Some(source) = source {
-        let is_member = resolved.members.iter().any(|(ip, w, _)| {
-            source.ips.contains(ip) || w.is_some_and(|w| w.key() == source.key())
-        });
-        if is_member {
-            return Route::Direct;
-        }
+    if source.is_some_and(|source| is_member(&resolved, source)) {
+        return Route::Direct;
+    }
+    // An address on another network is reached only through that
+    // network's gateway (ztunnel); shunt has none, so it is never dialled
+    // directly: the connection fails as with an unreachable waypoint.
+    let local_network = source.map_or("", |s| s.network.as_str());
+    let remote = |network: &str| {
+        fail(
+            FailureReason::OtherNetwork,
+            format!(
+                "waypoint {} is on network {network}, no network gateway support",
+                resolved.name
+            ),
+        )
+    };
+    if other_network(resolved.network, local_network) {
+        return remote(resolved.network);
     }
     let healthy: Vec<(IpAddr, &Workload)> = resolved
         .members
@@ -261,6 +285,12 @@ fn via(
         .filter_map(|(ip, w, _)| Some((*ip, (*w)?)))
         .filter(|(_, w)| resolved.allow_unhealthy || w.status == WorkloadStatus::Healthy)
         .collect();
+    let (healthy, elsewhere): (Vec<_>, Vec<_>) = healthy
+        .into_iter()
+        .partition(|(_, w)| !other_network(&w.network, local_network));
+    if let (true, Some((_, w))) = (healthy.is_empty(), elsewhere.first()) {
+        return remote(&w.network);
+    }
     // The client's family first: the HBONE connection leaves from the
     // client pod.
     let same_family: Vec<(IpAddr, &Workload)> = healthy
@@ -290,25 +320,67 @@ fn via(
     })
 }
 
+/// Whether `workload` is one of the resolved waypoint's endpoints (by
+/// address or by the workload behind the endpoint).
+fn is_member(resolved: &Resolved<'_>, workload: &Workload) -> bool {
+    resolved
+        .members
+        .iter()
+        .any(|(ip, w, _)| workload.ips.contains(ip) || w.is_some_and(|w| w.key() == workload.key()))
+}
+
+/// Inbound at an enrolled waypoint: the port of the local workload
+/// `waypoint` a CONNECT for `authority` goes to, when `authority` (a
+/// service's `VIP:port`, or a workload's `IP:port`) is bound to a waypoint
+/// `waypoint` is an endpoint of; `None` otherwise (the CONNECT is refused
+/// as any whose authority is not the arrival address). As ztunnel's
+/// inbound without an application tunnel: a service port goes to its
+/// target port (the port itself when the target port is named), a
+/// workload's port as is.
+pub fn inbound_port(
+    store: &WorkloadStore,
+    waypoint: &WorkloadKey,
+    authority: SocketAddr,
+) -> Option<u16> {
+    let waypoint = store.get(waypoint)?;
+    let (gateway, port) = match store.services().by_addr(authority) {
+        Some(service) => {
+            let port = service
+                .ports
+                .iter()
+                .find(|p| p.port == authority.port())
+                .and_then(|p| p.target_port)
+                .unwrap_or(authority.port());
+            (service.waypoint.as_ref()?, port)
+        }
+        None => (
+            store.by_ip(authority.ip())?.waypoint.as_ref()?,
+            authority.port(),
+        ),
+    };
+    let resolved = resolve(store, &gateway.destination).ok()?;
+    is_member(&resolved, waypoint).then_some(port)
+}
+
 fn resolve<'a>(
     store: &'a WorkloadStore,
-    destination: &GatewayDestination,
+    destination: &'a GatewayDestination,
 ) -> Result<Resolved<'a>, String> {
     match destination {
         GatewayDestination::Hostname {
             namespace,
             hostname,
         } => match find_service(store, namespace, hostname) {
-            Some(service) => Ok(members_of(store, service)),
+            Some(service) => Ok(members_of(store, service, "")),
             None => Err(format!(
                 "waypoint service {namespace}/{hostname} is not known"
             )),
         },
         // An address may be the waypoint service's VIP (ztunnel looks up
         // services and workloads alike) or one waypoint pod.
-        GatewayDestination::Address { ip, .. } => {
+        GatewayDestination::Address { ip, network } => {
             if let Some(service) = store.services().iter().find(|s| s.vips.contains(ip)) {
-                return Ok(members_of(store, service));
+                return Ok(members_of(store, service, network));
             }
             match store.by_ip(*ip) {
                 Some(w) => Ok(Resolved {
@@ -316,6 +388,7 @@ fn resolve<'a>(
                     members: vec![(*ip, Some(w), true)],
                     sans: Vec::new(),
                     allow_unhealthy: false,
+                    network,
                 }),
                 None => Err(format!(
                     "waypoint address {ip} is neither a known workload nor a service"
@@ -346,7 +419,11 @@ fn find_service<'a>(
         .filter(|s| s.hostname.is_empty())
 }
 
-fn members_of<'a>(store: &'a WorkloadStore, service: &'a Service) -> Resolved<'a> {
+fn members_of<'a>(
+    store: &'a WorkloadStore,
+    service: &'a Service,
+    network: &'a str,
+) -> Resolved<'a> {
     Resolved {
         name: service.key().to_string(),
         members: service
@@ -366,6 +443,7 @@ fn members_of<'a>(store: &'a WorkloadStore, service: &'a Service) -> Resolved<'a
             })
             .collect(),
         allow_unhealthy: service.allows_unhealthy(),
+        network,
     }
 }
 

@@ -37,7 +37,7 @@ use super::{
 use crate::{
     control::{
         ClusterView, SourceSink,
-        waypoint::{CLUSTER_DOMAIN, UnknownGatewayLog, Waypoints},
+        waypoint::{DEFAULT_CLUSTER_DOMAIN, UnknownGatewayLog, Waypoints},
     },
     state::Workload,
 };
@@ -55,6 +55,8 @@ pub struct ClusterWorkloads {
     client: Client,
     debounce: Duration,
     stats: Arc<SourceStats>,
+    /// `--cluster-domain`: service and waypoint hostnames end in it.
+    cluster_domain: String,
 }
 
 impl ClusterWorkloads {
@@ -63,7 +65,15 @@ impl ClusterWorkloads {
             client,
             debounce: Duration::from_millis(100),
             stats: Arc::default(),
+            cluster_domain: DEFAULT_CLUSTER_DOMAIN.into(),
         }
+    }
+
+    /// The cluster's DNS domain (`--cluster-domain`): services are named
+    /// `<name>.<namespace>.svc.<domain>`, waypoints too.
+    pub fn with_cluster_domain(mut self, cluster_domain: &str) -> Self {
+        self.cluster_domain = cluster_domain.to_owned();
+        self
     }
 
     pub fn stats(&self) -> Arc<SourceStats> {
@@ -132,8 +142,8 @@ impl ClusterWorkloads {
                     } else {
                         Vec::new()
                     };
-                    let mut listed_services = if services.listed() { services.services() } else { Vec::new() };
-                    let known = Waypoints::new(gateways.waypoints(), CLUSTER_DOMAIN);
+                    let mut listed_services = if services.listed() { services.services(&self.cluster_domain) } else { Vec::new() };
+                    let known = Waypoints::new(gateways.waypoints(), &self.cluster_domain);
                     let inputs = waypoints::Inputs {
                         waypoints: &known,
                         namespaces: &view.namespaces,

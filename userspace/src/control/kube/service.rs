@@ -213,6 +213,7 @@ fn port_number(field: &'static str, n: i32) -> Result<u16, UnusableObject> {
 pub(crate) fn join<'a>(
     services: impl Iterator<Item = &'a ServiceFacts>,
     slices: impl Iterator<Item = &'a SliceFacts>,
+    cluster_domain: &str,
 ) -> Vec<Service> {
     let mut by_service: HashMap<&WorkloadKey, Vec<&SliceFacts>> = HashMap::new();
     for slice in slices {
@@ -244,7 +245,7 @@ pub(crate) fn join<'a>(
                 hostname: waypoint::service_hostname(
                     &facts.key.namespace,
                     &facts.key.name,
-                    waypoint::CLUSTER_DOMAIN,
+                    cluster_domain,
                 ),
                 name: facts.key.name.clone(),
                 namespace: facts.key.namespace.clone(),
@@ -296,11 +297,12 @@ impl ServiceWatches {
         self.services.listed() && self.slices.listed()
     }
 
-    /// Every usable service with its endpoints.
-    pub(crate) fn services(&self) -> Vec<Service> {
+    /// Every usable service with its endpoints, named in `cluster_domain`.
+    pub(crate) fn services(&self, cluster_domain: &str) -> Vec<Service> {
         join(
             self.services.values().flatten(),
             self.slices.values().flatten(),
+            cluster_domain,
         )
     }
 
@@ -390,10 +392,18 @@ mod tests {
         let a = slice("a", 8080, "198.18.2.10", Some(true));
         let b = slice("b", 8081, "198.18.2.11", None);
         let c = slice("c", 8082, "198.18.2.12", Some(false));
-        let services = join([&facts].into_iter(), [&a, &b, &c].into_iter());
+        let services = join(
+            [&facts].into_iter(),
+            [&a, &b, &c].into_iter(),
+            "corp.example",
+        );
         let [web] = services.as_slice() else {
             panic!("{services:?}")
         };
+        assert_eq!(
+            web.hostname, "web.shop.svc.corp.example",
+            "named in the configured cluster domain (--cluster-domain)"
+        );
         assert_eq!(web.vips, ["198.19.100.1".parse::<IpAddr>().expect("ip")]);
         assert_eq!(web.ports.len(), 2, "UDP left out");
         let targets: Vec<String> = web

@@ -168,6 +168,7 @@ fn owner(raw: &RawWorkload, report: &mut impl FnMut(&str, String)) -> (WorkloadT
 pub(super) fn check_services(
     raw: Vec<RawService>,
     workloads: &[Workload],
+    cluster_domain: &str,
     problems: &mut Vec<Problem>,
 ) -> Vec<Service> {
     let workload_ips: HashMap<IpAddr, WorkloadKey> = workloads
@@ -311,7 +312,7 @@ pub(super) fn check_services(
                 hostname: crate::control::waypoint::service_hostname(
                     &raw.namespace,
                     &raw.name,
-                    crate::control::waypoint::CLUSTER_DOMAIN,
+                    cluster_domain,
                 ),
                 name: raw.name,
                 namespace: raw.namespace,

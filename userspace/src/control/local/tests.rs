@@ -177,13 +177,13 @@ fn load_reads_the_fixture_and_names_unreadable_files() {
     let fixture =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/workloads/two-nodes.yaml");
     // No pod on node-c, so no netns needs to exist on this machine.
-    let loaded = load(&fixture, "node-c").expect("fixture is valid");
+    let loaded = load(&fixture, "node-c", "cluster.local").expect("fixture is valid");
     assert_eq!(loaded.workloads.len(), 3);
     assert_eq!(loaded.services.len(), 1);
     assert_eq!(loaded.services[0].endpoints.len(), 2);
 
     let missing = Path::new("/nonexistent/shunt/workloads.yaml");
-    let err = load(missing, "node-a")
+    let err = load(missing, "node-a", "cluster.local")
         .expect_err("missing file")
         .to_string();
     assert!(

@@ -75,6 +75,8 @@ const FIELD: &str = "labels[istio.io/use-waypoint]";
 
 /// Everything of the file the waypoint rules read besides the new lists.
 pub(super) struct Inputs<'a> {
+    /// `--cluster-domain`: waypoint hostnames end in it.
+    pub cluster_domain: &'a str,
     /// Every `workloads` entry's key, in file order (for entry indexes).
     pub workload_order: &'a [WorkloadKey],
     /// Every `services` entry's key and labels, in file order.
@@ -165,7 +167,7 @@ pub(super) fn check(
             waypoint_for,
         });
     }
-    let known = Waypoints::new(gateways, waypoint::CLUSTER_DOMAIN);
+    let known = Waypoints::new(gateways, inputs.cluster_domain);
     let unknown = |gateway: &WorkloadKey| {
         format!(
             "no waypoint {gateway} in `waypoints` (the value names a waypoint of the object's \
@@ -285,7 +287,7 @@ mod tests {
 
     use crate::state::{GatewayAddress, GatewayDestination};
 
-    use super::super::parse;
+    use super::super::{parse, parse_in};
 
     /// A namespace bound to waypoint `shop/wp` (`for` as given), its
     /// service and pod, a service and workloads of the namespace; `extra`
@@ -362,6 +364,28 @@ waypoints:
         assert_eq!(
             web.map(|s| s.hostname.as_str()),
             Some("web.shop.svc.cluster.local")
+        );
+    }
+
+    #[test]
+    fn services_and_waypoints_are_named_in_the_configured_cluster_domain() {
+        let parsed =
+            parse_in(Path::new("w.yaml"), &file("all", ""), "corp.example").expect("valid");
+        let web = parsed.services.iter().find(|s| s.name == "web");
+        assert_eq!(
+            web.map(|s| s.hostname.as_str()),
+            Some("web.shop.svc.corp.example")
+        );
+        let client = parsed.workloads.iter().find(|w| w.name == "client");
+        assert_eq!(
+            client.and_then(|w| w.waypoint.clone()),
+            Some(GatewayAddress {
+                destination: GatewayDestination::Hostname {
+                    namespace: "shop".into(),
+                    hostname: "wp.shop.svc.corp.example".into(),
+                },
+                hbone_mtls_port: 15008,
+            })
         );
     }
 

@@ -329,6 +329,104 @@ fn an_unknown_waypoint_or_one_without_healthy_endpoint_fails_never_bypasses() {
 }
 
 #[test]
+fn a_waypoint_on_another_network_fails_and_is_never_dialled_directly() {
+    // Both replicas on another network than the client's (the node's):
+    // only that network's gateway reaches them, which shunt does not
+    // support.
+    let mut bed = Bed::new();
+    bed.workload_mut("client").network = "net-a".into();
+    for name in ["waypoint-1", "waypoint-2"] {
+        bed.workload_mut(name).network = "net-b".into();
+    }
+    let store = bed.store();
+    let f = failure(route_from(&store, "client", "198.19.100.1:80", 0));
+    assert_eq!(f.reason, FailureReason::OtherNetwork);
+    assert_eq!(f.reason.as_str(), "other_network");
+    assert_eq!(
+        f.to_string(),
+        "waypoint of service default/web: waypoint default/waypoint is on network net-b, \
+         no network gateway support"
+    );
+    // One replica on our network: only that one is used.
+    bed.workload_mut("waypoint-2").network = "net-a".into();
+    let store = bed.store();
+    for pick in 0..4 {
+        let hop = hop(route_from(&store, "client", "198.19.100.1:80", pick));
+        assert_eq!(hop.gateway, addr("198.18.3.11:15008"));
+    }
+    // No network on either side (a mesh without networks): all local.
+    let bed = Bed::new();
+    hop(route_from(&bed.store(), "client", "198.19.100.1:80", 0));
+
+    // A waypoint named by an address on another network.
+    let mut bed = Bed::new();
+    bed.workload_mut("client").network = "net-a".into();
+    bed.workload_mut("server").waypoint = Some(GatewayAddress {
+        destination: GatewayDestination::Address {
+            network: "net-b".into(),
+            ip: ip("198.18.3.10"),
+        },
+        hbone_mtls_port: 15008,
+    });
+    let f = failure(route_from(&bed.store(), "client", "198.18.2.10:8080", 0));
+    assert_eq!(f.reason, FailureReason::OtherNetwork);
+    assert_eq!(f.target, WorkloadKey::new("default", "server"));
+    assert!(f.detail.contains("on network net-b"), "{f}");
+    // The same address on our network is dialled.
+    bed.workload_mut("server").waypoint = Some(GatewayAddress {
+        destination: GatewayDestination::Address {
+            network: "net-a".into(),
+            ip: ip("198.18.3.10"),
+        },
+        hbone_mtls_port: 15008,
+    });
+    let hop = hop(route_from(&bed.store(), "client", "198.18.2.10:8080", 0));
+    assert_eq!(hop.gateway, addr("198.18.3.10:15008"));
+}
+
+#[test]
+fn an_enrolled_waypoint_accepts_only_what_is_bound_to_it() {
+    let mut bed = Bed::new();
+    bed.service_mut("web").ports = vec![ServicePort {
+        port: 80,
+        target_port: Some(8080),
+    }];
+    bed.workload_mut("server").waypoint = Some(by_hostname(WAYPOINT_HOST));
+    let store = bed.store();
+    let key = |name: &str| WorkloadKey::new("default", name);
+    // A service VIP bound to it: the service port's target port.
+    for replica in ["waypoint-1", "waypoint-2"] {
+        assert_eq!(
+            inbound_port(&store, &key(replica), addr("198.19.100.1:80")),
+            Some(8080),
+            "{replica}"
+        );
+    }
+    // A pod bound to it: the port as is.
+    assert_eq!(
+        inbound_port(&store, &key("waypoint-1"), addr("198.18.2.10:9000")),
+        Some(9000)
+    );
+    // Not its waypoint, a service without one, an unknown address or port.
+    assert_eq!(
+        inbound_port(&store, &key("client"), addr("198.19.100.1:80")),
+        None
+    );
+    assert_eq!(
+        inbound_port(&store, &key("waypoint-1"), addr("198.19.100.2:80")),
+        None
+    );
+    assert_eq!(
+        inbound_port(&store, &key("waypoint-1"), addr("198.18.7.7:80")),
+        None
+    );
+    assert_eq!(
+        inbound_port(&store, &key("waypoint-1"), addr("198.19.100.1:81")),
+        None
+    );
+}
+
+#[test]
 fn waypoint_replicas_are_picked_by_capacity() {
     let mut bed = Bed::new();
     bed.workload_mut("waypoint-1").capacity = 3;
