@@ -594,23 +594,26 @@ fn pin_array_map(path: &std::path::Path, value_size: u32) {
     unsafe { libc::close(fd as i32) };
 }
 
+/// A pinned map whose layout this release cannot migrate (the enrolment
+/// map, which the pods' adoption needs as it is) stops the load with an
+/// error naming it and what differs, before anything is attached; one the
+/// agent rebuilds from its own state (a pod's config) is recreated.
 #[test]
-fn pinned_maps_of_another_layout_are_refused_with_a_clear_error() {
+fn pinned_maps_of_another_layout_are_refused_or_recreated() {
     let bed = bed("oldpins", &["client"]);
     std::fs::create_dir_all(bed.pin.path()).expect("pin dir");
-    let stale = bed.pin.path().join(shunt_common::maps::POD_CONFIG);
-    let wrong = std::mem::size_of::<shunt_common::PodConfig>() as u32 - 20;
-    pin_array_map(&stale, wrong);
+    let stale = bed.pin.path().join(shunt_common::maps::ENROLLED);
+    pin_array_map(&stale, 4);
 
     let mut options = EbpfOptions::new(bed.pin.path());
     options.cgroup_root = Some(bed.topo.cgroup_root().expect("cgroup root"));
     let error = match EbpfRedirector::load(&options) {
-        Ok(_) => panic!("an agent adopted a pinned map of another layout"),
+        Ok(_) => panic!("an agent adopted a pinned enrolment map of another layout"),
         Err(e) => e.to_string(),
     };
     assert!(error.contains(&stale.display().to_string()), "{error}");
     assert!(
-        error.contains(&format!("{wrong}-byte values")) && error.contains("another version"),
+        error.contains("cannot be migrated") && error.contains("type Array → Hash,"),
         "{error}"
     );
     // Nothing was attached on the way to the error.
@@ -621,4 +624,12 @@ fn pinned_maps_of_another_layout_are_refused_with_a_clear_error() {
                 .unwrap_or(true),
         "links were pinned before the check"
     );
+
+    std::fs::remove_file(&stale).expect("unpin the enrolment map");
+    let config = bed.pin.path().join(shunt_common::maps::POD_CONFIG);
+    let wrong = std::mem::size_of::<shunt_common::PodConfig>() as u32 - 20;
+    pin_array_map(&config, wrong);
+    if let Err(e) = EbpfRedirector::load(&options) {
+        panic!("a pod-config map of another layout was not recreated: {e}");
+    }
 }

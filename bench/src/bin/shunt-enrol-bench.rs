@@ -31,9 +31,13 @@ use shunt::{
         ebpf::{EbpfOptions, EbpfRedirector},
         iptables::{IptablesOptions, IptablesRedirector},
     },
-    state::WorkloadKey,
+    state::{PodState, WorkloadKey},
 };
-use shunt_testbed::{Cgroup, Pod, Topology, agent::PinDir, require_root};
+use shunt_testbed::{
+    Cgroup, Pod, Topology,
+    agent::{Agent, PinDir, WorkloadSpec, workloads_yaml},
+    require_root,
+};
 
 /// Pods per testbed node (its pod subnet is a /24).
 const PODS_PER_NODE: usize = 200;
@@ -48,6 +52,12 @@ struct Args {
     /// Connects per path for the latency figure.
     #[arg(long, default_value_t = 2000)]
     connects: usize,
+    /// Instead of the redirectors alone: start the agent (`$SHUNT_BIN`, else
+    /// target/release/shunt) on a workloads file that lists every pod, in
+    /// each mode, and time its cold start until every pod is enrolled —
+    /// the burst a watch delivers after a node reboot.
+    #[arg(long)]
+    agent: bool,
     /// Internal: run the connect loop (inside a pod) and print latencies.
     #[arg(long, hide = true, num_args = 2, value_names = ["ADDR", "N"])]
     connect_loop: Option<Vec<String>>,
@@ -72,6 +82,9 @@ fn main() -> anyhow::Result<()> {
     let pods: Vec<Pod> = (0..count)
         .map(|i| topo.add_pod(&nodes[i / PODS_PER_NODE], &format!("p{i}")))
         .collect::<Result<_, _>>()?;
+    if args.agent {
+        return agent_cold_start(&topo, &nodes[0], &pods);
+    }
     let apps = Cgroup::create(&topo, "apps")?;
     let pin = PinDir::new(&topo, "bench");
 
@@ -116,6 +129,46 @@ fn main() -> anyhow::Result<()> {
     let nat = measure(&apps, client, target, args.connects)?;
     iptables.unenrol(&key(client))?;
     println!("  iptables  {}", summary(&nat));
+    Ok(())
+}
+
+/// Starts the agent for the first node with every pod listed as that
+/// node's ambient pod (their netns paths given; the testbed spreads them
+/// over several /24 nodes), and prints how long it took from the spawn to
+/// the admin API answering and to every pod enrolled, in each mode.
+fn agent_cold_start(topo: &Topology, node: &str, pods: &[Pod]) -> anyhow::Result<()> {
+    if std::env::var_os("SHUNT_BIN").is_none() {
+        // SAFETY: single-threaded here; the testbed reads it when spawning.
+        unsafe { std::env::set_var("SHUNT_BIN", "target/release/shunt") };
+    }
+    let specs: Vec<WorkloadSpec> = pods
+        .iter()
+        .map(|pod| WorkloadSpec {
+            node: node.to_owned(),
+            ..WorkloadSpec::for_pod(pod, true)
+        })
+        .collect();
+    let yaml = workloads_yaml(&specs);
+    let node = topo.node(node).context("the first node")?.clone();
+    println!(
+        "agent cold start, {} pods listed in its workloads file:",
+        pods.len()
+    );
+    for mode in ["ebpf", "iptables"] {
+        let start = Instant::now();
+        let mut agent = Agent::start(topo, &node, &yaml, &["--redirect", mode])?;
+        let answering = start.elapsed();
+        agent.wait_for("every pod enrolled", Duration::from_secs(600), |status| {
+            status.pods.len() == pods.len()
+                && status.pods.iter().all(|p| p.state == PodState::Enrolled)
+        })?;
+        let enrolled = start.elapsed();
+        println!(
+            "  {mode:<9} admin API answering after {answering:.2?}, all {} pods enrolled after {enrolled:.2?}",
+            pods.len()
+        );
+        agent.stop()?;
+    }
     Ok(())
 }
 
