@@ -98,40 +98,7 @@ enum Kind {
 /// Opens the pin (`BPF_OBJ_GET`) and tells the object's kind from its
 /// anonymous inode (`anon_inode:bpf-map`, `anon_inode:bpf-link`, ...).
 fn object_kind(pin: &Path) -> std::io::Result<Kind> {
-    use std::os::{fd::FromRawFd as _, unix::ffi::OsStrExt as _};
-    #[repr(C)]
-    struct ObjGetAttr {
-        pathname: u64,
-        bpf_fd: u32,
-        file_flags: u32,
-        path_fd: i32,
-        /// Explicit: the kernel rejects non-zero bytes past what it knows.
-        _pad: u32,
-    }
-    const BPF_OBJ_GET: libc::c_long = 7;
-    let path = std::ffi::CString::new(pin.as_os_str().as_bytes())
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    let attr = ObjGetAttr {
-        pathname: path.as_ptr() as u64,
-        bpf_fd: 0,
-        file_flags: 0,
-        path_fd: 0,
-        _pad: 0,
-    };
-    // SAFETY: `attr` names a NUL-terminated path that outlives the call.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET,
-            &attr as *const ObjGetAttr,
-            std::mem::size_of::<ObjGetAttr>(),
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: the kernel just returned this fd to us; we own it.
-    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+    let fd = super::sys::obj_get(pin)?;
     let target = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
     let target = target.to_string_lossy();
     Ok(match target.trim_start_matches("anon_inode:") {

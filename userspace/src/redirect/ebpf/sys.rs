@@ -129,7 +129,8 @@ pub fn update(map: BorrowedFd<'_>, key: &[u8], value: &[u8]) -> io::Result<()> {
 }
 
 /// Opens a pinned object (`BPF_OBJ_GET`): a link's fd, which aya 0.14's
-/// `FdLink` does not hand out.
+/// `FdLink` does not hand out, or any pin whose kind is not known yet
+/// (`pin_report`).
 pub fn obj_get(pin: &std::path::Path) -> io::Result<std::os::fd::OwnedFd> {
     use std::os::{fd::FromRawFd as _, unix::ffi::OsStrExt as _};
     const BPF_OBJ_GET: libc::c_long = 7;
