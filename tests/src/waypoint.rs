@@ -419,3 +419,33 @@ pub fn hbone_exchange(
         .map_err(|_| TestbedError::Invalid("HBONE client thread panicked".into()))?
         .map_err(|e| TestbedError::Invalid(format!("HBONE client to {target}: {e}")))
 }
+
+/// The workloads-file entries of the waypoint tests' mesh: the service
+/// `web` (port 80 → 8080, endpoint `server`) bound to the waypoint, the
+/// waypoint's own service (port 15008, endpoint `waypoint`), and the
+/// waypoint itself serving `for_` (`service`, `workload` or `all`).
+pub fn web_behind_waypoint(
+    web_vip: std::net::Ipv4Addr,
+    waypoint_vip: std::net::Ipv4Addr,
+    for_: &str,
+) -> String {
+    format!(
+        "services:
+  - name: web
+    namespace: default
+    clusterIPs: [\"{web_vip}\"]
+    ports: [{{port: 80, targetPort: 8080}}]
+    endpoints: [server]
+    labels: {{istio.io/use-waypoint: waypoint}}
+  - name: waypoint
+    namespace: default
+    clusterIPs: [\"{waypoint_vip}\"]
+    ports: [{{port: 15008}}]
+    endpoints: [waypoint]
+waypoints:
+  - name: waypoint
+    namespace: default
+    for: {for_}
+"
+    )
+}

@@ -28,7 +28,7 @@ use shunt_testbed::{
     agent::{Agent, WorkloadSpec, http, workloads_yaml},
     apps::{EchoServer, TestApp},
     require_root,
-    waypoint::{Received, StandInWaypoint, Upstream},
+    waypoint::{Received, StandInWaypoint, Upstream, web_behind_waypoint},
 };
 
 const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
@@ -78,25 +78,7 @@ fn workloads_file(pods: &[&shunt_testbed::Pod]) -> String {
             }
         }
     }
-    yaml.push_str(&format!(
-        "services:
-  - name: web
-    namespace: default
-    clusterIPs: [\"{WEB_VIP}\"]
-    ports: [{{port: 80, targetPort: 8080}}]
-    endpoints: [server]
-    labels: {{istio.io/use-waypoint: waypoint}}
-  - name: waypoint
-    namespace: default
-    clusterIPs: [\"{WAYPOINT_VIP}\"]
-    ports: [{{port: 15008}}]
-    endpoints: [waypoint]
-waypoints:
-  - name: waypoint
-    namespace: default
-    for: all
-"
-    ));
+    yaml.push_str(&web_behind_waypoint(WEB_VIP, WAYPOINT_VIP, "all"));
     yaml
 }
 

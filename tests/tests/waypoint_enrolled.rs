@@ -39,7 +39,7 @@ use shunt_testbed::{
     agent::{Agent, WorkloadSpec, http, workloads_yaml},
     apps::{EchoServer, TestApp},
     require_root,
-    waypoint::hbone_exchange,
+    waypoint::{hbone_exchange, web_behind_waypoint},
 };
 
 const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
@@ -68,25 +68,7 @@ fn workloads_file(pods: &[&Pod]) -> String {
         .map(|p| WorkloadSpec::for_pod(p, true))
         .collect();
     let mut yaml = workloads_yaml(&specs);
-    yaml.push_str(&format!(
-        "services:
-  - name: web
-    namespace: default
-    clusterIPs: [\"{WEB_VIP}\"]
-    ports: [{{port: 80, targetPort: 8080}}]
-    endpoints: [server]
-    labels: {{istio.io/use-waypoint: waypoint}}
-  - name: waypoint
-    namespace: default
-    clusterIPs: [\"{WAYPOINT_VIP}\"]
-    ports: [{{port: 15008}}]
-    endpoints: [waypoint]
-waypoints:
-  - name: waypoint
-    namespace: default
-    for: service
-"
-    ));
+    yaml.push_str(&web_behind_waypoint(WEB_VIP, WAYPOINT_VIP, "service"));
     yaml
 }
 

@@ -3,7 +3,13 @@
 //! `istio_tcp_received_bytes_total`), with Istio's labels as ztunnel writes
 //! them, fed by the proxy through [`ConnectionObserver`].
 
-use std::sync::{Arc, RwLock};
+use std::{
+    collections::HashSet,
+    sync::{
+        Arc, Mutex, RwLock,
+        atomic::{AtomicBool, Ordering},
+    },
+};
 
 use prometheus_client::{
     encoding::EncodeLabelSet,
@@ -23,12 +29,60 @@ const CLUSTER: &str = "Kubernetes";
 /// Istio's canonical revision when a workload has no revision label.
 const REVISION: &str = "latest";
 
+/// How many distinct sources named by their baggage alone the metrics
+/// keep apart. ztunnel keeps every one, but the baggage is whatever a peer
+/// with a valid mesh certificate chooses to send: without a bound such a
+/// peer could mint label sets (never removed) until the agent runs out of
+/// memory. Past it, a further baggage-named source is reported `unknown`.
+const MAX_DERIVED_SOURCES: usize = 1024;
+
 #[derive(Clone, Default)]
 pub(super) struct TcpMetrics {
     pub(super) opened: Family<TcpLabels, Counter>,
     pub(super) closed: Family<TcpLabels, Counter>,
     pub(super) received_bytes: Family<TcpLabels, Counter>,
     pub(super) sent_bytes: Family<TcpLabels, Counter>,
+    derived: DerivedSources,
+}
+
+/// The baggage-named sources seen so far (at most `limit`).
+#[derive(Clone)]
+struct DerivedSources {
+    seen: Arc<Mutex<HashSet<Named>>>,
+    limit: usize,
+    warned: Arc<AtomicBool>,
+}
+
+impl Default for DerivedSources {
+    fn default() -> Self {
+        Self {
+            seen: Arc::default(),
+            limit: MAX_DERIVED_SOURCES,
+            warned: Arc::default(),
+        }
+    }
+}
+
+impl DerivedSources {
+    /// `named` when it was seen before or there is room for it, else the
+    /// unknown source (logged once, when the bound is first reached).
+    fn admit(&self, named: Named) -> Named {
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        if seen.contains(&named) {
+            return named;
+        }
+        if seen.len() < self.limit {
+            seen.insert(named.clone());
+            return named;
+        }
+        if !self.warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                limit = self.limit,
+                "more distinct sources named only by their baggage than the metrics keep apart; further ones are reported as unknown"
+            );
+        }
+        Named::of(None)
+    }
 }
 
 /// Istio's standard labels of its TCP metrics (as ztunnel writes them,
@@ -85,7 +139,7 @@ impl TcpObserver {
         // workload found by the source address when there is one ("source
         // is more reliable"); the principal is always the TLS identity.
         let src = match (src, c.derived_source) {
-            (None, Some(derived)) => Named::derived(derived),
+            (None, Some(derived)) => self.tcp.derived.admit(Named::derived(derived)),
             (known, _) => Named::of(known),
         };
         let dst = Named::of(dst);
@@ -146,6 +200,7 @@ fn service_hostname(service: &WorkloadKey) -> String {
 }
 
 /// A workload's label values (`unknown` when not known).
+#[derive(Clone, Hash, PartialEq, Eq)]
 struct Named {
     workload: String,
     canonical_service: String,
@@ -460,6 +515,59 @@ mod tests {
             Some("1"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn sources_named_by_baggage_alone_are_bounded() {
+        let metrics = Metrics::new();
+        let observer = TcpObserver {
+            tcp: TcpMetrics {
+                derived: DerivedSources {
+                    limit: 2,
+                    ..DerivedSources::default()
+                },
+                ..metrics.inner.tcp.clone()
+            },
+            workloads: store(),
+        };
+        let server = WorkloadKey::new("default", "server");
+        let open = |workload: &str| {
+            let baggage = Baggage {
+                namespace: Some("shop".into()),
+                workload_name: Some(workload.into()),
+                ..Baggage::default()
+            };
+            observer.opened(&ConnectionInfo {
+                direction: Direction::Inbound,
+                pod: Some(&server),
+                // No workload the store knows: only the baggage names it.
+                src_addr: "198.18.9.9:5000".parse().expect("addr"),
+                src_identity: Some("spiffe://cluster.local/ns/shop/sa/any"),
+                dst_addr: "198.18.2.2:8080".parse().expect("addr"),
+                dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
+                dst_service: None,
+                derived_source: Some(&baggage),
+            });
+        };
+        for workload in ["first", "second", "third", "fourth", "first"] {
+            open(workload);
+        }
+        let text = metrics.encode(None);
+        let opened = |workload: &str| {
+            sample(
+                &text,
+                "istio_tcp_connections_opened_total",
+                &[&format!("source_workload=\"{workload}\"")],
+            )
+            .map(str::to_string)
+        };
+        // The first two keep their names (a known one still after the
+        // bound); the third and fourth are folded into `unknown`.
+        assert_eq!(opened("first").as_deref(), Some("2"), "{text}");
+        assert_eq!(opened("second").as_deref(), Some("1"), "{text}");
+        assert_eq!(opened("third"), None, "{text}");
+        assert_eq!(opened("fourth"), None, "{text}");
+        assert_eq!(opened("unknown").as_deref(), Some("2"), "{text}");
     }
 
     #[test]
