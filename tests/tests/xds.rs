@@ -208,7 +208,7 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone_in_ebp
     );
     assert!(
         sick_app.peers().is_empty(),
-        "the unhealthy workload is not an endpoint"
+        "the unhealthy workload gets no connection"
     );
     // Over HBONE: node-b's proxy took mutual-TLS streams from the client's
     // identity to the endpoint; node-a's outbound line names the service.
@@ -286,11 +286,12 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone_in_ebp
     let (_, body) = blocking(|| http(&node_a, "GET", admin, "/config_dump")).expect("dump");
     let dump: Value = serde_json::from_str(&body).expect("JSON");
     let web = &dump["services"][0];
-    assert_eq!(
-        web["endpoints"].as_object().map(|e| e.len()),
-        Some(0),
-        "{web}"
-    );
+    let left: Vec<&Value> = web["endpoints"]
+        .as_object()
+        .map(|e| e.values().collect())
+        .unwrap_or_default();
+    assert_eq!(left.len(), 1, "only the unhealthy endpoint is left: {web}");
+    assert_eq!(left[0]["status"], "Unhealthy", "{web}");
 
     for agent in [&mut agent_a, &mut agent_b] {
         let exit = blocking(|| agent.stop()).expect("stop");
@@ -337,20 +338,22 @@ fn assert_config_dump(dump: &Value, client: &Pod, server: &Pod, sick: &Pod) {
     );
     let endpoints = web["endpoints"].as_object().expect("endpoints");
     let key = format!("{server_uid}:/{}", server.ip());
+    let sick_key = format!("Kubernetes//Pod/default/{}:/{}", sick.name(), sick.ip());
+    let mut keys: Vec<&String> = endpoints.keys().collect();
+    keys.sort();
+    let mut expected = [&key, &sick_key];
+    expected.sort();
     assert_eq!(
-        endpoints.keys().collect::<Vec<_>>(),
-        [&key],
-        "the healthy endpoint only: {web}"
+        keys, expected,
+        "both endpoints, the unhealthy one too (as ztunnel lists it): {web}"
     );
     let endpoint = &endpoints[&key];
     assert_eq!(endpoint["workloadUid"], server_uid);
     assert_eq!(endpoint["service"], WEB);
     assert_eq!(endpoint["address"], format!("/{}", server.ip()));
     assert_eq!(endpoint["port"], serde_json::json!({"80": 8080}));
-    assert!(
-        !endpoints.keys().any(|k| k.contains(&sick.ip().to_string())),
-        "{web}"
-    );
+    assert_eq!(endpoint["status"], "Healthy", "{web}");
+    assert_eq!(endpoints[&sick_key]["status"], "Unhealthy", "{web}");
 
     let policies = dump["policies"].as_array().expect("policies");
     assert_eq!(policies.len(), 1, "{dump}");

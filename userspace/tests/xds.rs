@@ -231,7 +231,7 @@ async fn initial_push_lands_in_the_view_with_acks_and_readiness() {
         .expect("web-1");
     assert_eq!(sick.status, WorkloadStatus::Unhealthy);
     // Target port 0 in the workload: the service's 8080. The unhealthy
-    // backend is not an endpoint.
+    // backend gets no connection.
     assert_eq!(
         endpoint_targets(&view),
         ["198.18.2.10:8080".parse::<SocketAddr>().expect("addr")]

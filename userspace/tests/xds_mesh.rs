@@ -178,7 +178,7 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone() {
     );
     assert!(
         sick_app.peers().is_empty(),
-        "the unhealthy workload is not an endpoint"
+        "the unhealthy workload gets no connection"
     );
 
     // HBONE: node-b's proxy received the streams from the client's identity.

@@ -4,8 +4,10 @@
 //! istiod sends no endpoint list: each workload's `services` map says which
 //! services it backs (`namespace/hostname` → service port → target port).
 //! A target port of 0 there means the service's own target port; a service
-//! target port of 0 means "named port: ask each workload". Unhealthy
-//! workloads are not endpoints.
+//! target port of 0 means "named port: ask each workload". An unhealthy
+//! workload is an endpoint that is not ready (it gets no connection unless
+//! the service's health policy allows unhealthy ones), so `/config_dump`
+//! still lists it, as ztunnel's does.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -133,7 +135,8 @@ pub(crate) fn service_key(s: &Service) -> String {
     format!("{}/{}", s.namespace, s.hostname)
 }
 
-/// Fills each service's endpoints from the healthy workloads that name it,
+/// Fills each service's endpoints from the workloads that name it (the
+/// unhealthy ones not ready, unless the service allows them),
 /// in workload order. Returns what could not be resolved, for the log and
 /// `/config_dump` (a workload naming a service istiod has not sent (yet),
 /// a waypoint naming an unknown service).
@@ -157,9 +160,7 @@ pub(crate) fn attach_endpoints<'a>(
                 ));
                 continue;
             };
-            if w.status == WorkloadStatus::Unhealthy && !services[i].allows_unhealthy() {
-                continue;
-            }
+            let ready = w.status != WorkloadStatus::Unhealthy || services[i].allows_unhealthy();
             // A target port of 0 defers to the service's (ServicePort).
             let ports: BTreeMap<u16, u16> = ports
                 .iter()
@@ -169,7 +170,7 @@ pub(crate) fn attach_endpoints<'a>(
             for ip in &w.ips {
                 services[i].endpoints.push(Endpoint {
                     ip: *ip,
-                    ready: true,
+                    ready,
                     pod: Some(w.key()),
                     ports: ports.clone(),
                     capacity: w.capacity,
@@ -352,8 +353,14 @@ mod tests {
                 "198.18.2.1:8080".parse().expect("a"),
                 "198.18.2.2:9090".parse().expect("b")
             ],
-            "the unhealthy workload is not an endpoint"
+            "the unhealthy workload gets no connection"
         );
+        let sick = web
+            .endpoints
+            .iter()
+            .find(|e| e.ip == ip("198.18.2.3"))
+            .expect("the unhealthy workload is still listed");
+        assert!(!sick.ready);
         let tls: SocketAddr = "198.19.100.1:443".parse().expect("addr");
         let targets: Vec<SocketAddr> = web.ready_targets(tls).into_iter().map(|(_, a)| a).collect();
         assert_eq!(
