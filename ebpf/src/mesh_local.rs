@@ -82,7 +82,9 @@ pub static MESH_LOCAL_STATS: PerCpuArray<MeshLocalStats> = PerCpuArray::with_max
 
 /// Called by connect4 after its policy check, for a connect it would
 /// otherwise hand on: true when the kernel carries it (see the module
-/// docs); the connect then proceeds to `dst_be`:`port` unchanged.
+/// docs); the connect then proceeds to `dst_be`:`port` (the caller's,
+/// `mesh_service.rs`, rewrites a VIP to it). `flags` go into the
+/// connection's record besides `MESH_LOCAL`.
 #[inline(always)]
 pub fn carried_in_kernel(
     ctx: &SockAddrContext,
@@ -90,6 +92,7 @@ pub fn carried_in_kernel(
     config: &PodConfig,
     dst_be: u32,
     port: u16,
+    flags: u32,
 ) -> bool {
     if config.flags & PodConfig::FAST_PATH == 0 {
         return false;
@@ -102,12 +105,7 @@ pub fn carried_in_kernel(
     let Some(stats) = stats() else {
         return false;
     };
-    let on = MESH_LOCAL_STATE
-        .get(0)
-        .is_some_and(|s| s.flags & FastPathState::VALID != 0);
-    // SAFETY: as above.
-    if !on || unsafe { MESH_LOCAL_SOURCES.get(&slot) }.is_none() {
-        stats.off += 1;
+    if !source_on(slot) {
         return false;
     }
     // The mesh's own ports stay the proxy's.
@@ -144,7 +142,7 @@ pub fn carried_in_kernel(
         // SAFETY: no argument.
         started_ns: unsafe { bpf_ktime_get_ns() },
         slot,
-        flags: FastPathSock::MESH_LOCAL,
+        flags: FastPathSock::MESH_LOCAL | flags,
         peer_slot: dest.slot,
         ..FastPathSock::default()
     };
@@ -154,6 +152,23 @@ pub fn carried_in_kernel(
     }
     stats.carried += 1;
     true
+}
+
+/// Whether flow 2 is on and `slot`'s verdicts are compiled (its connects
+/// may be decided here); counted when it is not.
+#[inline(always)]
+pub fn source_on(slot: u32) -> bool {
+    let on = MESH_LOCAL_STATE
+        .get(0)
+        .is_some_and(|s| s.flags & FastPathState::VALID != 0);
+    // SAFETY: plain value read out of the map.
+    if on && unsafe { MESH_LOCAL_SOURCES.get(&slot) }.is_some() {
+        return true;
+    }
+    if let Some(stats) = stats() {
+        stats.off += 1;
+    }
+    false
 }
 
 /// The compiled verdict is "allow": no entry for the port nor for "any
