@@ -270,6 +270,8 @@ pub mod programs {
     /// `cgroup/getpeername4` on the cgroup root: the service VIP a flow-2
     /// connection was dialled to (`ebpf/src/mesh_service.rs`).
     pub const GETPEERNAME4: &str = "shunt_getpeername4";
+    /// `cgroup/getpeername6` on the cgroup root (as [`GETPEERNAME4`]).
+    pub const GETPEERNAME6: &str = "shunt_getpeername6";
     /// `sk_msg` verdict on [`super::maps::SPLICE_SOCKS`].
     pub const SPLICE_MSG: &str = "shunt_splice_msg";
     /// Raw tracepoint on `sock_recv_length`: counts bytes read by spliced

@@ -62,7 +62,7 @@ pub fn shunt_connect4(ctx: SockAddrContext) -> i32 {
     if let Some(verdict) = crate::mesh_service::connect4(&ctx, slot, &config, dst, port) {
         return verdict;
     }
-    if crate::mesh_local::carried_in_kernel(&ctx, slot, &config, dst, port, 0)
+    if crate::mesh_local::carried_in_kernel(&ctx, slot, &config, &FastPathDest::v4(dst), port, 0)
         || passthrough::goes_direct(&ctx, slot, &config, &FastPathDest::v4(dst))
     {
         return ALLOW;
@@ -119,7 +119,13 @@ pub fn shunt_connect6(ctx: SockAddrContext) -> i32 {
     if crate::policy::denied_v6(slot, dst, port) {
         return REJECT;
     }
-    if passthrough::goes_direct(&ctx, slot, &config, &FastPathDest { addr: dst }) {
+    if let Some(verdict) = crate::mesh_service::connect6(&ctx, slot, &config, dst, port) {
+        return verdict;
+    }
+    let dest = FastPathDest { addr: dst };
+    if crate::mesh_local::carried_in_kernel(&ctx, slot, &config, &dest, port, 0)
+        || passthrough::goes_direct(&ctx, slot, &config, &dest)
+    {
         return ALLOW;
     }
     let proxy = if v4_mapped {

@@ -42,6 +42,7 @@ const ALLOW: i32 = 1;
 /// connect() fails with EPERM.
 const REJECT: i32 = 0;
 const AF_INET: u32 = 2;
+const AF_INET6: u32 = 10;
 
 /// VIP and port → the service port's endpoints, all eligible flow-2
 /// destinations of this node. Written by the reconciler only.
@@ -69,12 +70,67 @@ pub fn connect4(
     vip_be: u32,
     port: u16,
 ) -> Option<i32> {
+    let dialled = MeshServiceSock {
+        addr: [vip_be, 0, 0, 0],
+        port: u32::from(port),
+        family: AF_INET,
+    };
+    let endpoint = connect(ctx, slot, config, &FastPathDest::v4(vip_be), &dialled)?;
+    let Some(endpoint) = endpoint else {
+        return Some(REJECT);
+    };
+    // SAFETY: the context pointer is valid for the program's run.
+    let addr = unsafe { &mut *ctx.sock_addr };
+    addr.user_ip4 = endpoint.addr[3];
+    addr.user_port = u32::from((endpoint.port as u16).to_be());
+    Some(ALLOW)
+}
+
+/// As [`connect4`] for an IPv6 socket: a native IPv6 VIP, or a dual-stack
+/// socket's v4-mapped one (its endpoints are then v4-mapped too: the
+/// reconciler writes a VIP's endpoints of its own family).
+#[inline(always)]
+pub fn connect6(
+    ctx: &SockAddrContext,
+    slot: u32,
+    config: &PodConfig,
+    vip_be: [u32; 4],
+    port: u16,
+) -> Option<i32> {
+    let dialled = MeshServiceSock {
+        addr: vip_be,
+        port: u32::from(port),
+        family: AF_INET6,
+    };
+    let endpoint = connect(ctx, slot, config, &FastPathDest { addr: vip_be }, &dialled)?;
+    let Some(endpoint) = endpoint else {
+        return Some(REJECT);
+    };
+    set_ip6(ctx, endpoint.addr);
+    // SAFETY: the context pointer is valid for the program's run.
+    let addr = unsafe { &mut *ctx.sock_addr };
+    addr.user_port = u32::from((endpoint.port as u16).to_be());
+    Some(ALLOW)
+}
+
+/// Both families: `None` when flow 2 does not take the connect to `vip`
+/// (keyed as the destination map keys addresses); `Some(None)` when the
+/// endpoint chosen is denied; `Some(Some(endpoint))` when it is carried
+/// to `endpoint` (the caller rewrites the destination).
+#[inline(always)]
+fn connect(
+    ctx: &SockAddrContext,
+    slot: u32,
+    config: &PodConfig,
+    vip: &FastPathDest,
+    dialled: &MeshServiceSock,
+) -> Option<Option<MeshServiceEndpoint>> {
     if config.flags & PodConfig::FAST_PATH == 0 {
         return None;
     }
     let key = MeshServiceKey {
-        addr: FastPathDest::v4(vip_be).addr,
-        port: u32::from(port),
+        addr: vip.addr,
+        port: dialled.port,
     };
     // SAFETY: the value is read in place; the writer replaces whole
     // elements (an update swaps in a new element under RCU).
@@ -85,38 +141,33 @@ pub fn connect4(
         return None;
     }
     let endpoint = pick(service)?;
-    let (dst_be, dst_port) = (endpoint.addr[3], endpoint.port as u16);
-    if crate::policy::denied(slot, dst_be, dst_port) {
-        return Some(REJECT);
+    let dst = FastPathDest {
+        addr: endpoint.addr,
+    };
+    let dst_port = endpoint.port as u16;
+    // The verdicts key a v4-mapped address as IPv4 (`denied_v6`).
+    if crate::policy::denied_v6(slot, dst.addr, dst_port) {
+        return Some(None);
     }
     // SAFETY: the helper only reads the socket behind the context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
-    let dialled = MeshServiceSock {
-        addr: [vip_be, 0, 0, 0],
-        port: u32::from(port),
-        family: AF_INET,
-    };
     // Kept before the connection's record: a connection carried must name
     // its VIP to getpeername and to the reports.
-    if MESH_SERVICE_SOCKS.insert(cookie, &dialled, 0).is_err() {
+    if MESH_SERVICE_SOCKS.insert(cookie, dialled, 0).is_err() {
         return None;
     }
     if !crate::mesh_local::carried_in_kernel(
         ctx,
         slot,
         config,
-        dst_be,
+        &dst,
         dst_port,
         FastPathSock::VIA_SERVICE,
     ) {
         let _ = MESH_SERVICE_SOCKS.remove(&cookie);
         return None;
     }
-    // SAFETY: the context pointer is valid for the program's run.
-    let addr = unsafe { &mut *ctx.sock_addr };
-    addr.user_ip4 = dst_be;
-    addr.user_port = u32::from(dst_port.to_be());
-    Some(ALLOW)
+    Some(Some(endpoint))
 }
 
 /// One endpoint, at random, each with its weight's share.
@@ -173,4 +224,40 @@ pub fn shunt_getpeername4(ctx: SockAddrContext) -> i32 {
         addr.user_port = u32::from((dialled.port as u16).to_be());
     }
     ALLOW
+}
+
+/// Hook: `cgroup/getpeername6` on the cgroup root (Linux 5.8+). As
+/// [`shunt_getpeername4`] for IPv6 sockets (a dual-stack socket's
+/// v4-mapped VIP included). Miss path: the peer address unchanged;
+/// returns 1.
+#[cgroup_sock_addr(getpeername6)]
+pub fn shunt_getpeername6(ctx: SockAddrContext) -> i32 {
+    // SAFETY: the helper only reads the socket behind the context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
+    if let Some(dialled) = dialled(cookie)
+        && dialled.family == AF_INET6
+    {
+        set_ip6(&ctx, dialled.addr);
+        // SAFETY: the context pointer is valid for the program's run.
+        let addr = unsafe { &mut *ctx.sock_addr };
+        addr.user_port = u32::from((dialled.port as u16).to_be());
+    }
+    ALLOW
+}
+
+/// Writes `user_ip6` one word at a time: the verifier refuses a copy of a
+/// map value into the context (compiled to a byte loop through a moved
+/// context pointer).
+#[inline(always)]
+fn set_ip6(ctx: &SockAddrContext, words: [u32; 4]) {
+    use core::ptr::{addr_of_mut, write_volatile};
+    let sa = ctx.sock_addr;
+    // SAFETY: in-bounds, writable fields of the context, written as the
+    // verifier allows (4-byte stores at fixed offsets).
+    unsafe {
+        write_volatile(addr_of_mut!((*sa).user_ip6[0]), words[0]);
+        write_volatile(addr_of_mut!((*sa).user_ip6[1]), words[1]);
+        write_volatile(addr_of_mut!((*sa).user_ip6[2]), words[2]);
+        write_volatile(addr_of_mut!((*sa).user_ip6[3]), words[3]);
+    }
 }

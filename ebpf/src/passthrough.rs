@@ -282,7 +282,7 @@ fn emit(
 /// verifier refuses a load through a context pointer moved by an offset,
 /// which copying the arrays whole can compile to.
 #[inline(always)]
-fn ip6_of(ctx: &SockOpsContext) -> ([u32; 4], [u32; 4]) {
+pub fn ip6_of(ctx: &SockOpsContext) -> ([u32; 4], [u32; 4]) {
     use core::ptr::{addr_of, read_volatile};
     let ops = ctx.ops;
     // SAFETY: in-bounds fields of the context, read as the verifier allows.

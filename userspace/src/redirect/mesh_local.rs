@@ -34,8 +34,8 @@ impl MeshLocalTable {
     /// address qualifies when its pod is a mesh pod reached over HBONE
     /// without a waypoint, and the compiler knew its verdicts exactly
     /// (`inexact`: the addresses of pairs it left to the proxy, for which a
-    /// missing entry does not mean "allowed"). Only IPv4 addresses: flow 2
-    /// is carried by connect4 alone.
+    /// missing entry does not mean "allowed"). Both families: connect4
+    /// and connect6 carry flow 2.
     pub fn derive(enrolled: &[(u32, &Workload)], inexact: &BTreeSet<IpAddr>) -> Self {
         let mut table = Self::default();
         for &(slot, workload) in enrolled {
@@ -47,7 +47,7 @@ impl MeshLocalTable {
                 continue;
             }
             for ip in &workload.ips {
-                if ip.is_ipv4() && !inexact.contains(ip) {
+                if !inexact.contains(ip) {
                     table.destinations.insert(*ip, slot);
                 }
             }
@@ -169,10 +169,14 @@ mod tests {
         let inexact: BTreeSet<IpAddr> = ["198.18.1.13".parse().expect("ip")].into();
         let table = MeshLocalTable::derive(&enrolled, &inexact);
         assert_eq!(table.sources, (0..5).collect());
-        // IPv4 only (connect4 carries flow 2); the rest keep the proxy.
+        // Both families (connect4 and connect6); the rest keep the proxy.
         assert_eq!(
             table.destinations,
-            [("198.18.1.10".parse().expect("ip"), 0)].into()
+            [
+                ("198.18.1.10".parse().expect("ip"), 0),
+                ("fd00::10".parse().expect("ip"), 0)
+            ]
+            .into()
         );
     }
 
