@@ -84,8 +84,9 @@ pub const MAX_FAST_PATH_SOCKETS: u32 = 65536;
 /// more than 13,000 new resolver sockets per second on a node.
 pub const MAX_DNS_SOCKETS: u32 = 65536;
 
-/// Size of the fast path's event ring buffer: 256 KiB, about 2,500 events
-/// in flight before new ones are dropped (and counted).
+/// Size of the fast path's event ring buffer: 256 KiB, about 2,000 events
+/// (128 bytes each with the ring's header) in flight before new ones are
+/// dropped (and counted).
 pub const FAST_PATH_EVENTS_BYTES: u32 = 256 * 1024;
 
 /// Same-node mesh destinations the kernel may carry to (flow 2 of the fast
@@ -97,6 +98,23 @@ pub const MAX_MESH_LOCAL_DESTS: u32 = 2 * MAX_PODS;
 /// ([`maps::MESH_LOCAL_FLOWS`]); as many as the fast path's connection
 /// records, which each of them also holds.
 pub const MAX_MESH_LOCAL_FLOWS: u32 = MAX_FAST_PATH_SOCKETS;
+
+/// Service ports (VIP and port) flow 2 may carry to a same-node endpoint
+/// ([`maps::MESH_LOCAL_SERVICES`]): two VIPs (one per family) of up to
+/// 4,096 service ports whose every ready endpoint is an eligible pod of
+/// this node. At about 420 bytes an entry, allocated as used: 3.4 MiB at
+/// most. A service port beyond it is left to the proxy.
+pub const MAX_MESH_LOCAL_SERVICES: u32 = 8192;
+
+/// Most ready endpoints of one service port that flow 2 carries through
+/// its VIP ([`MeshService::endpoints`]); a service port with more goes
+/// through the proxy.
+pub const MAX_MESH_SERVICE_ENDPOINTS: usize = 16;
+
+/// Same-node mesh connections made through a service VIP, between their
+/// connect() and their close ([`maps::MESH_LOCAL_SERVICE_SOCKS`]); as many
+/// as the fast path's connection records, which each of them also holds.
+pub const MAX_MESH_SERVICE_SOCKETS: u32 = MAX_FAST_PATH_SOCKETS;
 
 /// Names of the maps, as they appear in the ELF object and under the pin dir.
 pub mod maps {
@@ -176,6 +194,15 @@ pub mod maps {
     pub const MESH_LOCAL_FLOWS: &str = "SHUNT_FP_MESH_FLOWS";
     /// `PerCpuArray<MeshLocalStats>` with one entry.
     pub const MESH_LOCAL_STATS: &str = "SHUNT_FP_MESH_STATS";
+    /// `HashMap<MeshServiceKey, MeshService>`: service VIPs and ports whose
+    /// every ready endpoint is an eligible flow-2 destination of this node,
+    /// with those endpoints; connect4/6 pick one and connect to it
+    /// directly. Written only by the reconciler, with the maps above.
+    pub const MESH_LOCAL_SERVICES: &str = "SHUNT_FP_MESH_VIPS";
+    /// `LruHashMap<u64 socket cookie, MeshServiceSock>`: the VIP a flow-2
+    /// connection was dialled to, from connect() to close (getpeername
+    /// answers it; the events name the service). Programs only.
+    pub const MESH_LOCAL_SERVICE_SOCKS: &str = "SHUNT_FP_MESH_VIP_SOCKS";
 
     /// `LruHashMap<u64 socket cookie, OriginalDst>`: the DNS server a pod's
     /// UDP socket asked before sendmsg4/6 (or connect4/6) sent its query to
@@ -184,7 +211,7 @@ pub mod maps {
     pub const DNS_SERVERS: &str = "SHUNT_DNS_SERVERS";
 
     /// Every map the agent pins (and every pod's program instance shares).
-    pub const ALL: [&str; 24] = [
+    pub const ALL: [&str; 26] = [
         ENROLLED,
         POD_COUNTERS,
         POD_CONFIG,
@@ -208,6 +235,8 @@ pub mod maps {
         MESH_LOCAL_STATE,
         MESH_LOCAL_FLOWS,
         MESH_LOCAL_STATS,
+        MESH_LOCAL_SERVICES,
+        MESH_LOCAL_SERVICE_SOCKS,
         DNS_SERVERS,
     ];
 }
@@ -238,6 +267,11 @@ pub mod programs {
     pub const SOCKOPS: &str = "shunt_sockops";
     /// `cgroup/getsockopt` on the cgroup root: answers `SO_ORIGINAL_DST`.
     pub const GETSOCKOPT: &str = "shunt_getsockopt";
+    /// `cgroup/getpeername4` on the cgroup root: the service VIP a flow-2
+    /// connection was dialled to (`ebpf/src/mesh_service.rs`).
+    pub const GETPEERNAME4: &str = "shunt_getpeername4";
+    /// `cgroup/getpeername6` on the cgroup root (as [`GETPEERNAME4`]).
+    pub const GETPEERNAME6: &str = "shunt_getpeername6";
     /// `sk_msg` verdict on [`super::maps::SPLICE_SOCKS`].
     pub const SPLICE_MSG: &str = "shunt_splice_msg";
     /// Raw tracepoint on `sock_recv_length`: counts bytes read by spliced
@@ -614,6 +648,9 @@ impl FastPathSock {
     /// A same-node mesh connection carried in the kernel (flow 2): its
     /// 4-tuple is in [`maps::MESH_LOCAL_FLOWS`] from the SYN to the close.
     pub const MESH_LOCAL: u32 = 16;
+    /// Flow 2 through a service VIP: the VIP dialled is in
+    /// [`maps::MESH_LOCAL_SERVICE_SOCKS`] under the socket's cookie.
+    pub const VIA_SERVICE: u32 = 32;
 }
 
 /// One event of [`maps::FAST_PATH_EVENTS`]: a fast-path connection opened
@@ -641,6 +678,14 @@ pub struct FastPathEvent {
     pub bytes_received: u64,
     /// From connect() to this event.
     pub duration_ns: u64,
+    /// The service VIP the application dialled (flow 2 through a VIP;
+    /// `dst_addr` is then the endpoint chosen), as `dst_addr`; zero
+    /// otherwise.
+    pub service_addr: [u32; 4],
+    /// The service port dialled (host order); zero without a service.
+    pub service_port: u32,
+    /// `AF_INET` or `AF_INET6` with a service; zero without.
+    pub service_family: u32,
 }
 
 impl FastPathEvent {
@@ -684,6 +729,52 @@ pub struct MeshFlow {
     pub src_slot: u32,
     /// Only the TC instance of this slot lets the SYN through.
     pub dst_slot: u32,
+}
+
+/// Key of [`maps::MESH_LOCAL_SERVICES`]: a service VIP (network order,
+/// IPv4 mapped into IPv6 as [`FastPathDest`]) and port (host order).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MeshServiceKey {
+    pub addr: [u32; 4],
+    pub port: u32,
+}
+
+/// One endpoint of a [`MeshService`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MeshServiceEndpoint {
+    /// The endpoint's address (network order, IPv4 mapped into IPv6 as
+    /// [`FastPathDest`]).
+    pub addr: [u32; 4],
+    /// Its target port for the service port (host order).
+    pub port: u32,
+    /// Its share of connections (the workload's capacity; at least 1).
+    pub weight: u32,
+}
+
+/// Value of [`maps::MESH_LOCAL_SERVICES`]: every ready endpoint of the
+/// service port (all eligible flow-2 destinations of this node).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MeshService {
+    /// Endpoints used, `1..=MAX_MESH_SERVICE_ENDPOINTS`.
+    pub count: u32,
+    /// The sum of their weights (non-zero).
+    pub total_weight: u32,
+    pub endpoints: [MeshServiceEndpoint; MAX_MESH_SERVICE_ENDPOINTS],
+}
+
+/// Value of [`maps::MESH_LOCAL_SERVICE_SOCKS`]: the VIP and port a flow-2
+/// connection was dialled to, as the application gave it (network-order
+/// address, IPv4 in `[0]`; port in host order).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MeshServiceSock {
+    pub addr: [u32; 4],
+    pub port: u32,
+    /// `AF_INET` (2) or `AF_INET6` (10).
+    pub family: u32,
 }
 
 /// Flow 2's kernel counters (one entry, per CPU).
@@ -764,6 +855,10 @@ mod user {
     unsafe impl aya::Pod for super::MeshFlowKey {}
     unsafe impl aya::Pod for super::MeshFlow {}
     unsafe impl aya::Pod for super::MeshLocalStats {}
+    unsafe impl aya::Pod for super::MeshServiceKey {}
+    unsafe impl aya::Pod for super::MeshServiceEndpoint {}
+    unsafe impl aya::Pod for super::MeshService {}
+    unsafe impl aya::Pod for super::MeshServiceSock {}
 }
 
 #[cfg(test)]
@@ -791,12 +886,19 @@ mod tests {
         assert_eq!(core::mem::size_of::<FastPathDest>(), 16);
         assert_eq!(core::mem::size_of::<FastPathState>(), 8);
         assert_eq!(core::mem::size_of::<FastPathSock>(), 48);
-        assert_eq!(core::mem::size_of::<FastPathEvent>(), 96);
+        assert_eq!(core::mem::size_of::<FastPathEvent>(), 120);
         assert_eq!(core::mem::size_of::<FastPathStats>(), 32);
         assert_eq!(core::mem::size_of::<MeshLocalDest>(), 8);
         assert_eq!(core::mem::size_of::<MeshFlowKey>(), 40);
         assert_eq!(core::mem::size_of::<MeshFlow>(), 8);
         assert_eq!(core::mem::size_of::<MeshLocalStats>(), 32);
+        assert_eq!(core::mem::size_of::<MeshServiceKey>(), 20);
+        assert_eq!(core::mem::size_of::<MeshServiceEndpoint>(), 24);
+        assert_eq!(
+            core::mem::size_of::<MeshService>(),
+            8 + 24 * MAX_MESH_SERVICE_ENDPOINTS
+        );
+        assert_eq!(core::mem::size_of::<MeshServiceSock>(), 24);
     }
 
     #[test]

@@ -32,8 +32,9 @@ const LOOPBACK_V4: u32 = u32::from_be_bytes([127, 0, 0, 1]);
 /// socket in an enrolled netns, without the proxy's mark, to a non-loopback,
 /// non-excluded destination. Rewrites the destination to 127.0.0.1:15001 and
 /// records the original — unless the fast path lets it go direct (a
-/// same-node mesh pod, `mesh_local.rs`; a destination outside the mesh,
-/// `passthrough.rs`); if no proxy listens there, refuses the
+/// same-node mesh pod, `mesh_local.rs`, or a service VIP whose endpoints
+/// all are, rewritten to one of them, `mesh_service.rs`; a destination
+/// outside the mesh, `passthrough.rs`); if no proxy listens there, refuses the
 /// connect (fail closed). DNS (TCP or UDP to port 53) is decided first, by
 /// `dns::connect4`. Miss path: `ALLOW` unchanged.
 #[cgroup_sock_addr(connect4)]
@@ -58,7 +59,10 @@ pub fn shunt_connect4(ctx: SockAddrContext) -> i32 {
     if crate::policy::denied(slot, dst, port) {
         return REJECT;
     }
-    if crate::mesh_local::carried_in_kernel(&ctx, slot, &config, dst, port)
+    if let Some(verdict) = crate::mesh_service::connect4(&ctx, slot, &config, dst, port) {
+        return verdict;
+    }
+    if crate::mesh_local::carried_in_kernel(&ctx, slot, &config, &FastPathDest::v4(dst), port, 0)
         || passthrough::goes_direct(&ctx, slot, &config, &FastPathDest::v4(dst))
     {
         return ALLOW;
@@ -115,7 +119,13 @@ pub fn shunt_connect6(ctx: SockAddrContext) -> i32 {
     if crate::policy::denied_v6(slot, dst, port) {
         return REJECT;
     }
-    if passthrough::goes_direct(&ctx, slot, &config, &FastPathDest { addr: dst }) {
+    if let Some(verdict) = crate::mesh_service::connect6(&ctx, slot, &config, dst, port) {
+        return verdict;
+    }
+    let dest = FastPathDest { addr: dst };
+    if crate::mesh_local::carried_in_kernel(&ctx, slot, &config, &dest, port, 0)
+        || passthrough::goes_direct(&ctx, slot, &config, &dest)
+    {
         return ALLOW;
     }
     let proxy = if v4_mapped {

@@ -10,6 +10,7 @@ mod dns;
 mod fixture;
 mod maps;
 mod mesh_local;
+mod mesh_service;
 mod passthrough;
 mod policy;
 mod sockops;

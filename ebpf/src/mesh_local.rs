@@ -9,7 +9,8 @@
 //!
 //! Three hooks take part, each through one call from its program:
 //!
-//! - `cgroup/connect4` ([`carried_in_kernel`]), after the policy check
+//! - `cgroup/connect4` and `cgroup/connect6` ([`carried_in_kernel`]),
+//!   after the policy check
 //!   (a denied connect was already refused): the source pod allows the
 //!   fast path and its verdicts are compiled (`SHUNT_FP_MESH_SRCS`); the
 //!   destination address is an eligible pod of this node
@@ -34,7 +35,9 @@
 //! (the LRU map full of live flows) — the SYN then reaches the destination
 //! pod's proxy as inbound plaintext, which applies the destination's
 //! policy as for any client outside the mesh (counted,
-//! `flows_unrecorded`). IPv4 only (connect4); IPv6 connects keep the proxy.
+//! `flows_unrecorded`). Both families: connect4, and connect6 for native
+//! IPv6 destinations and a dual-stack socket's v4-mapped ones (whose SYN
+//! is IPv4).
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
@@ -55,6 +58,7 @@ use crate::{
 };
 
 const AF_INET: u16 = 2;
+const AF_INET6: u16 = 10;
 
 /// Destination address → its pod's slot. Written by the reconciler only.
 #[map(name = "SHUNT_FP_MESH_DESTS")]
@@ -82,32 +86,30 @@ pub static MESH_LOCAL_STATS: PerCpuArray<MeshLocalStats> = PerCpuArray::with_max
 
 /// Called by connect4 after its policy check, for a connect it would
 /// otherwise hand on: true when the kernel carries it (see the module
-/// docs); the connect then proceeds to `dst_be`:`port` unchanged.
+/// docs); the connect then proceeds to `dst_be`:`port` (the caller's,
+/// `mesh_service.rs`, rewrites a VIP to it). `flags` go into the
+/// connection's record besides `MESH_LOCAL`.
 #[inline(always)]
 pub fn carried_in_kernel(
     ctx: &SockAddrContext,
     slot: u32,
     config: &PodConfig,
-    dst_be: u32,
+    dst: &FastPathDest,
     port: u16,
+    flags: u32,
 ) -> bool {
     if config.flags & PodConfig::FAST_PATH == 0 {
         return false;
     }
     // SAFETY: plain value copied out of the map.
-    let Some(dest) = (unsafe { MESH_LOCAL_DESTS.get(&FastPathDest::v4(dst_be)) }).copied() else {
+    let Some(dest) = (unsafe { MESH_LOCAL_DESTS.get(dst) }).copied() else {
         // Not an eligible pod of this node: the proxy's (or passthrough's).
         return false;
     };
     let Some(stats) = stats() else {
         return false;
     };
-    let on = MESH_LOCAL_STATE
-        .get(0)
-        .is_some_and(|s| s.flags & FastPathState::VALID != 0);
-    // SAFETY: as above.
-    if !on || unsafe { MESH_LOCAL_SOURCES.get(&slot) }.is_none() {
-        stats.off += 1;
+    if !source_on(slot) {
         return false;
     }
     // The mesh's own ports stay the proxy's.
@@ -129,7 +131,7 @@ pub fn carried_in_kernel(
     {
         return false;
     }
-    if !allowed(slot, dst_be, port) {
+    if !allowed(slot, dst, port) {
         return false;
     }
     // SAFETY: the helpers only read the socket behind the context.
@@ -144,7 +146,7 @@ pub fn carried_in_kernel(
         // SAFETY: no argument.
         started_ns: unsafe { bpf_ktime_get_ns() },
         slot,
-        flags: FastPathSock::MESH_LOCAL,
+        flags: FastPathSock::MESH_LOCAL | flags,
         peer_slot: dest.slot,
         ..FastPathSock::default()
     };
@@ -156,16 +158,40 @@ pub fn carried_in_kernel(
     true
 }
 
+/// Whether flow 2 is on and `slot`'s verdicts are compiled (its connects
+/// may be decided here); counted when it is not.
+#[inline(always)]
+pub fn source_on(slot: u32) -> bool {
+    let on = MESH_LOCAL_STATE
+        .get(0)
+        .is_some_and(|s| s.flags & FastPathState::VALID != 0);
+    // SAFETY: plain value read out of the map.
+    if on && unsafe { MESH_LOCAL_SOURCES.get(&slot) }.is_some() {
+        return true;
+    }
+    if let Some(stats) = stats() {
+        stats.off += 1;
+    }
+    false
+}
+
 /// The compiled verdict is "allow": no entry for the port nor for "any
 /// other port", or an ALLOW entry. (A DENY was refused before; anything
 /// else the kernel does not know is left to the proxy.)
 #[inline(always)]
-fn allowed(slot: u32, dst_be: u32, port: u16) -> bool {
+fn allowed(slot: u32, dst: &FastPathDest, port: u16) -> bool {
+    // The verdicts key IPv4 as IPv4 (a dual-stack socket's v4-mapped
+    // destination included), IPv6 as IPv6.
+    let (family, addr) = if is_v4_mapped(&dst.addr) {
+        (AF_INET, [dst.addr[3], 0, 0, 0])
+    } else {
+        (AF_INET6, dst.addr)
+    };
     let mut key = PolicyVerdictKey {
         slot,
         port,
-        family: AF_INET,
-        addr: [dst_be, 0, 0, 0],
+        family,
+        addr,
     };
     // SAFETY: plain values copied out of the map.
     let verdict = match unsafe { POLICY_VERDICTS.get(&key) } {
@@ -207,18 +233,39 @@ pub fn on_close(ctx: &SockOpsContext, record: &FastPathSock) {
 }
 
 /// The connection's 4-tuple as the destination sees its SYN (network
-/// order). Only IPv4 sockets carry flow 2 (connect4).
+/// order): a dual-stack socket reaching IPv4 (v4-mapped addresses) sends
+/// an IPv4 SYN.
 #[inline(always)]
 fn flow_key(ctx: &SockOpsContext) -> MeshFlowKey {
+    let (saddr, daddr, family) = if ctx.family() == u32::from(AF_INET) {
+        (
+            [ctx.local_ip4(), 0, 0, 0],
+            [ctx.remote_ip4(), 0, 0, 0],
+            AF_INET,
+        )
+    } else {
+        let (local, remote) = crate::passthrough::ip6_of(ctx);
+        if is_v4_mapped(&remote) {
+            ([local[3], 0, 0, 0], [remote[3], 0, 0, 0], AF_INET)
+        } else {
+            (local, remote, AF_INET6)
+        }
+    };
     MeshFlowKey {
-        saddr: [ctx.local_ip4(), 0, 0, 0],
-        daddr: [ctx.remote_ip4(), 0, 0, 0],
+        saddr,
+        daddr,
         // Host order in sock_ops; network order on the wire.
         sport: (ctx.local_port() as u16).to_be(),
         // Network order in the upper half of the field.
         dport: (ctx.remote_port() >> 16) as u16,
-        family: u32::from(AF_INET),
+        family: u32::from(family),
     }
+}
+
+/// `::ffff:a.b.c.d` (network-order words).
+#[inline(always)]
+pub fn is_v4_mapped(addr: &[u32; 4]) -> bool {
+    addr[0] == 0 && addr[1] == 0 && u32::from_be(addr[2]) == 0xffff
 }
 
 /// TC ingress of the destination pod in `slot`, for a SYN that no socket
@@ -233,15 +280,12 @@ pub fn admits(
     sport_be: u16,
     dport_be: u16,
 ) -> bool {
-    if v6 {
-        return false;
-    }
     let key = MeshFlowKey {
         saddr,
         daddr,
         sport: sport_be,
         dport: dport_be,
-        family: u32::from(AF_INET),
+        family: u32::from(if v6 { AF_INET6 } else { AF_INET }),
     };
     // SAFETY: plain value read out of the map.
     unsafe { MESH_LOCAL_FLOWS.get(&key) }.is_some_and(|flow| flow.dst_slot == slot)

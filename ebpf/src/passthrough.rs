@@ -26,7 +26,9 @@
 //!
 //! Flow 2 (`mesh_local.rs`, same-node mesh connections) keeps its records
 //! here too, marked `MESH_LOCAL`: the same events and byte accounting, and
-//! its flow entry is written at the SYN and deleted at the close.
+//! its flow entry is written at the SYN and deleted at the close; through
+//! a service VIP (`mesh_service.rs`, `VIA_SERVICE`) its events name the
+//! VIP dialled, whose record goes at the close.
 
 use aya_ebpf::{
     bindings::{
@@ -49,7 +51,7 @@ use crate::maps::{
 const AF_INET: u32 = 2;
 
 /// Unread bytes in `SHUNT_FP_EVENTS` (256 KiB) at which a submit wakes the
-/// agent: about 300 events, an eighth of the ring, so a burst between two of
+/// agent: about 250 events, an eighth of the ring, so a burst between two of
 /// the agent's timed reads never fills it.
 const WAKE_AT_BYTES: u64 = 32 * 1024;
 
@@ -207,6 +209,7 @@ fn on_state_change(ctx: &SockOpsContext, cookie: u64, record: &mut FastPathSock)
         failed,
     );
     crate::mesh_local::on_close(ctx, record);
+    crate::mesh_service::forget(cookie, record);
     let _ = FAST_PATH_SOCKS.remove(cookie);
 }
 
@@ -240,6 +243,14 @@ fn emit(
     } else {
         0
     };
+    // Flow 2 through a VIP: the service the application dialled.
+    let service = if record.flags & FastPathSock::VIA_SERVICE != 0 {
+        crate::mesh_service::dialled(cookie)
+    } else {
+        None
+    };
+    let (service_addr, service_port, service_family) =
+        service.map_or(([0; 4], 0, 0), |s| (s.addr, s.port, s.family));
     entry.write(FastPathEvent {
         kind,
         slot: record.slot,
@@ -255,6 +266,9 @@ fn emit(
         bytes_sent,
         bytes_received,
         duration_ns: now.saturating_sub(record.started_ns),
+        service_addr,
+        service_port,
+        service_family,
     });
     let wake = if FAST_PATH_EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= WAKE_AT_BYTES {
         BPF_RB_FORCE_WAKEUP
@@ -268,7 +282,7 @@ fn emit(
 /// verifier refuses a load through a context pointer moved by an offset,
 /// which copying the arrays whole can compile to.
 #[inline(always)]
-fn ip6_of(ctx: &SockOpsContext) -> ([u32; 4], [u32; 4]) {
+pub fn ip6_of(ctx: &SockOpsContext) -> ([u32; 4], [u32; 4]) {
     use core::ptr::{addr_of, read_volatile};
     let ops = ctx.ops;
     // SAFETY: in-bounds fields of the context, read as the verifier allows.

@@ -152,9 +152,11 @@ pub struct AgentArgs {
     /// with both identities (connection_security_policy="none"). Users who
     /// want mTLS between pods of one node set `--fast-path off` or annotate
     /// either pod `shunt.io/fast-path: "off"`. Denied connects fail at
-    /// connect() with EPERM. Mesh traffic to another node, or through a
-    /// Service VIP, always takes the proxy and HBONE (mTLS). The iptables
-    /// mode has no fast path.
+    /// connect() with EPERM. A Service VIP whose every ready endpoint is
+    /// such a pod (no waypoint) is carried the same way, to one endpoint
+    /// chosen at connect() (getpeername() still answers the VIP); IPv4 and
+    /// IPv6. Mesh traffic to another node always takes the proxy and HBONE
+    /// (mTLS). The iptables mode has no fast path.
     #[arg(long, value_enum, value_name = "on|off", default_value_t = OnOff::On)]
     pub fast_path: OnOff,
 

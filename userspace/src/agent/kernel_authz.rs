@@ -108,6 +108,9 @@ impl NodeAgent {
             // Every enrolled pod was compiled as a source, including those
             // the store does not know yet (never destinations then).
             mesh_local.sources.extend(sources.iter().map(|s| s.slot));
+            // The VIPs whose endpoints all are those destinations (vip).
+            let store = store.read().unwrap_or_else(|p| p.into_inner());
+            mesh_local.add_services(store.services().iter());
             mesh_local
         });
         if let Some(result) = self.redirector.write_mesh_local(mesh_local.as_ref())
@@ -121,6 +124,8 @@ impl NodeAgent {
                 None if result.on => info!(
                     sources = result.sources,
                     destinations = result.destinations,
+                    services = result.services,
+                    services_left_out = result.services_left_out,
                     "same-node mesh fast path on"
                 ),
                 None => info!(

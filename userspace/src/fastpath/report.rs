@@ -116,14 +116,20 @@ struct Side {
     pod: Option<WorkloadKey>,
     src_identity: Option<String>,
     dst_identity: Option<String>,
+    /// The service whose VIP the source dialled (the source's end only, as
+    /// the proxy reports it).
+    dst_service: Option<WorkloadKey>,
     series: TcpSeries,
 }
 
-/// The resolved reports, by (flow 2, source address, destination address):
-/// what the labels depend on.
+/// What a connection's labels depend on: flow 2 or not, the source and
+/// destination addresses, the service VIP and port dialled.
+type PairKey = (bool, IpAddr, IpAddr, Option<SocketAddr>);
+
+/// The resolved reports, by [`PairKey`].
 #[derive(Default)]
 pub struct Resolved {
-    pairs: HashMap<(bool, IpAddr, IpAddr), Vec<Side>>,
+    pairs: HashMap<PairKey, Vec<Side>>,
 }
 
 impl Resolved {
@@ -141,14 +147,16 @@ impl Reporter {
         let src = socket_addr(event.family, event.src_addr, event.src_port);
         let dst = socket_addr(event.family, event.dst_addr, event.dst_port);
         let mesh_local = event.flags & FastPathEvent::MESH_LOCAL != 0;
-        let key = (mesh_local, src.ip(), dst.ip());
+        let service = (event.service_family != 0)
+            .then(|| socket_addr(event.service_family, event.service_addr, event.service_port));
+        let key = (mesh_local, src.ip(), dst.ip(), service);
         if !resolved.pairs.contains_key(&key) && resolved.pairs.len() >= MAX_RESOLVED {
             resolved.clear();
         }
         let sides = resolved
             .pairs
             .entry(key)
-            .or_insert_with(|| self.resolve(mesh_local, src, dst));
+            .or_insert_with(|| self.resolve(mesh_local, src, dst, service));
         for side in sides {
             self.report(event, side, src, dst);
         }
@@ -156,18 +164,30 @@ impl Reporter {
 
     /// Both ends of a same-node mesh connection (reported as both proxies
     /// report a same-node HBONE connection, once by each end, with both
-    /// identities); the source's alone of a passthrough one.
-    fn resolve(&self, mesh_local: bool, src: SocketAddr, dst: SocketAddr) -> Vec<Side> {
-        let (source, destination) = {
+    /// identities; the source's names the service whose VIP `service` was
+    /// dialled, as the proxy's outbound report does); the source's alone of
+    /// a passthrough one.
+    fn resolve(
+        &self,
+        mesh_local: bool,
+        src: SocketAddr,
+        dst: SocketAddr,
+        service: Option<SocketAddr>,
+    ) -> Vec<Side> {
+        let (source, destination, dst_service) = {
             let store = self.store.read().unwrap_or_else(|p| p.into_inner());
             let named = |ip| {
                 store
                     .by_ip(ip)
                     .map(|w| (w.key(), w.identity(&self.trust_domain).to_string()))
             };
+            let dst_service = service
+                .and_then(|vip| store.services().by_addr(vip))
+                .map(|s| s.key());
             (
                 named(src.ip()),
                 if mesh_local { named(dst.ip()) } else { None },
+                dst_service,
             )
         };
         let src_identity = source.as_ref().map(|(_, id)| id.clone());
@@ -182,6 +202,9 @@ impl Reporter {
         };
         ends.into_iter()
             .map(|(direction, pod)| {
+                let dst_service = dst_service
+                    .clone()
+                    .filter(|_| direction != Direction::KernelInbound);
                 let info = ConnectionInfo {
                     direction,
                     pod: pod.as_ref(),
@@ -189,7 +212,7 @@ impl Reporter {
                     src_identity: src_identity.as_deref(),
                     dst_addr: dst,
                     dst_identity: dst_identity.as_deref(),
-                    dst_service: None,
+                    dst_service: dst_service.as_ref(),
                     derived_source: None,
                 };
                 let series = self.connections.series(&info);
@@ -198,6 +221,7 @@ impl Reporter {
                     pod,
                     src_identity: src_identity.clone(),
                     dst_identity: dst_identity.clone(),
+                    dst_service,
                     series,
                 }
             })
@@ -212,7 +236,7 @@ impl Reporter {
             src_identity: side.src_identity.as_deref(),
             dst_addr: dst,
             dst_identity: side.dst_identity.as_deref(),
-            dst_service: None,
+            dst_service: side.dst_service.as_ref(),
             derived_source: None,
         };
         match event.kind {
@@ -295,6 +319,9 @@ fn access_log(info: &ConnectionInfo<'_>, close: &ConnectionClose, event: &FastPa
     } else {
         "connect failed (the connection never became established)"
     };
+    let dst_service = info
+        .dst_service
+        .map_or_else(|| "-".to_owned(), ToString::to_string);
     macro_rules! line {
         ($level:ident) => {
             tracing::$level!(
@@ -304,7 +331,7 @@ fn access_log(info: &ConnectionInfo<'_>, close: &ConnectionClose, event: &FastPa
                 src.identity = info.src_identity.unwrap_or("-"),
                 dst.addr = %info.dst_addr,
                 dst.identity = info.dst_identity.unwrap_or("-"),
-                dst.service = "-",
+                dst.service = %dst_service,
                 bytes_sent = close.bytes_to_target,
                 bytes_received = close.bytes_from_target,
                 duration_ms = close.duration.as_millis() as u64,

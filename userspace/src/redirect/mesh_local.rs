@@ -6,17 +6,26 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::IpAddr,
+    net::{IpAddr, SocketAddr},
 };
 
-use crate::state::{TunnelProtocol, Workload};
+use shunt_common::{MAX_MESH_LOCAL_SERVICES, MAX_MESH_SERVICE_ENDPOINTS};
 
-/// The enrolled source pods whose verdicts the kernel holds, and the
-/// eligible destination addresses of this node's pods with their slots.
+use crate::state::{Service, TunnelProtocol, Workload};
+
+/// The enrolled source pods whose verdicts the kernel holds, the eligible
+/// destination addresses of this node's pods with their slots, and the
+/// service VIPs and ports whose every ready endpoint is one of them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MeshLocalTable {
     pub sources: BTreeSet<u32>,
     pub destinations: BTreeMap<IpAddr, u32>,
+    /// VIP:port → its endpoints (address and target port) with their
+    /// weights, in the service's order.
+    pub services: BTreeMap<SocketAddr, Vec<(SocketAddr, u32)>>,
+    /// Service ports that qualified but did not fit
+    /// (`MAX_MESH_LOCAL_SERVICES`): left to the proxy.
+    pub services_left_out: usize,
 }
 
 impl MeshLocalTable {
@@ -25,8 +34,8 @@ impl MeshLocalTable {
     /// address qualifies when its pod is a mesh pod reached over HBONE
     /// without a waypoint, and the compiler knew its verdicts exactly
     /// (`inexact`: the addresses of pairs it left to the proxy, for which a
-    /// missing entry does not mean "allowed"). Only IPv4 addresses: flow 2
-    /// is carried by connect4 alone.
+    /// missing entry does not mean "allowed"). Both families: connect4
+    /// and connect6 carry flow 2.
     pub fn derive(enrolled: &[(u32, &Workload)], inexact: &BTreeSet<IpAddr>) -> Self {
         let mut table = Self::default();
         for &(slot, workload) in enrolled {
@@ -38,12 +47,68 @@ impl MeshLocalTable {
                 continue;
             }
             for ip in &workload.ips {
-                if ip.is_ipv4() && !inexact.contains(ip) {
+                if !inexact.contains(ip) {
                     table.destinations.insert(*ip, slot);
                 }
             }
         }
         table
+    }
+
+    /// Adds every VIP and port of `services` that flow 2 may carry once
+    /// [`MeshLocalTable::derive`] chose the destinations: the service has
+    /// no waypoint, is load-balanced (not `PASSTHROUGH`), its VIP is on the
+    /// local network, and the port has 1 to `MAX_MESH_SERVICE_ENDPOINTS`
+    /// ready endpoints (as the proxy chooses among them:
+    /// `Service::ready_targets`), every one of them an eligible
+    /// destination. A single ineligible endpoint (another node's, one with
+    /// a waypoint, one outside the mesh, one whose verdicts are inexact)
+    /// keeps the whole port on the proxy, which is how it stays balanced
+    /// over every endpoint. Weights are the endpoints' capacities (all 1
+    /// when every capacity is 0, as the proxy does; at most 65,536).
+    pub fn add_services<'a>(&mut self, services: impl IntoIterator<Item = &'a Service>) {
+        for service in services {
+            if service.waypoint.is_some() || service.is_passthrough() {
+                continue;
+            }
+            for vip in &service.vips {
+                if service.vip_networks.contains_key(vip) {
+                    continue;
+                }
+                for port in &service.ports {
+                    let dialled = SocketAddr::new(*vip, port.port);
+                    let targets = service.ready_targets(dialled);
+                    if targets.is_empty()
+                        || targets.len() > MAX_MESH_SERVICE_ENDPOINTS
+                        || targets
+                            .iter()
+                            .any(|(_, to)| !self.destinations.contains_key(&to.ip()))
+                    {
+                        continue;
+                    }
+                    let weightless = targets.iter().all(|(e, _)| e.capacity == 0);
+                    let endpoints = targets
+                        .iter()
+                        .map(|(e, to)| {
+                            // Bounded so that 16 weights sum within a u32.
+                            (
+                                *to,
+                                if weightless {
+                                    1
+                                } else {
+                                    e.capacity.min(1 << 16)
+                                },
+                            )
+                        })
+                        .collect();
+                    self.services.insert(dialled, endpoints);
+                }
+            }
+        }
+        while self.services.len() > MAX_MESH_LOCAL_SERVICES as usize {
+            self.services.pop_last();
+            self.services_left_out += 1;
+        }
     }
 }
 
@@ -54,6 +119,11 @@ pub struct MeshLocalWritten {
     pub on: bool,
     pub sources: usize,
     pub destinations: usize,
+    /// Service VIPs and ports carried to a same-node endpoint.
+    pub services: usize,
+    /// Service VIPs and ports that qualified but were not written (no
+    /// room): their connects go through the proxy.
+    pub services_left_out: usize,
     /// A write that failed (flow 2 was left off).
     pub error: Option<String>,
 }
@@ -99,10 +169,73 @@ mod tests {
         let inexact: BTreeSet<IpAddr> = ["198.18.1.13".parse().expect("ip")].into();
         let table = MeshLocalTable::derive(&enrolled, &inexact);
         assert_eq!(table.sources, (0..5).collect());
-        // IPv4 only (connect4 carries flow 2); the rest keep the proxy.
+        // Both families (connect4 and connect6); the rest keep the proxy.
         assert_eq!(
             table.destinations,
-            [("198.18.1.10".parse().expect("ip"), 0)].into()
+            [
+                ("198.18.1.10".parse().expect("ip"), 0),
+                ("fd00::10".parse().expect("ip"), 0)
+            ]
+            .into()
+        );
+    }
+
+    fn service(name: &str, vip: &str, endpoints: &[&str]) -> Service {
+        use crate::state::{Endpoint, ServicePort};
+        Service {
+            name: name.into(),
+            namespace: "default".into(),
+            vips: vec![vip.parse().expect("vip")],
+            ports: vec![ServicePort {
+                port: 80,
+                target_port: Some(8080),
+            }],
+            endpoints: endpoints
+                .iter()
+                .map(|ip| Endpoint::new(ip.parse().expect("ip"), None))
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_vip_is_carried_only_when_every_ready_endpoint_is_a_destination() {
+        let local = pod("local", &["198.18.1.10"]);
+        let other = pod("other", &["198.18.1.11"]);
+        let enrolled = [(0, &local), (1, &other)];
+        let mut table = MeshLocalTable::derive(&enrolled, &BTreeSet::new());
+        let mut weighted = service("weighted", "198.19.100.1", &["198.18.1.10", "198.18.1.11"]);
+        weighted.endpoints[1].capacity = 3;
+        // One endpoint on another node (not a destination here).
+        let spread = service("spread", "198.19.100.2", &["198.18.1.10", "198.18.2.10"]);
+        let mut waypointed = service("waypointed", "198.19.100.3", &["198.18.1.10"]);
+        waypointed.waypoint = Some(GatewayAddress {
+            destination: GatewayDestination::Address {
+                network: String::new(),
+                ip: "198.18.1.99".parse().expect("ip"),
+            },
+            hbone_mtls_port: 15008,
+        });
+        // The remote one is not ready: only ready endpoints count.
+        let mut ready_only = service(
+            "ready-only",
+            "198.19.100.4",
+            &["198.18.1.11", "198.18.2.10"],
+        );
+        ready_only.endpoints[1].ready = false;
+        let empty = service("empty", "198.19.100.5", &[]);
+        table.add_services([&weighted, &spread, &waypointed, &ready_only, &empty]);
+        let vip = |s: &str| -> SocketAddr { s.parse().expect("addr") };
+        assert_eq!(
+            table.services,
+            [
+                (
+                    vip("198.19.100.1:80"),
+                    vec![(vip("198.18.1.10:8080"), 1), (vip("198.18.1.11:8080"), 3)]
+                ),
+                (vip("198.19.100.4:80"), vec![(vip("198.18.1.11:8080"), 1)]),
+            ]
+            .into()
         );
     }
 }

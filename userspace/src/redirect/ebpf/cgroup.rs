@@ -1,5 +1,5 @@
 //! The socket-level programs (`connect4`, `connect6`, `sockops`,
-//! `getsockopt`, and DNS capture's `sendmsg4/6`, `recvmsg4/6`), attached
+//! `getsockopt`, `getpeername4/6`, and DNS capture's `sendmsg4/6`, `recvmsg4/6`), attached
 //! once per agent to its cgroup root through BPF links pinned under
 //! `<pin dir>/links/`. A pinned link outlives the agent, so a restart (even
 //! after `kill -9`) never leaves a moment without outbound capture; a new
@@ -31,11 +31,14 @@ use super::{
 /// [`DNS_PROGRAMS`]): they are `CgroupSockAddr` programs like connect4/6,
 /// attached and adopted the same way (an agent that finds their links
 /// missing, e.g. after an older version, attaches them).
-pub const PROGRAMS: [&str; 8] = [
+pub const PROGRAMS: [&str; 10] = [
     programs::CONNECT4,
     programs::CONNECT6,
     programs::SOCKOPS,
     programs::GETSOCKOPT,
+    // Flow 2 through a service VIP: the VIP back to the application.
+    programs::GETPEERNAME4,
+    programs::GETPEERNAME6,
     programs::DNS_SENDMSG4,
     programs::DNS_SENDMSG6,
     programs::DNS_RECVMSG4,

@@ -114,7 +114,8 @@ pub fn on_new_layout(name: &str) -> Option<&'static str> {
         | maps::FAST_PATH_STATE
         | maps::MESH_LOCAL_DESTS
         | maps::MESH_LOCAL_SOURCES
-        | maps::MESH_LOCAL_STATE => "rebuilt by the reconciler from its tables and policies",
+        | maps::MESH_LOCAL_STATE
+        | maps::MESH_LOCAL_SERVICES => "rebuilt by the reconciler from its tables and policies",
         maps::POD_COUNTERS
         | maps::POLICY_DENIALS
         | maps::FAST_PATH_STATS

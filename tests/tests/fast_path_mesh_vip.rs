@@ -1,0 +1,300 @@
+//! Flow 2 of the fast path through a Service VIP (issue 18): a client
+//! pod's connect to the clusterIP of a service whose every ready endpoint
+//! is a mesh pod of the same node is sent by connect4 straight to an
+//! endpoint and carried in the kernel — the proxy copies nothing, the
+//! server sees the client's own address, the application's `getpeername`
+//! still answers the VIP it dialled, and both ends report it with the bytes
+//! moved, the source's report naming the service. A policy that denies the
+//! endpoint refuses the connect at connect(); a service with an endpoint on
+//! another node keeps the proxy (HBONE).
+
+use std::{
+    net::{Ipv4Addr, SocketAddr},
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+use shunt_common::maps;
+use shunt_testbed::{
+    Cgroup, Node, Pod, Topology,
+    agent::{
+        Agent, ServiceSpec, WorkloadSpec, http, services_yaml, start_enrolled, workloads_yaml,
+    },
+    apps::{EchoServer, HalfEcho, TestApp, local_of},
+    require_root,
+    scrape::{sample, wait_metrics},
+};
+
+const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
+const TIMEOUT: Duration = Duration::from_secs(30);
+const FAST: [&str; 4] = ["--redirect", "ebpf", "--fast-path", "on"];
+/// connect() failing with EPERM: the kernel refused it.
+const EPERM: i64 = 1;
+/// VIPs in the test range that no node, pod or route holds.
+const WEB_VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 100, 1);
+const SPREAD_VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 100, 2);
+
+/// Everything the proxy copied or carried: it must not move while the
+/// kernel carries a flow.
+fn proxy_work(agent: &Agent) -> (u64, u64, u64, u64, u64, u64) {
+    let p = agent.status().expect("status").proxy.expect("a proxy");
+    (
+        p.outbound_hbone,
+        p.inbound_hbone,
+        p.outbound_passthrough,
+        p.inbound_plaintext,
+        p.bytes_out,
+        p.bytes_in,
+    )
+}
+
+fn principal(pod: &Pod) -> String {
+    format!("spiffe://cluster.local/ns/default/sa/sa-{}", pod.name())
+}
+
+/// Entries of the agent's pinned map `name`, from `GET /debug/bpf`.
+fn map_entries(node: &Node, agent: &Agent, name: &str) -> Option<u64> {
+    let admin = agent.endpoints().admin.port();
+    let (code, body) = http(node, "GET", admin, "/debug/bpf").ok()?;
+    if code != 200 {
+        return None;
+    }
+    let dump: Value = serde_json::from_str(&body).ok()?;
+    dump["pinned"]["maps"]
+        .as_array()?
+        .iter()
+        .find(|m| m["pin"].as_str().is_some_and(|p| p.ends_with(name)))?["entries"]
+        .as_u64()
+}
+
+/// Waits until flow 2 is on and the VIP map holds `n` entries.
+fn vips_written(node: &Node, agent: &Agent, n: u64) {
+    wait_metrics(node, agent, "the same-node mesh fast path on", |m| {
+        sample(m, "shunt_fast_path_mesh_enabled", &[]) == Some(1.0)
+    });
+    let start = Instant::now();
+    while map_entries(node, agent, maps::MESH_LOCAL_SERVICES) != Some(n) {
+        assert!(
+            start.elapsed() < TIMEOUT,
+            "{} never held {n} entries (now {:?}): {}",
+            maps::MESH_LOCAL_SERVICES,
+            map_entries(node, agent, maps::MESH_LOCAL_SERVICES),
+            agent.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Whether a log line has `name=value` (quoted or not).
+fn has_field(line: &str, name: &str, value: &str) -> bool {
+    line.contains(&format!("{name}={value} "))
+        || line.contains(&format!("{name}=\"{value}\""))
+        || line.ends_with(&format!("{name}={value}"))
+}
+
+fn service(name: &str, vip: Ipv4Addr, endpoints: &[&str]) -> ServiceSpec {
+    ServiceSpec {
+        name: name.into(),
+        namespace: "default".into(),
+        vip,
+        port: 80,
+        target_port: 8080,
+        endpoints: endpoints.iter().map(|e| e.to_string()).collect(),
+    }
+}
+
+/// The workloads file: the pods (the server labelled `app: server`), the
+/// services, and `policies` (YAML list items).
+fn workloads_file(pods: &[&Pod], server: &Pod, policies: &str) -> String {
+    let specs: Vec<WorkloadSpec> = pods
+        .iter()
+        .map(|p| WorkloadSpec::for_pod(p, true))
+        .collect();
+    let mut yaml = workloads_yaml(&specs);
+    let server_entry = format!("  - name: {}\n", server.name());
+    let at = yaml.find(&server_entry).expect("server entry");
+    yaml.insert_str(at + server_entry.len(), "    labels: {app: server}\n");
+    yaml += &services_yaml(&[
+        service("web", WEB_VIP, &["server"]),
+        // One endpoint on another node: the proxy balances it.
+        service("spread", SPREAD_VIP, &["server", "remote"]),
+    ]);
+    if !policies.is_empty() {
+        yaml.push_str("authorizationPolicies:\n");
+        yaml.push_str(policies);
+    }
+    yaml
+}
+
+const DENY_CLIENT: &str = "  - apiVersion: security.istio.io/v1
+    kind: AuthorizationPolicy
+    metadata: {name: deny-client, namespace: default}
+    spec:
+      selector: {matchLabels: {app: server}}
+      action: DENY
+      rules: [{from: [{source: {principals: [\"cluster.local/ns/default/sa/sa-client\"]}}]}]
+";
+
+#[test]
+fn a_service_vip_with_same_node_endpoints_is_carried_in_the_kernel() {
+    require_root().expect("kernel tests need root");
+    let mut topo = Topology::new("fpvip").expect("topology");
+    topo.add_node("node-a").expect("node");
+    topo.add_node("node-b").expect("node");
+    let client = topo.add_pod("node-a", "client").expect("pod");
+    let server = topo.add_pod("node-a", "server").expect("pod");
+    let remote = topo.add_pod("node-b", "remote").expect("pod");
+    let apps = Cgroup::create(&topo, "apps").expect("cgroup");
+    let apps = TestApp::new(TESTAPP, &apps);
+    let pods = [&client, &server, &remote];
+    let yaml = workloads_file(&pods, &server, "");
+    let node_a = topo.node("node-a").expect("node").clone();
+    let node_b = topo.node("node-b").expect("node").clone();
+    let [mut agent_a, mut agent_b] =
+        start_enrolled(&topo, [&node_a, &node_b], &yaml, &FAST, TIMEOUT).expect("agents enrolled");
+    // Only "web": "spread" has an endpoint on node b.
+    vips_written(&node_a, &agent_a, 1);
+    let half = HalfEcho::on(&server, 8080);
+    let _remote_echo = EchoServer::on(&remote, 8080).expect("echo");
+
+    // The VIP: carried in the kernel to the same-node endpoint.
+    const BYTES: usize = 1_048_576;
+    let before = proxy_work(&agent_a);
+    let to = format!("{WEB_VIP}:80");
+    let report = apps.run(&client, &["connect", &to, "--send", &BYTES.to_string()]);
+    assert_eq!(
+        report["ok"],
+        Value::Bool(true),
+        "{report}\n{}",
+        agent_a.logs()
+    );
+    assert_eq!(
+        report["received"].as_u64(),
+        Some(BYTES as u64 / 2),
+        "{report}"
+    );
+    let local = local_of(&report);
+    assert_eq!(local.ip(), client.ip(), "not via the proxy: {report}");
+    assert_eq!(
+        report["peer"].as_str(),
+        Some(to.as_str()),
+        "getpeername answers the VIP the application dialled: {report}"
+    );
+    assert!(
+        half.peers().contains(&local),
+        "the endpoint saw the client's own address and port {local}: {:?}",
+        half.peers()
+    );
+    let client_id = principal(&client);
+    let server_id = principal(&server);
+    let endpoint = SocketAddr::from((server.ip(), 8080));
+    for (reporter, service) in [("source", "web"), ("destination", "unknown")] {
+        let labels = [
+            ("reporter", reporter),
+            ("source_workload", "client"),
+            ("source_principal", client_id.as_str()),
+            ("destination_workload", "server"),
+            ("destination_principal", server_id.as_str()),
+            ("destination_service_name", service),
+            ("connection_security_policy", "none"),
+        ];
+        let text = wait_metrics(&node_a, &agent_a, "the VIP connection closed", |m| {
+            sample(m, "istio_tcp_connections_closed_total", &labels) == Some(1.0)
+        });
+        assert_eq!(
+            sample(&text, "istio_tcp_connections_opened_total", &labels),
+            Some(1.0),
+            "{reporter}: {text}"
+        );
+        // Istio's convention: received = the request, sent = the response.
+        assert_eq!(
+            sample(&text, "istio_tcp_received_bytes_total", &labels),
+            Some(BYTES as f64),
+            "{reporter}: {text}"
+        );
+        assert_eq!(
+            sample(&text, "istio_tcp_sent_bytes_total", &labels),
+            Some((BYTES / 2) as f64),
+            "{reporter}: {text}"
+        );
+    }
+    assert_eq!(proxy_work(&agent_a), before, "the proxy carried nothing");
+    let logs = agent_a.logs();
+    let line = logs
+        .lines()
+        .find(|l| {
+            l.contains("connection complete")
+                && has_field(l, "direction", "outbound")
+                && has_field(l, "path", "fast")
+                && l.contains(&local.to_string())
+        })
+        .unwrap_or_else(|| panic!("no outbound access log line for {local}:\n{logs}"));
+    assert!(has_field(line, "dst.service", "default/web"), "{line}");
+    assert!(line.contains(&endpoint.to_string()), "{line}");
+
+    // A service with an endpoint on another node: the proxy, HBONE.
+    let hbone_before = proxy_work(&agent_a).0;
+    let report = apps.run(
+        &client,
+        &["connect", &format!("{SPREAD_VIP}:80"), "--send", "4096"],
+    );
+    assert_eq!(
+        report["ok"],
+        Value::Bool(true),
+        "{report}\n{}",
+        agent_a.logs()
+    );
+    assert_eq!(
+        local_of(&report).ip().to_string(),
+        "127.0.0.1",
+        "redirected to the proxy: {report}"
+    );
+    let start = Instant::now();
+    while proxy_work(&agent_a).0 <= hbone_before {
+        assert!(
+            start.elapsed() < TIMEOUT,
+            "no outbound HBONE counted: {}",
+            agent_a.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // A policy that denies the client at the endpoint: refused at connect
+    // through the VIP, counted; not a byte reaches the server.
+    agent_a
+        .write_workloads(&workloads_file(&pods, &server, DENY_CLIENT))
+        .expect("write the file");
+    let start = Instant::now();
+    let compiled = |agent: &Agent| {
+        agent.status().ok().is_some_and(|s| {
+            s.kernel_authz
+                .is_some_and(|k| k.policies == ["default/deny-client"] && k.error.is_none())
+        })
+    };
+    while !compiled(&agent_a) {
+        assert!(
+            start.elapsed() < TIMEOUT,
+            "the policy never compiled: {}",
+            agent_a.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    vips_written(&node_a, &agent_a, 1);
+    let seen = half.peers().len();
+    let report = apps.run(&client, &["connect", &to, "--send", "4096"]);
+    assert_eq!(report["errno"].as_i64(), Some(EPERM), "{report}");
+    assert_eq!(half.peers().len(), seen, "not a byte reached the server");
+    wait_metrics(&node_a, &agent_a, "the kernel's denial counted", |m| {
+        sample(
+            m,
+            "shunt_pod_policy_denials_total",
+            &[("pod", "client"), ("policy", "default/deny-client")],
+        )
+        .is_some_and(|n| n >= 1.0)
+    });
+
+    for agent in [&mut agent_a, &mut agent_b] {
+        let exit = agent.stop().expect("stop");
+        assert!(exit.success(), "{}", agent.logs());
+    }
+}
