@@ -219,6 +219,19 @@ fn a_service_vip_with_same_node_endpoints_is_carried_in_the_kernel() {
         );
     }
     assert_eq!(proxy_work(&agent_a), before, "the proxy carried nothing");
+    // `/status` counts it for each pod: out of the client, into the server.
+    let status = agent_a.status().expect("status");
+    let counted = |name: &str| {
+        status
+            .pods
+            .iter()
+            .find(|p| p.name == name)
+            .and_then(|p| p.fast_path)
+            .unwrap_or_default()
+    };
+    assert_eq!(counted("client").mesh_outbound, 1, "{status:?}");
+    assert_eq!(counted("client").mesh_inbound, 0, "{status:?}");
+    assert_eq!(counted("server").mesh_inbound, 1, "{status:?}");
     let logs = agent_a.logs();
     let line = logs
         .lines()

@@ -84,6 +84,7 @@ pub fn node_status(node: &NodeSnapshot, policies: Option<&PolicySet>) -> NodeSta
                     })
                     .collect(),
                 fast_path_opt_out: workload.fast_path == Some(false),
+                fast_path: None,
             }
         })
         .collect();
@@ -154,6 +155,12 @@ async fn status(State(state): State<AdminState>) -> Json<NodeStatus> {
                 .fast_path
                 .status(node.mesh_local.as_ref(), node.kernel_authz.as_ref()),
         );
+        // Per pod: what the fast path's reporter counted (vip).
+        let per_pod = state.fast_path.per_pod();
+        for pod in &mut status.pods {
+            let key = crate::state::WorkloadKey::new(&pod.namespace, &pod.name);
+            pod.fast_path = per_pod.get(&key).copied();
+        }
     }
     Json(status)
 }

@@ -128,6 +128,22 @@ pub struct PodStatus {
     /// or its namespace; `fastPath: false`): its connections take the proxy.
     #[serde(default)]
     pub fast_path_opt_out: bool,
+    /// Its connections the kernel carried (the fast path), since the agent
+    /// started; absent for a pod with none (vip).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fast_path: Option<PodFastPath>,
+}
+
+/// One pod's connections carried by the fast path, counted from the
+/// kernel's events (opened) by the agent's reporter (`fastpath::report`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodFastPath {
+    /// Its connects that went direct (flow 1, passthrough).
+    pub passthrough: u64,
+    /// Its connects to a same-node mesh pod (or VIP) carried in the kernel.
+    pub mesh_outbound: u64,
+    /// Connections from a same-node mesh pod to it carried in the kernel.
+    pub mesh_inbound: u64,
 }
 
 /// A workload certificate's validity.

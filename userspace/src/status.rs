@@ -337,6 +337,26 @@ fn render_fast_path(out: &mut String, status: &NodeStatus) {
             opted_out.join(", ")
         );
     }
+    let counted: Vec<String> = status
+        .pods
+        .iter()
+        .filter_map(|p| {
+            let c = p.fast_path?;
+            Some(format!(
+                "  {}/{}: {}, {}, {}",
+                p.namespace, p.name, c.passthrough, c.mesh_outbound, c.mesh_inbound
+            ))
+        })
+        .collect();
+    if !counted.is_empty() {
+        let _ = writeln!(
+            out,
+            "fast path connections per pod (direct, mesh out, mesh in):"
+        );
+        for line in counted {
+            let _ = writeln!(out, "{line}");
+        }
+    }
 }
 
 /// `in 23h59m`, `in 4m10s`, or `EXPIRED 5m ago`.
@@ -431,6 +451,11 @@ mod tests {
                         connects: 4,
                     }],
                     fast_path_opt_out: false,
+                    fast_path: Some(crate::api::PodFastPath {
+                        passthrough: 5,
+                        mesh_outbound: 2,
+                        mesh_inbound: 0,
+                    }),
                 },
                 PodStatus {
                     namespace: "default".into(),
@@ -448,6 +473,7 @@ mod tests {
                     policies: vec![],
                     kernel_denials: vec![],
                     fast_path_opt_out: true,
+                    fast_path: None,
                 },
             ],
         };
@@ -499,14 +525,19 @@ mod tests {
             lines[8], "fast path opted out (through the proxy): default/outsider",
             "{table}"
         );
-        assert_eq!(lines[9], "connects refused in the kernel (EPERM):");
         assert_eq!(
-            lines[10], "  default/client: default/allow-client 4",
+            lines[9],
+            "fast path connections per pod (direct, mesh out, mesh in):"
+        );
+        assert_eq!(lines[10], "  default/client: 5, 2, 0", "{table}");
+        assert_eq!(lines[11], "connects refused in the kernel (EPERM):");
+        assert_eq!(
+            lines[12], "  default/client: default/allow-client 4",
             "{table}"
         );
         assert_eq!(
             lines.len(),
-            11,
+            13,
             "only pods with policies or refusals are listed: {table}"
         );
         assert_eq!(lifetime(-300), "EXPIRED 5m0s ago");

@@ -19,7 +19,7 @@ use tokio::{
 use tracing::warn;
 
 use crate::{
-    metrics::{FastPathMetrics, KernelConnections, TcpSeries},
+    metrics::{FastPathMetrics, KernelConnections, PodFastPathKind, TcpSeries},
     proxy::{ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, Direction},
     redirect::ebpf::{FastPathCounters, FastPathEvents},
     state::{TrustDomain, WorkloadKey},
@@ -240,7 +240,17 @@ impl Reporter {
             derived_source: None,
         };
         match event.kind {
-            FastPathEvent::OPENED => side.series.opened(),
+            FastPathEvent::OPENED => {
+                side.series.opened();
+                if let Some(pod) = &side.pod {
+                    let kind = match side.direction {
+                        Direction::KernelOutbound => PodFastPathKind::MeshOutbound,
+                        Direction::KernelInbound => PodFastPathKind::MeshInbound,
+                        _ => PodFastPathKind::Passthrough,
+                    };
+                    self.metrics.count_pod(pod, kind);
+                }
+            }
             FastPathEvent::CLOSED => {
                 let failed = event.flags & FastPathEvent::FAILED != 0;
                 let close = ConnectionClose {

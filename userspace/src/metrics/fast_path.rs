@@ -31,6 +31,25 @@ pub struct FastPathMetrics {
     /// Set once the fast path's tasks started (`--fast-path on`): read by
     /// `shunt status`.
     pub enabled: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Connections carried per local pod; written by the reporter only
+    /// (`fastpath::report`), read by `/status`.
+    per_pod: std::sync::Arc<std::sync::Mutex<PerPod>>,
+}
+
+/// Local pods' fast-path connection counts, at most [`MAX_COUNTED_PODS`].
+type PerPod = std::collections::BTreeMap<crate::state::WorkloadKey, crate::api::PodFastPath>;
+
+/// Pods counted per pod: as many as the kernel has slots (a pod that left
+/// keeps its line until the agent restarts; past the bound, new pods go
+/// uncounted here, never in the Istio metrics).
+const MAX_COUNTED_PODS: usize = shunt_common::MAX_PODS as usize;
+
+/// Which of a pod's counts an opened connection adds to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PodFastPathKind {
+    Passthrough,
+    MeshOutbound,
+    MeshInbound,
 }
 
 impl FastPathMetrics {
@@ -121,6 +140,28 @@ impl FastPathMetrics {
             mesh_local_connections: self.mesh_local.get(),
             events_dropped: self.events_dropped.get(),
         }
+    }
+
+    /// One more connection of `pod` carried by the fast path.
+    pub fn count_pod(&self, pod: &crate::state::WorkloadKey, kind: PodFastPathKind) {
+        let mut per_pod = self.per_pod.lock().unwrap_or_else(|p| p.into_inner());
+        if !per_pod.contains_key(pod) && per_pod.len() >= MAX_COUNTED_PODS {
+            return;
+        }
+        let counts = per_pod.entry(pod.clone()).or_default();
+        match kind {
+            PodFastPathKind::Passthrough => counts.passthrough += 1,
+            PodFastPathKind::MeshOutbound => counts.mesh_outbound += 1,
+            PodFastPathKind::MeshInbound => counts.mesh_inbound += 1,
+        }
+    }
+
+    /// Every counted pod's connections (a copy).
+    pub fn per_pod(&self) -> PerPod {
+        self.per_pod
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     pub fn proxied_for(&self, reason: &str) -> Counter {

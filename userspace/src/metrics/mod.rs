@@ -47,7 +47,7 @@ use crate::{
     snapshot::{NodeSnapshot, SnapshotReader},
     store::WorkloadStore,
 };
-pub use fast_path::{FastPathMetrics, KernelConnections, TcpSeries};
+pub use fast_path::{FastPathMetrics, KernelConnections, PodFastPathKind, TcpSeries};
 pub use istio_tcp::TcpLabels;
 use istio_tcp::{TcpMetrics, TcpObserver};
 pub use node::NodeGauges;
