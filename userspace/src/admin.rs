@@ -143,6 +143,8 @@ pub async fn serve(listener: tokio::net::TcpListener, state: AdminState) {
 }
 
 async fn status(State(state): State<AdminState>) -> Json<NodeStatus> {
+    // What the status counts is in the log (issue 19's batched writer).
+    crate::logging::flush();
     debug!(target: "shunt::admin", request = "status", "admin request");
     let policies = state.policies();
     let node = state.reader.read();

@@ -195,6 +195,8 @@ pub fn xds_check(xds: &crate::api::XdsStatusHandle) -> Check {
 pub async fn serve(listener: tokio::net::TcpListener, reader: SnapshotReader) {
     use axum::{Router, extract::State, http::StatusCode, routing::get};
     async fn ready(State(reader): State<SnapshotReader>) -> (StatusCode, String) {
+        // What readiness reports is in the log (issue 19's batched writer).
+        crate::logging::flush();
         let mut readiness = Readiness::evaluate(&reader.read());
         if let Some(xds) = reader.xds() {
             readiness.checks.push(xds_check(xds));
