@@ -136,15 +136,14 @@ pub async fn serve(listener: tokio::net::TcpListener, state: AdminState) {
         .route("/config_dump", get(config_dump))
         .route("/debug/bpf", get(debug_bpf))
         .route("/logging", get(logging).post(logging))
-        .with_state(state);
+        .with_state(state)
+        .layer(axum::middleware::map_response(crate::logging::flush_after));
     if let Err(e) = axum::serve(listener, app).await {
         error!(error = %e, "admin API stopped");
     }
 }
 
 async fn status(State(state): State<AdminState>) -> Json<NodeStatus> {
-    // What the status counts is in the log (issue 19's batched writer).
-    crate::logging::flush();
     debug!(target: "shunt::admin", request = "status", "admin request");
     let policies = state.policies();
     let node = state.reader.read();

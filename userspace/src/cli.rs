@@ -428,7 +428,7 @@ pub struct LogArgs {
 
     // issue 19: the batched log writer.
     /// How long a log line may wait in memory for others to join its batch
-    /// (one write to stderr per batch, not per line). The status, metrics
+    /// (one write to stderr per batch, not per line). The admin, metrics
     /// and readiness endpoints, and the agent's exit, write what waits.
     #[arg(long, value_name = "MS", default_value_t = 50)]
     pub log_batch_interval_ms: u64,

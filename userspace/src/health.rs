@@ -195,8 +195,6 @@ pub fn xds_check(xds: &crate::api::XdsStatusHandle) -> Check {
 pub async fn serve(listener: tokio::net::TcpListener, reader: SnapshotReader) {
     use axum::{Router, extract::State, http::StatusCode, routing::get};
     async fn ready(State(reader): State<SnapshotReader>) -> (StatusCode, String) {
-        // What readiness reports is in the log (issue 19's batched writer).
-        crate::logging::flush();
         let mut readiness = Readiness::evaluate(&reader.read());
         if let Some(xds) = reader.xds() {
             readiness.checks.push(xds_check(xds));
@@ -210,7 +208,8 @@ pub async fn serve(listener: tokio::net::TcpListener, reader: SnapshotReader) {
     }
     let app = Router::new()
         .route("/healthz/ready", get(ready))
-        .with_state(reader);
+        .with_state(reader)
+        .layer(axum::middleware::map_response(crate::logging::flush_after));
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!(error = %e, "readiness endpoint stopped");
     }

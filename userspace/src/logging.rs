@@ -85,12 +85,20 @@ pub fn init(args: &LogArgs) -> Result<Guard, String> {
     Ok(Guard(guard))
 }
 
-/// Writes the buffered log lines now. The status, metrics and readiness
-/// endpoints call it before answering: what they show is in the log.
+/// Writes the buffered log lines now.
 pub fn flush() {
     if let Some(writer) = WRITER.get() {
         writer.flush();
     }
+}
+
+/// The admin, metrics and readiness endpoints' last step
+/// (`axum::middleware::map_response`): whatever was logged before an
+/// answer, and whatever the answer counts (the access line is written
+/// before the counters move), is in the log when the answer arrives.
+pub async fn flush_after(response: axum::response::Response) -> axum::response::Response {
+    flush();
+    response
 }
 
 /// Log lines dropped because the writer's buffer was full

@@ -11,8 +11,9 @@
 //!   arrives (sooner past [`WRITE_AT`] bytes).
 //! - Causal for observers: [`Batched::flush`] has the thread write what is
 //!   buffered now and waits for it (bounded by [`FLUSH_WAIT`]); the
-//!   agent's status, metrics and readiness endpoints call it first, so
-//!   whatever they show (a connection counted) is already in the log.
+//!   agent's admin, metrics and readiness endpoints call it before their
+//!   answer leaves, so whatever they show (a connection counted) is
+//!   already in the log.
 //! - Complete at exit: dropping the [`Guard`] writes everything buffered
 //!   and stops the thread; a panic writes the buffer before its message.
 

@@ -223,14 +223,13 @@ pub async fn serve(listener: tokio::net::TcpListener, reader: SnapshotReader, me
     async fn scrape(
         State((reader, metrics)): State<(SnapshotReader, Metrics)>,
     ) -> impl IntoResponse {
-        // What the scrape counts is in the log (issue 19's batched writer).
-        crate::logging::flush();
         let body = metrics.scrape(&reader.read());
         (StatusCode::OK, [(header::CONTENT_TYPE, CONTENT_TYPE)], body)
     }
     let app = Router::new()
         .route("/metrics", get(scrape))
-        .with_state((reader, metrics));
+        .with_state((reader, metrics))
+        .layer(axum::middleware::map_response(crate::logging::flush_after));
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!(error = %e, "metrics endpoint stopped");
     }
