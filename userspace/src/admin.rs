@@ -137,7 +137,8 @@ pub async fn serve(listener: tokio::net::TcpListener, state: AdminState) {
         .route("/config_dump", get(config_dump))
         .route("/debug/bpf", get(debug_bpf))
         .route("/logging", get(logging).post(logging))
-        .with_state(state);
+        .with_state(state)
+        .layer(axum::middleware::map_response(crate::logging::flush_after));
     if let Err(e) = axum::serve(listener, app).await {
         error!(error = %e, "admin API stopped");
     }

@@ -427,6 +427,13 @@ pub struct LogArgs {
     /// overrides it). Kernel-side messages come from the `shunt_ebpf` target.
     #[arg(long, value_name = "FILTER", default_value = "info")]
     pub log_level: String,
+
+    // issue 19: the batched log writer.
+    /// How long a log line may wait in memory for others to join its batch
+    /// (one write to stderr per batch, not per line). The admin, metrics
+    /// and readiness endpoints, and the agent's exit, write what waits.
+    #[arg(long, value_name = "MS", default_value_t = 50)]
+    pub log_batch_interval_ms: u64,
 }
 
 /// `--cri-socket`: a socket path, or `none`.

@@ -208,7 +208,8 @@ pub async fn serve(listener: tokio::net::TcpListener, reader: SnapshotReader) {
     }
     let app = Router::new()
         .route("/healthz/ready", get(ready))
-        .with_state(reader);
+        .with_state(reader)
+        .layer(axum::middleware::map_response(crate::logging::flush_after));
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!(error = %e, "readiness endpoint stopped");
     }

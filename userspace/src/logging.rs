@@ -2,6 +2,12 @@
 //! programs (aya-log, via the `log` crate) are bridged into the same output.
 //! The filter can be replaced while the agent runs ([`set_filter`], the
 //! admin API's `/logging?level=`).
+//!
+//! Lines reach stderr through a batching writer ([`writer`]): no proxy
+//! task writes to stderr itself. Keep the [`Guard`] from [`init`] until
+//! exit: dropping it writes what is still buffered.
+
+mod writer;
 
 use std::sync::{Mutex, OnceLock};
 
@@ -18,9 +24,16 @@ struct Control {
 
 static CONTROL: OnceLock<Control> = OnceLock::new();
 
+/// The installed writer, for [`flush`] and [`dropped_lines`].
+static WRITER: OnceLock<writer::Batched<std::io::Stderr>> = OnceLock::new();
+
+/// Writes the buffered log lines when dropped (keep it until exit).
+#[must_use = "dropping the guard stops the log writer"]
+pub struct Guard(#[allow(dead_code)] writer::Guard<std::io::Stderr>);
+
 /// Installs the global subscriber. `RUST_LOG`, when set, wins over
 /// `--log-level`.
-pub fn init(args: &LogArgs) -> Result<(), String> {
+pub fn init(args: &LogArgs) -> Result<Guard, String> {
     let (text, filter) = match std::env::var("RUST_LOG") {
         Ok(value) if !value.is_empty() => {
             let filter = EnvFilter::try_new(&value)
@@ -42,15 +55,25 @@ pub fn init(args: &LogArgs) -> Result<(), String> {
     let registry = tracing_subscriber::registry().with(filter);
     // Colours only for a person at a terminal, never into log files.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let interval = std::time::Duration::from_millis(args.log_batch_interval_ms);
+    let (out, guard) = writer::Batched::start(std::io::stderr(), writer::CAPACITY, interval)
+        .map_err(|e| format!("cannot start the log writer thread: {e}"))?;
     let result = match args.log_format {
         LogFormat::Text => registry
-            .with(fmt::layer().with_ansi(ansi).with_writer(std::io::stderr))
+            .with(fmt::layer().with_ansi(ansi).with_writer(out.clone()))
             .try_init(),
         LogFormat::Json => registry
-            .with(fmt::layer().json().with_writer(std::io::stderr))
+            .with(fmt::layer().json().with_writer(out.clone()))
             .try_init(),
     };
     result.map_err(|e| format!("cannot install the logger: {e}"))?;
+    let _ = WRITER.set(out);
+    // A panic's message (stderr, directly) comes after the lines before it.
+    let panic_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        flush();
+        panic_hook(info);
+    }));
     // The `log` bridge filters by its own maximum first; keep it in step
     // with the filter (here and on every reload).
     log::set_max_level(max);
@@ -59,7 +82,29 @@ pub fn init(args: &LogArgs) -> Result<(), String> {
         current: Mutex::new(text.clone()),
         initial: text,
     });
-    Ok(())
+    Ok(Guard(guard))
+}
+
+/// Writes the buffered log lines now.
+pub fn flush() {
+    if let Some(writer) = WRITER.get() {
+        writer.flush();
+    }
+}
+
+/// The admin, metrics and readiness endpoints' last step
+/// (`axum::middleware::map_response`): whatever was logged before an
+/// answer, and whatever the answer counts (the access line is written
+/// before the counters move), is in the log when the answer arrives.
+pub async fn flush_after(response: axum::response::Response) -> axum::response::Response {
+    flush();
+    response
+}
+
+/// Log lines dropped because the writer's buffer was full
+/// (`shunt_log_lines_dropped_total`).
+pub fn dropped_lines() -> u64 {
+    WRITER.get().map_or(0, |w| w.dropped())
 }
 
 /// Why the filter could not be changed.

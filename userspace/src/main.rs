@@ -9,11 +9,17 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Agent(args) => {
-            if let Err(message) = shunt::logging::init(&args.log) {
-                eprintln!("shunt: {message}");
-                return ExitCode::from(2);
-            }
-            run_agent(*args)
+            let log = match shunt::logging::init(&args.log) {
+                Ok(guard) => guard,
+                Err(message) => {
+                    eprintln!("shunt: {message}");
+                    return ExitCode::from(2);
+                }
+            };
+            let result = run_agent(*args);
+            // The last lines (a SIGTERM's drain) reach stderr before exit.
+            drop(log);
+            result
         }
         Command::Status(args) => shunt::status::run(&args).map_err(anyhow::Error::from),
     };
@@ -38,8 +44,9 @@ fn run_agent(args: shunt::cli::AgentArgs) -> anyhow::Result<()> {
         Some(&stop_signals),
         None,
     )?;
-    // The proxy's data path runs on these workers: how many is a measured
-    // choice (docs/BENCHMARKS.md, "Proxy efficiency").
+    // The proxy's data path runs on these workers. One per CPU, tokio's multi-thread scheduler: one worker, a
+    // current-thread runtime and tokio's defaults measured alike on the
+    // HBONE path (docs/BENCHMARKS.md, "Proxy efficiency").
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     if args.worker_threads > 0 {
         runtime.worker_threads(args.worker_threads);

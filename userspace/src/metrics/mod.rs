@@ -191,6 +191,16 @@ impl Metrics {
             let registry = snapshot.registry(self.inner.kube.get().map(Arc::as_ref));
             let _ = text::encode_registry(&mut out, &registry);
         }
+        // The log writer's drops (issue 19: it never blocks the data path).
+        let mut log = Registry::default();
+        let dropped = Counter::<u64>::default();
+        dropped.inc_by(crate::logging::dropped_lines());
+        log.sub_registry_with_prefix("shunt").register(
+            "log_lines_dropped",
+            "Log lines (access lines included) dropped because the log writer's buffer was full",
+            dropped,
+        );
+        let _ = text::encode_registry(&mut out, &log);
         let _ = text::encode_eof(&mut out);
         out
     }
@@ -218,7 +228,8 @@ pub async fn serve(listener: tokio::net::TcpListener, reader: SnapshotReader, me
     }
     let app = Router::new()
         .route("/metrics", get(scrape))
-        .with_state((reader, metrics));
+        .with_state((reader, metrics))
+        .layer(axum::middleware::map_response(crate::logging::flush_after));
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!(error = %e, "metrics endpoint stopped");
     }

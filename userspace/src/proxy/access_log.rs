@@ -129,6 +129,9 @@ impl<'a> AccessLog<'a> {
     }
 
     pub fn emit(&mut self, shared: &Shared) {
+        // The line first: whoever sees the connection counted (status,
+        // metrics; they flush the log first) finds it in the log.
+        self.write_line();
         if let Some(observer) = shared.observer.get() {
             let info = self.info();
             if !self.opened {
@@ -175,6 +178,10 @@ impl<'a> AccessLog<'a> {
             c.bytes_out.fetch_add(self.bytes_sent, Ordering::Relaxed);
             c.bytes_in.fetch_add(self.bytes_received, Ordering::Relaxed);
         }
+    }
+
+    /// Writes the line (unless quiet).
+    fn write_line(&self) {
         if self.quiet {
             return;
         }
