@@ -107,6 +107,7 @@ fn main() -> anyhow::Result<()> {
         pods.len(),
         enrol.iter().sum::<Duration>()
     );
+    println!("            {}", by_tenth(&enrol));
     let mut iptables = IptablesRedirector::new(IptablesOptions::new("bench"))?;
     let (enrol, unenrol) = enrol_all(&mut iptables, &pods)?;
     println!(
@@ -116,6 +117,7 @@ fn main() -> anyhow::Result<()> {
         pods.len(),
         enrol.iter().sum::<Duration>()
     );
+    println!("            {}", by_tenth(&enrol));
 
     // Connect latency: the client is pods[0], the destination pods[1].
     let (client, server) = (&pods[0], &pods[1]);
@@ -319,6 +321,22 @@ impl Drop for Acceptor {
             let _ = thread.join();
         }
     }
+}
+
+/// The median enrolment of the first and of the last tenth of the pods:
+/// whether a pod's cost grows with the pods enrolled before it.
+fn by_tenth(samples: &[Duration]) -> String {
+    let tenth = (samples.len() / 10).max(1);
+    let median = |part: &[Duration]| {
+        let mut sorted = part.to_vec();
+        sorted.sort();
+        sorted.get(sorted.len() / 2).copied().unwrap_or_default()
+    };
+    format!(
+        "enrol p50 of the first tenth {:.1?}, of the last tenth {:.1?}",
+        median(&samples[..tenth.min(samples.len())]),
+        median(&samples[samples.len().saturating_sub(tenth)..])
+    )
 }
 
 fn summary(samples: &[Duration]) -> String {
