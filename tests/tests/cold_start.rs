@@ -34,9 +34,18 @@ fn topology(test: &str) -> (Topology, Vec<Pod>) {
 /// Starts the agent with every pod in the mesh, each its own service
 /// account (so each its own certificate), as one list.
 fn start_agent(topo: &Topology, pods: &[Pod]) -> Agent {
-    let specs: Vec<WorkloadSpec> = pods.iter().map(|p| WorkloadSpec::for_pod(p, true)).collect();
+    let specs: Vec<WorkloadSpec> = pods
+        .iter()
+        .map(|p| WorkloadSpec::for_pod(p, true))
+        .collect();
     let node = topo.node("node-a").expect("node-a").clone();
-    Agent::start(topo, &node, &workloads_yaml(&specs), &["--redirect", "ebpf"]).expect("agent")
+    Agent::start(
+        topo,
+        &node,
+        &workloads_yaml(&specs),
+        &["--redirect", "ebpf"],
+    )
+    .expect("agent")
 }
 
 fn state_of<'a>(status: &'a NodeStatus, pod: &Pod) -> Option<&'a PodState> {
@@ -163,9 +172,11 @@ fn a_pod_whose_listener_cannot_bind_fails_closed_while_the_others_are_enrolled()
     // Once the address is free, a later pass serves the pod.
     drop(squatter);
     agent
-        .wait_for("the blocked pod enrolled once 15006 is free", TIMEOUT, |s| {
-            state_of(s, blocked) == Some(&PodState::Enrolled)
-        })
+        .wait_for(
+            "the blocked pod enrolled once 15006 is free",
+            TIMEOUT,
+            |s| state_of(s, blocked) == Some(&PodState::Enrolled),
+        )
         .expect("the pod is served once it can be");
     let report = exchange(&apps, blocked, server);
     assert_eq!(
