@@ -14,9 +14,8 @@
 
 use std::{
     collections::BTreeMap,
-    path::Path,
     sync::{Arc, RwLock},
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use tokio::sync::watch;
@@ -24,6 +23,7 @@ use tracing::{error, info, info_span, warn};
 
 mod kernel_authz;
 mod reconciler;
+mod serve;
 
 pub use reconciler::{PodsUpdate, Reconciler, ReconcilerInputs};
 
@@ -35,7 +35,7 @@ use crate::{
     },
     control::NodePods,
     inpod::{Answer, Answers, Wanted, ZdsPod, ZtunnelLink},
-    proxy::{PodNet, Proxy},
+    proxy::Proxy,
     redirect::{Capture, EnrolledPod, MeshLocalWritten, PodTarget, Redirector, Verification},
     snapshot::{NodeSnapshot, PodSnapshot},
     state::{PodState, TrustDomain, Workload, WorkloadKey},
@@ -299,11 +299,14 @@ impl NodeAgent {
                 .filter_map(|w| Some((w.key(), ZdsPod::new(w, w.netns.as_deref()?))))
                 .collect()
         });
+        // Every new pod's listeners first, bound concurrently; then each
+        // pod is enrolled in turn, after its own listeners (`serve.rs`).
+        let mut served = self.serve_all(&pods.pods);
         let mut next = BTreeMap::new();
         for workload in pods.pods {
             let key = workload.key();
             let _span = info_span!("pod", pod = %key).entered();
-            let state = self.converge(&key, &workload);
+            let state = self.converge(&key, &workload, served.remove(&key));
             let (kernel, kernel_denials) = self
                 .pods
                 .remove(&key)
@@ -340,43 +343,14 @@ impl NodeAgent {
         self.synced = true;
     }
 
-    /// Starts the proxy's listeners for the pod (if a proxy runs and does
-    /// not serve it yet). Returns why it could not.
-    fn serve(&self, key: &WorkloadKey, workload: &Workload, netns: &Path) -> Option<String> {
-        let handle = self.proxy.as_ref()?;
-        let dns = self.captures_dns(workload);
-        // A pod whose DNS capture changed is served again (new sockets
-        // first, then the old ones close).
-        if handle.proxy.serves(key) && handle.proxy.serves_dns(key) == dns {
-            return None;
-        }
-        let pod = PodNet {
-            key: key.clone(),
-            netns: netns.to_path_buf(),
-            ips: workload.ips.clone(),
-            identity: workload.identity(&self.trust_domain),
-            dns,
-        };
-        match handle.runtime.block_on(handle.proxy.add_pod(pod)) {
-            Ok(()) => None,
-            Err(e) => {
-                // Redirection still goes on: with no listener the pod fails
-                // closed rather than talking around the mesh.
-                error!(error = %e, "the proxy cannot serve the pod; its traffic fails closed");
-                Some(e.to_string())
-            }
-        }
-    }
-
-    fn stop_serving(&self, key: &WorkloadKey) {
-        if let Some(handle) = &self.proxy
-            && handle.proxy.remove_pod(key)
-        {
-            info!("proxy no longer serves the pod");
-        }
-    }
-
-    fn converge(&mut self, key: &WorkloadKey, workload: &Workload) -> PodState {
+    /// Brings one pod in line; `served` is how binding its listeners went
+    /// if `serve_all` already did it.
+    fn converge(
+        &mut self,
+        key: &WorkloadKey,
+        workload: &Workload,
+        served: Option<serve::Served>,
+    ) -> PodState {
         // A waypoint pod opts in but is never captured (`Workload::captured`).
         if !workload.captured() {
             if self.is_enrolled(key) {
@@ -410,7 +384,11 @@ impl NodeAgent {
             }
         }
         let started = Instant::now();
-        let proxy_problem = self.serve(key, workload, netns);
+        // (Binding in the batch counts in the pod's enrolment latency.)
+        let (proxy_problem, served_in) = match served {
+            Some(served) => (served.outcome, served.took),
+            None => (self.serve(key, workload, netns), Duration::ZERO),
+        };
         let target = PodTarget {
             key: key.clone(),
             netns: netns.clone(),
@@ -426,7 +404,7 @@ impl NodeAgent {
             Ok(()) => match proxy_problem {
                 None => {
                     if !was_enrolled {
-                        self.metrics.enrolled(started.elapsed());
+                        self.metrics.enrolled(served_in + started.elapsed());
                     }
                     PodState::Enrolled
                 }

@@ -60,6 +60,11 @@ struct Args {
     /// first status.)
     #[arg(long)]
     agent: bool,
+    /// With `--agent`: copy the agent's log (RUST_LOG debug for shunt,
+    /// with timestamps) to this file, for a breakdown of where the time
+    /// went.
+    #[arg(long, requires = "agent")]
+    agent_log: Option<std::path::PathBuf>,
     /// Internal: run the connect loop (inside a pod) and print latencies.
     #[arg(long, hide = true, num_args = 2, value_names = ["ADDR", "N"])]
     connect_loop: Option<Vec<String>>,
@@ -85,7 +90,7 @@ fn main() -> anyhow::Result<()> {
         .map(|i| topo.add_pod(&nodes[i / PODS_PER_NODE], &format!("p{i}")))
         .collect::<Result<_, _>>()?;
     if args.agent {
-        return agent_cold_start(&topo, &nodes[0], &pods);
+        return agent_cold_start(&topo, &nodes[0], &pods, args.agent_log.as_deref());
     }
     let apps = Cgroup::create(&topo, "apps")?;
     let pin = PinDir::new(&topo, "bench");
@@ -102,6 +107,7 @@ fn main() -> anyhow::Result<()> {
         pods.len(),
         enrol.iter().sum::<Duration>()
     );
+    println!("            {}", by_tenth(&enrol));
     let mut iptables = IptablesRedirector::new(IptablesOptions::new("bench"))?;
     let (enrol, unenrol) = enrol_all(&mut iptables, &pods)?;
     println!(
@@ -111,6 +117,7 @@ fn main() -> anyhow::Result<()> {
         pods.len(),
         enrol.iter().sum::<Duration>()
     );
+    println!("            {}", by_tenth(&enrol));
 
     // Connect latency: the client is pods[0], the destination pods[1].
     let (client, server) = (&pods[0], &pods[1]);
@@ -139,7 +146,12 @@ fn main() -> anyhow::Result<()> {
 /// over several /24 nodes), and prints how long it took from the spawn to
 /// its first status (after the first reconcile pass) and to every pod
 /// enrolled, in eBPF mode.
-fn agent_cold_start(topo: &Topology, node: &str, pods: &[Pod]) -> anyhow::Result<()> {
+fn agent_cold_start(
+    topo: &Topology,
+    node: &str,
+    pods: &[Pod],
+    keep_log: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
     if std::env::var_os("SHUNT_BIN").is_none() {
         // SAFETY: single-threaded here; the testbed reads it when spawning.
         unsafe { std::env::set_var("SHUNT_BIN", "target/release/shunt") };
@@ -165,12 +177,37 @@ fn agent_cold_start(topo: &Topology, node: &str, pods: &[Pod]) -> anyhow::Result
         status.pods.len() == pods.len() && status.pods.iter().all(|p| p.state == PodState::Enrolled)
     })?;
     let enrolled = start.elapsed();
+    // On-CPU time against the wall clock: how much of the start was work
+    // and how much waiting.
+    let cpu = agent.pid().and_then(cpu_time);
     println!(
-        "  {mode:<9} first status after {answering:.2?}, all {} pods enrolled after {enrolled:.2?}",
-        pods.len()
+        "  {mode:<9} first status after {answering:.2?}, all {} pods enrolled after {enrolled:.2?}{}",
+        pods.len(),
+        cpu.map(|cpu| format!(" (agent CPU time so far {cpu:.2?})"))
+            .unwrap_or_default()
     );
     agent.stop()?;
+    if let Some(path) = keep_log {
+        std::fs::copy(agent.log_path(), path)
+            .with_context(|| format!("copying the agent log to {}", path.display()))?;
+    }
     Ok(())
+}
+
+/// User + system CPU time of process `pid` (all its threads), from
+/// `/proc/PID/stat`.
+fn cpu_time(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command (which may hold spaces) in parentheses.
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line (11 and 12
+    // after the state).
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let per_second = u64::try_from(per_second).ok().filter(|n| *n > 0)?;
+    Some(Duration::from_nanos(ticks * 1_000_000_000 / per_second))
 }
 
 fn key(pod: &Pod) -> WorkloadKey {
@@ -284,6 +321,22 @@ impl Drop for Acceptor {
             let _ = thread.join();
         }
     }
+}
+
+/// The median enrolment of the first and of the last tenth of the pods:
+/// whether a pod's cost grows with the pods enrolled before it.
+fn by_tenth(samples: &[Duration]) -> String {
+    let tenth = (samples.len() / 10).max(1);
+    let median = |part: &[Duration]| {
+        let mut sorted = part.to_vec();
+        sorted.sort();
+        sorted.get(sorted.len() / 2).copied().unwrap_or_default()
+    };
+    format!(
+        "enrol p50 of the first tenth {:.1?}, of the last tenth {:.1?}",
+        median(&samples[..tenth.min(samples.len())]),
+        median(&samples[samples.len().saturating_sub(tenth)..])
+    )
 }
 
 fn summary(samples: &[Duration]) -> String {

@@ -45,8 +45,9 @@ impl Proxy {
                 }
             }
         }
-        let sockets =
-            socket::PodSockets::start(&pod.netns).map_err(|source| ProxyError::NetNs {
+        let sockets = socket::PodSockets::start(&pod.netns)
+            .await
+            .map_err(|source| ProxyError::NetNs {
                 pod: pod.key.clone(),
                 netns: pod.netns.clone(),
                 source,

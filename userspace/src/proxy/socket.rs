@@ -83,10 +83,12 @@ impl std::fmt::Debug for PodSockets {
 impl PodSockets {
     /// Starts the pod's socket thread inside the netns at `path`, and
     /// enables `tcp_migrate_req` there (see [`enable_request_migration`]).
-    pub fn start(path: &Path) -> io::Result<Self> {
+    /// Awaits the thread's start without blocking the caller's thread, so
+    /// that many pods are started at once (`agent/serve.rs`).
+    pub async fn start(path: &Path) -> io::Result<Self> {
         let netns = NetNs::open(path).map_err(io::Error::other)?;
         let (tx, rx) = mpsc::channel::<Request>();
-        let (ready_tx, ready_rx) = mpsc::channel::<io::Result<io::Result<()>>>();
+        let (ready_tx, ready_rx) = oneshot::channel::<io::Result<io::Result<()>>>();
         let name = format!(
             "shunt-ns-{}",
             path.file_name()
@@ -124,7 +126,7 @@ impl PodSockets {
             }
         })?;
         let migration = ready_rx
-            .recv()
+            .await
             .map_err(|_| io::Error::other("netns socket thread died"))??;
         match migration {
             Ok(()) => {

@@ -8,15 +8,10 @@ use crate::{
 };
 
 impl EbpfRedirector {
-    /// The lowest slot no enrolment entry uses.
+    /// The lowest slot no enrolment entry uses (kept in memory: walking
+    /// the map made each enrolment O(pods), see `slots.rs`).
     fn free_slot(&self) -> Option<u32> {
-        let used: HashSet<u32> = self
-            .enrolled_map
-            .iter()
-            .filter_map(Result::ok)
-            .map(|(_, pod)| pod.slot)
-            .collect();
-        (0..MAX_PODS).find(|slot| !used.contains(slot))
+        self.slots.lowest_free()
     }
 
     fn reset_counters(&mut self, pod: &WorkloadKey, slot: u32) -> Result<(), RedirectError> {
@@ -165,6 +160,7 @@ impl EbpfRedirector {
         self.enrolled_map
             .insert(cookie, PodSlot { slot, flags: 0 }, 0)
             .map_err(|e| kernel(pod, "recording the enrolment", e))?;
+        self.slots.take(slot);
         self.attach_tc(pod, &netns, slot)?;
         reply_path(pod, &netns, config)
     }
@@ -191,6 +187,7 @@ impl EbpfRedirector {
         let _ = self.config_map.set(slot, PodConfig::default(), 0);
         let _ = self.addrs_map.set(slot, PodAddrs::default(), 0);
         let _ = self.records_map.remove(&cookie);
+        self.slots.free(slot);
         self.policy.forget_slot(slot);
         self.mesh_local.forget_slot(slot);
     }
@@ -245,6 +242,7 @@ impl Redirector for EbpfRedirector {
         self.enrolled_map
             .insert(cookie, PodSlot { slot, flags: 0 }, 0)
             .map_err(|e| kernel(pod, "recording the enrolment", e))?;
+        self.slots.take(slot);
         let attached = self
             .attach_tc(pod, &netns, slot)
             .and_then(|()| reply_path(pod, &netns, config));

@@ -157,6 +157,7 @@ impl EbpfRedirector {
         }
         Ok(Self {
             ebpf,
+            slots: slots::SlotTable::from_map(&enrolled_map),
             enrolled_map,
             counters_map,
             config_map,

@@ -34,6 +34,7 @@ mod original_dst;
 mod pin_report;
 mod pins;
 mod policy;
+mod slots;
 mod splice;
 mod sys;
 mod tc;
@@ -98,6 +99,8 @@ pub struct EbpfRedirector {
     config_map: Array<MapData, PodConfig>,
     addrs_map: Array<MapData, PodAddrs>,
     records_map: BpfHashMap<MapData, u64, PodRecord>,
+    /// The slots `enrolled_map`'s entries name, kept beside it.
+    slots: slots::SlotTable,
     /// The kernel's authorization table and its denial counters.
     policy: policy::PolicyMaps,
     /// Flow 2 of the fast path: its sources, destinations and switch.

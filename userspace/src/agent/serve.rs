@@ -1,0 +1,147 @@
+//! The proxy side of a reconcile: which pods the builtin proxy serves.
+//!
+//! A pod's listeners are bound before the redirector sends its traffic
+//! there. Binding is the proxy's work (a thread in the pod's netns, a few
+//! sockets, its identity registered) and waits on other threads, so a
+//! reconcile that brings many pods at once — a cold start, the burst a
+//! watch delivers — binds their listeners concurrently first
+//! ([`NodeAgent::serve_all`], at most [`SERVE_AT_ONCE`] pods at a time),
+//! then enrols pod by pod as before: a pod is still redirected only after
+//! its own listeners are bound, and one whose listeners failed is still
+//! enrolled and fails closed. The reconcile thread waits for the whole
+//! batch; the redirector and every kernel object stay its own.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::IpAddr,
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use futures::StreamExt as _;
+use tracing::{error, info};
+
+use super::NodeAgent;
+use crate::{
+    proxy::PodNet,
+    state::{Workload, WorkloadKey},
+};
+
+/// How many pods' listeners are being bound at once: enough to overlap
+/// the waits of a burst (thread starts, round trips to the pods' socket
+/// threads), few enough that the runtime's other work (connections, the
+/// admin API) keeps its share.
+pub(super) const SERVE_AT_ONCE: usize = 32;
+
+/// What became of binding a pod's listeners in a batch.
+pub(super) struct Served {
+    /// `None` when they are bound, else why not (the pod fails closed).
+    pub outcome: Option<String>,
+    /// How long binding them took (part of the pod's enrolment latency).
+    pub took: Duration,
+}
+
+impl NodeAgent {
+    /// The pod as the proxy should serve it, if a builtin proxy runs, the
+    /// pod is captured with a known netns, and the proxy does not serve it
+    /// already as it should (a pod whose DNS capture changed is served
+    /// again: new sockets first, then the old ones close).
+    fn to_serve(&self, key: &WorkloadKey, workload: &Workload, netns: &Path) -> Option<PodNet> {
+        let handle = self.proxy.as_ref()?;
+        let dns = self.captures_dns(workload);
+        if handle.proxy.serves(key) && handle.proxy.serves_dns(key) == dns {
+            return None;
+        }
+        Some(PodNet {
+            key: key.clone(),
+            netns: netns.to_path_buf(),
+            ips: workload.ips.clone(),
+            identity: workload.identity(&self.trust_domain),
+            dns,
+        })
+    }
+
+    /// Starts the proxy's listeners for the pod (if a proxy runs and does
+    /// not serve it yet). Returns why it could not.
+    pub(super) fn serve(
+        &self,
+        key: &WorkloadKey,
+        workload: &Workload,
+        netns: &Path,
+    ) -> Option<String> {
+        let handle = self.proxy.as_ref()?;
+        let pod = self.to_serve(key, workload, netns)?;
+        handle
+            .runtime
+            .block_on(handle.proxy.add_pod(pod))
+            .err()
+            .map(|e| {
+                // Redirection still goes on: with no listener the pod fails
+                // closed rather than talking around the mesh.
+                error!(error = %e, "the proxy cannot serve the pod; its traffic fails closed");
+                e.to_string()
+            })
+    }
+
+    /// Binds the listeners of every pod of `workloads` that `converge`
+    /// would serve, concurrently (at most [`SERVE_AT_ONCE`] at a time), and
+    /// returns each one's outcome for `converge` to use instead of serving
+    /// it then. Left out (served by `converge` one by one, as before): pods
+    /// that share an address with another pod of the batch (the proxy
+    /// refuses the second of two pods on one IP; which one is second must
+    /// not depend on timing), and everything when pods are handed to
+    /// ztunnel or no builtin proxy runs.
+    pub(super) fn serve_all(&self, workloads: &[Workload]) -> HashMap<WorkloadKey, Served> {
+        let Some(handle) = self.proxy.as_ref().filter(|_| self.ztunnel.is_none()) else {
+            return HashMap::new();
+        };
+        let wanted: Vec<PodNet> = workloads
+            .iter()
+            .filter(|w| w.captured())
+            .filter_map(|w| self.to_serve(&w.key(), w, w.netns.as_deref()?))
+            .collect();
+        let mut pods_per_ip: BTreeMap<IpAddr, usize> = BTreeMap::new();
+        for ip in wanted.iter().flat_map(|pod| &pod.ips) {
+            *pods_per_ip.entry(*ip).or_default() += 1;
+        }
+        let batch: Vec<PodNet> = wanted
+            .into_iter()
+            .filter(|pod| pod.ips.iter().all(|ip| pods_per_ip.get(ip) == Some(&1)))
+            .collect();
+        if batch.len() < 2 {
+            // Nothing to overlap: `converge` serves it as it always did.
+            return HashMap::new();
+        }
+        let count = batch.len();
+        let proxy = &handle.proxy;
+        let outcomes: Vec<(WorkloadKey, Served)> = handle.runtime.block_on(
+            futures::stream::iter(batch)
+                .map(|pod| async move {
+                    let key = pod.key.clone();
+                    let started = Instant::now();
+                    let outcome = proxy.add_pod(pod).await.err().map(|e| {
+                        error!(pod = %key, error = %e, "the proxy cannot serve the pod; its traffic fails closed");
+                        e.to_string()
+                    });
+                    let took = started.elapsed();
+                    (key, Served { outcome, took })
+                })
+                .buffer_unordered(SERVE_AT_ONCE)
+                .collect(),
+        );
+        let failed = outcomes.iter().filter(|(_, s)| s.outcome.is_some()).count();
+        info!(
+            pods = count,
+            failed, "bound the listeners of a batch of pods before enrolling them"
+        );
+        outcomes.into_iter().collect()
+    }
+
+    pub(super) fn stop_serving(&self, key: &WorkloadKey) {
+        if let Some(handle) = &self.proxy
+            && handle.proxy.remove_pod(key)
+        {
+            info!("proxy no longer serves the pod");
+        }
+    }
+}
