@@ -382,9 +382,9 @@ fn layout(name: &str) -> Option<(usize, usize)> {
 
     use shunt_common::{
         FastPathDest, FastPathSock, FastPathState, FastPathStats, GlobalConfig, MeshFlow,
-        MeshFlowKey, MeshLocalDest, MeshLocalStats, OriginalDst, PodAddrs, PodConfig, PodCounters,
-        PodRecord, PodSlot, PolicyDenialKey, PolicyVerdict, PolicyVerdictKey, SockKey, SpliceFlow,
-        SpliceKey,
+        MeshFlowKey, MeshLocalDest, MeshLocalStats, MeshService, MeshServiceKey, MeshServiceSock,
+        OriginalDst, PodAddrs, PodConfig, PodCounters, PodRecord, PodSlot, PolicyDenialKey,
+        PolicyVerdict, PolicyVerdictKey, SockKey, SpliceFlow, SpliceKey,
     };
     Some(match name {
         maps::ENROLLED => (size_of::<u64>(), size_of::<PodSlot>()),
@@ -412,6 +412,8 @@ fn layout(name: &str) -> Option<(usize, usize)> {
         maps::MESH_LOCAL_STATE => (size_of::<u32>(), size_of::<FastPathState>()),
         maps::MESH_LOCAL_FLOWS => (size_of::<MeshFlowKey>(), size_of::<MeshFlow>()),
         maps::MESH_LOCAL_STATS => (size_of::<u32>(), size_of::<MeshLocalStats>()),
+        maps::MESH_LOCAL_SERVICES => (size_of::<MeshServiceKey>(), size_of::<MeshService>()),
+        maps::MESH_LOCAL_SERVICE_SOCKS => (size_of::<u64>(), size_of::<MeshServiceSock>()),
         maps::DNS_SERVERS => (size_of::<u64>(), size_of::<OriginalDst>()),
         _ => return None,
     })
