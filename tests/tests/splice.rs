@@ -195,10 +195,12 @@ fn transfer_gib(node: &Node) -> (Value, u64) {
         &node.to_server,
         "--send",
         &send,
+        // 20 ms asleep per MiB read: long enough for the bytes in flight
+        // on the other legs to pile up at the client past the bound.
         "--slow-read-ms",
-        "2",
+        "20",
         "--timeout-ms",
-        "60000",
+        "180000",
         // Event-loop style: see `--splice` in `shunt agent --help`.
         "--poll",
     ]);
@@ -217,7 +219,14 @@ fn a_gib_through_a_slow_reader_stays_bounded_with_splice_on() {
     assert!(ok(&report_off), "{report_off}\n{}", off.agent.logs());
     drop(off);
 
-    let on = node("splice-gib-on", &["--splice", "on"]);
+    // A backlog bound a quarter of the default: the reader's pauses must
+    // leave it behind by more than the bound whatever the machine's speed
+    // (at the default 1 MiB and 2 ms pauses an idle machine's reader
+    // sometimes kept up and never tripped it).
+    let on = node(
+        "splice-gib-on",
+        &["--splice", "on", "--splice-backlog", "262144"],
+    );
     let (report_on, peak_on) = transfer_gib(&on);
     // Complete, in order (the testapp checks the pattern byte by byte) and
     // no write failed (ENOMEM would end the run with ok: false).
