@@ -50,13 +50,15 @@ const LOOPBACK_IFINDEX: u32 = 1;
 
 /// Hook: TC ingress (clsact) on an enrolled pod's `eth0` — packets arriving
 /// at the pod. Counts every packet. When the pod's inbound redirection is on,
-/// a TCP packet to the pod that belongs to no existing connection (a new
+/// a TCP SYN to the pod that belongs to no existing connection (a new
 /// connection) is assigned to the proxy's 15006 listener with
 /// `bpf_sk_assign`, keeping its destination, so the accepted socket's local
 /// address is the original one. Never steered: port 15008 (HBONE, the proxy
 /// binds it), the health-probe source, excluded ports, the SYN of a
 /// same-node mesh connection the kernel carries (`mesh_local.rs`). No proxy listener:
-/// the packet is dropped and counted (fail closed). Miss path: `TC_ACT_OK`.
+/// the packet is dropped and counted (fail closed). Cost: a socket lookup
+/// per arriving SYN (two when it is steered), nothing but the counters and
+/// a header parse for every other packet. Miss path: `TC_ACT_OK`.
 #[classifier]
 pub fn shunt_tc_ingress(ctx: TcContext) -> i32 {
     crate::fixture::previous_release_marker();
@@ -196,8 +198,88 @@ struct TcpPacket {
 }
 
 /// Parses Ethernet + IPv4/IPv6 (no extension headers) + TCP.
+///
+/// Reads the headers in place (direct packet access) when the skb's linear
+/// part holds them — every TCP packet a veth carries in practice — and only
+/// otherwise copies them out field by field ([`parse_tcp_copied`]). Why: this
+/// runs for every packet an enrolled pod sends or receives, and each
+/// `bpf_skb_load_bytes` is a helper call; the seven of a parse were most of
+/// these programs' time per packet (`kernel.bpf_stats_enabled`,
+/// docs/BENCHMARKS.md).
 #[inline(always)]
 fn parse_tcp(ctx: &TcContext) -> Option<TcpPacket> {
+    // Every read is at a constant offset from the packet's start: the
+    // verifier accepts a read at a variable offset only through the very
+    // register it bounds-checked, which the compiler does not promise to
+    // keep. So IPv4 with options (TCP at a variable offset) and headers
+    // outside the linear part take the copying parse.
+    const V4_TCP: usize = ETH_HDR_LEN + 20;
+    const V6_TCP: usize = ETH_HDR_LEN + 40;
+    // TCP up to its flags byte.
+    const TCP_LEN: usize = 14;
+    let (start, end) = (ctx.data(), ctx.data_end());
+    if start + V4_TCP + TCP_LEN > end {
+        return parse_tcp_copied(ctx);
+    }
+    // SAFETY (every read below): an unaligned read of a plain integer inside
+    // the range checked against `data_end` on the way to it.
+    let read_u8 = |at: usize| unsafe { core::ptr::read_unaligned((start + at) as *const u8) };
+    let read_u16 = |at: usize| unsafe { core::ptr::read_unaligned((start + at) as *const u16) };
+    let read_u32 = |at: usize| unsafe { core::ptr::read_unaligned((start + at) as *const u32) };
+    let packet = |v6, saddr, daddr, l4: usize| {
+        let dport_be = read_u16(l4 + 2);
+        TcpPacket {
+            v6,
+            saddr,
+            daddr,
+            sport_be: read_u16(l4),
+            dport_be,
+            dport: u16::from_be(dport_be),
+            flags: read_u8(l4 + 13),
+        }
+    };
+    match u16::from_be(read_u16(12)) {
+        ETH_P_IP => {
+            if read_u8(ETH_HDR_LEN) & 0x0f != 5 {
+                return parse_tcp_copied(ctx);
+            }
+            if read_u8(ETH_HDR_LEN + 9) != IPPROTO_TCP {
+                return None;
+            }
+            let saddr = [read_u32(ETH_HDR_LEN + 12), 0, 0, 0];
+            let daddr = [read_u32(ETH_HDR_LEN + 16), 0, 0, 0];
+            Some(packet(false, saddr, daddr, V4_TCP))
+        }
+        ETH_P_IPV6 => {
+            if start + V6_TCP + TCP_LEN > end {
+                return parse_tcp_copied(ctx);
+            }
+            if read_u8(ETH_HDR_LEN + 6) != IPPROTO_TCP {
+                return None;
+            }
+            let addr = |at: usize| {
+                [
+                    read_u32(at),
+                    read_u32(at + 4),
+                    read_u32(at + 8),
+                    read_u32(at + 12),
+                ]
+            };
+            Some(packet(
+                true,
+                addr(ETH_HDR_LEN + 8),
+                addr(ETH_HDR_LEN + 24),
+                V6_TCP,
+            ))
+        }
+        _ => None,
+    }
+}
+
+/// [`parse_tcp`] by copying each field out of the skb (`bpf_skb_load_bytes`):
+/// for packets whose headers are not all in the linear part.
+#[inline(always)]
+fn parse_tcp_copied(ctx: &TcContext) -> Option<TcpPacket> {
     let ethertype = u16::from_be(ctx.load::<u16>(12).ok()?);
     let (v6, proto, saddr, daddr, l4) = match ethertype {
         ETH_P_IP => {
@@ -241,6 +323,13 @@ fn steer_inbound(
     stats: &mut PodCounters,
     packet: &TcpPacket,
 ) -> i32 {
+    // Only a SYN can start a connection; anything else is either part of an
+    // existing one or without a socket, the kernel's to refuse. Tested before
+    // the socket lookup below, so that a connection's data and ACKs — every
+    // packet but its first — cost no lookup here (the kernel does its own).
+    if packet.flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) != TCP_FLAG_SYN {
+        return TC_ACT_OK;
+    }
     if packet.dport == PORT_HBONE || packet.dport == PORT_INBOUND_PLAINTEXT {
         return TC_ACT_OK;
     }
@@ -258,8 +347,9 @@ fn steer_inbound(
     {
         return TC_ACT_OK;
     }
-    // A packet of an existing connection (or handshake in progress) is left
-    // to the kernel's own lookup, which finds the same socket.
+    // A SYN of an existing connection (a retransmission, a handshake in
+    // progress) is left to the kernel's own lookup, which finds the same
+    // socket.
     let mut tuple = tuple_of(packet, packet.dport_be);
     let existing = lookup(ctx, &mut tuple, packet.v6);
     if !existing.is_null() {
@@ -270,11 +360,7 @@ fn steer_inbound(
             return TC_ACT_OK;
         }
     }
-    // A new connection: hand it to the proxy's listener. Only a SYN can
-    // start one; anything else without a socket is the kernel's to refuse.
-    if packet.flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) != TCP_FLAG_SYN {
-        return TC_ACT_OK;
-    }
+    // A new connection: hand it to the proxy's listener.
     // An authorised same-node mesh connection goes to the application.
     if crate::mesh_local::admits(
         slot,
