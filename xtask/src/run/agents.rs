@@ -100,16 +100,9 @@ const HOPELESS: &[&str] = &[
 
 /// An agent pod stuck for good, if any.
 fn failing_agent() -> anyhow::Result<Option<String>> {
-    let pods = util::stdout(kubectl().args([
-        "get",
-        "pods",
-        "-n",
-        AGENT_NAMESPACE,
-        "-l",
-        AGENT_SELECTOR,
-        "-o",
-        "jsonpath={range .items[*]}{.metadata.name}{\"\\t\"}{.spec.nodeName}{\"\\t\"}{range .status.initContainerStatuses[*]}{.state.waiting.reason}{\" \"}{end}{range .status.containerStatuses[*]}{.state.waiting.reason}{\" \"}{end}{\"\\n\"}{end}",
-    ]))?;
+    let pods = agent_pods_jsonpath(
+        "{range .items[*]}{.metadata.name}{\"\\t\"}{.spec.nodeName}{\"\\t\"}{range .status.initContainerStatuses[*]}{.state.waiting.reason}{\" \"}{end}{range .status.containerStatuses[*]}{.state.waiting.reason}{\" \"}{end}{\"\\n\"}{end}",
+    )?;
     for line in pods.lines() {
         let mut fields = line.split('\t');
         let (Some(pod), Some(node), reasons) = (fields.next(), fields.next(), fields.next()) else {
@@ -181,16 +174,9 @@ pub(super) fn diagnose_agents() {
 
 /// The current (not terminating) agent pod of each node.
 pub(super) fn agent_pods() -> anyhow::Result<BTreeMap<String, String>> {
-    let pods = util::stdout(kubectl().args([
-        "get",
-        "pods",
-        "-n",
-        AGENT_NAMESPACE,
-        "-l",
-        AGENT_SELECTOR,
-        "-o",
-        "jsonpath={range .items[*]}{.spec.nodeName}{\"\\t\"}{.metadata.name}{\"\\t\"}{.metadata.deletionTimestamp}{\"\\n\"}{end}",
-    ]))?;
+    let pods = agent_pods_jsonpath(
+        "{range .items[*]}{.spec.nodeName}{\"\\t\"}{.metadata.name}{\"\\t\"}{.metadata.deletionTimestamp}{\"\\n\"}{end}",
+    )?;
     Ok(pods
         .lines()
         .filter_map(|line| {
@@ -199,4 +185,18 @@ pub(super) fn agent_pods() -> anyhow::Result<BTreeMap<String, String>> {
             (deleting.is_empty() && !node.is_empty()).then(|| (node.to_string(), pod.to_string()))
         })
         .collect())
+}
+
+/// The agent pods, printed with the kubectl JSONPath `template`.
+fn agent_pods_jsonpath(template: &str) -> anyhow::Result<String> {
+    util::stdout(kubectl().args([
+        "get",
+        "pods",
+        "-n",
+        AGENT_NAMESPACE,
+        "-l",
+        AGENT_SELECTOR,
+        "-o",
+        &format!("jsonpath={template}"),
+    ]))
 }
