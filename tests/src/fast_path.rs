@@ -16,7 +16,7 @@ use shunt_common::maps;
 use crate::{
     Node, Pod,
     agent::{Agent, http},
-    apps::local_of,
+    apps::{TestApp, local_of},
     scrape::{sample, wait_metrics},
 };
 
@@ -123,6 +123,30 @@ pub fn outbound_hbone_counted(agent: &Agent, before: u64) {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// `client` → `to` (an echo or a `HalfEcho`) went through the proxy: the
+/// application's socket was redirected to 127.0.0.1, an answer came back,
+/// and the proxy counted one more outbound HBONE connection.
+pub fn carried_by_the_proxy(apps: &TestApp<'_>, agent: &Agent, client: &Pod, to: &str) {
+    let before = proxy_work(agent).0;
+    let report = apps.run(client, &["connect", to, "--send", "4096"]);
+    assert_eq!(
+        report["ok"],
+        Value::Bool(true),
+        "{report}\n{}",
+        agent.logs()
+    );
+    assert!(
+        report["received"].as_u64().is_some_and(|n| n > 0),
+        "an answer came back: {report}"
+    );
+    assert_eq!(
+        local_of(&report).ip().to_string(),
+        "127.0.0.1",
+        "redirected to the proxy: {report}"
+    );
+    outbound_hbone_counted(agent, before);
 }
 
 /// Checks a `shunt-testapp connect --send bytes` report against a

@@ -27,8 +27,8 @@ use shunt_testbed::{
     apps::{EchoServer, HalfEcho, TestApp, local_of},
     authz_bed::{AuthzBed, policy_file},
     fast_path::{
-        assert_direct, assert_istio_tcp_counted, fast_access_line, has_field, mesh_enabled,
-        outbound_hbone_counted, pinned_map_entries, policies_compiled, principal, proxy_work,
+        assert_direct, assert_istio_tcp_counted, carried_by_the_proxy, fast_access_line,
+        has_field, mesh_enabled, pinned_map_entries, policies_compiled, principal, proxy_work,
     },
     require_root,
     scrape::{metrics, sample, wait_metrics},
@@ -110,27 +110,9 @@ fn carried_in_kernel(
 }
 
 /// `client` → `dst`:8080 (an echo or a [`HalfEcho`]) went through the
-/// proxy (the app's socket was redirected to 127.0.0.1) as HBONE.
-fn carried_by_the_proxy(apps: &TestApp<'_>, agent: &Agent, client: &Pod, dst: &Pod) {
-    let before = proxy_work(agent).0;
-    let to = format!("{}:8080", dst.ip());
-    let report = apps.run(client, &["connect", &to, "--send", "4096"]);
-    assert_eq!(
-        report["ok"],
-        Value::Bool(true),
-        "{report}\n{}",
-        agent.logs()
-    );
-    assert!(
-        report["received"].as_u64().is_some_and(|n| n > 0),
-        "an answer came back: {report}"
-    );
-    assert_eq!(
-        local_of(&report).ip().to_string(),
-        "127.0.0.1",
-        "redirected to the proxy: {report}"
-    );
-    outbound_hbone_counted(agent, before);
+/// proxy as HBONE.
+fn via_proxy(apps: &TestApp<'_>, agent: &Agent, client: &Pod, dst: &Pod) {
+    carried_by_the_proxy(apps, agent, client, &format!("{}:8080", dst.ip()));
 }
 
 #[test]
@@ -171,12 +153,12 @@ fn same_node_mesh_flows_are_carried_in_the_kernel_and_reported_by_both_ends() {
     );
 
     // The pod that opted out keeps mTLS, as a source and as a destination.
-    carried_by_the_proxy(&apps, &agent_a, &keeper, &server);
-    carried_by_the_proxy(&apps, &agent_a, &client, &keeper);
+    via_proxy(&apps, &agent_a, &keeper, &server);
+    via_proxy(&apps, &agent_a, &client, &keeper);
 
     // Another node's mesh pod: HBONE through both proxies.
     let inbound_b = proxy_work(&agent_b).1;
-    carried_by_the_proxy(&apps, &agent_a, &client, &remote);
+    via_proxy(&apps, &agent_a, &client, &remote);
     let start = Instant::now();
     while proxy_work(&agent_b).1 <= inbound_b {
         assert!(start.elapsed() < TIMEOUT, "no inbound HBONE on node b");
@@ -191,7 +173,7 @@ fn same_node_mesh_flows_are_carried_in_the_kernel_and_reported_by_both_ends() {
     agent_a
         .wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_enrolled)
         .expect("enrolled");
-    carried_by_the_proxy(&apps, &agent_a, &client, &server);
+    via_proxy(&apps, &agent_a, &client, &server);
     assert_eq!(
         sample(
             &metrics(&node_a, &agent_a),
@@ -334,7 +316,7 @@ fn policy_decides_at_connect_and_an_incomplete_table_keeps_the_proxy() {
         std::thread::sleep(Duration::from_millis(100));
     }
     mesh_enabled(&node, &bed.agent, false);
-    carried_by_the_proxy(&apps, &bed.agent, &bed.client, &bed.server);
+    via_proxy(&apps, &bed.agent, &bed.client, &bed.server);
     wait_metrics(&node, &bed.agent, "the connect counted as proxied", |m| {
         sample(
             m,

@@ -13,14 +13,13 @@ use std::{
     time::Duration,
 };
 
-use serde_json::Value;
 use shunt_testbed::{
     Cgroup, Pod, Topology,
     agent::{ServiceSpec, WorkloadSpec, services_yaml, start_enrolled, workloads_yaml},
-    apps::{EchoServer, HalfEcho, TestApp, local_of},
+    apps::{EchoServer, HalfEcho, TestApp},
     fast_path::{
-        assert_direct, assert_istio_tcp_counted, fast_access_line, has_field,
-        outbound_hbone_counted, policies_compiled, principal, proxy_work, vips_written,
+        assert_direct, assert_istio_tcp_counted, carried_by_the_proxy, fast_access_line,
+        has_field, policies_compiled, principal, proxy_work, vips_written,
     },
     require_root,
     scrape::{sample, wait_metrics},
@@ -157,23 +156,7 @@ fn a_service_vip_with_same_node_endpoints_is_carried_in_the_kernel() {
     assert!(line.contains(&endpoint.to_string()), "{line}");
 
     // A service with an endpoint on another node: the proxy, HBONE.
-    let hbone_before = proxy_work(&agent_a).0;
-    let report = apps.run(
-        &client,
-        &["connect", &format!("{SPREAD_VIP}:80"), "--send", "4096"],
-    );
-    assert_eq!(
-        report["ok"],
-        Value::Bool(true),
-        "{report}\n{}",
-        agent_a.logs()
-    );
-    assert_eq!(
-        local_of(&report).ip().to_string(),
-        "127.0.0.1",
-        "redirected to the proxy: {report}"
-    );
-    outbound_hbone_counted(&agent_a, hbone_before);
+    carried_by_the_proxy(&apps, &agent_a, &client, &format!("{SPREAD_VIP}:80"));
 
     // A policy that denies the client at the endpoint: refused at connect
     // through the VIP, counted; not a byte reaches the server.
