@@ -31,8 +31,8 @@ mod workloads;
 
 pub use layout::{AgentNetns, http, http_at};
 pub use mesh_node::MeshNode;
-pub use pin_dir::{BPF_ROOT, PinDir};
 use pin_dir::sweep_stale_pins;
+pub use pin_dir::{BPF_ROOT, PinDir};
 pub use workloads::{ServiceSpec, WorkloadSpec, services_yaml, workloads_yaml};
 
 /// Where the agent's admin API listens (in its node's netns).
@@ -301,7 +301,6 @@ impl Agent {
         Ok(())
     }
 
-
     pub fn workloads_path(&self) -> PathBuf {
         self.dir.join("workloads.yaml")
     }
@@ -355,7 +354,6 @@ impl Agent {
             .run(&self.node, move || shunt::status::fetch(addr))?
             .map_err(|e| TestbedError::Invalid(e.to_string()))
     }
-
 
     /// SIGTERM, then waits (bounded) for a clean exit.
     pub fn stop(&mut self) -> Result<ExitStatus> {

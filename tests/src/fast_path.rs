@@ -76,7 +76,11 @@ pub fn pinned_map_entries(node: &Node, agent: &Agent) -> Option<BTreeMap<String,
 /// Waits until flow 2 is on and its VIP map holds `n` entries.
 pub fn vips_written(node: &Node, agent: &Agent, n: u64) {
     mesh_enabled(node, agent, true);
-    let vips = || pinned_map_entries(node, agent)?.get(maps::MESH_LOCAL_SERVICES).copied();
+    let vips = || {
+        pinned_map_entries(node, agent)?
+            .get(maps::MESH_LOCAL_SERVICES)
+            .copied()
+    };
     let start = Instant::now();
     while vips() != Some(n) {
         assert!(

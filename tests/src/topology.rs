@@ -18,9 +18,7 @@ use shunt::netns::NetNs;
 
 pub use self::{
     members::{Node, Pod},
-    net::{
-        BRIDGE, FABRIC_IF, FABRIC_NET, Ipv4Cidr, POD_IF, TEST_NET, is_allowed_destination,
-    },
+    net::{BRIDGE, FABRIC_IF, FABRIC_NET, Ipv4Cidr, POD_IF, TEST_NET, is_allowed_destination},
 };
 use crate::{
     cgroup, cmd,

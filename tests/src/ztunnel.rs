@@ -46,8 +46,8 @@ use std::{
 
 use shunt::state::SpiffeId;
 
-pub use self::{sockets::original_dst, zds::ZdsClient};
 use self::sockets::{connect_marked, in_netns, listen};
+pub use self::{sockets::original_dst, zds::ZdsClient};
 use crate::hbone::Credentials;
 
 /// The mark ztunnel puts on its own sockets (1337).

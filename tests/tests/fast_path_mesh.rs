@@ -27,8 +27,8 @@ use shunt_testbed::{
     apps::{EchoServer, HalfEcho, TestApp, local_of},
     authz_bed::{AuthzBed, policy_file},
     fast_path::{
-        assert_direct, assert_istio_tcp_counted, carried_by_the_proxy, fast_access_line,
-        has_field, mesh_enabled, pinned_map_entries, policies_compiled, principal, proxy_work,
+        assert_direct, assert_istio_tcp_counted, carried_by_the_proxy, fast_access_line, has_field,
+        mesh_enabled, pinned_map_entries, policies_compiled, principal, proxy_work,
     },
     require_root,
     scrape::{metrics, sample, wait_metrics},

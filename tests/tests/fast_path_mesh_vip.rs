@@ -18,8 +18,8 @@ use shunt_testbed::{
     agent::{ServiceSpec, WorkloadSpec, services_yaml, start_enrolled, workloads_yaml},
     apps::{EchoServer, HalfEcho, TestApp},
     fast_path::{
-        assert_direct, assert_istio_tcp_counted, carried_by_the_proxy, fast_access_line,
-        has_field, policies_compiled, principal, proxy_work, vips_written,
+        assert_direct, assert_istio_tcp_counted, carried_by_the_proxy, fast_access_line, has_field,
+        policies_compiled, principal, proxy_work, vips_written,
     },
     require_root,
     scrape::{sample, wait_metrics},

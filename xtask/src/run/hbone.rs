@@ -13,7 +13,7 @@ use anyhow::{Context as _, bail};
 use super::{
     AGENT_NAMESPACE, CLUSTER, CONTEXT, DEMO_NAMESPACE, REQUESTS, SERVER_PORT,
     agents::agent_pods,
-    kubectl::{kubectl, shunt_in, show},
+    kubectl::{kubectl, show, shunt_in},
     samples::SamplePod,
 };
 use crate::util;
@@ -41,7 +41,10 @@ fn json_u64(text: &str, key: &str) -> Option<u64> {
 /// Curls the server's pod IP from the client, then checks that the
 /// client's node's proxy sent them as HBONE and the server's node's proxy
 /// received them as HBONE. Returns the agent pods by node.
-pub(super) fn check_hbone(client: &SamplePod, server: &SamplePod) -> anyhow::Result<BTreeMap<String, String>> {
+pub(super) fn check_hbone(
+    client: &SamplePod,
+    server: &SamplePod,
+) -> anyhow::Result<BTreeMap<String, String>> {
     let agents = agent_pods()?;
     let agent_of = |node: &str| {
         agents
@@ -125,7 +128,11 @@ pub(super) fn check_hbone(client: &SamplePod, server: &SamplePod) -> anyhow::Res
     Ok(agents)
 }
 
-pub(super) fn look_around(client: &SamplePod, server: &SamplePod, agents: &BTreeMap<String, String>) {
+pub(super) fn look_around(
+    client: &SamplePod,
+    server: &SamplePod,
+    agents: &BTreeMap<String, String>,
+) {
     let agent = agents
         .get(&server.node)
         .map(String::as_str)

@@ -13,7 +13,7 @@ use anyhow::bail;
 use super::{
     DEMO_NAMESPACE, ENROLMENT_TIMEOUT,
     agents::agent_pods,
-    kubectl::{kubectl, shunt_in, show},
+    kubectl::{kubectl, show, shunt_in},
 };
 use crate::util;
 

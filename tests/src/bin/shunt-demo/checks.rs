@@ -13,7 +13,11 @@ use shunt_testbed::{Pod, agent::Agent};
 
 use super::{CLIENT, OUTSIDER, SERVER, pod_status, show::indent, traffic::FlowStats};
 
-pub(super) fn check_traffic(flows: &[Arc<FlowStats>], expect_activity: bool, problems: &mut Vec<String>) {
+pub(super) fn check_traffic(
+    flows: &[Arc<FlowStats>],
+    expect_activity: bool,
+    problems: &mut Vec<String>,
+) {
     println!("traffic totals");
     for flow in flows {
         println!("{}", flow.line());
@@ -31,7 +35,11 @@ pub(super) fn check_traffic(flows: &[Arc<FlowStats>], expect_activity: bool, pro
     }
 }
 
-pub(super) fn check_counters(status: Option<&NodeStatus>, expect_activity: bool, problems: &mut Vec<String>) {
+pub(super) fn check_counters(
+    status: Option<&NodeStatus>,
+    expect_activity: bool,
+    problems: &mut Vec<String>,
+) {
     let Some(status) = status else {
         problems.push("never got a status from the agent".into());
         return;

@@ -9,7 +9,10 @@ use std::{
 };
 
 use shunt::api::NodeStatus;
-use shunt_testbed::{NETNS_DIR, Topology, agent::{ADMIN_ADDR, Agent}};
+use shunt_testbed::{
+    NETNS_DIR, Topology,
+    agent::{ADMIN_ADDR, Agent},
+};
 
 use super::{
     CLIENT, NODE, Pods, SERVER, pod_status,
@@ -17,7 +20,13 @@ use super::{
     traffic::{CONNECT_EVERY, FlowStats, Traffic, flow_specs},
 };
 
-pub(super) fn print_intro(topo: &Topology, agent: &Agent, pods: &Pods, shunt: &Path, duration: Duration) {
+pub(super) fn print_intro(
+    topo: &Topology,
+    agent: &Agent,
+    pods: &Pods,
+    shunt: &Path,
+    duration: Duration,
+) {
     let node_ns = topo
         .node(NODE)
         .map(|n| n.netns_name().to_string())

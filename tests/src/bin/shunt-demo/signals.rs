@@ -59,4 +59,3 @@ pub(super) fn sleep_unless_interrupted(duration: Duration) -> bool {
     }
     false
 }
-
