@@ -150,25 +150,21 @@ pub(super) fn diagnose_agents() {
         eprintln!("---- {pod}: init container log");
         show(kubectl().args(["logs", "-n", AGENT_NAMESPACE, &pod, "-c", "mount-bpffs"]));
         eprintln!("---- {pod}: agent log (last 25 lines; and of the previous run, if any)");
-        show(kubectl().args([
-            "logs",
-            "-n",
-            AGENT_NAMESPACE,
-            &pod,
-            "-c",
-            "agent",
-            "--tail=25",
-        ]));
-        show(kubectl().args([
-            "logs",
-            "-n",
-            AGENT_NAMESPACE,
-            &pod,
-            "-c",
-            "agent",
-            "--tail=25",
-            "--previous",
-        ]));
+        for previous in [&[][..], &["--previous"][..]] {
+            show(
+                kubectl()
+                    .args([
+                        "logs",
+                        "-n",
+                        AGENT_NAMESPACE,
+                        &pod,
+                        "-c",
+                        "agent",
+                        "--tail=25",
+                    ])
+                    .args(previous),
+            );
+        }
     }
 }
 
