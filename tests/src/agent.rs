@@ -1,14 +1,16 @@
 //! Running the real `shunt agent` binary inside a node of a [`Topology`]:
 //! start it on a workloads file, read its status through its admin API, stop
 //! it with SIGTERM or SIGKILL. Everything it leaves (its pin dir, its temp
-//! dir) goes when the [`Agent`] is dropped.
+//! dir) goes when the [`Agent`] is dropped. Its command line is built in
+//! `agent/spawn.rs`, its bounded waits are `agent/waits.rs`, its pin dirs
+//! `agent/pin_dir.rs`.
 
 use std::{
     fs,
     io::Write as _,
     net::SocketAddr,
     path::{Path, PathBuf},
-    process::{Child, ExitStatus, Stdio},
+    process::{Child, ExitStatus},
     time::{Duration, Instant},
 };
 
@@ -22,17 +24,19 @@ use crate::{Cgroup, Node, Result, TestbedError, Topology};
 
 mod layout;
 mod mesh_node;
+mod pin_dir;
+mod spawn;
+mod waits;
 mod workloads;
 
 pub use layout::{AgentNetns, http, http_at};
 pub use mesh_node::MeshNode;
+use pin_dir::sweep_stale_pins;
+pub use pin_dir::{BPF_ROOT, PinDir};
 pub use workloads::{ServiceSpec, WorkloadSpec, services_yaml, workloads_yaml};
 
 /// Where the agent's admin API listens (in its node's netns).
 pub const ADMIN_ADDR: &str = "127.0.0.1:15000";
-
-/// Where bpf pin dirs of test agents live (`<BPF_ROOT>/<prefix>-<node>`).
-pub const BPF_ROOT: &str = "/sys/fs/bpf";
 
 /// The `shunt` binary under test: `$SHUNT_BIN` (set by `cargo xtask test`),
 /// else `target/debug/shunt` of this workspace.
@@ -297,85 +301,6 @@ impl Agent {
         Ok(())
     }
 
-    fn spawn(&mut self, extra_args: &[&str]) -> Result<()> {
-        let log = fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.log_path())
-            .map_err(|e| TestbedError::io("opening the agent log", e))?;
-        let log_err = log
-            .try_clone()
-            .map_err(|e| TestbedError::io("opening the agent log", e))?;
-        let binary = shunt_binary()?;
-        let mut cmd = self.netns.command(&self.node, &binary)?;
-        self.cgroup.place(&mut cmd);
-        if let Some((soft, hard)) = self.nofile {
-            let limit = libc::rlimit {
-                rlim_cur: soft as libc::rlim_t,
-                rlim_max: hard as libc::rlim_t,
-            };
-            // SAFETY: setrlimit is async-signal-safe; the struct is built
-            // before the fork.
-            unsafe {
-                std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
-                    if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
-                        Ok(())
-                    } else {
-                        Err(std::io::Error::last_os_error())
-                    }
-                });
-            }
-        }
-        cmd.arg("agent")
-            .args(["--node-name", self.node.name()])
-            .arg("--workloads")
-            .arg(self.workloads_path())
-            .arg("--bpf-pin-dir")
-            .arg(&self.pin_dir)
-            .arg("--cgroup-root")
-            .arg(&self.cgroup_root)
-            // One CA per topology: its agents trust each other.
-            .arg("--ca-dir")
-            .arg(&self.ca_dir)
-            .args(["--reload-interval", "1"])
-            // Hooks and counters in the agent's status are as its last
-            // verify pass read them: every second here (unless the test
-            // chooses), so that `status_after_verify` waits little.
-            .args(
-                (!extra_args.contains(&"--verify-interval"))
-                    .then_some(["--verify-interval", "1"])
-                    .into_iter()
-                    .flatten(),
-            )
-            // Tests written for the proxy path keep it: the passthrough
-            // fast path (on by default in the agent) is only on where a
-            // test asks for it.
-            .args(
-                (!extra_args.contains(&"--fast-path"))
-                    .then_some(["--fast-path", "off"])
-                    .into_iter()
-                    .flatten(),
-            )
-            .arg("--admin-addr")
-            .arg(self.endpoints.admin.to_string())
-            .arg("--metrics-addr")
-            .arg(self.endpoints.metrics.to_string())
-            .arg("--readiness-addr")
-            .arg(self.endpoints.readiness.to_string())
-            .args(extra_args)
-            .env("RUST_LOG", "info,shunt=debug,shunt_ebpf=debug")
-            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log_err);
-        let child = cmd.spawn().map_err(|source| TestbedError::Spawn {
-            command: format!("{} agent", binary.display()),
-            source,
-        })?;
-        self.child = Some(child);
-        Ok(())
-    }
-
     pub fn workloads_path(&self) -> PathBuf {
         self.dir.join("workloads.yaml")
     }
@@ -428,94 +353,6 @@ impl Agent {
         self.netns
             .run(&self.node, move || shunt::status::fetch(addr))?
             .map_err(|e| TestbedError::Invalid(e.to_string()))
-    }
-
-    /// The status once a verify pass that started after this call has
-    /// finished: its hooks and counters are read after whatever the caller
-    /// did before (a pass under way at the call counts once, hence two).
-    pub fn status_after_verify(&self, timeout: Duration) -> Result<NodeStatus> {
-        let passes = self.status()?.verify_passes;
-        let start = Instant::now();
-        loop {
-            let status = self.status()?;
-            if status.verify_passes >= passes + 2 {
-                return Ok(status);
-            }
-            if start.elapsed() >= timeout {
-                return Err(TestbedError::Invalid(format!(
-                    "no verify pass within {timeout:?} (passes: {passes} then {}); agent log:\n{}",
-                    status.verify_passes,
-                    self.logs()
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    /// Polls the status until `done` holds (on a status of an agent that
-    /// has reconciled its first list), failing after `timeout` with the last
-    /// status (or error) and the agent's log.
-    pub fn wait_for(
-        &mut self,
-        what: &str,
-        timeout: Duration,
-        done: impl Fn(&NodeStatus) -> bool,
-    ) -> Result<NodeStatus> {
-        let start = Instant::now();
-        let mut last = String::from("no answer yet");
-        while start.elapsed() < timeout {
-            if let Some(child) = self.child.as_mut()
-                && let Ok(Some(status)) = child.try_wait()
-            {
-                return Err(TestbedError::Invalid(format!(
-                    "the agent exited ({status}) while waiting for {what}; its log:\n{}",
-                    self.logs()
-                )));
-            }
-            match self.status() {
-                // Before the agent reconciled its first list of pods, its
-                // status lists none: that proves nothing either way.
-                Ok(status) if !status.synced => last = format!("{status:?}"),
-                Ok(status) if done(&status) => return Ok(status),
-                Ok(status) => last = format!("{status:?}"),
-                Err(e) => last = e.to_string(),
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        Err(TestbedError::Invalid(format!(
-            "timed out after {timeout:?} waiting for {what}; last status: {last}; agent log:\n{}",
-            self.logs()
-        )))
-    }
-
-    /// Polls the agent's log until `done` holds for it, failing after
-    /// `timeout` with the log; returns the log that satisfied `done`.
-    pub fn wait_for_log(
-        &mut self,
-        what: &str,
-        timeout: Duration,
-        done: impl Fn(&str) -> bool,
-    ) -> Result<String> {
-        let start = Instant::now();
-        loop {
-            let logs = self.logs();
-            if done(&logs) {
-                return Ok(logs);
-            }
-            if let Some(child) = self.child.as_mut()
-                && let Ok(Some(status)) = child.try_wait()
-            {
-                return Err(TestbedError::Invalid(format!(
-                    "the agent exited ({status}) while waiting for {what}; its log:\n{logs}"
-                )));
-            }
-            if start.elapsed() >= timeout {
-                return Err(TestbedError::Invalid(format!(
-                    "timed out after {timeout:?} waiting for {what} in the agent log:\n{logs}"
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
     }
 
     /// SIGTERM, then waits (bounded) for a clean exit.
@@ -607,49 +444,4 @@ pub fn mesh_pods_enrolled(status: &NodeStatus) -> bool {
         .iter()
         .filter(|p| p.dataplane_mode == "ambient")
         .all(|p| p.state == shunt::api::PodState::Enrolled)
-}
-
-/// Removes pin dirs of test agents whose topology is gone (a killed run
-/// never reached `Drop`).
-fn sweep_stale_pins() {
-    let Ok(entries) = fs::read_dir(BPF_ROOT) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        if crate::names::is_stale(&entry.file_name().to_string_lossy()) {
-            let _ = fs::remove_dir_all(entry.path());
-        }
-    }
-}
-
-/// A bpf pin dir for a redirector a test runs in-process; removed (which
-/// also detaches the pinned socket-program links) on drop.
-pub struct PinDir {
-    path: PathBuf,
-}
-
-impl PinDir {
-    pub fn new(topology: &Topology, name: &str) -> PinDir {
-        sweep_stale_pins();
-        PinDir {
-            path: Path::new(BPF_ROOT).join(format!("{}-{name}", topology.prefix())),
-        }
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-}
-
-impl Drop for PinDir {
-    fn drop(&mut self) {
-        if let Err(e) = fs::remove_dir_all(&self.path)
-            && e.kind() != std::io::ErrorKind::NotFound
-        {
-            crate::warn(format_args!(
-                "cannot remove pin dir {}: {e}",
-                self.path.display()
-            ));
-        }
-    }
 }

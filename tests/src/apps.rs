@@ -255,10 +255,14 @@ pub struct HalfEcho {
 }
 
 impl HalfEcho {
+    /// On `port` of the pod's IPv4 address.
     pub fn on(pod: &Pod, port: u16) -> HalfEcho {
-        let listener = pod
-            .listen_tcp(SocketAddr::from((pod.ip(), port)))
-            .expect("listen");
+        HalfEcho::on_addr(pod, SocketAddr::from((pod.ip(), port)))
+    }
+
+    /// On `addr` inside the pod (e.g. its IPv6 address).
+    pub fn on_addr(pod: &Pod, addr: SocketAddr) -> HalfEcho {
+        let listener = pod.listen_tcp(addr).expect("listen");
         listener.set_nonblocking(true).expect("nonblocking");
         let peers = Arc::new(Mutex::new(Vec::new()));
         let seen = peers.clone();

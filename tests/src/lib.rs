@@ -50,6 +50,7 @@ mod cgroup;
 mod cmd;
 pub mod dns;
 mod error;
+pub mod fast_path;
 pub mod hbone;
 pub mod inspect;
 mod names;

@@ -28,14 +28,14 @@
 //! server's capture takes it to its 15006) and 15008 accepts and closes.
 
 mod hbone_hop;
+mod sockets;
+mod zds;
 
 use std::{
     collections::BTreeMap,
-    io::{IoSlice, IoSliceMut},
-    mem::{size_of, zeroed},
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream},
-    os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
-    path::{Path, PathBuf},
+    net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream},
+    os::fd::OwnedFd,
+    path::PathBuf,
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, Ordering},
@@ -44,22 +44,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::hbone::Credentials;
-use nix::{
-    sched::{CloneFlags, setns},
-    sys::socket::{
-        AddressFamily, ControlMessageOwned, MsgFlags, SockFlag, SockType, SockaddrStorage,
-        UnixAddr, bind, connect, recvmsg, sendmsg, setsockopt, socket,
-        sockopt::{IpTransparent, Mark, ReceiveTimeout, ReuseAddr, SendTimeout},
-    },
-    sys::time::TimeVal,
-};
-use prost::Message as _;
 use shunt::state::SpiffeId;
-use shunt_proto::istio::zds::{
-    Ack, Version, WorkloadRequest, WorkloadResponse, ZdsHello, workload_request::Payload,
-    workload_response,
-};
+
+use self::sockets::{connect_marked, in_netns, listen};
+pub use self::{sockets::original_dst, zds::ZdsClient};
+use crate::hbone::Credentials;
 
 /// The mark ztunnel puts on its own sockets (1337).
 pub const ZTUNNEL_MARK: u32 = 0x539;
@@ -69,105 +58,6 @@ const OWN_PORTS: [u16; 3] = [15001, 15006, 15008];
 const TIMEOUT: Duration = Duration::from_secs(20);
 /// The stand-in's whole life (its threads end by then at the latest).
 const LIFETIME: Duration = Duration::from_secs(300);
-
-/// ztunnel's end of a ZDS connection.
-pub struct ZdsClient {
-    fd: OwnedFd,
-}
-
-impl ZdsClient {
-    /// Connects to the agent's socket, waiting (bounded) for it to exist.
-    pub fn connect(path: &Path) -> std::io::Result<ZdsClient> {
-        let fd = socket(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            SockFlag::SOCK_CLOEXEC,
-            None,
-        )?;
-        let addr = UnixAddr::new(path)?;
-        let deadline = Instant::now() + TIMEOUT;
-        while let Err(e) = connect(fd.as_raw_fd(), &addr) {
-            if Instant::now() >= deadline {
-                return Err(e.into());
-            }
-            thread::sleep(Duration::from_millis(20));
-        }
-        setsockopt(
-            &fd,
-            ReceiveTimeout,
-            &TimeVal::new(TIMEOUT.as_secs() as i64, 0),
-        )?;
-        Ok(ZdsClient { fd })
-    }
-
-    pub fn send(&self, bytes: &[u8]) -> std::io::Result<()> {
-        sendmsg::<UnixAddr>(
-            self.fd.as_raw_fd(),
-            &[IoSlice::new(bytes)],
-            &[],
-            MsgFlags::MSG_NOSIGNAL,
-            None,
-        )?;
-        Ok(())
-    }
-
-    pub fn hello(&self) -> std::io::Result<()> {
-        self.send(
-            &ZdsHello {
-                version: Version::V1 as i32,
-            }
-            .encode_to_vec(),
-        )
-    }
-
-    pub fn ack(&self) -> std::io::Result<()> {
-        self.send(
-            &WorkloadResponse {
-                payload: Some(workload_response::Payload::Ack(Ack::default())),
-            }
-            .encode_to_vec(),
-        )
-    }
-
-    /// The next request with the descriptors it carried (within the
-    /// receive timeout); an error when the agent closed the connection.
-    pub fn recv(&self) -> std::io::Result<(Payload, Vec<OwnedFd>)> {
-        let mut buf = vec![0u8; 64 * 1024];
-        let mut space = nix::cmsg_space!([RawFd; 4]);
-        let (len, fds) = {
-            let mut iov = [IoSliceMut::new(&mut buf)];
-            let msg = recvmsg::<UnixAddr>(
-                self.fd.as_raw_fd(),
-                &mut iov,
-                Some(&mut space),
-                MsgFlags::MSG_CMSG_CLOEXEC,
-            )?;
-            let mut fds = Vec::new();
-            for cmsg in msg.cmsgs()? {
-                if let ControlMessageOwned::ScmRights(raw) = cmsg {
-                    // SAFETY: SCM_RIGHTS installed these descriptors for us.
-                    fds.extend(
-                        raw.into_iter()
-                            .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
-                    );
-                }
-            }
-            (msg.bytes, fds)
-        };
-        if len == 0 {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                "the agent closed the ZDS connection",
-            ));
-        }
-        let request = WorkloadRequest::decode(&buf[..len])
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-        let payload = request.payload.ok_or_else(|| {
-            std::io::Error::new(std::io::ErrorKind::InvalidData, "a request without payload")
-        })?;
-        Ok((payload, fds))
-    }
-}
 
 /// A connection the stand-in accepted on its outbound listener (15001).
 #[derive(Clone, Debug)]
@@ -331,73 +221,6 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Runs `f` on a thread that entered `netns` (sockets it creates stay in
-/// that netns).
-fn in_netns<T: Send + 'static>(
-    netns: &Arc<OwnedFd>,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> std::io::Result<T> {
-    let netns = netns.clone();
-    thread::spawn(move || -> std::io::Result<T> {
-        setns(&*netns, CloneFlags::CLONE_NEWNET)?;
-        Ok(f())
-    })
-    .join()
-    .map_err(|_| std::io::Error::other("netns thread panicked"))?
-}
-
-/// Serialises moving this process into a cgroup and back (see
-/// [`in_cgroup`]).
-static CGROUP_WINDOW: Mutex<()> = Mutex::new(());
-
-/// Runs `f` (which creates a socket) with this process in `cgroup`, then
-/// moves it back where it was. cgroup v2 moves whole processes: other
-/// threads' sockets created meanwhile land there too, which only matters to
-/// programs gated on an enrolled netns.
-fn in_cgroup<T>(cgroup: Option<&Path>, f: impl FnOnce() -> T) -> std::io::Result<T> {
-    let Some(dir) = cgroup else {
-        return Ok(f());
-    };
-    let _window = lock(&CGROUP_WINDOW);
-    let mount = crate::cgroup2_mount().map_err(std::io::Error::other)?;
-    let own = std::fs::read_to_string("/proc/self/cgroup")?;
-    let original = own
-        .lines()
-        .find_map(|l| l.strip_prefix("0::"))
-        .map(|p| mount.join(p.trim_start_matches('/')))
-        .ok_or_else(|| std::io::Error::other("no cgroup v2 line in /proc/self/cgroup"))?;
-    let pid = std::process::id().to_string();
-    std::fs::write(dir.join("cgroup.procs"), &pid)?;
-    let out = f();
-    std::fs::write(original.join("cgroup.procs"), &pid)?;
-    Ok(out)
-}
-
-fn listen(
-    addr: SocketAddr,
-    transparent: bool,
-    cgroup: Option<&Path>,
-) -> std::io::Result<TcpListener> {
-    let family = if addr.is_ipv4() {
-        AddressFamily::Inet
-    } else {
-        AddressFamily::Inet6
-    };
-    let fd = in_cgroup(cgroup, || {
-        socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)
-    })??;
-    setsockopt(&fd, ReuseAddr, &true)?;
-    setsockopt(&fd, Mark, &ZTUNNEL_MARK)?;
-    if transparent {
-        setsockopt(&fd, IpTransparent, &true)?;
-    }
-    bind(fd.as_raw_fd(), &SockaddrStorage::from(addr))?;
-    nix::sys::socket::listen(&fd, nix::sys::socket::Backlog::new(128)?)?;
-    let listener = TcpListener::from(fd);
-    listener.set_nonblocking(true)?;
-    Ok(listener)
-}
-
 /// What every connection thread of one stand-in shares.
 #[derive(Clone)]
 struct StandIn {
@@ -505,38 +328,6 @@ fn inbound(port: u16, client: TcpStream, peer: SocketAddr, stand_in: &StandIn) {
     }
 }
 
-/// A TCP connection to `to` with ztunnel's mark, from `from` (any port)
-/// with IP_TRANSPARENT when given, in the calling thread's netns.
-fn connect_marked(
-    to: SocketAddr,
-    from: Option<IpAddr>,
-    cgroup: Option<&Path>,
-) -> std::io::Result<TcpStream> {
-    let family = if to.is_ipv4() {
-        AddressFamily::Inet
-    } else {
-        AddressFamily::Inet6
-    };
-    let fd = in_cgroup(cgroup, || {
-        socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)
-    })??;
-    setsockopt(&fd, Mark, &ZTUNNEL_MARK)?;
-    // A blocking connect gives up after SO_SNDTIMEO.
-    setsockopt(&fd, SendTimeout, &TimeVal::new(TIMEOUT.as_secs() as i64, 0))?;
-    if let Some(ip) = from {
-        setsockopt(&fd, IpTransparent, &true)?;
-        bind(
-            fd.as_raw_fd(),
-            &SockaddrStorage::from(SocketAddr::new(ip, 0)),
-        )?;
-    }
-    connect(fd.as_raw_fd(), &SockaddrStorage::from(to))?;
-    let stream = TcpStream::from(fd);
-    stream.set_read_timeout(Some(TIMEOUT))?;
-    stream.set_write_timeout(Some(TIMEOUT))?;
-    Ok(stream)
-}
-
 /// Copies both ways until each side ends, half-closing as ztunnel does.
 fn relay(a: TcpStream, b: TcpStream) {
     let _ = a.set_read_timeout(Some(TIMEOUT));
@@ -551,63 +342,4 @@ fn relay(a: TcpStream, b: TcpStream) {
 fn copy(mut from: TcpStream, mut to: TcpStream) {
     let _ = std::io::copy(&mut from, &mut to);
     let _ = to.shutdown(Shutdown::Write);
-}
-
-/// `getsockopt(SOL_IP, SO_ORIGINAL_DST)`, then `(SOL_IPV6,
-/// IP6T_SO_ORIGINAL_DST)`, into a `sockaddr_storage` as socket2 (and so
-/// ztunnel) asks: the address, or the errno of the attempt at the socket's
-/// own family (the other one's is always EOPNOTSUPP or the like).
-pub fn original_dst(stream: &TcpStream) -> Result<SocketAddr, i32> {
-    let v4 = match getsockopt_addr(stream, libc::SOL_IP, libc::SO_ORIGINAL_DST) {
-        Ok(addr) => return Ok(addr),
-        Err(e) => e,
-    };
-    getsockopt_addr(stream, libc::SOL_IPV6, libc::IP6T_SO_ORIGINAL_DST).map_err(|v6| {
-        if stream.local_addr().is_ok_and(|a| a.is_ipv4()) {
-            v4
-        } else {
-            v6
-        }
-    })
-}
-
-fn getsockopt_addr(stream: &TcpStream, level: i32, name: i32) -> Result<SocketAddr, i32> {
-    // SAFETY: sockaddr_storage is plain old data; all zeroes is valid.
-    let mut storage: libc::sockaddr_storage = unsafe { zeroed() };
-    let mut len = size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-    // SAFETY: the fd is a live socket; `storage` is writable for `len`.
-    let rc = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            level,
-            name,
-            (&mut storage as *mut libc::sockaddr_storage).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0));
-    }
-    match i32::from(storage.ss_family) {
-        libc::AF_INET if len as usize >= size_of::<libc::sockaddr_in>() => {
-            // SAFETY: the kernel wrote a sockaddr_in (family says so).
-            let sin: libc::sockaddr_in =
-                unsafe { *(&storage as *const libc::sockaddr_storage).cast() };
-            Ok(SocketAddr::new(
-                IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))),
-                u16::from_be(sin.sin_port),
-            ))
-        }
-        libc::AF_INET6 if len as usize >= size_of::<libc::sockaddr_in6>() => {
-            // SAFETY: the kernel wrote a sockaddr_in6 (family says so).
-            let sin6: libc::sockaddr_in6 =
-                unsafe { *(&storage as *const libc::sockaddr_storage).cast() };
-            Ok(SocketAddr::new(
-                IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)),
-                u16::from_be(sin6.sin6_port),
-            ))
-        }
-        // An answer that is no address: as good as none.
-        _ => Err(libc::EINVAL),
-    }
 }

@@ -16,6 +16,7 @@ use shunt_testbed::{
     Cgroup, Node, Pod, Topology,
     agent::{Agent, WorkloadSpec, mesh_pods_enrolled, start_enrolled, workloads_yaml},
     apps::{EchoServer, HalfEcho, TestApp, local_of},
+    fast_path::{assert_istio_tcp_counted, principal},
     require_root,
     scrape::{metrics, sample, wait_metrics},
 };
@@ -116,30 +117,15 @@ fn carried_directly(
         "the destination saw the client's own address and port {local}: {:?}",
         peers()
     );
-    let principal = format!("spiffe://cluster.local/ns/default/sa/sa-{}", client.name());
-    let labels = passthrough_labels(client.name(), &principal, dst.name());
-    let text = wait_metrics(
+    let client_id = principal(client, "default");
+    let labels = passthrough_labels(client.name(), &client_id, dst.name());
+    assert_istio_tcp_counted(
         node,
         agent,
-        "the fast-path connection counted closed",
-        |m| sample(m, "istio_tcp_connections_closed_total", &labels) == Some(1.0),
-    );
-    assert_eq!(
-        sample(&text, "istio_tcp_connections_opened_total", &labels),
-        Some(1.0),
-        "{text}"
-    );
-    // Istio's convention: received = the request (client → server), sent =
-    // the response.
-    assert_eq!(
-        sample(&text, "istio_tcp_received_bytes_total", &labels),
-        Some(bytes as f64),
-        "{text}"
-    );
-    assert_eq!(
-        sample(&text, "istio_tcp_sent_bytes_total", &labels),
-        Some(answer as f64),
-        "{text}"
+        &labels,
+        bytes,
+        answer,
+        "the fast-path connection",
     );
     assert_eq!(
         proxy_passthrough(agent),

@@ -10,7 +10,7 @@
 
 use std::{
     io::{Read, Write},
-    net::SocketAddr,
+    net::{IpAddr, SocketAddr},
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -23,9 +23,13 @@ use serde_json::Value;
 use shunt_common::{PolicyVerdict, PolicyVerdictKey, maps};
 use shunt_testbed::{
     Cgroup, Node, Pod, Topology,
-    agent::{Agent, WorkloadSpec, http, mesh_pods_enrolled, start_enrolled, workloads_yaml},
+    agent::{Agent, WorkloadSpec, mesh_pods_enrolled, start_enrolled, workloads_yaml},
     apps::{EchoServer, HalfEcho, TestApp, local_of},
     authz_bed::{AuthzBed, policy_file},
+    fast_path::{
+        assert_direct, assert_istio_tcp_counted, carried_by_the_proxy, fast_access_line, has_field,
+        mesh_enabled, pinned_map_entries, policies_compiled, principal, proxy_work,
+    },
     require_root,
     scrape::{metrics, sample, wait_metrics},
 };
@@ -35,31 +39,6 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 const FAST: [&str; 4] = ["--redirect", "ebpf", "--fast-path", "on"];
 /// connect() failing with EPERM: the kernel refused it.
 const EPERM: i64 = 1;
-
-fn mesh_enabled(node: &Node, agent: &Agent, on: bool) {
-    let want = if on { 1.0 } else { 0.0 };
-    wait_metrics(node, agent, "the same-node mesh fast path's switch", |m| {
-        sample(m, "shunt_fast_path_mesh_enabled", &[]) == Some(want)
-    });
-}
-
-/// Everything the proxy copied or carried, as one tuple: it must not move
-/// while the kernel carries a flow.
-fn proxy_work(agent: &Agent) -> (u64, u64, u64, u64, u64, u64) {
-    let p = agent.status().expect("status").proxy.expect("a proxy");
-    (
-        p.outbound_hbone,
-        p.inbound_hbone,
-        p.outbound_passthrough,
-        p.inbound_plaintext,
-        p.bytes_out,
-        p.bytes_in,
-    )
-}
-
-fn principal(pod: &Pod, namespace: &str) -> String {
-    format!("spiffe://cluster.local/ns/{namespace}/sa/sa-{}", pod.name())
-}
 
 /// The labels both ends report a same-node kernel-carried connection with.
 fn mesh_labels<'a>(
@@ -95,19 +74,7 @@ fn carried_in_kernel(
     let before = proxy_work(agent);
     let to = format!("{}:8080", server.ip());
     let report = apps.run(client, &["connect", &to, "--send", &bytes.to_string()]);
-    assert_eq!(
-        report["ok"],
-        Value::Bool(true),
-        "{report}\n{}",
-        agent.logs()
-    );
-    assert_eq!(
-        report["received"].as_u64(),
-        Some(bytes as u64 / 2),
-        "{report}"
-    );
-    let local = local_of(&report);
-    assert_eq!(local.ip(), client.ip(), "not via the proxy: {report}");
+    let local = assert_direct(&report, IpAddr::V4(client.ip()), bytes, agent);
     assert!(
         half.peers().contains(&local),
         "the server saw the client's own address and port {local}: {:?}",
@@ -122,84 +89,30 @@ fn carried_in_kernel(
             server.name(),
             &server_id,
         );
-        let text = wait_metrics(node, agent, "the kernel-carried connection closed", |m| {
-            sample(m, "istio_tcp_connections_closed_total", &labels) == Some(1.0)
-        });
-        assert_eq!(
-            sample(&text, "istio_tcp_connections_opened_total", &labels),
-            Some(1.0),
-            "{reporter}: {text}"
-        );
-        // Istio's convention: received = the request, sent = the response.
-        assert_eq!(
-            sample(&text, "istio_tcp_received_bytes_total", &labels),
-            Some(bytes as f64),
-            "{reporter}: {text}"
-        );
-        assert_eq!(
-            sample(&text, "istio_tcp_sent_bytes_total", &labels),
-            Some((bytes / 2) as f64),
-            "{reporter}: {text}"
+        assert_istio_tcp_counted(
+            node,
+            agent,
+            &labels,
+            bytes,
+            bytes / 2,
+            &format!("the kernel-carried connection ({reporter})"),
         );
     }
     assert_eq!(proxy_work(agent), before, "the proxy carried nothing");
-    let logs = agent.logs();
     for direction in ["outbound", "inbound"] {
-        let line = logs
-            .lines()
-            .find(|l| {
-                l.contains("connection complete")
-                    && has_field(l, "direction", direction)
-                    && has_field(l, "path", "fast")
-                    && l.contains(&to)
-                    && l.contains(&local.to_string())
-            })
-            .unwrap_or_else(|| panic!("no {direction} access log line for {to}:\n{logs}"));
+        let line = fast_access_line(agent, direction, &[&to, &local.to_string()]);
         assert!(
             line.contains(&client_id) && line.contains(&server_id),
             "{line}"
         );
-        assert!(has_field(line, "bytes_sent", &bytes.to_string()), "{line}");
+        assert!(has_field(&line, "bytes_sent", &bytes.to_string()), "{line}");
     }
-}
-
-/// Whether a log line has `name=value` (quoted or not).
-fn has_field(line: &str, name: &str, value: &str) -> bool {
-    line.contains(&format!("{name}={value} "))
-        || line.contains(&format!("{name}=\"{value}\""))
-        || line.ends_with(&format!("{name}={value}"))
 }
 
 /// `client` → `dst`:8080 (an echo or a [`HalfEcho`]) went through the
-/// proxy (the app's socket was redirected to 127.0.0.1) as HBONE.
-fn carried_by_the_proxy(apps: &TestApp<'_>, agent: &Agent, client: &Pod, dst: &Pod) {
-    let before = proxy_work(agent).0;
-    let to = format!("{}:8080", dst.ip());
-    let report = apps.run(client, &["connect", &to, "--send", "4096"]);
-    assert_eq!(
-        report["ok"],
-        Value::Bool(true),
-        "{report}\n{}",
-        agent.logs()
-    );
-    assert!(
-        report["received"].as_u64().is_some_and(|n| n > 0),
-        "an answer came back: {report}"
-    );
-    assert_eq!(
-        local_of(&report).ip().to_string(),
-        "127.0.0.1",
-        "redirected to the proxy: {report}"
-    );
-    let start = Instant::now();
-    while proxy_work(agent).0 <= before {
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "no outbound HBONE counted: {}",
-            agent.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+/// proxy as HBONE.
+fn via_proxy(apps: &TestApp<'_>, agent: &Agent, client: &Pod, dst: &Pod) {
+    carried_by_the_proxy(apps, agent, client, &format!("{}:8080", dst.ip()));
 }
 
 #[test]
@@ -240,12 +153,12 @@ fn same_node_mesh_flows_are_carried_in_the_kernel_and_reported_by_both_ends() {
     );
 
     // The pod that opted out keeps mTLS, as a source and as a destination.
-    carried_by_the_proxy(&apps, &agent_a, &keeper, &server);
-    carried_by_the_proxy(&apps, &agent_a, &client, &keeper);
+    via_proxy(&apps, &agent_a, &keeper, &server);
+    via_proxy(&apps, &agent_a, &client, &keeper);
 
     // Another node's mesh pod: HBONE through both proxies.
     let inbound_b = proxy_work(&agent_b).1;
-    carried_by_the_proxy(&apps, &agent_a, &client, &remote);
+    via_proxy(&apps, &agent_a, &client, &remote);
     let start = Instant::now();
     while proxy_work(&agent_b).1 <= inbound_b {
         assert!(start.elapsed() < TIMEOUT, "no inbound HBONE on node b");
@@ -260,7 +173,7 @@ fn same_node_mesh_flows_are_carried_in_the_kernel_and_reported_by_both_ends() {
     agent_a
         .wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_enrolled)
         .expect("enrolled");
-    carried_by_the_proxy(&apps, &agent_a, &client, &server);
+    via_proxy(&apps, &agent_a, &client, &server);
     assert_eq!(
         sample(
             &metrics(&node_a, &agent_a),
@@ -281,22 +194,7 @@ fn apply_policies(bed: &AuthzBed, policies: &str, names: &[&str]) {
     bed.agent
         .write_workloads(&policy_file(bed.pods(), policies))
         .expect("write the file");
-    let start = Instant::now();
-    loop {
-        let compiled = bed.agent.status().ok().is_some_and(|s| {
-            s.kernel_authz
-                .is_some_and(|k| k.policies == names && k.error.is_none())
-        });
-        if compiled {
-            return;
-        }
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "policies {names:?} never compiled: {}",
-            bed.agent.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    policies_compiled(&bed.agent, names);
 }
 
 const ALLOW_CLIENT_ONLY: &str = "  - apiVersion: security.istio.io/v1
@@ -418,7 +316,7 @@ fn policy_decides_at_connect_and_an_incomplete_table_keeps_the_proxy() {
         std::thread::sleep(Duration::from_millis(100));
     }
     mesh_enabled(&node, &bed.agent, false);
-    carried_by_the_proxy(&apps, &bed.agent, &bed.client, &bed.server);
+    via_proxy(&apps, &bed.agent, &bed.client, &bed.server);
     wait_metrics(&node, &bed.agent, "the connect counted as proxied", |m| {
         sample(
             m,
@@ -438,23 +336,9 @@ fn policy_decides_at_connect_and_an_incomplete_table_keeps_the_proxy() {
     assert!(exit.success(), "{}", bed.agent.logs());
 }
 
-/// Entries of every countable pinned map of the agent, by pin name, from
-/// `GET /debug/bpf`.
+/// Entries of every countable pinned map of the agent, by pin name.
 fn map_entries(node: &Node, agent: &Agent) -> std::collections::BTreeMap<String, u64> {
-    let admin = agent.endpoints().admin.port();
-    let (code, body) = http(node, "GET", admin, "/debug/bpf").expect("GET /debug/bpf");
-    assert_eq!(code, 200, "{body}");
-    let dump: Value = serde_json::from_str(&body).expect("JSON");
-    dump["pinned"]["maps"]
-        .as_array()
-        .expect("pinned maps")
-        .iter()
-        .filter_map(|m| {
-            let pin = m["pin"].as_str()?;
-            let name = pin.rsplit('/').next()?.to_string();
-            Some((name, m["entries"].as_u64()?))
-        })
-        .collect()
+    pinned_map_entries(node, agent).expect("GET /debug/bpf with the pinned maps")
 }
 
 /// An echo server for `many`: reads exactly `size` bytes of each

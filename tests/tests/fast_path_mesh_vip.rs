@@ -9,18 +9,18 @@
 //! another node keeps the proxy (HBONE).
 
 use std::{
-    net::{Ipv4Addr, SocketAddr},
-    time::{Duration, Instant},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    time::Duration,
 };
 
-use serde_json::Value;
-use shunt_common::maps;
 use shunt_testbed::{
-    Cgroup, Node, Pod, Topology,
-    agent::{
-        Agent, ServiceSpec, WorkloadSpec, http, services_yaml, start_enrolled, workloads_yaml,
+    Cgroup, Pod, Topology,
+    agent::{ServiceSpec, WorkloadSpec, services_yaml, start_enrolled, workloads_yaml},
+    apps::{EchoServer, HalfEcho, TestApp},
+    fast_path::{
+        assert_direct, assert_istio_tcp_counted, carried_by_the_proxy, fast_access_line, has_field,
+        policies_compiled, principal, proxy_work, vips_written,
     },
-    apps::{EchoServer, HalfEcho, TestApp, local_of},
     require_root,
     scrape::{sample, wait_metrics},
 };
@@ -33,64 +33,6 @@ const EPERM: i64 = 1;
 /// VIPs in the test range that no node, pod or route holds.
 const WEB_VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 100, 1);
 const SPREAD_VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 100, 2);
-
-/// Everything the proxy copied or carried: it must not move while the
-/// kernel carries a flow.
-fn proxy_work(agent: &Agent) -> (u64, u64, u64, u64, u64, u64) {
-    let p = agent.status().expect("status").proxy.expect("a proxy");
-    (
-        p.outbound_hbone,
-        p.inbound_hbone,
-        p.outbound_passthrough,
-        p.inbound_plaintext,
-        p.bytes_out,
-        p.bytes_in,
-    )
-}
-
-fn principal(pod: &Pod) -> String {
-    format!("spiffe://cluster.local/ns/default/sa/sa-{}", pod.name())
-}
-
-/// Entries of the agent's pinned map `name`, from `GET /debug/bpf`.
-fn map_entries(node: &Node, agent: &Agent, name: &str) -> Option<u64> {
-    let admin = agent.endpoints().admin.port();
-    let (code, body) = http(node, "GET", admin, "/debug/bpf").ok()?;
-    if code != 200 {
-        return None;
-    }
-    let dump: Value = serde_json::from_str(&body).ok()?;
-    dump["pinned"]["maps"]
-        .as_array()?
-        .iter()
-        .find(|m| m["pin"].as_str().is_some_and(|p| p.ends_with(name)))?["entries"]
-        .as_u64()
-}
-
-/// Waits until flow 2 is on and the VIP map holds `n` entries.
-fn vips_written(node: &Node, agent: &Agent, n: u64) {
-    wait_metrics(node, agent, "the same-node mesh fast path on", |m| {
-        sample(m, "shunt_fast_path_mesh_enabled", &[]) == Some(1.0)
-    });
-    let start = Instant::now();
-    while map_entries(node, agent, maps::MESH_LOCAL_SERVICES) != Some(n) {
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "{} never held {n} entries (now {:?}): {}",
-            maps::MESH_LOCAL_SERVICES,
-            map_entries(node, agent, maps::MESH_LOCAL_SERVICES),
-            agent.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-/// Whether a log line has `name=value` (quoted or not).
-fn has_field(line: &str, name: &str, value: &str) -> bool {
-    line.contains(&format!("{name}={value} "))
-        || line.contains(&format!("{name}=\"{value}\""))
-        || line.ends_with(&format!("{name}={value}"))
-}
 
 fn service(name: &str, vip: Ipv4Addr, endpoints: &[&str]) -> ServiceSpec {
     ServiceSpec {
@@ -162,19 +104,7 @@ fn a_service_vip_with_same_node_endpoints_is_carried_in_the_kernel() {
     let before = proxy_work(&agent_a);
     let to = format!("{WEB_VIP}:80");
     let report = apps.run(&client, &["connect", &to, "--send", &BYTES.to_string()]);
-    assert_eq!(
-        report["ok"],
-        Value::Bool(true),
-        "{report}\n{}",
-        agent_a.logs()
-    );
-    assert_eq!(
-        report["received"].as_u64(),
-        Some(BYTES as u64 / 2),
-        "{report}"
-    );
-    let local = local_of(&report);
-    assert_eq!(local.ip(), client.ip(), "not via the proxy: {report}");
+    let local = assert_direct(&report, IpAddr::V4(client.ip()), BYTES, &agent_a);
     assert_eq!(
         report["peer"].as_str(),
         Some(to.as_str()),
@@ -185,8 +115,8 @@ fn a_service_vip_with_same_node_endpoints_is_carried_in_the_kernel() {
         "the endpoint saw the client's own address and port {local}: {:?}",
         half.peers()
     );
-    let client_id = principal(&client);
-    let server_id = principal(&server);
+    let client_id = principal(&client, "default");
+    let server_id = principal(&server, "default");
     let endpoint = SocketAddr::from((server.ip(), 8080));
     for (reporter, service) in [("source", "web"), ("destination", "unknown")] {
         let labels = [
@@ -198,24 +128,13 @@ fn a_service_vip_with_same_node_endpoints_is_carried_in_the_kernel() {
             ("destination_service_name", service),
             ("connection_security_policy", "none"),
         ];
-        let text = wait_metrics(&node_a, &agent_a, "the VIP connection closed", |m| {
-            sample(m, "istio_tcp_connections_closed_total", &labels) == Some(1.0)
-        });
-        assert_eq!(
-            sample(&text, "istio_tcp_connections_opened_total", &labels),
-            Some(1.0),
-            "{reporter}: {text}"
-        );
-        // Istio's convention: received = the request, sent = the response.
-        assert_eq!(
-            sample(&text, "istio_tcp_received_bytes_total", &labels),
-            Some(BYTES as f64),
-            "{reporter}: {text}"
-        );
-        assert_eq!(
-            sample(&text, "istio_tcp_sent_bytes_total", &labels),
-            Some((BYTES / 2) as f64),
-            "{reporter}: {text}"
+        assert_istio_tcp_counted(
+            &node_a,
+            &agent_a,
+            &labels,
+            BYTES,
+            BYTES / 2,
+            &format!("the VIP connection ({reporter})"),
         );
     }
     assert_eq!(proxy_work(&agent_a), before, "the proxy carried nothing");
@@ -232,66 +151,19 @@ fn a_service_vip_with_same_node_endpoints_is_carried_in_the_kernel() {
     assert_eq!(counted("client").mesh_outbound, 1, "{status:?}");
     assert_eq!(counted("client").mesh_inbound, 0, "{status:?}");
     assert_eq!(counted("server").mesh_inbound, 1, "{status:?}");
-    let logs = agent_a.logs();
-    let line = logs
-        .lines()
-        .find(|l| {
-            l.contains("connection complete")
-                && has_field(l, "direction", "outbound")
-                && has_field(l, "path", "fast")
-                && l.contains(&local.to_string())
-        })
-        .unwrap_or_else(|| panic!("no outbound access log line for {local}:\n{logs}"));
-    assert!(has_field(line, "dst.service", "default/web"), "{line}");
+    let line = fast_access_line(&agent_a, "outbound", &[&local.to_string()]);
+    assert!(has_field(&line, "dst.service", "default/web"), "{line}");
     assert!(line.contains(&endpoint.to_string()), "{line}");
 
     // A service with an endpoint on another node: the proxy, HBONE.
-    let hbone_before = proxy_work(&agent_a).0;
-    let report = apps.run(
-        &client,
-        &["connect", &format!("{SPREAD_VIP}:80"), "--send", "4096"],
-    );
-    assert_eq!(
-        report["ok"],
-        Value::Bool(true),
-        "{report}\n{}",
-        agent_a.logs()
-    );
-    assert_eq!(
-        local_of(&report).ip().to_string(),
-        "127.0.0.1",
-        "redirected to the proxy: {report}"
-    );
-    let start = Instant::now();
-    while proxy_work(&agent_a).0 <= hbone_before {
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "no outbound HBONE counted: {}",
-            agent_a.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    carried_by_the_proxy(&apps, &agent_a, &client, &format!("{SPREAD_VIP}:80"));
 
     // A policy that denies the client at the endpoint: refused at connect
     // through the VIP, counted; not a byte reaches the server.
     agent_a
         .write_workloads(&workloads_file(&pods, &server, DENY_CLIENT))
         .expect("write the file");
-    let start = Instant::now();
-    let compiled = |agent: &Agent| {
-        agent.status().ok().is_some_and(|s| {
-            s.kernel_authz
-                .is_some_and(|k| k.policies == ["default/deny-client"] && k.error.is_none())
-        })
-    };
-    while !compiled(&agent_a) {
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "the policy never compiled: {}",
-            agent_a.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    policies_compiled(&agent_a, &["default/deny-client"]);
     vips_written(&node_a, &agent_a, 1);
     let seen = half.peers().len();
     let report = apps.run(&client, &["connect", &to, "--send", "4096"]);

@@ -3,7 +3,7 @@
 //! unknown fields rejected, and the DaemonSet, RBAC, ConfigMap, samples,
 //! Dockerfile and kind config agree with what the agent's code needs and
 //! does. The expectations are read from the code where they live (flags from
-//! userspace/src/cli.rs, ports from common/src/lib.rs, API calls from
+//! userspace/src/cli.rs, ports from common/src/ports.rs, API calls from
 //! userspace/src/control/kube/, names from xtask/src/run.rs), so a change
 //! there that deploy/ does not follow fails here.
 //!
@@ -957,9 +957,9 @@ fn check_args(objects: &[Object]) {
     }
 }
 
-/// A port constant of the contract, from common/src/lib.rs.
+/// A port constant of the contract, from common/src/ports.rs.
 fn contract_port(name: &str) -> u16 {
-    rust_const(&read("common/src/lib.rs"), name)
+    rust_const(&read("common/src/ports.rs"), name)
         .parse()
         .unwrap_or_else(|e| panic!("{name}: {e}"))
 }

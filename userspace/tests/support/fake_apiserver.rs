@@ -32,8 +32,22 @@
 //!
 //! Objects are stored as raw JSON, so a test can serve malformed ones.
 //! Listens on 127.0.0.1 only.
+//!
+//! This file holds the server's state and what tests do with it; the
+//! requests are answered in `fake_apiserver/routes.rs`, watches streamed by
+//! `watch.rs`, field selectors read by `selector.rs`, and `objects.rs`
+//! builds the objects tests apply.
 
 #![allow(dead_code)]
+
+#[path = "fake_apiserver/objects.rs"]
+mod objects;
+#[path = "fake_apiserver/routes.rs"]
+mod routes;
+#[path = "fake_apiserver/selector.rs"]
+mod selector;
+#[path = "fake_apiserver/watch.rs"]
+mod watch;
 
 use std::{
     collections::BTreeMap,
@@ -45,14 +59,19 @@ use std::{
 };
 
 use bytes::Bytes;
-use http_body_util::{BodyExt as _, Full, StreamBody, combinators::BoxBody};
-use hyper::{Method, Request, Response, StatusCode, body::Frame, body::Incoming};
+use http_body_util::combinators::BoxBody;
+use hyper::body::Frame;
 use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use tokio::{
     net::TcpSocket,
-    sync::mpsc,
     task::{JoinHandle, JoinSet},
+};
+
+pub use self::objects::*;
+use self::{
+    routes::handle,
+    watch::{Watch, broadcast, event_line, gone_status},
 };
 
 type Body = BoxBody<Bytes, io::Error>;
@@ -115,13 +134,6 @@ pub struct RequestRecord {
     pub query: BTreeMap<String, String>,
 }
 
-struct Watch {
-    kind: Kind,
-    selector: Vec<FieldRequirement>,
-    bookmarks: bool,
-    tx: mpsc::UnboundedSender<Chunk>,
-}
-
 type ObjectKey = (Kind, String, String);
 
 #[derive(Default)]
@@ -138,6 +150,24 @@ struct Inner {
     requests: Vec<RequestRecord>,
     /// Kinds whose resource is not served (a CRD not installed).
     unserved: std::collections::BTreeSet<Kind>,
+}
+
+impl Inner {
+    /// A change made at resource version `rv`: kept in the history (for
+    /// watches that resume from before it) and sent to every open watch it
+    /// concerns.
+    fn record(
+        &mut self,
+        rv: u64,
+        kind: Kind,
+        event: &'static str,
+        before: Option<Value>,
+        after: Value,
+    ) {
+        self.history
+            .push((rv, kind, event, before.clone(), after.clone()));
+        broadcast(self, kind, event, before.as_ref(), &after);
+    }
 }
 
 /// The server. Dropping it stops it.
@@ -203,7 +233,7 @@ impl FakeApiServer {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.inner)
     }
 
     fn serve(&self, listener: tokio::net::TcpListener) {
@@ -298,10 +328,7 @@ impl FakeApiServer {
             "ADDED"
         };
         inner.objects.insert(key, object.clone());
-        inner
-            .history
-            .push((rv, kind, event, before.clone(), object.clone()));
-        broadcast(&mut inner, kind, event, before.as_ref(), &object);
+        inner.record(rv, kind, event, before, object);
     }
 
     /// Changes a stored object in place (like `kubectl label` / `edit`:
@@ -323,10 +350,7 @@ impl FakeApiServer {
         inner.rv += 1;
         let rv = inner.rv;
         object["metadata"]["resourceVersion"] = json!(rv.to_string());
-        inner
-            .history
-            .push((rv, kind, "DELETED", Some(object.clone()), object.clone()));
-        broadcast(&mut inner, kind, "DELETED", Some(&object), &object);
+        inner.record(rv, kind, "DELETED", Some(object.clone()), object);
     }
 
     /// The stored object, if any.
@@ -415,497 +439,6 @@ fn bind(addr: SocketAddr) -> io::Result<tokio::net::TcpListener> {
     socket.listen(128)
 }
 
-fn event_line(kind: &str, object: &Value) -> Bytes {
-    let mut line =
-        serde_json::to_vec(&json!({"type": kind, "object": object})).expect("JSON serializes");
-    line.push(b'\n');
-    Bytes::from(line)
-}
-
-fn gone_status(rv: u64) -> Value {
-    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-           "message": format!("too old resource version (current {rv})"),
-           "reason": "Expired", "code": 410})
-}
-
-fn status(code: StatusCode, reason: &str, message: &str) -> Response<Body> {
-    let body = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                      "message": message, "reason": reason, "code": code.as_u16()});
-    json_response(code, &body)
-}
-
-fn json_response(code: StatusCode, body: &Value) -> Response<Body> {
-    let bytes = Bytes::from(serde_json::to_vec(body).expect("JSON serializes"));
-    Response::builder()
-        .status(code)
-        .header("content-type", "application/json")
-        .body(Full::new(bytes).map_err(|never| match never {}).boxed())
-        .expect("valid response")
-}
-
-/// Sends one change to every watch of `kind` it concerns.
-fn broadcast(
-    inner: &mut Inner,
-    kind: Kind,
-    event: &'static str,
-    before: Option<&Value>,
-    after: &Value,
-) {
-    inner.watches.retain(|w| {
-        if w.kind != kind {
-            return true;
-        }
-        match translate(&w.selector, event, before, after) {
-            Some(event) => w.tx.send(Ok(Frame::data(event_line(event, after)))).is_ok(),
-            None => !w.tx.is_closed(),
-        }
-    });
-}
-
-/// The event a watch under `selector` sees for a change (None: nothing).
-fn translate(
-    selector: &[FieldRequirement],
-    event: &'static str,
-    before: Option<&Value>,
-    after: &Value,
-) -> Option<&'static str> {
-    let was = before.is_some_and(|b| matches(selector, b));
-    let is = matches(selector, after);
-    match event {
-        "DELETED" => was.then_some("DELETED"),
-        _ => match (was, is) {
-            (true, true) => Some("MODIFIED"),
-            (false, true) => Some("ADDED"),
-            (true, false) => Some("DELETED"),
-            (false, false) => None,
-        },
-    }
-}
-
-#[derive(Clone, Debug)]
-struct FieldRequirement {
-    pointer: String,
-    value: String,
-    equal: bool,
-}
-
-fn parse_selector(selector: &str) -> Vec<FieldRequirement> {
-    selector
-        .split(',')
-        .filter(|s| !s.is_empty())
-        .map(|term| {
-            let (field, value, equal) = if let Some((f, v)) = term.split_once("!=") {
-                (f, v, false)
-            } else if let Some((f, v)) = term.split_once("==") {
-                (f, v, true)
-            } else {
-                let (f, v) = term.split_once('=').expect("field selector term has =");
-                (f, v, true)
-            };
-            FieldRequirement {
-                pointer: format!("/{}", field.replace('.', "/")),
-                value: value.to_owned(),
-                equal,
-            }
-        })
-        .collect()
-}
-
-fn matches(selector: &[FieldRequirement], object: &Value) -> bool {
-    selector.iter().all(|r| {
-        let actual = object
-            .pointer(&r.pointer)
-            .and_then(Value::as_str)
-            .unwrap_or("");
-        (actual == r.value) == r.equal
-    })
-}
-
-fn percent_decode(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'+' => out.push(b' '),
-            b'%' if i + 2 < bytes.len() => {
-                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("");
-                match u8::from_str_radix(hex, 16) {
-                    Ok(b) => {
-                        out.push(b);
-                        i += 2;
-                    }
-                    Err(_) => out.push(b'%'),
-                }
-            }
-            b => out.push(b),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-fn parse_query(query: Option<&str>) -> BTreeMap<String, String> {
-    query
-        .unwrap_or("")
-        .split('&')
-        .filter(|s| !s.is_empty())
-        .map(|pair| {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            (percent_decode(k), percent_decode(v))
-        })
-        .collect()
-}
-
-async fn handle(inner: &Arc<Mutex<Inner>>, req: Request<Incoming>) -> Response<Body> {
-    let method = req.method().clone();
-    let path = req.uri().path().to_owned();
-    let query = parse_query(req.uri().query());
-    let content_type = req
-        .headers()
-        .get("content-type")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_owned();
-    lock(inner).requests.push(RequestRecord {
-        method: method.to_string(),
-        path: path.clone(),
-        query: query.clone(),
-    });
-    let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
-    match (&method, segments.as_slice()) {
-        (&Method::GET, ["api", "v1", "pods"]) => list_or_watch(inner, Kind::Pod, &query),
-        (&Method::GET, ["api", "v1", "namespaces"]) => {
-            list_or_watch(inner, Kind::Namespace, &query)
-        }
-        (&Method::GET, ["api", "v1", "services"]) => list_or_watch(inner, Kind::Service, &query),
-        (&Method::GET, ["apis", "discovery.k8s.io", "v1", "endpointslices"]) => {
-            list_or_watch(inner, Kind::EndpointSlice, &query)
-        }
-        (&Method::GET, ["apis", "security.istio.io", "v1", "authorizationpolicies"]) => {
-            custom_list_or_watch(inner, Kind::AuthorizationPolicy, &query)
-        }
-        (&Method::GET, ["apis", "gateway.networking.k8s.io", "v1", "gateways"]) => {
-            custom_list_or_watch(inner, Kind::Gateway, &query)
-        }
-        (&Method::PATCH, ["api", "v1", "namespaces", ns, "pods", name]) => {
-            let body = match req.into_body().collect().await {
-                Ok(body) => body.to_bytes(),
-                Err(e) => return status(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
-            };
-            patch_pod(inner, ns, name, &content_type, &body)
-        }
-        _ => status(
-            StatusCode::NOT_FOUND,
-            "NotFound",
-            &format!("no route for {method} {path}"),
-        ),
-    }
-}
-
-/// A custom resource's list or watch; while its CRD is not installed,
-/// what kube-apiserver answers for a group/version it does not serve.
-fn custom_list_or_watch(
-    inner: &Arc<Mutex<Inner>>,
-    kind: Kind,
-    query: &BTreeMap<String, String>,
-) -> Response<Body> {
-    if lock(inner).unserved.contains(&kind) {
-        return Response::builder()
-            .status(StatusCode::NOT_FOUND)
-            .header("content-type", "text/plain; charset=utf-8")
-            .body(
-                Full::new(Bytes::from_static(b"404 page not found\n"))
-                    .map_err(|never| match never {})
-                    .boxed(),
-            )
-            .expect("valid response");
-    }
-    list_or_watch(inner, kind, query)
-}
-
 fn lock(inner: &Arc<Mutex<Inner>>) -> MutexGuard<'_, Inner> {
     inner.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn list_or_watch(
-    inner: &Arc<Mutex<Inner>>,
-    kind: Kind,
-    query: &BTreeMap<String, String>,
-) -> Response<Body> {
-    let selector = parse_selector(query.get("fieldSelector").map(String::as_str).unwrap_or(""));
-    if query.get("watch").is_some_and(|w| w == "true" || w == "1") {
-        return watch(inner, kind, selector, query);
-    }
-    let inner = lock(inner);
-    let items: Vec<&Value> = inner
-        .objects
-        .iter()
-        .filter(|((k, _, _), v)| *k == kind && matches(&selector, v))
-        .map(|(_, v)| v)
-        .collect();
-    let offset = match query.get("continue") {
-        Some(token) if !token.is_empty() => {
-            let parsed = token
-                .split_once(':')
-                .and_then(|(rv, off)| Some((rv.parse::<u64>().ok()?, off.parse::<usize>().ok()?)));
-            match parsed {
-                Some((rv, off)) if rv == inner.rv => off,
-                _ => {
-                    return status(
-                        StatusCode::GONE,
-                        "Expired",
-                        "the provided continue parameter is too old to display a consistent list result",
-                    );
-                }
-            }
-        }
-        _ => 0,
-    };
-    let limit = query
-        .get("limit")
-        .and_then(|l| l.parse::<usize>().ok())
-        .filter(|l| *l > 0)
-        .unwrap_or(usize::MAX);
-    let page: Vec<Value> = items
-        .iter()
-        .skip(offset)
-        .take(limit)
-        .map(|v| {
-            // Items of a built-in type's list carry no kind/apiVersion
-            // (a custom resource's do).
-            let mut v = (*v).clone();
-            if let Some(o) = v.as_object_mut().filter(|_| !kind.is_custom()) {
-                o.remove("kind");
-                o.remove("apiVersion");
-            }
-            v
-        })
-        .collect();
-    let mut metadata = json!({"resourceVersion": inner.rv.to_string()});
-    if offset.saturating_add(page.len()) < items.len() {
-        metadata["continue"] = json!(format!("{}:{}", inner.rv, offset + page.len()));
-        metadata["remainingItemCount"] = json!(items.len() - offset - page.len());
-    }
-    json_response(
-        StatusCode::OK,
-        &json!({"apiVersion": kind.api_version(), "kind": format!("{}List", kind.kind()),
-                "metadata": metadata, "items": page}),
-    )
-}
-
-fn watch(
-    inner: &Arc<Mutex<Inner>>,
-    kind: Kind,
-    selector: Vec<FieldRequirement>,
-    query: &BTreeMap<String, String>,
-) -> Response<Body> {
-    let (tx, rx) = mpsc::unbounded_channel::<Chunk>();
-    let mut guard = lock(inner);
-    let from = query
-        .get("resourceVersion")
-        .map(String::as_str)
-        .unwrap_or("");
-    match from {
-        "" | "0" => {
-            // Synthetic ADDED for what exists, then live.
-            for ((k, _, _), v) in &guard.objects {
-                if *k == kind && matches(&selector, v) {
-                    let _ = tx.send(Ok(Frame::data(event_line("ADDED", v))));
-                }
-            }
-        }
-        rv => match rv.parse::<u64>() {
-            Ok(rv) if rv + 1 < guard.compacted_below => {
-                let _ = tx.send(Ok(Frame::data(event_line("ERROR", &gone_status(guard.rv)))));
-                drop(tx);
-                return stream_response(rx);
-            }
-            Ok(rv) => {
-                for (at, k, event, before, after) in &guard.history {
-                    if *at > rv
-                        && *k == kind
-                        && let Some(event) = translate(&selector, event, before.as_ref(), after)
-                    {
-                        let _ = tx.send(Ok(Frame::data(event_line(event, after))));
-                    }
-                }
-            }
-            Err(_) => {
-                return status(
-                    StatusCode::BAD_REQUEST,
-                    "BadRequest",
-                    "resourceVersion is not a number",
-                );
-            }
-        },
-    }
-    guard.watches.push(Watch {
-        kind,
-        selector,
-        bookmarks: query
-            .get("allowWatchBookmarks")
-            .is_some_and(|b| b == "true"),
-        tx,
-    });
-    stream_response(rx)
-}
-
-fn stream_response(rx: mpsc::UnboundedReceiver<Chunk>) -> Response<Body> {
-    let stream = futures::stream::unfold(rx, |mut rx| async move {
-        let item = rx.recv().await?;
-        Some((item, rx))
-    });
-    Response::builder()
-        .status(StatusCode::OK)
-        .header("content-type", "application/json")
-        .body(StreamBody::new(stream).boxed())
-        .expect("valid response")
-}
-
-fn patch_pod(
-    inner: &Arc<Mutex<Inner>>,
-    namespace: &str,
-    name: &str,
-    content_type: &str,
-    body: &[u8],
-) -> Response<Body> {
-    let patch: Value = match serde_json::from_slice(body) {
-        Ok(p) => p,
-        Err(e) => return status(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
-    };
-    if content_type != "application/merge-patch+json" {
-        return status(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "UnsupportedMediaType",
-            &format!("this fake server only takes JSON merge patches, not {content_type}"),
-        );
-    }
-    let mut guard = lock(inner);
-    let key = (Kind::Pod, namespace.to_owned(), name.to_owned());
-    let Some(before) = guard.objects.get(&key).cloned() else {
-        return status(
-            StatusCode::NOT_FOUND,
-            "NotFound",
-            &format!("pods \"{name}\" not found"),
-        );
-    };
-    guard.patches.push(PatchRecord {
-        namespace: namespace.to_owned(),
-        name: name.to_owned(),
-        content_type: content_type.to_owned(),
-        body: patch.clone(),
-    });
-    let mut after = before.clone();
-    merge_patch(&mut after, &patch);
-    guard.rv += 1;
-    let rv = guard.rv;
-    after["metadata"]["resourceVersion"] = json!(rv.to_string());
-    guard.objects.insert(key, after.clone());
-    guard.history.push((
-        rv,
-        Kind::Pod,
-        "MODIFIED",
-        Some(before.clone()),
-        after.clone(),
-    ));
-    broadcast(&mut guard, Kind::Pod, "MODIFIED", Some(&before), &after);
-    json_response(StatusCode::OK, &after)
-}
-
-/// RFC 7386.
-fn merge_patch(target: &mut Value, patch: &Value) {
-    let Value::Object(patch) = patch else {
-        *target = patch.clone();
-        return;
-    };
-    if !target.is_object() {
-        *target = json!({});
-    }
-    let Value::Object(target) = target else {
-        return;
-    };
-    for (key, value) in patch {
-        if value.is_null() {
-            target.remove(key);
-        } else {
-            merge_patch(target.entry(key.clone()).or_insert(Value::Null), value);
-        }
-    }
-}
-
-/// A pod as the API server would serve it, on `node`, with `ip` (None: not
-/// assigned yet) and `labels`.
-pub fn pod(namespace: &str, name: &str, node: &str, ip: Option<&str>, labels: Value) -> Value {
-    let mut pod = json!({
-        "metadata": {"name": name, "namespace": namespace, "labels": labels},
-        "spec": {"nodeName": node, "serviceAccountName": "sleep",
-                 "containers": [{"name": "app", "image": "registry.invalid/app"}]},
-        "status": {"phase": if ip.is_some() { "Running" } else { "Pending" }}
-    });
-    if let Some(ip) = ip {
-        pod["status"]["podIP"] = json!(ip);
-        pod["status"]["podIPs"] = json!([{"ip": ip}]);
-    }
-    pod
-}
-
-/// An `AuthorizationPolicy` with `spec`, as `kubectl apply` would store it.
-pub fn authorization_policy(namespace: &str, name: &str, spec: Value) -> Value {
-    json!({
-        "metadata": {"name": name, "namespace": namespace, "generation": 1,
-                     "creationTimestamp": "2026-12-01T00:00:00Z"},
-        "spec": spec
-    })
-}
-
-/// A `Gateway` of class `class` with `labels` (a waypoint when the class
-/// is `istio-waypoint`), as Istio's `istioctl waypoint apply` makes it.
-pub fn gateway(namespace: &str, name: &str, class: &str, labels: Value) -> Value {
-    json!({
-        "metadata": {"name": name, "namespace": namespace, "labels": labels,
-                     "generation": 1, "creationTimestamp": "2026-12-01T00:00:00Z"},
-        "spec": {"gatewayClassName": class,
-                 "listeners": [{"name": "mesh", "port": 15008, "protocol": "HBONE"}]}
-    })
-}
-
-/// A namespace with `labels`.
-pub fn namespace(name: &str, labels: Value) -> Value {
-    json!({"metadata": {"name": name, "labels": labels}})
-}
-
-/// A `ClusterIP` service with `vip`, whose port 80 goes to the endpoints'
-/// port named `http` (resolved by the EndpointSlice).
-pub fn service(namespace: &str, name: &str, vip: &str) -> Value {
-    json!({
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {"type": "ClusterIP", "clusterIP": vip, "clusterIPs": [vip],
-                 "ports": [{"name": "web", "port": 80, "protocol": "TCP", "targetPort": "http"}]}
-    })
-}
-
-/// An EndpointSlice of `service`: each `(ip, ready, pod)` is one endpoint
-/// listening on `port` for the service port `web`.
-pub fn endpoint_slice(
-    namespace: &str,
-    name: &str,
-    service: &str,
-    port: u16,
-    endpoints: &[(&str, bool, &str)],
-) -> Value {
-    let endpoints: Vec<Value> = endpoints
-        .iter()
-        .map(|(ip, ready, pod)| {
-            json!({"addresses": [ip], "conditions": {"ready": ready},
-                   "targetRef": {"kind": "Pod", "namespace": namespace, "name": pod}})
-        })
-        .collect();
-    json!({
-        "metadata": {"name": name, "namespace": namespace,
-                     "labels": {"kubernetes.io/service-name": service}},
-        "addressType": "IPv4",
-        "ports": [{"name": "web", "port": port, "protocol": "TCP"}],
-        "endpoints": endpoints
-    })
 }
