@@ -13,17 +13,35 @@
 //!   starts splicing, and the application's accepted end (passive) joins;
 //!
 //! and when a spliced socket closes (its splice state is dropped).
+//!
+//! The original destination recorded for a redirected connection
+//! (`SHUNT_ORIG_DST`) is deleted here, in the kernel, when the proxy's
+//! accepted end of that connection closes — not by userspace after it read
+//! the entry, and not when the application's end closes. Why: the entry is
+//! asked about on the accepted socket (the builtin proxy's lookup right
+//! after accept, a stock ztunnel's `getsockopt(SO_ORIGINAL_DST)`, whenever
+//! it calls it), so it is needed exactly as long as that socket lives; a
+//! stock proxy's reads are invisible to the agent, so userspace could not
+//! delete for it, and a read-then-delete would add a syscall to every
+//! connection. The application's end may reach `TCP_CLOSE` before the
+//! proxy accepted (a client that sends and closes: its orphaned socket
+//! skips to `TIME_WAIT` as soon as its FIN is acked), which would delete
+//! an entry still to be read. Until this, the LRU kept every closed
+//! connection's entry, and under churn dead entries could evict live ones.
+//! Cost: one hash lookup at the passive establishment of a connection on
+//! port 15001 (the accepted socket then gets state callbacks, as spliced
+//! sockets do) and one delete at its close.
 
 use aya_ebpf::{
     bindings::{
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB,
-        BPF_SOCK_OPS_STATE_CB,
+        BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE,
     },
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie},
     macros::sock_ops,
     programs::SockOpsContext,
 };
-use shunt_common::SockKey;
+use shunt_common::{PORT_OUTBOUND, SockKey};
 
 use crate::{
     maps::{ORIGINAL_DST, ORIGINAL_DST_BY_COOKIE},
@@ -42,8 +60,11 @@ const AF_INET6: u32 = 10;
 /// local address (`sockopt.rs`); (0, first) every op of a socket whose
 /// connect went direct (`passthrough.rs`: reported, then done); (3) the
 /// passive side of a
-/// connection whose splice was started: joins it; (4) a spliced socket
-/// closing: forgets it. Miss path (any other op or socket): nothing,
+/// connection whose splice was started: joins it; (3b) the passive side of
+/// a connection accepted on 15001 whose peer has an original destination
+/// recorded: asks for its state changes; (4) a spliced socket closing:
+/// forgets it; (4b) a socket accepted on 15001 closing: deletes its peer's
+/// `SHUNT_ORIG_DST` entry. Miss path (any other op or socket): nothing,
 /// returns 1.
 #[sock_ops]
 pub fn shunt_sockops(ctx: SockOpsContext) -> u32 {
@@ -54,10 +75,12 @@ pub fn shunt_sockops(ctx: SockOpsContext) -> u32 {
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => {}
         BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB => {
             splice::join_passive_end(&ctx);
+            watch_accepted(&ctx);
             return 1;
         }
         BPF_SOCK_OPS_STATE_CB => {
             splice::leave_on_close(&ctx);
+            forget_on_close(&ctx);
             return 1;
         }
         _ => return 1,
@@ -94,4 +117,61 @@ pub fn shunt_sockops(ctx: SockOpsContext) -> u32 {
     let _ = ORIGINAL_DST_BY_COOKIE.remove(cookie);
     splice::join_application_end(&ctx, netns_cookie);
     1
+}
+
+/// The `SHUNT_ORIG_DST` key of the connection a socket accepted on the
+/// outbound listener serves: its peer (the application's end) in its
+/// netns, keyed as the application's end was (v4-mapped as IPv4). `None`
+/// for a socket on any other local port.
+#[inline(always)]
+fn accepted_key(ctx: &SockOpsContext) -> Option<SockKey> {
+    if ctx.local_port() != u32::from(PORT_OUTBOUND) {
+        return None;
+    }
+    let (family, addr) = if ctx.family() == AF_INET {
+        (AF_INET, [ctx.remote_ip4(), 0, 0, 0])
+    } else {
+        let ip6 = ctx.remote_ip6();
+        if ip6[0] == 0 && ip6[1] == 0 && u32::from_be(ip6[2]) == 0xffff {
+            (AF_INET, [ip6[3], 0, 0, 0])
+        } else {
+            (AF_INET6, ip6)
+        }
+    };
+    // SAFETY: the helper only reads the socket behind the context.
+    let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.ops.cast()) };
+    Some(SockKey {
+        netns_cookie,
+        addr,
+        // `remote_port` holds the network-order port in its upper 16 bits.
+        port: u32::from(u16::from_be((ctx.remote_port() >> 16) as u16)),
+        family,
+    })
+}
+
+/// The passive end of a redirected connection (accepted on 15001, its
+/// peer's original destination recorded at the active end's
+/// establishment, which comes first): asks for its state changes, keeping
+/// any other callbacks asked for, so that its close deletes the entry.
+#[inline(always)]
+fn watch_accepted(ctx: &SockOpsContext) {
+    let Some(key) = accepted_key(ctx) else {
+        return;
+    };
+    // SAFETY: only the presence of the value is read.
+    if unsafe { ORIGINAL_DST.get(&key) }.is_some() {
+        let _ = ctx.set_cb_flags((ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
+    }
+}
+
+/// A socket accepted on 15001 closing: nobody can ask about its
+/// connection's original destination any more; its entry goes.
+#[inline(always)]
+fn forget_on_close(ctx: &SockOpsContext) {
+    if ctx.arg(1) != BPF_TCP_CLOSE {
+        return;
+    }
+    if let Some(key) = accepted_key(ctx) {
+        let _ = ORIGINAL_DST.remove(&key);
+    }
 }

@@ -1,9 +1,14 @@
-//! Network namespaces: open one by path, run code inside it, read its cookie.
+//! Network namespaces: open one by path, run code inside it, read its cookie,
+//! tell two apart.
 //!
 //! Entering a namespace is per thread (`setns(CLONE_NEWNET)`), so work that
-//! must happen inside a pod's netns runs on a short-lived scoped thread. A
-//! socket keeps the namespace it was created in, so the usual pattern is to
-//! create (bind, connect, open netlink) inside and use the result anywhere.
+//! must happen inside a pod's netns runs on a worker thread that enters it
+//! for that job and returns to the agent's own namespace afterwards
+//! (`worker.rs`). A socket keeps the namespace it was created in, so the
+//! usual pattern is to create (bind, connect, open netlink) inside and use
+//! the result anywhere.
+
+mod worker;
 
 use std::{
     fs::File,
@@ -22,8 +27,6 @@ pub fn entries() -> u64 {
     ENTERED.load(Ordering::Relaxed)
 }
 
-use nix::sched::{CloneFlags, setns};
-
 /// Errors from opening or entering a network namespace.
 #[derive(Debug, thiserror::Error)]
 pub enum NetNsError {
@@ -36,6 +39,16 @@ pub enum NetNsError {
     Enter { path: PathBuf, source: nix::Error },
     #[error("the thread that entered network namespace {path} panicked")]
     ThreadPanicked { path: PathBuf },
+    #[error("cannot start a thread to enter network namespace {path}: {source}")]
+    Worker {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot read the identity of network namespace {path}: {source}")]
+    Identity {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("cannot read the cookie of network namespace {path}: {source}")]
     Cookie {
         path: PathBuf,
@@ -71,30 +84,17 @@ impl NetNs {
         &self.path
     }
 
-    /// Runs `f` on a new thread that has entered this namespace and returns
-    /// its result. The calling thread's namespace is never changed.
+    /// Runs `f` on a thread that has entered this namespace and returns its
+    /// result. The calling thread's namespace is never changed. The thread
+    /// is one of a few long-lived workers (`worker.rs`): it enters this
+    /// namespace for the job and returns to the agent's own afterwards.
     pub fn run<T, F>(&self, f: F) -> Result<T, NetNsError>
     where
         F: FnOnce() -> T + Send,
         T: Send,
     {
-        std::thread::scope(|scope| {
-            let handle = scope.spawn(|| {
-                ENTERED.fetch_add(1, Ordering::Relaxed);
-                setns(self.file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|source| {
-                    NetNsError::Enter {
-                        path: self.path.clone(),
-                        source,
-                    }
-                })?;
-                Ok(f())
-            });
-            handle.join().unwrap_or_else(|_| {
-                Err(NetNsError::ThreadPanicked {
-                    path: self.path.clone(),
-                })
-            })
-        })
+        ENTERED.fetch_add(1, Ordering::Relaxed);
+        worker::run_in(&self.file, &self.path, f)
     }
 
     /// The kernel's cookie for this namespace (`SO_NETNS_COOKIE`): a stable
@@ -111,10 +111,65 @@ impl NetNs {
 
     /// True if `self` and `other` are the same namespace (same inode).
     pub fn same_as(&self, other: &NetNs) -> bool {
+        matches!((self.id(), other.id()), (Ok(a), Ok(b)) if a == b)
+    }
+
+    /// Whether `path` names this namespace now (by identity: the same
+    /// path may name a new namespace, two paths one). A path that cannot
+    /// be read counts as this namespace only if this handle was opened
+    /// from it: the namespace there is going away, and there is no other
+    /// to move to yet.
+    pub fn is_at(&self, path: &Path) -> bool {
+        match NsId::of_path(path) {
+            Ok(id) => self.id().is_ok_and(|own| own == id),
+            Err(_) => self.path == path,
+        }
+    }
+
+    /// This namespace's identity (see [`NsId`]).
+    pub fn id(&self) -> Result<NsId, NetNsError> {
+        self.file
+            .metadata()
+            .map(|meta| NsId::from(&meta))
+            .map_err(|source| NetNsError::Identity {
+                path: self.path.clone(),
+                source,
+            })
+    }
+}
+
+/// Which namespace a path or handle names: the device and inode of its
+/// nsfs file, the same for every path and handle of one namespace and
+/// different for a new namespace at an old path (a pod sandbox recreated
+/// under the same `/var/run/netns/NAME`, or a bind mount made again).
+/// An inode number can be reused only once its namespace is gone, so two
+/// ids compare safely while a handle keeps one of them alive — as the
+/// redirector's enrolment and the proxy's socket thread do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct NsId {
+    dev: u64,
+    ino: u64,
+}
+
+impl NsId {
+    /// The identity of the namespace `path` names now (following
+    /// `/proc/PID/ns/net`'s link, as opening it would).
+    pub fn of_path(path: &Path) -> Result<Self, NetNsError> {
+        std::fs::metadata(path)
+            .map(|meta| NsId::from(&meta))
+            .map_err(|source| NetNsError::Identity {
+                path: path.to_path_buf(),
+                source,
+            })
+    }
+}
+
+impl From<&std::fs::Metadata> for NsId {
+    fn from(meta: &std::fs::Metadata) -> Self {
         use std::os::unix::fs::MetadataExt;
-        match (self.file.metadata(), other.file.metadata()) {
-            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
-            _ => false,
+        NsId {
+            dev: meta.dev(),
+            ino: meta.ino(),
         }
     }
 }

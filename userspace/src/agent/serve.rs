@@ -23,6 +23,7 @@ use tracing::{error, info};
 
 use super::NodeAgent;
 use crate::{
+    netns::NsId,
     proxy::PodNet,
     state::{Workload, WorkloadKey},
 };
@@ -44,13 +45,21 @@ pub(super) struct Served {
 impl NodeAgent {
     /// The pod as the proxy should serve it, if a builtin proxy runs, the
     /// pod is captured with a known netns, and the proxy does not serve it
-    /// already as it should (a pod whose DNS capture changed is served
-    /// again: new sockets first, then the old ones close).
+    /// already as it should. A pod whose DNS capture changed, or whose
+    /// netns is another namespace than the one its listeners live in (its
+    /// sandbox was recreated: same pod, maybe the same path and IP, a new
+    /// namespace), is served again: new sockets first, then the old ones
+    /// close. Namespaces are compared by identity, never by path.
     fn to_serve(&self, key: &WorkloadKey, workload: &Workload, netns: &Path) -> Option<PodNet> {
         let handle = self.proxy.as_ref()?;
         let dns = self.captures_dns(workload);
-        if handle.proxy.serves(key) && handle.proxy.serves_dns(key) == dns {
-            return None;
+        if let Some(served) = handle.proxy.served(key) {
+            // A path that cannot be read names no namespace to move to:
+            // the listeners stay (the redirector reports the pod).
+            let moved = NsId::of_path(netns).is_ok_and(|now| now != served.netns);
+            if !moved && served.dns == dns {
+                return None;
+            }
         }
         Some(PodNet {
             key: key.clone(),

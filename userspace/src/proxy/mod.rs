@@ -43,6 +43,7 @@ pub use limits::{
 pub use observe::{
     ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, Direction,
 };
+pub use pods::ServedPod;
 pub use policy::{Decision, InboundPlaintextPolicy, PlaintextConnection, authorize};
 pub use socket::PROXY_MARK;
 pub use waypoint::WaypointFailureCount;

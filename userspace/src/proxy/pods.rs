@@ -14,7 +14,16 @@ use super::{
     accept::{Listener, accept_loop},
     dns_sockets, pool, socket,
 };
-use crate::state::WorkloadKey;
+use crate::{netns::NsId, state::WorkloadKey};
+
+/// How the proxy serves a pod ([`Proxy::served`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServedPod {
+    /// The namespace its listeners were bound in.
+    pub netns: NsId,
+    /// Whether its DNS proxy runs.
+    pub dns: bool,
+}
 
 impl Proxy {
     /// Starts serving `pod`: binds 127.0.0.1:15001, 0.0.0.0:15006 and
@@ -45,6 +54,14 @@ impl Proxy {
                 }
             }
         }
+        // Read before the socket thread enters it: should the path be
+        // replaced in between, the id is the older one and the next
+        // reconcile serves the pod again (never the other way round).
+        let netns = NsId::of_path(&pod.netns).map_err(|e| ProxyError::NetNs {
+            pod: pod.key.clone(),
+            netns: pod.netns.clone(),
+            source: std::io::Error::other(e),
+        })?;
         let sockets = socket::PodSockets::start(&pod.netns)
             .await
             .map_err(|source| ProxyError::NetNs {
@@ -142,6 +159,7 @@ impl Proxy {
             listeners: listeners_token,
             source_warned: Default::default(),
             dns: pod.dns,
+            netns,
         });
         for (kind, listener) in listeners {
             let shared = self.shared.clone();
@@ -168,6 +186,9 @@ impl Proxy {
         };
         if let Some(old) = old {
             retire(&self.shared, &old);
+            if old.netns != netns {
+                tracing::info!(pod = %pod.key, netns = %pod.netns.display(), "proxy re-served the pod in its new network namespace; the old namespace's listeners are closed");
+            }
         }
         tracing::info!(pod = %pod.key, identity = %pod.identity, ips = ?pod.ips, "proxy serving pod");
         Ok(())
@@ -212,14 +233,18 @@ impl Proxy {
             .contains_key(key)
     }
 
-    /// Whether `key` is served with its DNS proxy (false when not served).
-    pub fn serves_dns(&self, key: &WorkloadKey) -> bool {
+    /// How `key` is served: the namespace its sockets live in and whether
+    /// with its DNS proxy (`None` when not served).
+    pub fn served(&self, key: &WorkloadKey) -> Option<ServedPod> {
         self.shared
             .pods
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .get(key)
-            .is_some_and(|pod| pod.dns)
+            .map(|pod| ServedPod {
+                netns: pod.netns,
+                dns: pod.dns,
+            })
     }
 
     /// The pods being served, sorted.

@@ -47,6 +47,9 @@ pub(crate) struct PodState {
     pub source_warned: std::sync::atomic::AtomicBool,
     /// Whether its DNS proxy is served (see [`PodNet::dns`]).
     pub dns: bool,
+    /// Which namespace its sockets live in (a pod whose netns is replaced
+    /// is served again there: `agent/serve.rs`).
+    pub netns: crate::netns::NsId,
 }
 
 impl PodState {

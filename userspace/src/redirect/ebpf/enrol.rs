@@ -181,6 +181,38 @@ impl EbpfRedirector {
             .map_err(|e| kernel(pod, "writing the pod's addresses", e))
     }
 
+    /// Forgets a pod whose network namespace was replaced (its sandbox
+    /// recreated): its entries under the old netns cookie and its slot go
+    /// first, so nothing is keyed by a namespace no source names; then its
+    /// filters and policy route in the old namespace, best effort (that
+    /// namespace is going away; usually its `eth0` is already gone).
+    fn leave_old_netns(&mut self, pod: &WorkloadKey, new_path: &Path) {
+        let Some(old) = self.pods.remove(pod) else {
+            return;
+        };
+        self.forget(old.cookie, old.slot);
+        info!(%pod, old_netns = %old.netns.path().display(), old_cookie = old.cookie, new_netns = %new_path.display(), "the pod's network namespace changed (its sandbox was recreated): forgot the old one, enrolling the new one");
+        let detached = old
+            .netns
+            .run(|| tc::detach(pod))
+            .map_err(RedirectError::from)
+            .and_then(|r| r);
+        if let Err(e) = detached {
+            warn!(%pod, error = %e, "cannot detach the TC programs in the pod's old network namespace");
+        }
+        if old.config.flags & PodConfig::REPLY_TO_PROXY != 0 {
+            match old.netns.run(remove_reply_path) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    warn!(%pod, error = %e, "cannot delete the policy route in the pod's old network namespace")
+                }
+                Err(e) => {
+                    warn!(%pod, error = %e, "cannot delete the policy route in the pod's old network namespace")
+                }
+            }
+        }
+    }
+
     /// Takes a pod out of the maps (and its record off disk).
     fn forget(&mut self, cookie: u64, slot: u32) {
         let _ = self.enrolled_map.remove(&cookie);
@@ -203,7 +235,22 @@ impl Redirector for EbpfRedirector {
         let config = pod_config(target, self.splice, self.preserve_source, self.fast_path)?;
         let addrs = pod_addrs(&target.ips);
         if let Some(existing) = self.pods.get_mut(pod) {
-            if existing.netns.path() == target.netns {
+            // By identity, not path: a recreated sandbox may reuse the path.
+            if existing.netns.is_at(&target.netns) {
+                if existing.netns.path() != target.netns {
+                    // Another name for the same namespace: keep the one the
+                    // source gives (a later agent's record must open it).
+                    if let Ok(renamed) = NetNs::open(&target.netns)
+                        && renamed.same_as(&existing.netns)
+                    {
+                        existing.netns = renamed;
+                        let cookie = existing.cookie;
+                        self.write_record(pod, cookie, &target.netns);
+                    }
+                }
+                let Some(existing) = self.pods.get_mut(pod) else {
+                    return Err(RedirectError::NotEnrolled(pod.clone()));
+                };
                 if (existing.config, existing.addrs) != (config, addrs) {
                     existing.config = config;
                     existing.addrs = addrs;
@@ -214,7 +261,7 @@ impl Redirector for EbpfRedirector {
                 return self.repair(pod);
             }
             // The pod's netns changed (its sandbox was recreated): start over.
-            self.unenrol(pod)?;
+            self.leave_old_netns(pod, &target.netns);
         }
         let netns = NetNs::open(&target.netns)?;
         let cookie = netns.cookie()?;

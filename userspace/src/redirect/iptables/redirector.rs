@@ -13,9 +13,11 @@ impl Redirector for IptablesRedirector {
         let pod = &target.key;
         let _span = info_span!("iptables", pod = %pod).entered();
         if let Some(existing) = self.pods.get(pod) {
-            if existing.netns.path() == target.netns {
+            // By identity: a recreated sandbox may reuse the path.
+            if existing.netns.is_at(&target.netns) {
                 return self.repair(pod, &target.capture);
             }
+            info!(netns = %target.netns.display(), "the pod's network namespace changed (its sandbox was recreated): enrolling it in the new one");
             // The pod's netns changed (sandbox recreated): start over.
             self.unenrol(pod)?;
         }

@@ -1,0 +1,346 @@
+//! A pod whose network namespace is replaced — same pod, same IP, maybe
+//! the same path, a new namespace: what kubelet does after a sandbox dies,
+//! a node reboot or a CNI re-add — is served and enrolled again in the new
+//! one, through the real `shunt agent` binary on the real kernel: the
+//! proxy's listeners move to the new namespace (the old ones close), the
+//! redirector enrols the new namespace and forgets the old one's entries,
+//! and mesh traffic (HBONE) flows again both ways. Another path naming
+//! the same namespace changes nothing.
+
+use std::{
+    net::{Ipv4Addr, SocketAddr, TcpStream},
+    path::{Path, PathBuf},
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+use shunt::{
+    api::{NodeStatus, PodState},
+    netns::NetNs,
+};
+use shunt_testbed::{
+    BRIDGE, Cgroup, NETNS_DIR, POD_IF, Pod, Topology,
+    agent::{Agent, WorkloadSpec, workloads_yaml},
+    apps::{EchoServer, TestApp},
+    inspect, require_root,
+};
+
+const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
+const TIMEOUT: Duration = Duration::from_secs(30);
+const APP_PORT: u16 = 8080;
+/// The proxy's line once a pod's listeners moved to its new namespace.
+const RESERVED: &str = "proxy re-served the pod in its new network namespace";
+/// The redirector's line once it forgot the old namespace.
+const REENROLLED: &str = "the pod's network namespace changed";
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("run ip");
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The MAC address of `pod`'s `eth0`.
+fn mac_of(pod: &Pod) -> String {
+    let out = Command::new("ip")
+        .args(["-n", pod.netns_name(), "-j", "link", "show", POD_IF])
+        .output()
+        .expect("ip link show");
+    let json: Value = serde_json::from_slice(&out.stdout).expect("ip -j output");
+    json[0]["address"]
+        .as_str()
+        .expect("eth0 has an address")
+        .to_string()
+}
+
+/// What a CNI DEL then ADD does to `pod`: its veth goes (both ends), its
+/// netns is deleted, and a new netns under the same name gets a new veth
+/// with the same address and route — and the same MAC, so that the
+/// neighbours' ARP caches stay right (as a CNI that announces the address
+/// with a gratuitous ARP, or uses a fixed MAC, leaves them).
+fn recreate_sandbox(pod: &Pod) {
+    let node = pod.node().netns_name().to_string();
+    let name = pod.netns_name().to_string();
+    let gateway = pod.node().gateway().to_string();
+    let addr = format!("{}/24", pod.ip());
+    let mac = mac_of(pod);
+    ip(&["-n", &node, "link", "del", pod.host_veth()]);
+    ip(&["netns", "del", &name]);
+    ip(&["netns", "add", &name]);
+    for (key, value) in [
+        ("net/ipv6/conf/all/disable_ipv6", "1"),
+        ("net/ipv6/conf/default/disable_ipv6", "1"),
+        ("net/ipv4/conf/all/rp_filter", "0"),
+        ("net/ipv4/conf/default/rp_filter", "0"),
+    ] {
+        let path = format!("/proc/sys/{key}");
+        NetNs::open(pod.netns_path())
+            .expect("new netns")
+            .run(|| std::fs::write(&path, value))
+            .expect("enter the new netns")
+            .unwrap_or_else(|e| panic!("{path}: {e}"));
+    }
+    ip(&["-n", &name, "link", "set", "lo", "up"]);
+    ip(&[
+        "-n",
+        &node,
+        "link",
+        "add",
+        pod.host_veth(),
+        "type",
+        "veth",
+        "peer",
+        "name",
+        POD_IF,
+        "address",
+        &mac,
+        "netns",
+        &name,
+    ]);
+    ip(&[
+        "-n",
+        &node,
+        "link",
+        "set",
+        pod.host_veth(),
+        "master",
+        BRIDGE,
+        "up",
+    ]);
+    ip(&["-n", &name, "addr", "add", &addr, "dev", POD_IF]);
+    ip(&["-n", &name, "link", "set", POD_IF, "up"]);
+    ip(&[
+        "-n", &name, "route", "add", "default", "via", &gateway, "dev", POD_IF,
+    ]);
+}
+
+fn cookie_of(path: &Path) -> u64 {
+    NetNs::open(path)
+        .expect("open netns")
+        .cookie()
+        .expect("netns cookie")
+}
+
+fn pod_cookie(status: &NodeStatus, pod: &Pod) -> Option<u64> {
+    status
+        .pods
+        .iter()
+        .find(|p| p.name == pod.name() && p.state == PodState::Enrolled)
+        .and_then(|p| p.netns_cookie)
+}
+
+fn all_enrolled(status: &NodeStatus) -> bool {
+    status.pods.iter().all(|p| p.state == PodState::Enrolled)
+}
+
+fn hbone(agent: &Agent) -> (u64, u64) {
+    let proxy = agent.status().expect("status").proxy.expect("proxy stats");
+    (proxy.outbound_hbone, proxy.inbound_hbone)
+}
+
+/// `from`'s application sends 64 KiB to `to`:8080 and checks the echo.
+fn exchange(apps: &TestApp<'_>, from: &Pod, to: &Pod, agent: &Agent) {
+    let target = format!("{}:{APP_PORT}", to.ip());
+    let report = apps.run(from, &["connect", &target, "--send", "65536"]);
+    assert_eq!(
+        report["intact"],
+        Value::Bool(true),
+        "{} -> {}: {report}\nagent log:\n{}",
+        from.name(),
+        to.name(),
+        agent.logs()
+    );
+}
+
+/// How many pooled HBONE connections to `pod` the proxy has dropped.
+fn stale_pool_closed(log: &str, pod: &Pod) -> usize {
+    let dst = format!("dst_ip={}", pod.ip());
+    log.lines()
+        .filter(|line| line.contains("pooled HBONE connection closed") && line.contains(&dst))
+        .count()
+}
+
+/// Whether anything listens on 127.0.0.1:15001 in `netns`.
+fn outbound_listener_in(netns: &NetNs) -> bool {
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, 15001));
+    netns
+        .run(|| TcpStream::connect_timeout(&addr, Duration::from_secs(2)).is_ok())
+        .expect("enter netns")
+}
+
+#[test]
+fn a_pod_whose_netns_is_recreated_is_served_and_enrolled_in_the_new_one() {
+    require_root().expect("kernel tests need root");
+    let (topo, pods) = Topology::single_node("nsrenew", &["client", "server"]).expect("topology");
+    let [client, server] = [&pods[0], &pods[1]];
+    let apps = Cgroup::create(&topo, "apps").expect("cgroup");
+    let apps = TestApp::new(TESTAPP, &apps);
+    let yaml = workloads_yaml(&[
+        WorkloadSpec::for_pod(client, true),
+        WorkloadSpec::for_pod(server, true),
+    ]);
+    let node = topo.node("node-a").expect("node").clone();
+    // Same-node mesh traffic through the proxies (HBONE), not flow 2.
+    let mut agent = Agent::start(
+        &topo,
+        &node,
+        &yaml,
+        &["--redirect", "ebpf", "--fast-path", "off"],
+    )
+    .expect("agent");
+    let status = agent
+        .wait_for("both pods enrolled", TIMEOUT, all_enrolled)
+        .expect("enrolled");
+    let old_cookie = pod_cookie(&status, server).expect("server's cookie");
+    assert_eq!(old_cookie, cookie_of(&server.netns_path()));
+
+    let client_app = EchoServer::on(client, APP_PORT).expect("echo on client");
+    let server_app = EchoServer::on(server, APP_PORT).expect("echo on server");
+    exchange(&apps, client, server, &agent);
+    exchange(&apps, server, client, &agent);
+    let (out_before, in_before) = hbone(&agent);
+    assert!(out_before >= 2 && in_before >= 2, "HBONE both ways first");
+
+    // The sandbox is recreated: same name (so the same path), same IP.
+    let stale_before = stale_pool_closed(&agent.logs(), server);
+    let old_netns = NetNs::open(server.netns_path()).expect("hold the old netns");
+    drop(server_app);
+    recreate_sandbox(server);
+    let new_cookie = cookie_of(&server.netns_path());
+    assert_ne!(new_cookie, old_cookie, "a new namespace");
+    // The source says it again (same content: the path did not change).
+    agent.write_workloads(&yaml).expect("workloads");
+
+    agent
+        .wait_for("the server enrolled in its new netns", TIMEOUT, |s| {
+            pod_cookie(s, server) == Some(new_cookie) && all_enrolled(s)
+        })
+        .expect("re-enrolled");
+    let logs = agent
+        .wait_for_log("the proxy re-served the server", TIMEOUT, |log| {
+            log.contains(RESERVED) && log.contains(REENROLLED)
+        })
+        .expect("re-served");
+    assert_eq!(
+        logs.matches(RESERVED).count(),
+        1,
+        "re-served once, not on every pass"
+    );
+
+    // The old namespace's enrolment entry is gone; the new one's is there.
+    let entries = inspect::enrolled_entries(agent.pin_dir()).expect("enrolled map");
+    assert!(
+        !entries.contains_key(&old_cookie),
+        "the old netns is still enrolled: {entries:?}"
+    );
+    assert!(entries.contains_key(&new_cookie), "{entries:?}");
+    assert_eq!(entries.len(), 2, "one entry per pod: {entries:?}");
+    // And its listeners closed (bounded: the accept loops end on their own).
+    let deadline = Instant::now() + TIMEOUT;
+    while outbound_listener_in(&old_netns) {
+        assert!(
+            Instant::now() < deadline,
+            "the old netns still has the proxy's 15001 listener"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The new namespace has them, and its traffic is captured: both ways
+    // through the mesh again, every byte echoed. Out of the new namespace
+    // first: its proxy has no connection from before.
+    let new_netns = NetNs::open(server.netns_path()).expect("new netns");
+    assert!(outbound_listener_in(&new_netns));
+    let _server_app = EchoServer::on(server, APP_PORT).expect("echo on the new server");
+    exchange(&apps, server, client, &agent);
+    // Into it: the client's proxy still pools the HBONE connection it had
+    // to the old namespace, whose socket died with it; its next keepalive
+    // reaches the new namespace, which resets it, and the pool drops it.
+    // (A stream sent on it before then fails: the proxy's pool, not
+    // enrolment, would have to retry it on a new connection.)
+    agent
+        .wait_for_log("the stale pooled connection dropped", TIMEOUT, |log| {
+            stale_pool_closed(log, server) > stale_before
+        })
+        .expect("pool");
+    exchange(&apps, client, server, &agent);
+    let (out_after, in_after) = hbone(&agent);
+    assert!(
+        out_after >= out_before + 2 && in_after >= in_before + 2,
+        "HBONE both ways after the change: out {out_before} -> {out_after}, in {in_before} -> {in_after}"
+    );
+    drop(client_app);
+}
+
+/// A bind mount of the pod's netns under another name, removed on drop.
+struct Alias(PathBuf);
+
+impl Drop for Alias {
+    fn drop(&mut self) {
+        // Lazily: the agent may still hold the namespace open through it.
+        let _ = Command::new("umount").arg("--lazy").arg(&self.0).status();
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+#[test]
+fn another_path_to_the_same_netns_changes_nothing() {
+    require_root().expect("kernel tests need root");
+    let (topo, pods) = Topology::single_node("nsalias", &["client", "server"]).expect("topology");
+    let [client, server] = [&pods[0], &pods[1]];
+    let apps = Cgroup::create(&topo, "apps").expect("cgroup");
+    let apps = TestApp::new(TESTAPP, &apps);
+    let node = topo.node("node-a").expect("node").clone();
+    let specs = [
+        WorkloadSpec::for_pod(client, true),
+        WorkloadSpec::for_pod(server, true),
+    ];
+    let mut agent = Agent::start(
+        &topo,
+        &node,
+        &workloads_yaml(&specs),
+        &["--redirect", "ebpf", "--fast-path", "off"],
+    )
+    .expect("agent");
+    let status = agent
+        .wait_for("both pods enrolled", TIMEOUT, all_enrolled)
+        .expect("enrolled");
+    let cookie = pod_cookie(&status, server).expect("cookie");
+
+    // The same namespace under a second name (the topology's prefix, so a
+    // killed run's sweep removes it too).
+    let alias = Alias(Path::new(NETNS_DIR).join(format!("{}-alias", topo.prefix())));
+    std::fs::File::create(&alias.0).expect("mount point");
+    let mounted = Command::new("mount")
+        .arg("--bind")
+        .arg(server.netns_path())
+        .arg(&alias.0)
+        .status()
+        .expect("mount");
+    assert!(mounted.success());
+    let mut moved = specs.clone();
+    moved[1].netns = Some(alias.0.clone());
+    agent
+        .write_workloads(&workloads_yaml(&moved))
+        .expect("workloads");
+    agent
+        .wait_for_log("the new file read", TIMEOUT, |log| {
+            log.contains("workloads file changed; reconciling")
+        })
+        .expect("reconciled");
+    let status = agent.status_after_verify(TIMEOUT).expect("verify pass");
+    assert_eq!(pod_cookie(&status, server), Some(cookie));
+    let logs = agent.logs();
+    assert!(
+        !logs.contains(RESERVED) && !logs.contains(REENROLLED) && !logs.contains("pod unenrolled"),
+        "one namespace under two names is not a new namespace (nothing is redone):\n{logs}"
+    );
+    let entries = inspect::enrolled_entries(agent.pin_dir()).expect("enrolled map");
+    assert!(
+        entries.contains_key(&cookie) && entries.len() == 2,
+        "{entries:?}"
+    );
+    let _client_app = EchoServer::on(client, APP_PORT).expect("echo");
+    exchange(&apps, server, client, &agent);
+}
