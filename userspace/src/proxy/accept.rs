@@ -2,7 +2,9 @@
 //! per connection (outbound, inbound plaintext or HBONE), tracked so a drain
 //! can wait for them.
 
-use std::sync::Arc;
+use std::{future::Future, sync::Arc};
+
+use tokio_util::sync::CancellationToken;
 
 use super::{PodState, Shared, inbound, inbound_plaintext, limits, outbound};
 
@@ -71,26 +73,48 @@ pub(super) async fn accept_loop(
             },
         };
         let _ = stream.set_nodelay(true);
-        let shared2 = shared.clone();
-        let pod2 = pod.clone();
-        let abort = shared.abort.clone();
-        let task = async move {
-            match kind {
-                Listener::Outbound => outbound::serve(shared2, pod2, stream, peer).await,
-                Listener::InboundPlaintext => {
-                    // Holds the connection's per-source slot until it ends.
-                    let _admission = admission;
-                    inbound_plaintext::serve(shared2, pod2, stream, peer).await
-                }
-                Listener::Hbone => inbound::serve(shared2, pod2, stream, peer, admission).await,
+        // One spawn per kind: a task's future is as large as the largest
+        // state it can be in, for the connection's whole life, so an
+        // outbound connection must not carry the room of an inbound HBONE
+        // connection's handshakes.
+        let (shared2, pod2) = (shared.clone(), pod.clone());
+        match kind {
+            Listener::Outbound => {
+                spawn_tracked(&shared, outbound::serve(shared2, pod2, stream, peer))
             }
-        };
-        shared.tracker.spawn(async move {
-            tokio::select! {
-                _ = abort.cancelled() => {}
-                () = task => {}
-            }
-        });
+            Listener::InboundPlaintext => spawn_tracked(&shared, async move {
+                // Holds the connection's per-source slot until it ends.
+                let _admission = admission;
+                inbound_plaintext::serve(shared2, pod2, stream, peer).await
+            }),
+            Listener::Hbone => spawn_tracked(
+                &shared,
+                inbound::serve(shared2, pod2, stream, peer, admission),
+            ),
+        }
     }
     tracing::debug!(pod = %pod.key, ?kind, ?local, "listener closed");
 }
+
+/// Spawns a connection's or stream's task, tracked (a drain waits for it)
+/// and cut when the drain's grace period is over.
+pub(super) fn spawn_tracked<F>(shared: &Shared, task: F)
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    shared
+        .tracker
+        .spawn(until_aborted(shared.abort.clone(), task));
+}
+
+/// `task`, or nothing once `abort` is cancelled.
+pub(super) async fn until_aborted<F: Future<Output = ()>>(abort: CancellationToken, task: F) {
+    tokio::select! {
+        _ = abort.cancelled() => {}
+        () = task => {}
+    }
+}
+
+#[cfg(test)]
+#[path = "task_sizes_tests.rs"]
+mod tests;
