@@ -79,18 +79,17 @@ pub(super) async fn accept_loop(
         // connection's handshakes.
         let (shared2, pod2) = (shared.clone(), pod.clone());
         match kind {
-            Listener::Outbound => {
-                spawn_tracked(&shared, outbound::serve(shared2, pod2, stream, peer))
-            }
-            Listener::InboundPlaintext => spawn_tracked(&shared, async move {
+            Listener::Outbound => spawn_tracked(&shared, move || {
+                outbound::serve(shared2, pod2, stream, peer)
+            }),
+            Listener::InboundPlaintext => spawn_tracked(&shared, move || async move {
                 // Holds the connection's per-source slot until it ends.
                 let _admission = admission;
                 inbound_plaintext::serve(shared2, pod2, stream, peer).await
             }),
-            Listener::Hbone => spawn_tracked(
-                &shared,
-                inbound::serve(shared2, pod2, stream, peer, admission),
-            ),
+            Listener::Hbone => spawn_tracked(&shared, move || {
+                inbound::serve(shared2, pod2, stream, peer, admission)
+            }),
         }
     }
     tracing::debug!(pod = %pod.key, ?kind, ?local, "listener closed");
@@ -98,20 +97,30 @@ pub(super) async fn accept_loop(
 
 /// Spawns a connection's or stream's task, tracked (a drain waits for it)
 /// and cut when the drain's grace period is over.
-pub(super) fn spawn_tracked<F>(shared: &Shared, task: F)
+pub(super) fn spawn_tracked<C, F>(shared: &Shared, make: C)
 where
+    C: FnOnce() -> F + Send + 'static,
     F: Future<Output = ()> + Send + 'static,
 {
     shared
         .tracker
-        .spawn(until_aborted(shared.abort.clone(), task));
+        .spawn(until_aborted(shared.abort.clone(), make));
 }
 
-/// `task`, or nothing once `abort` is cancelled.
-pub(super) async fn until_aborted<F: Future<Output = ()>>(abort: CancellationToken, task: F) {
-    tokio::select! {
-        _ = abort.cancelled() => {}
-        () = task => {}
+/// The future `make` returns, or nothing once `abort` is cancelled. It is
+/// made inside, not passed in: a future passed to an async fn or block by
+/// value is stored twice (the argument, and where it is polled), which
+/// doubled every connection's task.
+pub(super) fn until_aborted<C, F>(abort: CancellationToken, make: C) -> impl Future<Output = ()>
+where
+    C: FnOnce() -> F,
+    F: Future<Output = ()>,
+{
+    async move {
+        tokio::select! {
+            _ = abort.cancelled() => {}
+            () = make() => {}
+        }
     }
 }
 

@@ -219,8 +219,10 @@ async fn serve_connection(
                         a.established();
                     }
                     let span = tracing::info_span!("stream", peer_identity = peer_identity.as_deref().unwrap_or("-"));
-                    let stream = serve_stream(shared.clone(), arrival, peer, peer_identity.clone(), request, respond);
-                    super::accept::spawn_tracked(&shared, stream.instrument(span));
+                    let (shared2, peer_identity) = (shared.clone(), peer_identity.clone());
+                    super::accept::spawn_tracked(&shared, move || {
+                        serve_stream(shared2, arrival, peer, peer_identity, request, respond).instrument(span)
+                    });
                 }
                 Some(Err(e)) => {
                     tracing::debug!(error = %e, "HBONE connection ended with an error");
