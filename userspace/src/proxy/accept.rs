@@ -111,16 +111,14 @@ where
 /// made inside, not passed in: a future passed to an async fn or block by
 /// value is stored twice (the argument, and where it is polled), which
 /// doubled every connection's task.
-pub(super) fn until_aborted<C, F>(abort: CancellationToken, make: C) -> impl Future<Output = ()>
+pub(super) async fn until_aborted<C, F>(abort: CancellationToken, make: C)
 where
     C: FnOnce() -> F,
     F: Future<Output = ()>,
 {
-    async move {
-        tokio::select! {
-            _ = abort.cancelled() => {}
-            () = make() => {}
-        }
+    tokio::select! {
+        _ = abort.cancelled() => {}
+        () = make() => {}
     }
 }
 
