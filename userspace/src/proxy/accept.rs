@@ -2,7 +2,9 @@
 //! per connection (outbound, inbound plaintext or HBONE), tracked so a drain
 //! can wait for them.
 
-use std::sync::Arc;
+use std::{future::Future, sync::Arc};
+
+use tokio_util::sync::CancellationToken;
 
 use super::{PodState, Shared, inbound, inbound_plaintext, limits, outbound};
 
@@ -71,26 +73,55 @@ pub(super) async fn accept_loop(
             },
         };
         let _ = stream.set_nodelay(true);
-        let shared2 = shared.clone();
-        let pod2 = pod.clone();
-        let abort = shared.abort.clone();
-        let task = async move {
-            match kind {
-                Listener::Outbound => outbound::serve(shared2, pod2, stream, peer).await,
-                Listener::InboundPlaintext => {
-                    // Holds the connection's per-source slot until it ends.
-                    let _admission = admission;
-                    inbound_plaintext::serve(shared2, pod2, stream, peer).await
-                }
-                Listener::Hbone => inbound::serve(shared2, pod2, stream, peer, admission).await,
-            }
-        };
-        shared.tracker.spawn(async move {
-            tokio::select! {
-                _ = abort.cancelled() => {}
-                () = task => {}
-            }
-        });
+        // One spawn per kind: a task's future is as large as the largest
+        // state it can be in, for the connection's whole life, so an
+        // outbound connection must not carry the room of an inbound HBONE
+        // connection's handshakes.
+        let (shared2, pod2) = (shared.clone(), pod.clone());
+        match kind {
+            Listener::Outbound => spawn_tracked(&shared, move || {
+                outbound::serve(shared2, pod2, stream, peer)
+            }),
+            Listener::InboundPlaintext => spawn_tracked(&shared, move || async move {
+                // Holds the connection's per-source slot until it ends.
+                let _admission = admission;
+                inbound_plaintext::serve(shared2, pod2, stream, peer).await
+            }),
+            Listener::Hbone => spawn_tracked(&shared, move || {
+                inbound::serve(shared2, pod2, stream, peer, admission)
+            }),
+        }
     }
     tracing::debug!(pod = %pod.key, ?kind, ?local, "listener closed");
 }
+
+/// Spawns a connection's or stream's task, tracked (a drain waits for it)
+/// and cut when the drain's grace period is over.
+pub(super) fn spawn_tracked<C, F>(shared: &Shared, make: C)
+where
+    C: FnOnce() -> F + Send + 'static,
+    F: Future<Output = ()> + Send + 'static,
+{
+    shared
+        .tracker
+        .spawn(until_aborted(shared.abort.clone(), make));
+}
+
+/// The future `make` returns, or nothing once `abort` is cancelled. It is
+/// made inside, not passed in: a future passed to an async fn or block by
+/// value is stored twice (the argument, and where it is polled), which
+/// doubled every connection's task.
+pub(super) async fn until_aborted<C, F>(abort: CancellationToken, make: C)
+where
+    C: FnOnce() -> F,
+    F: Future<Output = ()>,
+{
+    tokio::select! {
+        _ = abort.cancelled() => {}
+        () = make() => {}
+    }
+}
+
+#[cfg(test)]
+#[path = "task_sizes_tests.rs"]
+mod tests;

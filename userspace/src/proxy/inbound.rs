@@ -117,10 +117,12 @@ async fn serve_connection(
     // The first CONNECT must come within this (TLS, HTTP/2, then the
     // request): a connection is of no use before.
     let first_request_by = tokio::time::Instant::now() + handshake_timeout;
-    let handshake = tokio::time::timeout(
+    // The handshakes are boxed, and so freed once done: the connection's
+    // task then keeps only what serving its streams needs.
+    let handshake = Box::pin(tokio::time::timeout(
         handshake_timeout,
         tokio_rustls::TlsAcceptor::from(config).accept(tcp),
-    );
+    ));
     let handshake = tokio::select! {
         h = handshake => h,
         () = evicted(&admission) => {
@@ -167,23 +169,25 @@ async fn serve_connection(
         peer_identity: peer_identity.clone(),
     };
     let tls = FrameTap::new(tls, move |refusal| context.refused(refusal));
-    let mut conn =
-        match tokio::time::timeout_at(first_request_by, shared.config.h2.server().handshake(tls))
-            .await
-        {
-            Ok(Ok(c)) => c,
-            Ok(Err(e)) => {
-                log.reason = Some(format!("HTTP/2 handshake: {e}"));
-                log.emit(&shared);
-                return;
-            }
-            Err(_) => {
-                log.refusal = Some(RefusalReason::HandshakeTimeout);
-                log.reason = Some("HTTP/2 handshake timed out".into());
-                log.emit(&shared);
-                return;
-            }
-        };
+    let mut conn = match Box::pin(tokio::time::timeout_at(
+        first_request_by,
+        shared.config.h2.server().handshake(tls),
+    ))
+    .await
+    {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => {
+            log.reason = Some(format!("HTTP/2 handshake: {e}"));
+            log.emit(&shared);
+            return;
+        }
+        Err(_) => {
+            log.refusal = Some(RefusalReason::HandshakeTimeout);
+            log.reason = Some("HTTP/2 handshake timed out".into());
+            log.emit(&shared);
+            return;
+        }
+    };
     let keepalive = match conn.ping_pong() {
         Some(pp) => {
             futures::future::Either::Left(super::h2::keepalive(pp, shared.config.h2.clone()))
@@ -214,16 +218,11 @@ async fn serve_connection(
                     if let Some(a) = admission.as_mut() {
                         a.established();
                     }
-                    let shared2 = shared.clone();
-                    let peer_identity = peer_identity.clone();
-                    let abort = shared.abort.clone();
                     let span = tracing::info_span!("stream", peer_identity = peer_identity.as_deref().unwrap_or("-"));
-                    shared.tracker.spawn(async move {
-                        tokio::select! {
-                            _ = abort.cancelled() => {}
-                            () = serve_stream(shared2, arrival, peer, peer_identity, request, respond) => {}
-                        }
-                    }.instrument(span));
+                    let (shared2, peer_identity) = (shared.clone(), peer_identity.clone());
+                    super::accept::spawn_tracked(&shared, move || {
+                        serve_stream(shared2, arrival, peer, peer_identity, request, respond).instrument(span)
+                    });
                 }
                 Some(Err(e)) => {
                     tracing::debug!(error = %e, "HBONE connection ended with an error");
@@ -244,7 +243,7 @@ async fn serve_connection(
     }
 }
 
-async fn serve_stream(
+pub(super) async fn serve_stream(
     shared: Arc<Shared>,
     arrival: SocketAddr,
     peer: SocketAddr,
@@ -298,21 +297,21 @@ async fn serve_stream(
     }
     // The client is the source of the HBONE connection: the source pod's
     // own address (shunt and ztunnel open HBONE from inside the source pod).
-    let mut upstream = match target_pod
-        .connect_app(&shared.config, upstream_addr, peer)
-        .await
-    {
-        Ok(s) => s,
-        Err(e) => {
-            refuse(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("application at {upstream_addr}: {e}"),
-                &mut log,
-            );
-            log.emit(&shared);
-            return;
-        }
-    };
+    // Boxed, and so freed once connected: the stream's task keeps only
+    // what the relay needs for the stream's life (see `task_sizes_tests.rs`).
+    let mut upstream =
+        match Box::pin(target_pod.connect_app(&shared.config, upstream_addr, peer)).await {
+            Ok(s) => s,
+            Err(e) => {
+                refuse(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("application at {upstream_addr}: {e}"),
+                    &mut log,
+                );
+                log.emit(&shared);
+                return;
+            }
+        };
     let send = match respond.send_response(Response::new(()), false) {
         Ok(s) => s,
         Err(e) => {

@@ -96,15 +96,19 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
     // Waypoints first: they take the original destination, untranslated.
     let n = shared.service_picks.fetch_add(1, Ordering::Relaxed);
     let client = client_ip(&pod, peer);
-    let plan =
+    let waypoint::Plan { route, baggage } =
         shared
             .workloads
             .waypoint_plan(&shared.config.trust_domain, &pod.key, client, dst, n);
-    let headers = waypoint::connect_headers(plan.baggage.as_deref(), client);
-    match plan.route {
+    let headers = waypoint::connect_headers(baggage.as_deref(), client);
+    // What is only needed to open the stream is dropped (or moved into
+    // `hbone`, which drops it) before the first await: anything still in
+    // scope would stay allocated for the connection's whole life.
+    drop(baggage);
+    match route {
         Route::Direct => {}
         Route::ViaWaypoint(hop) => {
-            return via_waypoint(&shared, &pod, app, hop, &headers, log).await;
+            return via_waypoint(&shared, &pod, app, hop, headers, log).await;
         }
         Route::Fail(failure) => {
             refuse_for_waypoint(&shared, &failure, &mut log, dst);
@@ -134,6 +138,7 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
         return;
     };
     let dst_identity = workload.identity(&shared.config.trust_domain);
+    drop(workload);
     log.dst_identity = Some(dst_identity.as_str());
     let key = PoolKey {
         src: pod.identity.clone(),
@@ -142,7 +147,7 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
         port: PORT_HBONE,
         also_accept: Vec::new(),
     };
-    if let Err(e) = hbone(&shared, &pod, &mut app, &key, dst, &headers, &mut log).await {
+    if let Err(e) = hbone(&shared, &pod, &mut app, key, dst, headers, &mut log).await {
         log.outcome = match e {
             OutboundError::Status(_) => Outcome::Refused,
             _ => Outcome::Failed,
@@ -178,7 +183,7 @@ async fn via_waypoint(
     pod: &PodState,
     mut app: TcpStream,
     hop: WaypointHop,
-    headers: &HeaderMap,
+    headers: HeaderMap,
     mut log: AccessLog<'_>,
 ) {
     log.dst_addr = hop.authority;
@@ -194,17 +199,7 @@ async fn via_waypoint(
         port: hop.gateway.port(),
         also_accept: hop.also_accept.clone(),
     };
-    if let Err(e) = hbone(
-        shared,
-        pod,
-        &mut app,
-        &key,
-        hop.authority,
-        headers,
-        &mut log,
-    )
-    .await
-    {
+    if let Err(e) = hbone(shared, pod, &mut app, key, hop.authority, headers, &mut log).await {
         let failure = WaypointFailure {
             bound: hop.bound,
             target: hop.target.clone(),
@@ -254,12 +249,19 @@ async fn hbone(
     shared: &Shared,
     pod: &PodState,
     app: &mut TcpStream,
-    key: &PoolKey,
+    key: PoolKey,
     authority: SocketAddr,
-    headers: &HeaderMap,
+    headers: HeaderMap,
     log: &mut AccessLog<'_>,
 ) -> Result<(), OutboundError> {
-    let (mut h2s, _guard) = open_stream(shared, pod, key, authority, headers).await?;
+    // Boxed, and so freed once the stream is open: opening it may take a
+    // TLS and an HTTP/2 handshake, kilobytes of state that would otherwise
+    // stay in the connection's task for its whole life (a future keeps
+    // room for its largest state); see `task_sizes_tests.rs`. The key and
+    // the headers go with it: the relay needs neither.
+    let opened = Box::pin(open_stream(shared, pod, &key, authority, &headers)).await;
+    drop((key, headers));
+    let (mut h2s, _guard) = opened?;
     log.open(shared);
     match super::relay::relay(app, &mut h2s).await {
         Ok((sent, received)) => {
@@ -321,10 +323,8 @@ async fn passthrough(
     mut log: AccessLog<'_>,
 ) {
     log.direction = "passthrough";
-    let mut upstream = match pod
-        .sockets
-        .connect(dst, shared.config.connect_timeout)
-        .await
+    // Boxed for the same reason as `open_stream` in `hbone`.
+    let mut upstream = match Box::pin(pod.sockets.connect(dst, shared.config.connect_timeout)).await
     {
         Ok(s) => s,
         Err(e) => {

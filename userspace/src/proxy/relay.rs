@@ -178,8 +178,15 @@ impl Down {
                 if n == 0 {
                     return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
                 }
-                pending.advance(n);
                 self.bytes += n as u64;
+                if n == pending.len() {
+                    // Not `advance`: an emptied `Bytes` still holds its
+                    // share of h2's read buffer (up to a whole record's
+                    // worth), for as long as the stream then stays idle.
+                    *pending = Bytes::new();
+                } else {
+                    pending.advance(n);
+                }
             }
             if self.eof {
                 ready!(Pin::new(&mut *tcp).poll_shutdown(cx))?;
