@@ -5,14 +5,15 @@
 //! destination's verdict allows it, refused at connect() (EPERM) when it
 //! denies it, exactly as the plain IPv4 connect is.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 use shunt_testbed::{
-    Node, Pod,
+    Pod,
     agent::Agent,
     apps::{HalfEcho, TestApp, local_of},
     authz_bed::{AuthzBed, policy_file},
+    fast_path::{mesh_enabled, policies_compiled},
     scrape::{sample, wait_metrics},
 };
 
@@ -30,34 +31,13 @@ const ALLOW_CLIENT_ONLY: &str = "  - apiVersion: security.istio.io/v1
       rules: [{from: [{source: {principals: [\"cluster.local/ns/default/sa/sa-client\"]}}]}]
 ";
 
-fn mesh_enabled(node: &Node, agent: &Agent) {
-    wait_metrics(node, agent, "the same-node mesh fast path's switch", |m| {
-        sample(m, "shunt_fast_path_mesh_enabled", &[]) == Some(1.0)
-    });
-}
-
 /// The bed's agent with policies `policies` written, once the kernel's
 /// table was compiled from `names`.
 fn apply_policies(bed: &AuthzBed, policies: &str, names: &[&str]) {
     bed.agent
         .write_workloads(&policy_file(bed.pods(), policies))
         .expect("write the file");
-    let start = Instant::now();
-    loop {
-        let compiled = bed.agent.status().ok().is_some_and(|s| {
-            s.kernel_authz
-                .is_some_and(|k| k.policies == names && k.error.is_none())
-        });
-        if compiled {
-            return;
-        }
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "policies {names:?} never compiled: {}",
-            bed.agent.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    policies_compiled(&bed.agent, names);
 }
 
 /// `from`'s application connects to the server's 8080 through a dual-stack
@@ -92,7 +72,7 @@ fn a_v4_mapped_connect_to_a_same_node_mesh_pod_is_never_carried_around_policy() 
     );
     let node = bed.client.node().clone();
     let apps = TestApp::new(TESTAPP, &bed.apps);
-    mesh_enabled(&node, &bed.agent);
+    mesh_enabled(&node, &bed.agent, true);
     let half = HalfEcho::on(&bed.server, 8080);
 
     // No policy: the mapped connect works (the server answers half of
@@ -105,7 +85,7 @@ fn a_v4_mapped_connect_to_a_same_node_mesh_pod_is_never_carried_around_policy() 
     // reaches nothing — refused by the kernel at connect(), or by the
     // server's proxy; never carried to the application.
     apply_policies(&bed, ALLOW_CLIENT_ONLY, &["default/allow-client"]);
-    mesh_enabled(&node, &bed.agent);
+    mesh_enabled(&node, &bed.agent, true);
     let seen = half.peers().len();
     let streams = proxy_streams(&bed.agent);
     let report = connect_mapped(&apps, &bed.intruder, &bed.server);
