@@ -18,7 +18,6 @@ use shunt_testbed::{
 };
 
 const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
-const TIMEOUT: Duration = Duration::from_secs(30);
 /// connect() failing with EPERM: the kernel refused it.
 const EPERM: i64 = 1;
 
