@@ -5,8 +5,6 @@
 //! destination's verdict allows it, refused at connect() (EPERM) when it
 //! denies it, exactly as the plain IPv4 connect is.
 
-use std::time::Duration;
-
 use serde_json::Value;
 use shunt_testbed::{
     Pod,
