@@ -4,7 +4,10 @@
 //! one, through the real `shunt agent` binary on the real kernel: the
 //! proxy's listeners move to the new namespace (the old ones close), the
 //! redirector enrols the new namespace and forgets the old one's entries,
-//! and mesh traffic (HBONE) flows again both ways. Another path naming
+//! and mesh traffic (HBONE) flows again both ways — into the pod on the
+//! first try, although the client's proxy still pools an HBONE connection
+//! into the dead namespace (`proxy/outbound.rs::open_stream` opens the
+//! stream again on a new connection). Another path naming
 //! the same namespace changes nothing.
 
 use std::{
@@ -248,23 +251,24 @@ fn a_pod_whose_netns_is_recreated_is_served_and_enrolled_in_the_new_one() {
         std::thread::sleep(Duration::from_millis(100));
     }
     // The new namespace has them, and its traffic is captured: both ways
-    // through the mesh again, every byte echoed. Out of the new namespace
-    // first: its proxy has no connection from before.
+    // through the mesh again, every byte echoed.
     let new_netns = NetNs::open(server.netns_path()).expect("new netns");
     assert!(outbound_listener_in(&new_netns));
     let _server_app = EchoServer::on(server, APP_PORT).expect("echo on the new server");
+    // Into it at once, on the first try: the client's proxy still pools
+    // the HBONE connection it had to the old namespace (whose socket died
+    // with it) and may send the stream on it; the new namespace resets
+    // that connection and the proxy opens the stream again on a new one.
+    // The application never sees the stale connection.
+    exchange(&apps, client, server, &agent);
     exchange(&apps, server, client, &agent);
-    // Into it: the client's proxy still pools the HBONE connection it had
-    // to the old namespace, whose socket died with it; its next keepalive
-    // reaches the new namespace, which resets it, and the pool drops it.
-    // (A stream sent on it before then fails: the proxy's pool, not
-    // enrolment, would have to retry it on a new connection.)
+    // And the stale connection has left the pool (dropped by that stream's
+    // failure, or by its next keepalive).
     agent
         .wait_for_log("the stale pooled connection dropped", TIMEOUT, |log| {
             stale_pool_closed(log, server) > stale_before
         })
         .expect("pool");
-    exchange(&apps, client, server, &agent);
     let (out_after, in_after) = hbone(&agent);
     assert!(
         out_after >= out_before + 2 && in_after >= in_before + 2,
