@@ -23,7 +23,7 @@ use shunt::{
     netns::NetNs,
 };
 use shunt_testbed::{
-    BRIDGE, Cgroup, NETNS_DIR, POD_IF, Pod, Topology,
+    Cgroup, NETNS_DIR, Pod, Topology,
     agent::{Agent, WorkloadSpec, workloads_yaml},
     apps::{EchoServer, TestApp},
     inspect, require_root,
@@ -36,89 +36,6 @@ const APP_PORT: u16 = 8080;
 const RESERVED: &str = "proxy re-served the pod in its new network namespace";
 /// The redirector's line once it forgot the old namespace.
 const REENROLLED: &str = "the pod's network namespace changed";
-
-fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().expect("run ip");
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// The MAC address of `pod`'s `eth0`.
-fn mac_of(pod: &Pod) -> String {
-    let out = Command::new("ip")
-        .args(["-n", pod.netns_name(), "-j", "link", "show", POD_IF])
-        .output()
-        .expect("ip link show");
-    let json: Value = serde_json::from_slice(&out.stdout).expect("ip -j output");
-    json[0]["address"]
-        .as_str()
-        .expect("eth0 has an address")
-        .to_string()
-}
-
-/// What a CNI DEL then ADD does to `pod`: its veth goes (both ends), its
-/// netns is deleted, and a new netns under the same name gets a new veth
-/// with the same address and route — and the same MAC, so that the
-/// neighbours' ARP caches stay right (as a CNI that announces the address
-/// with a gratuitous ARP, or uses a fixed MAC, leaves them).
-fn recreate_sandbox(pod: &Pod) {
-    let node = pod.node().netns_name().to_string();
-    let name = pod.netns_name().to_string();
-    let gateway = pod.node().gateway().to_string();
-    let addr = format!("{}/24", pod.ip());
-    let mac = mac_of(pod);
-    ip(&["-n", &node, "link", "del", pod.host_veth()]);
-    ip(&["netns", "del", &name]);
-    ip(&["netns", "add", &name]);
-    for (key, value) in [
-        ("net/ipv6/conf/all/disable_ipv6", "1"),
-        ("net/ipv6/conf/default/disable_ipv6", "1"),
-        ("net/ipv4/conf/all/rp_filter", "0"),
-        ("net/ipv4/conf/default/rp_filter", "0"),
-    ] {
-        let path = format!("/proc/sys/{key}");
-        NetNs::open(pod.netns_path())
-            .expect("new netns")
-            .run(|| std::fs::write(&path, value))
-            .expect("enter the new netns")
-            .unwrap_or_else(|e| panic!("{path}: {e}"));
-    }
-    ip(&["-n", &name, "link", "set", "lo", "up"]);
-    ip(&[
-        "-n",
-        &node,
-        "link",
-        "add",
-        pod.host_veth(),
-        "type",
-        "veth",
-        "peer",
-        "name",
-        POD_IF,
-        "address",
-        &mac,
-        "netns",
-        &name,
-    ]);
-    ip(&[
-        "-n",
-        &node,
-        "link",
-        "set",
-        pod.host_veth(),
-        "master",
-        BRIDGE,
-        "up",
-    ]);
-    ip(&["-n", &name, "addr", "add", &addr, "dev", POD_IF]);
-    ip(&["-n", &name, "link", "set", POD_IF, "up"]);
-    ip(&[
-        "-n", &name, "route", "add", "default", "via", &gateway, "dev", POD_IF,
-    ]);
-}
 
 fn cookie_of(path: &Path) -> u64 {
     NetNs::open(path)
@@ -211,7 +128,7 @@ fn a_pod_whose_netns_is_recreated_is_served_and_enrolled_in_the_new_one() {
     let stale_before = stale_pool_closed(&agent.logs(), server);
     let old_netns = NetNs::open(server.netns_path()).expect("hold the old netns");
     drop(server_app);
-    recreate_sandbox(server);
+    server.recreate_sandbox().expect("recreate the sandbox");
     let new_cookie = cookie_of(&server.netns_path());
     assert_ne!(new_cookie, old_cookie, "a new namespace");
     // The source says it again (same content: the path did not change).
