@@ -24,7 +24,7 @@ use shunt::{
 };
 use shunt_testbed::{
     Cgroup, NETNS_DIR, Pod, Topology,
-    agent::{Agent, WorkloadSpec, workloads_yaml},
+    agent::{Agent, WorkloadSpec, mesh_pods_enrolled, workloads_yaml},
     apps::{EchoServer, TestApp},
     inspect, require_root,
 };
@@ -50,10 +50,6 @@ fn pod_cookie(status: &NodeStatus, pod: &Pod) -> Option<u64> {
         .iter()
         .find(|p| p.name == pod.name() && p.state == PodState::Enrolled)
         .and_then(|p| p.netns_cookie)
-}
-
-fn all_enrolled(status: &NodeStatus) -> bool {
-    status.pods.iter().all(|p| p.state == PodState::Enrolled)
 }
 
 fn hbone(agent: &Agent) -> (u64, u64) {
@@ -112,7 +108,7 @@ fn a_pod_whose_netns_is_recreated_is_served_and_enrolled_in_the_new_one() {
     )
     .expect("agent");
     let status = agent
-        .wait_for("both pods enrolled", TIMEOUT, all_enrolled)
+        .wait_for("both pods enrolled", TIMEOUT, mesh_pods_enrolled)
         .expect("enrolled");
     let old_cookie = pod_cookie(&status, server).expect("server's cookie");
     assert_eq!(old_cookie, cookie_of(&server.netns_path()));
@@ -136,7 +132,7 @@ fn a_pod_whose_netns_is_recreated_is_served_and_enrolled_in_the_new_one() {
 
     agent
         .wait_for("the server enrolled in its new netns", TIMEOUT, |s| {
-            pod_cookie(s, server) == Some(new_cookie) && all_enrolled(s)
+            pod_cookie(s, server) == Some(new_cookie) && mesh_pods_enrolled(s)
         })
         .expect("re-enrolled");
     let logs = agent
@@ -225,7 +221,7 @@ fn another_path_to_the_same_netns_changes_nothing() {
     )
     .expect("agent");
     let status = agent
-        .wait_for("both pods enrolled", TIMEOUT, all_enrolled)
+        .wait_for("both pods enrolled", TIMEOUT, mesh_pods_enrolled)
         .expect("enrolled");
     let cookie = pod_cookie(&status, server).expect("cookie");
 
