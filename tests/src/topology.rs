@@ -5,6 +5,7 @@
 
 mod members;
 mod net;
+mod sandbox;
 
 use std::{
     collections::BTreeSet,
@@ -370,24 +371,29 @@ impl Topology {
             cmd::ip(&["netns", "add", name])?;
         }
         self.created.push(name.to_string());
-        let path = Path::new(NETNS_DIR).join(name);
-        write_sysctls(
-            &path,
-            &[
-                // IPv6 would send router solicitations and DAD probes to
-                // multicast addresses outside the test range.
-                ("net/ipv6/conf/all/disable_ipv6", "1"),
-                ("net/ipv6/conf/default/disable_ipv6", "1"),
-                // New netns inherit IPv4 settings from the host, which may
-                // have strict reverse-path filtering; make behaviour identical
-                // on every machine.
-                ("net/ipv4/conf/all/rp_filter", "0"),
-                ("net/ipv4/conf/default/rp_filter", "0"),
-            ],
-        )?;
-        cmd::ip(&["-n", name, "link", "set", "lo", "up"])?;
-        Ok(())
+        prepare_netns(name)
     }
+}
+
+/// What every netns here gets once created: the sysctls below and `lo` up.
+fn prepare_netns(name: &str) -> Result<()> {
+    let path = Path::new(NETNS_DIR).join(name);
+    write_sysctls(
+        &path,
+        &[
+            // IPv6 would send router solicitations and DAD probes to
+            // multicast addresses outside the test range.
+            ("net/ipv6/conf/all/disable_ipv6", "1"),
+            ("net/ipv6/conf/default/disable_ipv6", "1"),
+            // New netns inherit IPv4 settings from the host, which may
+            // have strict reverse-path filtering; make behaviour identical
+            // on every machine.
+            ("net/ipv4/conf/all/rp_filter", "0"),
+            ("net/ipv4/conf/default/rp_filter", "0"),
+        ],
+    )?;
+    cmd::ip(&["-n", name, "link", "set", "lo", "up"])?;
+    Ok(())
 }
 
 /// In `from`, routes `to`'s pod subnet via `to`'s fabric address.

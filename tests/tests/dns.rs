@@ -23,7 +23,6 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use serde_json::Value;
-use shunt::api::{NodeStatus, PodState};
 use shunt::{
     redirect::{
         Capture, PodTarget, Redirector,
@@ -34,7 +33,9 @@ use shunt::{
 };
 use shunt_testbed::{
     Cgroup, Pod, Topology,
-    agent::{Agent, PinDir, ServiceSpec, WorkloadSpec, services_yaml, workloads_yaml},
+    agent::{
+        Agent, PinDir, ServiceSpec, WorkloadSpec, mesh_pods_enrolled, services_yaml, workloads_yaml,
+    },
     apps::TestApp,
     dns::{DnsResponder, Transport, Zone},
     require_root,
@@ -224,14 +225,6 @@ const WEB_LONG: &str = "web.default.svc.cluster.local";
 const BIG: &str = "big.example";
 const BIG_COUNT: u8 = 100;
 
-fn all_enrolled(status: &NodeStatus) -> bool {
-    status
-        .pods
-        .iter()
-        .filter(|p| p.dataplane_mode == "ambient")
-        .all(|p| p.state == PodState::Enrolled)
-}
-
 fn upstream_zone() -> Zone {
     let mut zone = zone(FROM_UPSTREAM);
     zone.insert(
@@ -306,7 +299,7 @@ impl Mesh {
         let node = topo.node("node-a").expect("node").clone();
         let mut agent = Agent::start(&topo, &node, &yaml, &args).expect("agent");
         agent
-            .wait_for("mesh pods enrolled", TIMEOUT, all_enrolled)
+            .wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_enrolled)
             .expect("enrolled");
         Mesh {
             topo,

@@ -13,10 +13,9 @@ use std::{
 };
 
 use serde_json::Value;
-use shunt::api::{NodeStatus, PodState};
 use shunt_testbed::{
     Cgroup, Topology,
-    agent::{Agent, WorkloadSpec, workloads_yaml},
+    agent::{Agent, WorkloadSpec, mesh_pods_enrolled, workloads_yaml},
     apps::{EchoServer, TestApp},
     require_root,
 };
@@ -25,14 +24,6 @@ const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
 const TIMEOUT: Duration = Duration::from_secs(30);
 /// The agent's warning when it cannot bind the client's address.
 const FALLBACK_WARNING: &str = "cannot connect to the application from the client's address";
-
-fn all_enrolled(status: &NodeStatus) -> bool {
-    status
-        .pods
-        .iter()
-        .filter(|p| p.dataplane_mode == "ambient")
-        .all(|p| p.state == PodState::Enrolled)
-}
 
 fn proxy_stat(agent: &Agent, pick: impl Fn(&shunt::proxy::ProxyStats) -> u64) -> u64 {
     agent
@@ -74,7 +65,7 @@ fn mesh_end_to_end(mode: &str, preserve: bool) {
     let mut agent_b = Agent::start(&topo, &node_b, &yaml, &args).expect("agent b");
     for agent in [&mut agent_a, &mut agent_b] {
         let status = agent
-            .wait_for("mesh pods enrolled", TIMEOUT, all_enrolled)
+            .wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_enrolled)
             .expect("enrolled");
         assert_eq!(status.mode, mode);
     }

@@ -4,7 +4,10 @@
 //! one, through the real `shunt agent` binary on the real kernel: the
 //! proxy's listeners move to the new namespace (the old ones close), the
 //! redirector enrols the new namespace and forgets the old one's entries,
-//! and mesh traffic (HBONE) flows again both ways. Another path naming
+//! and mesh traffic (HBONE) flows again both ways — into the pod on the
+//! first try, although the client's proxy still pools an HBONE connection
+//! into the dead namespace (`proxy/outbound.rs::open_stream` opens the
+//! stream again on a new connection). Another path naming
 //! the same namespace changes nothing.
 
 use std::{
@@ -20,8 +23,8 @@ use shunt::{
     netns::NetNs,
 };
 use shunt_testbed::{
-    BRIDGE, Cgroup, NETNS_DIR, POD_IF, Pod, Topology,
-    agent::{Agent, WorkloadSpec, workloads_yaml},
+    Cgroup, NETNS_DIR, Pod, Topology,
+    agent::{Agent, WorkloadSpec, mesh_pods_enrolled, workloads_yaml},
     apps::{EchoServer, TestApp},
     inspect, require_root,
 };
@@ -33,89 +36,6 @@ const APP_PORT: u16 = 8080;
 const RESERVED: &str = "proxy re-served the pod in its new network namespace";
 /// The redirector's line once it forgot the old namespace.
 const REENROLLED: &str = "the pod's network namespace changed";
-
-fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().expect("run ip");
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// The MAC address of `pod`'s `eth0`.
-fn mac_of(pod: &Pod) -> String {
-    let out = Command::new("ip")
-        .args(["-n", pod.netns_name(), "-j", "link", "show", POD_IF])
-        .output()
-        .expect("ip link show");
-    let json: Value = serde_json::from_slice(&out.stdout).expect("ip -j output");
-    json[0]["address"]
-        .as_str()
-        .expect("eth0 has an address")
-        .to_string()
-}
-
-/// What a CNI DEL then ADD does to `pod`: its veth goes (both ends), its
-/// netns is deleted, and a new netns under the same name gets a new veth
-/// with the same address and route — and the same MAC, so that the
-/// neighbours' ARP caches stay right (as a CNI that announces the address
-/// with a gratuitous ARP, or uses a fixed MAC, leaves them).
-fn recreate_sandbox(pod: &Pod) {
-    let node = pod.node().netns_name().to_string();
-    let name = pod.netns_name().to_string();
-    let gateway = pod.node().gateway().to_string();
-    let addr = format!("{}/24", pod.ip());
-    let mac = mac_of(pod);
-    ip(&["-n", &node, "link", "del", pod.host_veth()]);
-    ip(&["netns", "del", &name]);
-    ip(&["netns", "add", &name]);
-    for (key, value) in [
-        ("net/ipv6/conf/all/disable_ipv6", "1"),
-        ("net/ipv6/conf/default/disable_ipv6", "1"),
-        ("net/ipv4/conf/all/rp_filter", "0"),
-        ("net/ipv4/conf/default/rp_filter", "0"),
-    ] {
-        let path = format!("/proc/sys/{key}");
-        NetNs::open(pod.netns_path())
-            .expect("new netns")
-            .run(|| std::fs::write(&path, value))
-            .expect("enter the new netns")
-            .unwrap_or_else(|e| panic!("{path}: {e}"));
-    }
-    ip(&["-n", &name, "link", "set", "lo", "up"]);
-    ip(&[
-        "-n",
-        &node,
-        "link",
-        "add",
-        pod.host_veth(),
-        "type",
-        "veth",
-        "peer",
-        "name",
-        POD_IF,
-        "address",
-        &mac,
-        "netns",
-        &name,
-    ]);
-    ip(&[
-        "-n",
-        &node,
-        "link",
-        "set",
-        pod.host_veth(),
-        "master",
-        BRIDGE,
-        "up",
-    ]);
-    ip(&["-n", &name, "addr", "add", &addr, "dev", POD_IF]);
-    ip(&["-n", &name, "link", "set", POD_IF, "up"]);
-    ip(&[
-        "-n", &name, "route", "add", "default", "via", &gateway, "dev", POD_IF,
-    ]);
-}
 
 fn cookie_of(path: &Path) -> u64 {
     NetNs::open(path)
@@ -130,10 +50,6 @@ fn pod_cookie(status: &NodeStatus, pod: &Pod) -> Option<u64> {
         .iter()
         .find(|p| p.name == pod.name() && p.state == PodState::Enrolled)
         .and_then(|p| p.netns_cookie)
-}
-
-fn all_enrolled(status: &NodeStatus) -> bool {
-    status.pods.iter().all(|p| p.state == PodState::Enrolled)
 }
 
 fn hbone(agent: &Agent) -> (u64, u64) {
@@ -192,7 +108,7 @@ fn a_pod_whose_netns_is_recreated_is_served_and_enrolled_in_the_new_one() {
     )
     .expect("agent");
     let status = agent
-        .wait_for("both pods enrolled", TIMEOUT, all_enrolled)
+        .wait_for("both pods enrolled", TIMEOUT, mesh_pods_enrolled)
         .expect("enrolled");
     let old_cookie = pod_cookie(&status, server).expect("server's cookie");
     assert_eq!(old_cookie, cookie_of(&server.netns_path()));
@@ -208,7 +124,7 @@ fn a_pod_whose_netns_is_recreated_is_served_and_enrolled_in_the_new_one() {
     let stale_before = stale_pool_closed(&agent.logs(), server);
     let old_netns = NetNs::open(server.netns_path()).expect("hold the old netns");
     drop(server_app);
-    recreate_sandbox(server);
+    server.recreate_sandbox().expect("recreate the sandbox");
     let new_cookie = cookie_of(&server.netns_path());
     assert_ne!(new_cookie, old_cookie, "a new namespace");
     // The source says it again (same content: the path did not change).
@@ -216,7 +132,7 @@ fn a_pod_whose_netns_is_recreated_is_served_and_enrolled_in_the_new_one() {
 
     agent
         .wait_for("the server enrolled in its new netns", TIMEOUT, |s| {
-            pod_cookie(s, server) == Some(new_cookie) && all_enrolled(s)
+            pod_cookie(s, server) == Some(new_cookie) && mesh_pods_enrolled(s)
         })
         .expect("re-enrolled");
     let logs = agent
@@ -248,23 +164,24 @@ fn a_pod_whose_netns_is_recreated_is_served_and_enrolled_in_the_new_one() {
         std::thread::sleep(Duration::from_millis(100));
     }
     // The new namespace has them, and its traffic is captured: both ways
-    // through the mesh again, every byte echoed. Out of the new namespace
-    // first: its proxy has no connection from before.
+    // through the mesh again, every byte echoed.
     let new_netns = NetNs::open(server.netns_path()).expect("new netns");
     assert!(outbound_listener_in(&new_netns));
     let _server_app = EchoServer::on(server, APP_PORT).expect("echo on the new server");
+    // Into it at once, on the first try: the client's proxy still pools
+    // the HBONE connection it had to the old namespace (whose socket died
+    // with it) and may send the stream on it; the new namespace resets
+    // that connection and the proxy opens the stream again on a new one.
+    // The application never sees the stale connection.
+    exchange(&apps, client, server, &agent);
     exchange(&apps, server, client, &agent);
-    // Into it: the client's proxy still pools the HBONE connection it had
-    // to the old namespace, whose socket died with it; its next keepalive
-    // reaches the new namespace, which resets it, and the pool drops it.
-    // (A stream sent on it before then fails: the proxy's pool, not
-    // enrolment, would have to retry it on a new connection.)
+    // And the stale connection has left the pool (dropped by that stream's
+    // failure, or by its next keepalive).
     agent
         .wait_for_log("the stale pooled connection dropped", TIMEOUT, |log| {
             stale_pool_closed(log, server) > stale_before
         })
         .expect("pool");
-    exchange(&apps, client, server, &agent);
     let (out_after, in_after) = hbone(&agent);
     assert!(
         out_after >= out_before + 2 && in_after >= in_before + 2,
@@ -304,7 +221,7 @@ fn another_path_to_the_same_netns_changes_nothing() {
     )
     .expect("agent");
     let status = agent
-        .wait_for("both pods enrolled", TIMEOUT, all_enrolled)
+        .wait_for("both pods enrolled", TIMEOUT, mesh_pods_enrolled)
         .expect("enrolled");
     let cookie = pod_cookie(&status, server).expect("cookie");
 

@@ -14,7 +14,7 @@ use serde_json::Value;
 use shunt::api::{NodeStatus, PodState};
 use shunt_testbed::{
     Cgroup, Node, Topology,
-    agent::{Agent, WorkloadSpec, http, shunt_binary, workloads_yaml},
+    agent::{Agent, WorkloadSpec, http, mesh_pods_enrolled, shunt_binary, workloads_yaml},
     apps::{EchoServer, TestApp},
     require_root,
 };
@@ -320,14 +320,6 @@ fn eventually<T>(what: &str, mut f: impl FnMut() -> Option<T>, last: impl Fn() -
     panic!("timed out waiting for {what}; last: {}", last())
 }
 
-fn all_enrolled(status: &NodeStatus) -> bool {
-    status
-        .pods
-        .iter()
-        .filter(|p| p.dataplane_mode == "ambient")
-        .all(|p| p.state == PodState::Enrolled)
-}
-
 // ---------------------------------------------------------------------------
 // An echo server in a pod and the test application.
 
@@ -366,7 +358,7 @@ fn a_mesh_connection_moves_istio_tcp_metrics_on_both_nodes() {
     let mut agent_b = Agent::start(&topo, &node_b, &yaml, &args).expect("agent b");
     for agent in [&mut agent_a, &mut agent_b] {
         agent
-            .wait_for("mesh pods enrolled", TIMEOUT, all_enrolled)
+            .wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_enrolled)
             .expect("enrolled");
     }
     let _server_app = EchoServer::on(&server, 8080).expect("echo");
@@ -573,7 +565,7 @@ fn readiness_follows_redirection_and_names_pending_pods() {
         .write_workloads(&workloads_yaml(&[WorkloadSpec::for_pod(&pod, true)]))
         .expect("rewrite");
     agent
-        .wait_for("the pod to be enrolled", TIMEOUT, all_enrolled)
+        .wait_for("the pod to be enrolled", TIMEOUT, mesh_pods_enrolled)
         .expect("enrolled");
     let body = eventually(
         "readiness with every pod enrolled",
@@ -594,7 +586,7 @@ fn readiness_follows_redirection_and_names_pending_pods() {
         assert!(body.contains(check), "{check} in {body}");
     }
     let status = agent.status().expect("status");
-    assert!(all_enrolled(&status), "{status:?}");
+    assert!(mesh_pods_enrolled(&status), "{status:?}");
     assert_eq!(
         metrics(&node).sum("shunt_redirection_repairs_total", &[]),
         Some(0.0)
@@ -654,7 +646,7 @@ fn admin_dumps_config_and_bpf_and_changes_the_log_level() {
     )
     .expect("agent");
     agent
-        .wait_for("the pod enrolled", TIMEOUT, all_enrolled)
+        .wait_for("the pod enrolled", TIMEOUT, mesh_pods_enrolled)
         .expect("enrolled");
     let client_id = "spiffe://cluster.local/ns/default/sa/sa-client";
 
@@ -884,7 +876,7 @@ fn iptables_mode_reports_rules_metrics_and_readiness() {
     let yaml = workloads_yaml(&[WorkloadSpec::for_pod(&pod, true)]);
     let mut agent = Agent::start(&topo, &node, &yaml, &["--redirect", "iptables"]).expect("agent");
     agent
-        .wait_for("the pod enrolled", TIMEOUT, all_enrolled)
+        .wait_for("the pod enrolled", TIMEOUT, mesh_pods_enrolled)
         .expect("enrolled");
 
     let (code, body) = get(&node, ADMIN_PORT, "/debug/bpf");
@@ -957,7 +949,7 @@ fn shunt_status_with_and_without_an_agent() {
     let mut agent = Agent::start(&topo, &node, &yaml, &["--redirect", "ebpf"]).expect("agent");
     agent
         .wait_for("the pod enrolled with its certificate", TIMEOUT, |s| {
-            all_enrolled(s) && s.pods.iter().any(|p| p.certificate.is_some())
+            mesh_pods_enrolled(s) && s.pods.iter().any(|p| p.certificate.is_some())
         })
         .expect("enrolled");
 

@@ -8,25 +8,16 @@
 use std::{net::Ipv4Addr, time::Duration};
 
 use serde_json::Value;
-use shunt::api::{NodeStatus, PodState};
 use shunt_testbed::{
     Cgroup, Topology,
     access_log::wait_for_access_line,
-    agent::{Agent, ServiceSpec, WorkloadSpec, services_yaml, workloads_yaml},
+    agent::{Agent, ServiceSpec, WorkloadSpec, mesh_pods_enrolled, services_yaml, workloads_yaml},
     apps::{EchoServer, TestApp},
     require_root,
 };
 
 const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
 const TIMEOUT: Duration = Duration::from_secs(30);
-
-fn all_enrolled(status: &NodeStatus) -> bool {
-    status
-        .pods
-        .iter()
-        .filter(|p| p.dataplane_mode == "ambient")
-        .all(|p| p.state == PodState::Enrolled)
-}
 
 fn service(name: &str, vip: Ipv4Addr, endpoints: &[&str]) -> ServiceSpec {
     ServiceSpec {
@@ -71,7 +62,7 @@ fn service_vips_end_to_end(mode: &str) {
     let mut agent_b = Agent::start(&topo, &node_b, &yaml, &args).expect("agent b");
     for agent in [&mut agent_a, &mut agent_b] {
         agent
-            .wait_for("mesh pods enrolled", TIMEOUT, all_enrolled)
+            .wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_enrolled)
             .expect("enrolled");
     }
     let server_app = EchoServer::on(&server, 8080).expect("echo");

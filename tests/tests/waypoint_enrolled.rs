@@ -29,14 +29,11 @@ use std::{
 };
 
 use serde_json::Value;
-use shunt::{
-    api::{NodeStatus, PodState},
-    state::{SpiffeId, TrustDomain},
-};
+use shunt::state::{SpiffeId, TrustDomain};
 use shunt_testbed::{
     Cgroup, Pod, Topology,
     access_log::{access_lines, wait_for_access_line},
-    agent::{Agent, WorkloadSpec, http, workloads_yaml},
+    agent::{Agent, WorkloadSpec, http, mesh_pods_enrolled, workloads_yaml},
     apps::{EchoServer, TestApp},
     require_root,
     waypoint::{hbone_exchange, web_behind_waypoint},
@@ -50,14 +47,6 @@ const WAYPOINT_VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 101, 9);
 
 fn identity(sa: &str) -> SpiffeId {
     SpiffeId::for_service_account(&TrustDomain::default(), "default", sa)
-}
-
-fn all_enrolled(status: &NodeStatus) -> bool {
-    status
-        .pods
-        .iter()
-        .filter(|p| p.dataplane_mode == "ambient")
-        .all(|p| p.state == PodState::Enrolled)
 }
 
 /// client and the waypoint (an ordinary ambient pod, enrolled) on node-a,
@@ -172,7 +161,7 @@ fn enrolled_waypoint(mode: &str) {
     let mut agent_b = Agent::start(&topo, &node_b, &yaml, &args).expect("agent b");
     for agent in [&mut agent_a, &mut agent_b] {
         agent
-            .wait_for("every ambient pod enrolled", TIMEOUT, all_enrolled)
+            .wait_for("every ambient pod enrolled", TIMEOUT, mesh_pods_enrolled)
             .unwrap_or_else(|e| panic!("{e}\n{}", agent.logs()));
     }
     let server_app = EchoServer::on(&server, 8080).expect("echo");

@@ -27,14 +27,11 @@ use fake_istiod::{
     web_service, workload,
 };
 use serde_json::Value;
-use shunt::{
-    api::{NodeStatus, PodState},
-    xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL},
-};
+use shunt::xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL};
 use shunt_proto::istio::security as security_pb;
 use shunt_testbed::{
     Cgroup, Pod, Topology,
-    agent::{Agent, WorkloadSpec, http, workloads_yaml},
+    agent::{Agent, WorkloadSpec, http, mesh_pods_enrolled, workloads_yaml},
     apps::{EchoServer, TestApp},
     require_root,
 };
@@ -44,10 +41,6 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 /// In the test range; no interface, route or pod holds it.
 const VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 100, 1);
 const CLIENT_ID: &str = "spiffe://cluster.local/ns/default/sa/sa-client";
-
-fn all_enrolled(status: &NodeStatus) -> bool {
-    status.pods.iter().all(|p| p.state == PodState::Enrolled)
-}
 
 /// The access-log lines (JSON logs) of `direction`.
 fn access_lines(logs: &str, direction: &str) -> Vec<Value> {
@@ -177,7 +170,8 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone_in_ebp
     assert_eq!(istiod.answer_to("a1").await.error_detail, None);
     assert_eq!(istiod.answer_to("p1").await.error_detail, None);
     for agent in [&mut agent_a, &mut agent_b] {
-        blocking(|| agent.wait_for("mesh pods enrolled", TIMEOUT, all_enrolled)).expect("enrolled");
+        blocking(|| agent.wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_enrolled))
+            .expect("enrolled");
     }
     eventually(
         "agent a ready once istiod sent both types",

@@ -34,7 +34,7 @@ use crate::{
         kernel::{KernelVerdict, VerdictKey},
     },
     control::NodePods,
-    inpod::{Answer, Answers, Wanted, ZdsPod, ZtunnelLink},
+    inpod::{Answer, Answers, Wanted, ZtunnelLink},
     proxy::Proxy,
     redirect::{Capture, EnrolledPod, MeshLocalWritten, PodTarget, Redirector, Verification},
     snapshot::{NodeSnapshot, PodSnapshot},
@@ -292,11 +292,15 @@ impl NodeAgent {
 
     fn converge_all(&mut self, pods: NodePods) {
         self.trust_domain = pods.trust_domain;
-        let for_ztunnel: Option<Wanted> = self.ztunnel.as_ref().map(|_| {
+        let for_ztunnel: Option<Wanted> = self.ztunnel.as_ref().map(|link| {
             pods.pods
                 .iter()
                 .filter(|w| w.captured())
-                .filter_map(|w| Some((w.key(), ZdsPod::new(w, w.netns.as_deref()?))))
+                .filter_map(|w| {
+                    let key = w.key();
+                    let pod = link.describe(&key, w, w.netns.as_deref()?);
+                    Some((key, pod))
+                })
                 .collect()
         });
         // Every new pod's listeners first, bound concurrently; then each
@@ -375,7 +379,7 @@ impl NodeAgent {
             self.metrics.repaired();
         }
         if let Some(link) = &self.ztunnel {
-            match link.answer(key, &ZdsPod::new(workload, netns)) {
+            match link.answer(key, &link.describe(key, workload, netns)) {
                 Some(Answer::Acked) => {}
                 Some(Answer::Failed(problem)) => return PodState::Pending(problem),
                 // Redirecting now would send the pod's traffic to listeners

@@ -5,7 +5,9 @@
 //! the packet's one SCM_RIGHTS fd (checked: it is a netns, and that pod's),
 //! and acks. The pods are testbed network namespaces, enrolled by the real
 //! eBPF redirector through the agent's own reconciler thread, whose
-//! published snapshots show what a user sees (`shunt status`).
+//! published snapshots show what a user sees (`shunt status`). A pod whose
+//! namespace is replaced under the same path (its sandbox recreated) is
+//! sent again: `DelWorkload`, then `AddWorkload` with the new namespace.
 //!
 //! Every wait is bounded.
 
@@ -31,6 +33,7 @@ use shunt::{
     agent::{NodeAgent, Reconciler, ReconcilerInputs, WAITING_FOR_ZTUNNEL},
     app::AgentSink,
     control::{NodePods, SourceSink},
+    netns::NetNs,
     redirect::{
         Capture,
         ebpf::{EbpfOptions, EbpfRedirector},
@@ -42,7 +45,7 @@ use shunt_proto::istio::zds::{
     Ack, Version, WorkloadRequest, WorkloadResponse, ZdsHello, workload_request::Payload,
     workload_response,
 };
-use shunt_testbed::{Topology, agent::PinDir, require_root};
+use shunt_testbed::{Pod, Topology, agent::PinDir, require_root};
 use tokio::sync::watch;
 
 const NODE: &str = "node-a";
@@ -274,6 +277,8 @@ struct TestPod {
     uid: String,
     netns: PathBuf,
     workload: Workload,
+    /// The testbed's pod (its sandbox can be recreated).
+    pod: Pod,
 }
 
 struct Harness {
@@ -313,6 +318,7 @@ impl Harness {
                         uid,
                         ..Default::default()
                     },
+                    pod,
                 }
             })
             .collect();
@@ -407,6 +413,17 @@ impl Harness {
                 .iter()
                 .any(|p| p.workload.key() == key && p.state == state)
         });
+    }
+
+    /// The netns cookie `name` is enrolled with, once it is enrolled.
+    fn enrolled_cookie(&self, name: &str) -> Option<u64> {
+        let snapshot = self.reconciler.snapshots().borrow().clone();
+        let key = WorkloadKey::new("zds", name);
+        snapshot
+            .pods
+            .iter()
+            .find(|p| p.workload.key() == key && p.state == PodState::Enrolled)
+            .and_then(|p| Some(p.kernel.as_ref()?.netns_cookie))
     }
 
     fn wait_gone(&self, name: &str) {
@@ -654,6 +671,84 @@ async fn refused_pods_stay_pending_and_gone_netns_are_kept() {
         z.expect_snapshot_sent();
         z.ack();
         h.wait_state("r", PodState::Enrolled);
+    });
+    h.reconciler.stop(true).await;
+}
+
+/// A namespace's identity: its nsfs device and inode.
+fn ns_identity(meta: &std::fs::Metadata) -> (u64, u64) {
+    (meta.dev(), meta.ino())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_netns_replaced_under_the_same_path_is_sent_again_and_enrolled_after_the_ack() {
+    let h = Harness::start("zds-renew", &["renewed", "steady"]);
+    h.push(&["renewed", "steady"]);
+    h.wait_state("renewed", waiting());
+    tokio::task::block_in_place(|| {
+        let z = Ztunnel::connect(&h.socket);
+        z.hello();
+        z.expect_add(h.pod("renewed"));
+        z.ack();
+        z.expect_add(h.pod("steady"));
+        z.ack();
+        z.expect_snapshot_sent();
+        z.ack();
+        h.wait_state("renewed", PodState::Enrolled);
+        h.wait_state("steady", PodState::Enrolled);
+        let renewed = h.pod("renewed");
+        let old_cookie = h
+            .enrolled_cookie("renewed")
+            .expect("enrolled with a cookie");
+        let old = std::fs::metadata(&renewed.netns).expect("the old netns");
+
+        // The sandbox is recreated under the same path (same pod, same IP),
+        // and the source lists the pods again: nothing in the list changed.
+        renewed
+            .pod
+            .recreate_sandbox()
+            .expect("recreate the sandbox");
+        let new = std::fs::metadata(&renewed.netns).expect("the new netns");
+        assert_ne!(ns_identity(&old), ns_identity(&new), "a new namespace");
+        h.push(&["renewed", "steady"]);
+
+        // ztunnel lets go of the old namespace, then gets the new one.
+        let del = z.expect();
+        match del.payload {
+            Payload::Del(del) => assert_eq!(del.uid, renewed.uid),
+            other => panic!("expected DelWorkload for renewed, got {other:?}"),
+        }
+        z.ack();
+        let add = z.expect();
+        let Payload::Add(ref added) = add.payload else {
+            panic!("expected AddWorkload for renewed, got {:?}", add.payload)
+        };
+        assert_eq!(added.uid, renewed.uid);
+        assert_eq!(add.fds.len(), 1, "one fd with AddWorkload");
+        let st = fstat(add.fds[0].as_raw_fd()).expect("fstat the fd");
+        assert_eq!(
+            (st.st_dev, st.st_ino),
+            ns_identity(&new),
+            "the fd is the pod's new network namespace (the old one is {:?})",
+            ns_identity(&old)
+        );
+        // Not redirected again before ztunnel's listeners are bound there.
+        h.wait_state("renewed", waiting());
+        z.ack();
+        h.wait_state("renewed", PodState::Enrolled);
+        let new_cookie = NetNs::open(&renewed.netns)
+            .expect("open the new netns")
+            .cookie()
+            .expect("netns cookie");
+        assert_ne!(new_cookie, old_cookie);
+        h.wait("renewed enrolled with its new namespace's cookie", |s| {
+            s.pods.iter().any(|p| {
+                p.workload.name == "renewed"
+                    && p.state == PodState::Enrolled
+                    && p.kernel.as_ref().map(|k| k.netns_cookie) == Some(new_cookie)
+            })
+        });
+        assert_eq!(h.state("steady"), Some(PodState::Enrolled), "untouched");
     });
     h.reconciler.stop(true).await;
 }

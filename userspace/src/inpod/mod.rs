@@ -36,7 +36,10 @@ pub use protocol::ProtocolError;
 pub use server::ZdsServer;
 pub use socket::SocketError;
 
-use crate::state::{Workload, WorkloadKey};
+use crate::{
+    netns::NsId,
+    state::{Workload, WorkloadKey},
+};
 
 /// Where ztunnel's `INPOD_UDS` points by default.
 pub const DEFAULT_SOCKET: &str = "/var/run/ztunnel/ztunnel.sock";
@@ -56,10 +59,17 @@ pub struct ZdsPod {
     pub service_account: String,
     /// Opened when the pod is sent; the fd travels with the `AddWorkload`.
     pub netns: PathBuf,
+    /// Which namespace `netns` named when the reconciler looked (`None`:
+    /// it could not be read). A new namespace under the same path (the
+    /// pod's sandbox recreated) makes the pod differ from what ztunnel was
+    /// sent, so it is sent again (`DelWorkload`, then `AddWorkload` with
+    /// the new namespace): ztunnel would otherwise keep serving the dead
+    /// one, and enrolment waits for the new ack.
+    pub netns_id: Option<NsId>,
 }
 
 impl ZdsPod {
-    pub fn new(workload: &Workload, netns: &Path) -> Self {
+    pub fn new(workload: &Workload, netns: &Path, netns_id: Option<NsId>) -> Self {
         let uid = if workload.uid.is_empty() {
             format!("{}/{}", workload.namespace, workload.name)
         } else {
@@ -71,6 +81,7 @@ impl ZdsPod {
             namespace: workload.namespace.clone(),
             service_account: workload.service_account.clone(),
             netns: netns.to_path_buf(),
+            netns_id,
         }
     }
 }
@@ -110,6 +121,22 @@ impl ZtunnelLink {
             *current = wanted;
             true
         });
+    }
+
+    /// `workload` (its netns at `netns`) as ztunnel is to be told about it,
+    /// with the identity of the namespace `netns` names now. A namespace
+    /// that cannot be read now (its sandbox going away) keeps the identity
+    /// ztunnel last answered for at that path: only a namespace known to be
+    /// new is sent again (an unreadable one is kept, or fails to open when
+    /// sent, as before).
+    pub fn describe(&self, key: &WorkloadKey, workload: &Workload, netns: &Path) -> ZdsPod {
+        let netns_id = NsId::of_path(netns)
+            .ok()
+            .or_else(|| match self.answers.borrow().get(key) {
+                Some((sent, _)) if sent.netns == netns => sent.netns_id,
+                _ => None,
+            });
+        ZdsPod::new(workload, netns, netns_id)
     }
 
     /// ztunnel's answer for `pod` as it is now (`None`: not answered yet,
