@@ -7,6 +7,7 @@
 //! One thread (tokio current-thread runtime), the same on every path.
 
 use std::{
+    collections::HashMap,
     net::SocketAddr,
     path::PathBuf,
     sync::{
@@ -199,6 +200,13 @@ pub struct ClientReport {
     pub agents_rss_before_kib: u64,
     #[serde(default)]
     pub agents_rss_held_kib: u64,
+    /// Idle workload: the agents' context switches (all threads, both
+    /// agents) counted over `agents_wakeups_window_s` while the connections
+    /// were held idle — how often the agents woke with nothing to do.
+    #[serde(default)]
+    pub agents_wakeups: u64,
+    #[serde(default)]
+    pub agents_wakeups_window_s: f64,
 }
 
 pub fn new_histogram() -> Histogram<u64> {
@@ -260,6 +268,9 @@ struct Measured {
     cost: Cost,
     /// Idle workload: agents' RSS before and while held (KiB).
     agents_rss_kib: Option<(u64, u64)>,
+    /// Idle workload: agents' context switches while held, and over how
+    /// long they were counted.
+    agents_wakeups: Option<(u64, Duration)>,
 }
 
 /// Runs the workload and returns the report (errors become `ok: false`).
@@ -329,6 +340,10 @@ pub fn run(args: ClientArgs) -> ClientReport {
             if let Some((before, held)) = m.agents_rss_kib {
                 report.agents_rss_before_kib = before;
                 report.agents_rss_held_kib = held;
+            }
+            if let Some((wakeups, window)) = m.agents_wakeups {
+                report.agents_wakeups = wakeups;
+                report.agents_wakeups_window_s = window.as_secs_f64();
             }
         }
         Err(e) => report.error = Some(format!("{e:#}")),
@@ -420,6 +435,7 @@ async fn request_response(args: &ClientArgs) -> anyhow::Result<Measured> {
         histogram: Some(hist),
         cost: after.cost_since(&before),
         agents_rss_kib: None,
+        agents_wakeups: None,
     })
 }
 
@@ -488,6 +504,7 @@ async fn connect_request_response(args: &ClientArgs) -> anyhow::Result<Measured>
         histogram: Some(hist),
         cost: after.cost_since(&before),
         agents_rss_kib: None,
+        agents_wakeups: None,
     })
 }
 
@@ -507,10 +524,45 @@ fn agents_rss_kib(cgroup: Option<&std::path::Path>) -> anyhow::Result<u64> {
         .sum())
 }
 
+/// The agents' threads' context switches, by (pid, tid) (empty for a path
+/// without agents).
+fn agents_context_switches(
+    cgroup: Option<&std::path::Path>,
+) -> anyhow::Result<HashMap<(u32, u32), u64>> {
+    let Some(cgroup) = cgroup else {
+        return Ok(Default::default());
+    };
+    let procs = std::fs::read_to_string(cgroup.join("cgroup.procs"))
+        .with_context(|| format!("reading {}/cgroup.procs", cgroup.display()))?;
+    Ok(procs
+        .lines()
+        .filter_map(|l| l.trim().parse::<u32>().ok())
+        .flat_map(|pid| {
+            sys::thread_context_switches(pid)
+                .into_iter()
+                .map(move |(tid, n)| ((pid, tid), n))
+        })
+        .collect())
+}
+
+/// Context switches between two counts: each thread's growth, a thread
+/// started meanwhile counted whole (one that ended meanwhile is lost).
+fn context_switches_between(
+    before: &HashMap<(u32, u32), u64>,
+    after: &HashMap<(u32, u32), u64>,
+) -> u64 {
+    after
+        .iter()
+        .map(|(thread, n)| n.saturating_sub(before.get(thread).copied().unwrap_or(0)))
+        .sum()
+}
+
 /// Opens `conns` connections one after another, one checked exchange of
 /// `size` bytes on each (so each reached the server through the proxies),
-/// holds them all open and idle for `seconds`, reads the agents' memory,
-/// then closes them in order (half-close, wait for the server's close).
+/// holds them all open and idle for `seconds` — counting the agents'
+/// wake-ups over the hold after its first fifth (at most 1 s, for the
+/// agents to settle) —, reads the agents' memory, then closes them in
+/// order (half-close, wait for the server's close).
 async fn idle(args: &ClientArgs) -> anyhow::Result<Measured> {
     let pattern = Pattern::new();
     let size = args.size.clamp(1, crate::pattern::MAX_SLICE);
@@ -532,7 +584,15 @@ async fn idle(args: &ClientArgs) -> anyhow::Result<Measured> {
         open.push(stream);
     }
     // The workload's duration is how long they stay idle.
-    tokio::time::sleep(Duration::from_secs_f64(args.seconds)).await;
+    let hold = Duration::from_secs_f64(args.seconds);
+    let settle = (hold / 5).min(Duration::from_secs(1));
+    tokio::time::sleep(settle).await;
+    let switches_before = agents_context_switches(args.agents_cgroup.as_deref())?;
+    let counted_from = Instant::now();
+    tokio::time::sleep(hold - settle).await;
+    let switches_after = agents_context_switches(args.agents_cgroup.as_deref())?;
+    let window = counted_from.elapsed();
+    let wakeups = context_switches_between(&switches_before, &switches_after);
     let rss_held = agents_rss_kib(args.agents_cgroup.as_deref())?;
     let elapsed = start.elapsed();
     let after = watch.snapshot();
@@ -558,6 +618,7 @@ async fn idle(args: &ClientArgs) -> anyhow::Result<Measured> {
         histogram: Some(hist),
         cost: after.cost_since(&before),
         agents_rss_kib: Some((rss_before, rss_held)),
+        agents_wakeups: Some((wakeups, window)),
     })
 }
 
@@ -603,6 +664,7 @@ async fn stream(args: &ClientArgs) -> anyhow::Result<Measured> {
         histogram: None,
         cost: after.cost_since(&before),
         agents_rss_kib: None,
+        agents_wakeups: None,
     })
 }
 
@@ -689,5 +751,6 @@ async fn fixed_rate(args: &ClientArgs) -> anyhow::Result<Measured> {
         histogram: Some(hist),
         cost: after.cost_since(&before),
         agents_rss_kib: None,
+        agents_wakeups: None,
     })
 }

@@ -224,7 +224,9 @@ pub fn workloads(quick: bool) -> Vec<Workload> {
             1,
             if quick { 200 } else { 10_000 },
             0.0,
-            if quick { 0.1 } else { 1.0 },
+            // Held 5 s: memory read at the end, the agents' wake-ups counted
+            // over the last 4 (client.rs, `idle`).
+            if quick { 0.1 } else { 5.0 },
         ),
     ]
 }

@@ -166,6 +166,39 @@ pub fn process_cpu_ticks(pid: u32) -> Option<u64> {
     Some(utime + stime)
 }
 
+/// Context switches of each thread of a process, by thread id: voluntary
+/// (it slept: waited on a timer, a socket, a lock) plus nonvoluntary (it
+/// was preempted), from `/proc/PID/task/TID/status`. Each is a time the
+/// thread was switched out, so over an idle spell their sum is how often
+/// the process woke up.
+pub fn thread_context_switches(pid: u32) -> Vec<(u32, u64)> {
+    let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|tid| {
+            let text = fs::read_to_string(format!("/proc/{pid}/task/{tid}/status")).ok()?;
+            Some((tid, parse_context_switches(&text)?))
+        })
+        .collect()
+}
+
+/// `voluntary_ctxt_switches` + `nonvoluntary_ctxt_switches` of a
+/// `/proc/.../status` text.
+pub fn parse_context_switches(status: &str) -> Option<u64> {
+    let field = |name: &str| -> Option<u64> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))?
+            .trim()
+            .parse()
+            .ok()
+    };
+    Some(field("voluntary_ctxt_switches:")? + field("nonvoluntary_ctxt_switches:")?)
+}
+
 /// (VmRSS, VmHWM) of a process in KiB.
 pub fn process_memory_kib(pid: u32) -> Option<(u64, u64)> {
     let text = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -353,5 +386,12 @@ mod tests {
         let text =
             "sockets: used 200\nTCP: inuse 5 orphan 0 tw 3 alloc 9 mem 42\nUDP: inuse 1 mem 2\n";
         assert_eq!(parse_sockstat_tcp_mem(text), Some(42));
+    }
+
+    #[test]
+    fn parses_context_switches() {
+        let text = "Name:\tshunt\nvoluntary_ctxt_switches:\t120\nnonvoluntary_ctxt_switches:\t7\n";
+        assert_eq!(parse_context_switches(text), Some(127));
+        assert_eq!(parse_context_switches("Name:\tshunt\n"), None);
     }
 }

@@ -249,8 +249,8 @@ pub fn idle_memory_table(index: &Index, placement: Placement) -> String {
             "\n**{}** ({}): both agents of the path together\n",
             w.title, w.id
         );
-        md.push_str("| path | connections held | agents' RSS before → held, MiB | growth MiB | KiB per connection | MiB per 10,000 | verified |\n");
-        md.push_str("|---|--:|--:|--:|--:|--:|--:|\n");
+        md.push_str("| path | connections held | agents' RSS before → held, MiB | growth MiB | KiB per connection | MiB per 10,000 | agents' wake-ups/s while held | verified |\n");
+        md.push_str("|---|--:|--:|--:|--:|--:|--:|--:|\n");
         for &path in &index.results.paths {
             let recs = index.records(placement, &w.id, path);
             let ok = recs.iter().filter(|r| r.verified).count();
@@ -273,7 +273,7 @@ pub fn idle_memory_table(index: &Index, placement: Placement) -> String {
             let per_conn = grew as f64 / held as f64;
             let _ = writeln!(
                 md,
-                "| {} | {} | {:.1} → {:.1} | {:.1} | {:.2} | {:.1} | {ok}/{} |",
+                "| {} | {} | {:.1} → {:.1} | {:.1} | {:.2} | {:.1} | {} | {ok}/{} |",
                 path_label(&path),
                 r.report.connections,
                 r.report.agents_rss_before_kib as f64 / 1024.0,
@@ -281,11 +281,37 @@ pub fn idle_memory_table(index: &Index, placement: Placement) -> String {
                 grew as f64 / 1024.0,
                 per_conn,
                 per_conn * 10_000.0 / 1024.0,
+                idle_wakeups(recs),
                 recs.len()
             );
         }
     }
     md
+}
+
+/// The agents' wake-ups per second while the connections were held: the
+/// median over the verified repetitions, and their range ("-" for records
+/// of a harness that did not count them).
+fn idle_wakeups(recs: &[&Record]) -> String {
+    let mut rates: Vec<f64> = recs
+        .iter()
+        .filter(|r| r.verified && r.report.agents_wakeups_window_s > 0.0)
+        .map(|r| r.report.agents_wakeups as f64 / r.report.agents_wakeups_window_s)
+        .collect();
+    rates.sort_by(f64::total_cmp);
+    match rates.as_slice() {
+        [] => "-".to_owned(),
+        [one] => format!("{one:.0}"),
+        [low, .., high] => {
+            let mid = rates.len() / 2;
+            let median = if rates.len().is_multiple_of(2) {
+                (rates[mid - 1] + rates[mid]) / 2.0
+            } else {
+                rates[mid]
+            };
+            format!("{median:.0} ({low:.0}–{high:.0})")
+        }
+    }
 }
 
 /// Every workload's full numbers for one placement.

@@ -30,10 +30,22 @@ use crate::{
 /// event was read.
 const COUNTERS_EVERY: Duration = Duration::from_secs(1);
 
-/// How often the ring buffer is read without a wake-up: the programs wake
-/// the agent only once the ring holds a batch (`ebpf/src/passthrough.rs`),
-/// so this is the longest an event waits to be counted.
+/// How often the ring buffer is read without a wake-up while events come:
+/// the programs wake the agent only once the ring holds a batch
+/// (`ebpf/src/passthrough.rs`), so under load this is the longest an event
+/// waits to be counted.
 const POLL_EVERY: Duration = Duration::from_millis(20);
+
+/// The longest wait between two reads of the ring: each read that finds
+/// nothing doubles the wait from [`POLL_EVERY`] up to this, and a read that
+/// finds an event starts again at [`POLL_EVERY`]. So an idle agent reads
+/// the ring once a second instead of 50 times (one wake-up, which also
+/// copies the kernel's counters: [`COUNTERS_EVERY`]), and the first event
+/// after a quiet spell waits at most this long to be counted and logged —
+/// well inside a 15 s metrics scrape. Under load nothing changes: every
+/// read finds events, so the ring is read every [`POLL_EVERY`] (and on the
+/// programs' wake-up at a full batch), never once per connection.
+const POLL_IDLE_MAX: Duration = Duration::from_secs(1);
 
 /// (source, destination) pairs whose labels are kept; past it the cache
 /// starts again (passthrough destinations are any address).
@@ -74,8 +86,9 @@ pub async fn report_events(
     let mut copied = FastPathStats::default();
     let mut copied_mesh = MeshLocalStats::default();
     let mut labels = Resolved::default();
-    let mut poll = tokio::time::interval(POLL_EVERY);
-    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut backoff = PollBackoff::default();
+    let poll = tokio::time::sleep(POLL_EVERY);
+    tokio::pin!(poll);
     let mut counters_copied: Option<Instant> = None;
     loop {
         tokio::select! {
@@ -84,7 +97,7 @@ pub async fn report_events(
                 // Cleared before reading: a wake-up during the read is kept.
                 guard.clear_ready();
             }
-            _ = poll.tick() => {}
+            () = &mut poll => {}
         }
         if reporter.applied.has_changed().unwrap_or(false) {
             reporter.applied.borrow_and_update();
@@ -107,6 +120,33 @@ pub async fn report_events(
                 .set(i64::from(counters.mesh_local_on()));
             counters_copied = Some(Instant::now());
         }
+        let wait = backoff.next(read_any);
+        poll.as_mut().reset(tokio::time::Instant::now() + wait);
+    }
+}
+
+/// The wait before the next read of the ring: [`POLL_EVERY`] after a read
+/// that found events, doubled after each that found none, at most
+/// [`POLL_IDLE_MAX`].
+#[derive(Debug)]
+struct PollBackoff {
+    wait: Duration,
+}
+
+impl Default for PollBackoff {
+    fn default() -> Self {
+        Self { wait: POLL_EVERY }
+    }
+}
+
+impl PollBackoff {
+    fn next(&mut self, read_any: bool) -> Duration {
+        self.wait = if read_any {
+            POLL_EVERY
+        } else {
+            (self.wait * 2).min(POLL_IDLE_MAX)
+        };
+        self.wait
     }
 }
 
@@ -381,6 +421,29 @@ fn socket_addr(family: u32, words: [u32; 4], port: u32) -> SocketAddr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_poll_backs_off_while_idle_and_returns_with_an_event() {
+        let mut backoff = PollBackoff::default();
+        let idle: Vec<Duration> = (0..8).map(|_| backoff.next(false)).collect();
+        let ms: Vec<u128> = idle.iter().map(Duration::as_millis).collect();
+        assert_eq!(
+            ms,
+            [40, 80, 160, 320, 640, 1000, 1000, 1000],
+            "an idle reader doubles its wait up to once a second"
+        );
+        assert_eq!(
+            backoff.next(true),
+            POLL_EVERY,
+            "an event brings the short poll back"
+        );
+        assert_eq!(
+            backoff.next(true),
+            POLL_EVERY,
+            "and it stays while events come"
+        );
+        assert_eq!(backoff.next(false), POLL_EVERY * 2);
+    }
 
     #[test]
     fn addresses_read_as_the_programs_write_them() {

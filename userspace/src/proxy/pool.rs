@@ -8,6 +8,12 @@
 //!
 //! A connection leaves the pool when it fails, stops answering PINGs, has
 //! been idle for `pool_idle_timeout`, or the proxy drains and it is idle.
+//!
+//! The idle check costs no wake-up while nothing happens: the task driving
+//! a connection sleeps until the idle deadline only while the connection
+//! has no stream, and is woken otherwise by the stream that leaves it idle
+//! (`StreamGuard`'s drop) or by the drain — not by a periodic tick, which
+//! cost two wake-ups a second per pooled connection on an idle node.
 
 use std::{
     collections::HashMap,
@@ -17,11 +23,12 @@ use std::{
         Arc, Mutex,
         atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     },
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use bytes::Bytes;
 use h2::client::SendRequest;
+use tokio::{sync::Notify, time::Instant};
 use tokio_util::sync::CancellationToken;
 
 use super::h2::{H2Settings, keepalive};
@@ -45,6 +52,9 @@ pub(crate) struct PooledConn {
     closed: AtomicBool,
     /// Milliseconds since `epoch` when the last stream ended.
     idle_since_ms: AtomicU64,
+    /// Told when the last stream ends (a permit is kept if the driving task
+    /// is not waiting yet, so no end is missed).
+    became_idle: Notify,
     epoch: Instant,
 }
 
@@ -70,6 +80,7 @@ impl Drop for StreamGuard {
             self.conn
                 .idle_since_ms
                 .store(self.conn.now_ms(), Ordering::Release);
+            self.conn.became_idle.notify_one();
         }
     }
 }
@@ -158,6 +169,7 @@ impl Pool {
             streams: AtomicUsize::new(1),
             closed: AtomicBool::new(false),
             idle_since_ms: AtomicU64::new(0),
+            became_idle: Notify::new(),
             epoch: Instant::now(),
         });
         let kp = self.key_pool(key);
@@ -175,20 +187,7 @@ impl Pool {
                     None => std::future::pending().await,
                 }
             };
-            let idle = async {
-                let mut tick = tokio::time::interval(Duration::from_millis(500));
-                loop {
-                    tick.tick().await;
-                    if driven.streams.load(Ordering::Acquire) == 0 {
-                        let idle_for = driven
-                            .now_ms()
-                            .saturating_sub(driven.idle_since_ms.load(Ordering::Acquire));
-                        if draining.is_cancelled() || idle_for >= idle_timeout.as_millis() as u64 {
-                            return;
-                        }
-                    }
-                }
-            };
+            let idle = idle_out(&driven, idle_timeout, &draining);
             let why = tokio::select! {
                 r = connection => match r {
                     Ok(()) => "closed by peer".to_string(),
@@ -225,3 +224,38 @@ impl Pool {
             .sum()
     }
 }
+
+/// Returns once `conn` has had no stream for `idle_timeout`, or has none
+/// while the proxy drains. Wakes only at an idle deadline, when the last
+/// stream ends, and when the drain starts (a connection that gained a
+/// stream meanwhile is seen at the deadline and waited on again).
+async fn idle_out(conn: &PooledConn, idle_timeout: Duration, draining: &CancellationToken) {
+    loop {
+        if conn.streams.load(Ordering::Acquire) == 0 {
+            if draining.is_cancelled() {
+                return;
+            }
+            let idle_since = Duration::from_millis(conn.idle_since_ms.load(Ordering::Acquire));
+            let deadline = conn.epoch + idle_since + idle_timeout;
+            if Instant::now() >= deadline {
+                return;
+            }
+            tokio::select! {
+                () = tokio::time::sleep_until(deadline) => {}
+                () = conn.became_idle.notified() => {}
+                () = draining.cancelled() => {}
+            }
+        } else if draining.is_cancelled() {
+            conn.became_idle.notified().await;
+        } else {
+            tokio::select! {
+                () = conn.became_idle.notified() => {}
+                () = draining.cancelled() => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "pool_tests.rs"]
+mod tests;
