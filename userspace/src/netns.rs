@@ -153,14 +153,27 @@ pub struct NsId {
 
 impl NsId {
     /// The identity of the namespace `path` names now (following
-    /// `/proc/PID/ns/net`'s link, as opening it would).
+    /// `/proc/PID/ns/net`'s link, as opening it would). Anything but a
+    /// namespace file is an error, not an identity: a bind-mount point
+    /// whose mount is gone is an empty regular file for a moment, and
+    /// reading its inode as a "new namespace" would send a pod to be
+    /// served again in a namespace that does not exist.
     pub fn of_path(path: &Path) -> Result<Self, NetNsError> {
-        std::fs::metadata(path)
+        let identity = |source| NetNsError::Identity {
+            path: path.to_path_buf(),
+            source,
+        };
+        // One open file for both questions: the path cannot change between.
+        let file = File::open(path).map_err(identity)?;
+        let fs = nix::sys::statfs::fstatfs(&file).map_err(|e| identity(e.into()))?;
+        if fs.filesystem_type() != nix::sys::statfs::NSFS_MAGIC {
+            return Err(identity(std::io::Error::other(
+                "not a namespace file (its file system is not nsfs)",
+            )));
+        }
+        file.metadata()
             .map(|meta| NsId::from(&meta))
-            .map_err(|source| NetNsError::Identity {
-                path: path.to_path_buf(),
-                source,
-            })
+            .map_err(identity)
     }
 }
 
@@ -212,4 +225,27 @@ pub fn socket_netns_cookie(socket: std::os::fd::BorrowedFd<'_>) -> std::io::Resu
         return Err(std::io::Error::last_os_error());
     }
     Ok(cookie)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_namespace_file_has_a_namespace_identity() {
+        let own = Path::new("/proc/thread-self/ns/net");
+        assert_eq!(
+            NsId::of_path(own).expect("this thread's netns"),
+            NsId::of_path(own).expect("the same again"),
+            "one namespace, one identity"
+        );
+        // What a bind-mount point is once its mount is gone.
+        let plain = tempfile::NamedTempFile::new().expect("temp file");
+        match NsId::of_path(plain.path()) {
+            Err(NetNsError::Identity { source, .. }) => {
+                assert!(source.to_string().contains("nsfs"), "{source}")
+            }
+            other => panic!("a regular file has no namespace identity: {other:?}"),
+        }
+    }
 }
