@@ -23,11 +23,13 @@
 //! eligible, a record that cannot be kept — the connect goes to the proxy
 //! as before. Cost per connect to a VIP: one hash lookup (the VIP), one
 //! random number, the flow-2 checks of a direct connect and one more LRU
-//! insert (the VIP record); per getpeername of any socket: one LRU lookup.
+//! insert (the VIP record); per getpeername of a socket in an enrolled
+//! pod: one LRU lookup; of any other socket: one lookup of its netns in
+//! `SHUNT_ENROLLED`.
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie},
+    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie},
     macros::{cgroup_sock_addr, map},
     maps::{HashMap, LruHashMap},
     programs::SockAddrContext,
@@ -205,17 +207,36 @@ pub fn forget(cookie: u64, record: &FastPathSock) {
     }
 }
 
+/// The VIP a socket asking getpeername dialled, if flow 2 carried its
+/// connect through one. Only a socket of an enrolled pod can have: every
+/// other one (the host's, pods outside the mesh) is answered by a lookup of
+/// its netns in `SHUNT_ENROLLED` — a handful of keys, so a cached entry —
+/// instead of one in the VIP records, keyed by ever-new socket cookies, whose
+/// random bucket is a cache and TLB miss. Why it matters: accept() asks for
+/// the peer too, so this runs once per connection every server on the node
+/// accepts (≈ 1 µs each in the bench's profile, docs/BENCHMARKS.md). A pod
+/// unenrolled while such a connection lives gets the endpoint from then on.
+#[inline(always)]
+fn dialled_by(ctx: &SockAddrContext) -> Option<MeshServiceSock> {
+    // SAFETY: the helpers only read the socket behind the context.
+    let netns = unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) };
+    // SAFETY: only the presence of the value is read.
+    unsafe { crate::maps::ENROLLED.get(netns) }?;
+    // SAFETY: as above.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
+    dialled(cookie)
+}
+
 /// Hook: `cgroup/getpeername4` on the cgroup root (Linux 5.8+). Matches an
-/// IPv4 socket whose connect flow 2 carried through a service VIP (its
-/// cookie in `SHUNT_FP_MESH_VIP_SOCKS`). Does: answers the VIP and port the
-/// application dialled instead of the endpoint the kernel connected it to,
-/// as the proxy path would show it. Miss path (any other socket): the
-/// peer address unchanged; returns 1 (the only value the hook allows).
+/// IPv4 socket of an enrolled pod whose connect flow 2 carried through a
+/// service VIP (its cookie in `SHUNT_FP_MESH_VIP_SOCKS`). Does: answers the
+/// VIP and port the application dialled instead of the endpoint the kernel
+/// connected it to, as the proxy path would show it. Miss path (any other
+/// socket): the peer address unchanged; returns 1 (the only value the hook
+/// allows).
 #[cgroup_sock_addr(getpeername4)]
 pub fn shunt_getpeername4(ctx: SockAddrContext) -> i32 {
-    // SAFETY: the helper only reads the socket behind the context.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
-    if let Some(dialled) = dialled(cookie)
+    if let Some(dialled) = dialled_by(&ctx)
         && dialled.family == AF_INET
     {
         // SAFETY: the context pointer is valid for the program's run.
@@ -232,9 +253,7 @@ pub fn shunt_getpeername4(ctx: SockAddrContext) -> i32 {
 /// returns 1.
 #[cgroup_sock_addr(getpeername6)]
 pub fn shunt_getpeername6(ctx: SockAddrContext) -> i32 {
-    // SAFETY: the helper only reads the socket behind the context.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
-    if let Some(dialled) = dialled(cookie)
+    if let Some(dialled) = dialled_by(&ctx)
         && dialled.family == AF_INET6
     {
         set_ip6(&ctx, dialled.addr);
