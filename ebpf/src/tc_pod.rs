@@ -110,11 +110,12 @@ pub fn shunt_tc_ingress(ctx: TcContext) -> i32 {
 /// The handshake's SYN-ACK takes this path too. Such packets are not
 /// counted as the pod's outbound traffic.
 ///
-/// Cost (`kernel.bpf_stats_enabled`, docs/BENCHMARKS.md): the lookup was
-/// most of a run when every TCP packet was looked up (≈ 350 of ≈ 560 ns per
-/// leaving packet); with `REPLY_BY_MARK` a packet of a direct connection
-/// pays the counters and the header parse only. No parse at all when
-/// `REPLY_TO_PROXY` is off. Miss path: `TC_ACT_OK`.
+/// Cost (`kernel.bpf_stats_enabled`, docs/BENCHMARKS.md): one socket
+/// lookup per packet looked up — most of a run when every TCP packet was
+/// (≈ 500 ns per leaving packet on the fast path); with `REPLY_BY_MARK` a
+/// packet of a direct connection pays the counters and the header parse
+/// only (≈ 165 ns). No parse at all when `REPLY_TO_PROXY` is off. Miss
+/// path: `TC_ACT_OK`.
 #[classifier]
 pub fn shunt_tc_egress(ctx: TcContext) -> i32 {
     crate::fixture::previous_release_marker();

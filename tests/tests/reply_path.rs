@@ -193,3 +193,48 @@ fn an_adopted_pod_whose_sysctl_was_off_is_looked_up_packet_by_packet() {
     let exit = agent.stop().expect("stop");
     assert!(exit.success(), "{}", agent.logs());
 }
+
+/// `tcp_fwmark_accept` turned off under an enrolled pod: the verifier
+/// reports it, and the repair turns it back on and drops the flag for good
+/// (sockets accepted meanwhile carry no mark). Replies flow throughout.
+#[test]
+fn turning_the_sysctl_off_under_an_enrolled_pod_drops_the_flag() {
+    let bed = bed("replyoff");
+    let node = bed.topology.node("node-a").expect("node").clone();
+    let args = [&ARGS[..], &["--verify-interval", "1"]].concat();
+    let mut agent = Agent::start(&bed.topology, &node, &yaml(&bed, true), &args).expect("agent");
+    let status = agent
+        .wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_in(&bed))
+        .expect("enrolled");
+    let flags = pod_flags(&agent, &status, &bed.server);
+    assert_ne!(flags & PodConfig::REPLY_BY_MARK, 0, "flags {flags:#x}");
+
+    set_fwmark_accept(&bed.server, "0");
+    let pin_dir = agent.pin_dir().to_path_buf();
+    let cookie = status
+        .pods
+        .iter()
+        .find(|p| p.name == bed.server.name())
+        .and_then(|p| p.netns_cookie)
+        .expect("cookie");
+    let slot = *inspect::enrolled_entries(&pin_dir)
+        .expect("map")
+        .get(&cookie)
+        .expect("entry");
+    agent
+        .wait_for("the repair: flag dropped, sysctl on", TIMEOUT, |_| {
+            inspect::slot_config(&pin_dir, slot)
+                .is_ok_and(|c| c.flags & PodConfig::REPLY_BY_MARK == 0)
+                && fwmark_accept(&bed.server) == "1"
+        })
+        .expect("repaired");
+    assert!(
+        agent.logs().contains("tcp_fwmark_accept was turned off"),
+        "{}",
+        agent.logs()
+    );
+
+    exchanges_keep_the_clients_address(&bed, &agent);
+    let exit = agent.stop().expect("stop");
+    assert!(exit.success(), "{}", agent.logs());
+}
