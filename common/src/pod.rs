@@ -32,7 +32,10 @@ pub struct PodSlot {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PodConfig {
     /// [`PodConfig::REDIRECT_OUTBOUND`] | [`PodConfig::REDIRECT_INBOUND`] |
-    /// [`PodConfig::REPLY_TO_PROXY`] | [`PodConfig::NO_SPLICE`].
+    /// [`PodConfig::REPLY_TO_PROXY`] | [`PodConfig::NO_SPLICE`] |
+    /// [`PodConfig::FAST_PATH`] | [`PodConfig::DNS_CAPTURE`] |
+    /// [`PodConfig::REPLY_BY_MARK`]. A bit set: a new bit keeps the pinned
+    /// map's layout (an earlier agent's programs ignore it).
     pub flags: u32,
     /// Number of valid entries in `excluded_cidrs_v4`.
     pub excluded_cidr_count: u32,
@@ -64,6 +67,14 @@ impl PodConfig {
     /// 15053 in its netns (`--dns-capture on` and no
     /// `ambient.istio.io/dns-capture: "false"`; `ebpf/src/dns.rs`).
     pub const DNS_CAPTURE: u32 = 32;
+    /// With [`PodConfig::REPLY_TO_PROXY`]: the application's end of every
+    /// connection the proxy opened to it carries a non-zero mark, because
+    /// `net.ipv4.tcp_fwmark_accept` was on in the pod's netns before the
+    /// proxy's first such connection (an accepted socket then takes the mark
+    /// of the SYN that created it: the proxy's 0x539). So only packets with a
+    /// mark, a SYN or an RST can be replies to the proxy, and TC egress looks
+    /// up only those; without the bit, every TCP packet the pod sends.
+    pub const REPLY_BY_MARK: u32 = 64;
 }
 
 /// An IPv4 prefix, both fields in network byte order as the kernel gives

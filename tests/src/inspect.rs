@@ -4,9 +4,9 @@
 
 use std::{collections::BTreeMap, path::Path};
 
-use aya::maps::{HashMap as BpfHashMap, Map, MapData, PerCpuArray};
+use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, PerCpuArray};
 use serde_json::Value;
-use shunt_common::{PodCounters, PodSlot, PolicyVerdict, PolicyVerdictKey, maps};
+use shunt_common::{PodConfig, PodCounters, PodSlot, PolicyVerdict, PolicyVerdictKey, maps};
 
 use crate::{Result, TestbedError, cmd};
 
@@ -117,6 +117,15 @@ pub fn slot_counters(pin_dir: &Path, slot: u32) -> Result<PodCounters> {
         total.add(cpu);
     }
     Ok(total)
+}
+
+/// The settings the programs read for `slot`, from the pinned map.
+pub fn slot_config(pin_dir: &Path, slot: u32) -> Result<PodConfig> {
+    let map = open_pinned(pin_dir, maps::POD_CONFIG)?;
+    let map: Array<MapData, PodConfig> = Array::try_from(Map::Array(map))
+        .map_err(|e| TestbedError::Invalid(format!("{}: {e}", maps::POD_CONFIG)))?;
+    map.get(&slot, 0)
+        .map_err(|e| TestbedError::Invalid(format!("{} slot {slot}: {e}", maps::POD_CONFIG)))
 }
 
 /// The kernel's authorization verdicts, IPv4 entries only: (source slot,

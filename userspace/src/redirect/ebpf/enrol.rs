@@ -1,9 +1,13 @@
 //! Enrolling, verifying, listing and unenrolling pods: the [`Redirector`]
 //! side of the eBPF mode (the steps are in the module docs of [`super`]).
 
-use super::*;
+use super::{
+    reply::{self, reply_path},
+    *,
+};
 use crate::{
     authz::{PolicyKey, kernel::VerdictTable},
+    netns::{NetNsError, netns_cookie_of_current_thread},
     redirect::VerdictsWritten,
 };
 
@@ -146,9 +150,15 @@ impl EbpfRedirector {
             return Ok(());
         };
         warn!(%pod, ?missing, "enrolled pod was not fully redirected; repairing");
-        let Some(enrolment) = self.pods.get(pod) else {
+        let Some(enrolment) = self.pods.get_mut(pod) else {
             return Err(RedirectError::NotEnrolled(pod.clone()));
         };
+        if missing.iter().any(|m| m == reply::FWMARK_ACCEPT_OFF) {
+            // Sockets accepted while it was off carry no mark: their
+            // replies are only found by looking up every packet, for good.
+            warn!(%pod, "tcp_fwmark_accept was turned off in the pod's network namespace: TC egress looks up every packet it sends again");
+            enrolment.config.flags &= !PodConfig::REPLY_BY_MARK;
+        }
         let (cookie, slot, config, addrs) = (
             enrolment.cookie,
             enrolment.slot,
@@ -201,7 +211,7 @@ impl EbpfRedirector {
             warn!(%pod, error = %e, "cannot detach the TC programs in the pod's old network namespace");
         }
         if old.config.flags & PodConfig::REPLY_TO_PROXY != 0 {
-            match old.netns.run(remove_reply_path) {
+            match old.netns.run(reply::remove_reply_path) {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
                     warn!(%pod, error = %e, "cannot delete the policy route in the pod's old network namespace")
@@ -232,7 +242,8 @@ impl Redirector for EbpfRedirector {
 
     fn enrol(&mut self, target: &PodTarget) -> Result<(), RedirectError> {
         let pod = &target.key;
-        let config = pod_config(target, self.splice, self.preserve_source, self.fast_path)?;
+        let mut config = pod_config(target, self.splice, self.preserve_source, self.fast_path)?;
+        let preserve = config.flags & PodConfig::REPLY_TO_PROXY != 0;
         let addrs = pod_addrs(&target.ips);
         if let Some(existing) = self.pods.get_mut(pod) {
             // By identity, not path: a recreated sandbox may reuse the path.
@@ -251,6 +262,10 @@ impl Redirector for EbpfRedirector {
                 let Some(existing) = self.pods.get_mut(pod) else {
                     return Err(RedirectError::NotEnrolled(pod.clone()));
                 };
+                // Decided at the pod's enrolment; only a repair drops it.
+                if preserve {
+                    config.flags |= existing.config.flags & PodConfig::REPLY_BY_MARK;
+                }
                 if (existing.config, existing.addrs) != (config, addrs) {
                     existing.config = config;
                     existing.addrs = addrs;
@@ -264,7 +279,20 @@ impl Redirector for EbpfRedirector {
             self.leave_old_netns(pod, &target.netns);
         }
         let netns = NetNs::open(&target.netns)?;
-        let cookie = netns.cookie()?;
+        // `tcp_fwmark_accept` goes on first, in the same trip into the netns
+        // as reading its cookie: before anything below steers the pod's
+        // inbound to the proxy, so that the application accepts the
+        // proxy's connections marked (see `reply::reply_by_mark`).
+        let (cookie, fwmark_accept) = netns.run(move || {
+            (
+                netns_cookie_of_current_thread(),
+                preserve.then(reply::enable_fwmark_accept),
+            )
+        })?;
+        let cookie = cookie.map_err(|source| NetNsError::Cookie {
+            path: netns.path().to_path_buf(),
+            source,
+        })?;
         if let Some((other, _)) = self.pods.iter().find(|(_, e)| e.cookie == cookie) {
             return Err(RedirectError::NetNsTaken {
                 pod: pod.clone(),
@@ -274,17 +302,30 @@ impl Redirector for EbpfRedirector {
         }
         // A previous agent's entry for this netns is adopted with its slot:
         // counters and filters carry on without a gap.
-        let slot = match self.enrolled_map.get(&cookie, 0) {
-            Ok(existing) => existing.slot,
+        let (slot, earlier) = match self.enrolled_map.get(&cookie, 0) {
+            // Unreadable settings count as an earlier release's.
+            Ok(existing) => (
+                existing.slot,
+                Some(self.config_map.get(&existing.slot, 0).unwrap_or_default()),
+            ),
             Err(_) => {
                 let slot = self.free_slot().ok_or(RedirectError::Full {
                     pod: pod.clone(),
                     max: MAX_PODS,
                 })?;
                 self.reset_counters(pod, slot)?;
-                slot
+                (slot, None)
             }
         };
+        if let Some(fwmark_accept) = &fwmark_accept {
+            if reply::reply_by_mark(earlier.as_ref(), fwmark_accept) {
+                config.flags |= PodConfig::REPLY_BY_MARK;
+            } else if let Err(e) = fwmark_accept {
+                warn!(%pod, error = %e, "cannot enable net.ipv4.tcp_fwmark_accept in the pod's network namespace: TC egress looks up every packet the pod sends");
+            } else {
+                info!(%pod, "adopted pod: its application may hold connections from the proxy accepted without a mark, so TC egress looks up every packet it sends until its network namespace changes");
+            }
+        }
         self.write_settings(pod, slot, config, addrs)?;
         self.enrolled_map
             .insert(cookie, PodSlot { slot, flags: 0 }, 0)
@@ -296,7 +337,7 @@ impl Redirector for EbpfRedirector {
         if let Err(error) = attached {
             // Leave nothing half-done behind.
             let _ = netns.run(|| tc::detach(pod));
-            let _ = netns.run(remove_reply_path);
+            let _ = netns.run(reply::remove_reply_path);
             self.forget(cookie, slot);
             return Err(error);
         }
@@ -327,7 +368,7 @@ impl Redirector for EbpfRedirector {
         if enrolment.config.flags & PodConfig::REPLY_TO_PROXY != 0 {
             enrolment
                 .netns
-                .run(remove_reply_path)?
+                .run(reply::remove_reply_path)?
                 .map_err(|e| kernel(pod, "deleting the policy route", e))?;
         }
         info!(%pod, "pod unenrolled: TC programs detached, enrolment entry removed");
@@ -360,15 +401,20 @@ impl Redirector for EbpfRedirector {
             }
         }
         if enrolment.config.flags & PodConfig::REPLY_TO_PROXY != 0 {
-            let routes = enrolment
+            let by_mark = enrolment.config.flags & PodConfig::REPLY_BY_MARK != 0;
+            let (routes, fwmark_accept) = enrolment
                 .netns
-                .run(|| {
-                    route::families()
+                .run(|| -> std::io::Result<_> {
+                    let routes = route::families()
                         .into_iter()
                         .map(|family| route::present(family).map(|p| (family, p)))
-                        .collect::<std::io::Result<Vec<_>>>()
+                        .collect::<std::io::Result<Vec<_>>>()?;
+                    Ok((routes, !by_mark || reply::fwmark_accept_on()?))
                 })?
                 .map_err(|e| kernel(pod, "reading the policy route", e))?;
+            if !fwmark_accept {
+                missing.push(reply::FWMARK_ACCEPT_OFF.to_string());
+            }
             for (family, present) in routes {
                 if !(present.rule && present.route) {
                     missing.push(format!(
@@ -445,7 +491,7 @@ impl Redirector for EbpfRedirector {
                 }
                 // Whether the previous agent preserved sources is unknown:
                 // deleting an absent route is no error.
-                match netns.run(remove_reply_path) {
+                match netns.run(reply::remove_reply_path) {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => {
                         warn!(pod = %name, error = %e, "cannot delete a stale pod's policy route")
@@ -487,40 +533,6 @@ impl Redirector for EbpfRedirector {
             .filter_map(|(key, e)| Some((key.clone(), by_slot.remove(&e.slot)?)))
             .collect()
     }
-}
-
-/// Installs the reply path of source preservation in the pod's netns when
-/// its settings ask for it: the policy route that delivers packets marked
-/// 0x111 locally (shared with the iptables mode, see [`route`]) and
-/// `accept_local` on `lo` ([`route::accept_local_on_lo`]). The TC egress
-/// program marks the replies. Idempotent.
-fn reply_path(pod: &WorkloadKey, netns: &NetNs, config: PodConfig) -> Result<(), RedirectError> {
-    if config.flags & PodConfig::REPLY_TO_PROXY == 0 {
-        return Ok(());
-    }
-    netns
-        .run(|| -> std::io::Result<()> {
-            route::accept_local_on_lo()?;
-            for family in route::families() {
-                let present = route::present(family)?;
-                if !(present.rule && present.route) {
-                    route::add(family)?;
-                }
-            }
-            Ok(())
-        })?
-        .map_err(|e| kernel(pod, "adding the policy route for transparent inbound", e))
-}
-
-/// Deletes the policy route (both families; either absent is fine).
-/// `accept_local` on `lo` stays: harmless, and its earlier value is unknown
-/// to a later agent.
-fn remove_reply_path() -> std::io::Result<()> {
-    route::delete(route::Family::V4)?;
-    if route::ipv6_on_lo() {
-        route::delete(route::Family::V6)?;
-    }
-    Ok(())
 }
 
 /// The kernel form of a pod's capture settings.

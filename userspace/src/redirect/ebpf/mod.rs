@@ -3,17 +3,22 @@
 //! One [`EbpfRedirector`] per agent owns the pinned maps, the socket programs
 //! on its cgroup root, and the per-pod TC attachments. Enrolling a pod:
 //!
-//! 1. reads the pod netns's cookie and gives the pod a slot;
+//! 1. reads the pod netns's cookie and gives the pod a slot; with source
+//!    preservation on (`--preserve-source`) it turns `tcp_fwmark_accept` on
+//!    there in the same step, so that the application's end of every
+//!    connection from the proxy is marked and TC egress need not look up
+//!    unmarked packets (pod flag `REPLY_BY_MARK`, `reply.rs` says when it is
+//!    safe);
 //! 2. writes the pod's capture settings to `SHUNT_POD_CONFIG[slot]`, zeroes
 //!    its counters, and records `cookie → slot` in `SHUNT_ENROLLED` — from
 //!    then on `connect4/6` capture the pod's outbound connects;
 //! 3. loads the pod's own instance of the TC programs with the slot baked in
 //!    (`ebpf/src/tc_pod.rs` says why) and attaches them to its `eth0`;
 //! 4. with source preservation on (`--preserve-source`), installs the reply
-//!    path: the policy route for mark 0x111 ([`route`], shared with the
-//!    iptables mode) and `accept_local` on `lo`; the TC egress program turns
-//!    the application's replies to the proxy's transparent sockets back in
-//!    through `lo` with that mark;
+//!    path (`reply.rs`): the policy route for mark 0x111 ([`route`], shared
+//!    with the iptables mode) and `accept_local` on `lo`; the TC egress
+//!    program turns the application's replies to the proxy's transparent
+//!    sockets back in through `lo` with that mark;
 //! 5. records the pod's name and netns path in `SHUNT_POD_RECORDS`, so a
 //!    later agent can clean up after a pod it never heard of.
 //!
@@ -34,6 +39,7 @@ mod original_dst;
 mod pin_report;
 mod pins;
 mod policy;
+mod reply;
 mod slots;
 mod splice;
 mod sys;
