@@ -7,7 +7,7 @@ for line in open(sys.argv[1]):
     except Exception: continue
     for p in progs:
         n=p.get('name','')
-        if n.startswith('shunt_tc') or n.startswith('shunt_sock') or n.startswith('shunt_conn'):
+        if n.startswith(('shunt_tc', 'shunt_sock', 'shunt_conn', 'shunt_getp')):
             last[p['id']]=(n,p.get('run_cnt',0),p.get('run_time_ns',0))
 agg={}
 for i,(n,c,t) in last.items():
