@@ -10,7 +10,10 @@
 //!   `Bytes` handed to h2 (which h2 owns until it has framed and encrypted
 //!   them). What flow control does not let through yet waits in that `Bytes`
 //!   (at most one read, [`SCRATCH`] bytes), and the socket is not read again
-//!   until it has gone.
+//!   until it has gone. While a connection streams (its last read filled at
+//!   least [`BULK`] bytes) it reads straight into a buffer of its own that
+//!   h2 then owns: no copy at all, one allocation per read instead of a
+//!   copy of up to 64 KiB. A short read ends that, and the buffer with it.
 //! - HTTP/2 → TCP: each DATA frame's `Bytes` (h2's own, from the decrypted
 //!   record) is written to the socket as it is; no copy buffer at all. At
 //!   most one frame is held; its window is handed back as it is taken, as
@@ -27,7 +30,7 @@ use std::{
     task::{Context, Poll, ready},
 };
 
-use bytes::{Buf, Bytes};
+use bytes::{Buf, Bytes, BytesMut};
 use h2::{Reason, RecvStream, SendStream};
 use tokio::{
     io::{AsyncRead, AsyncWrite, ReadBuf},
@@ -39,6 +42,11 @@ use super::h2::{H2Stream, h2_to_io};
 /// Largest single read from a TCP socket (the old per-connection copy
 /// buffer's size: smaller capped throughput in measurements).
 pub(crate) const SCRATCH: usize = 64 * 1024;
+
+/// A read at least this large means the connection is streaming: the next
+/// read goes straight into a buffer h2 will own (see the module comment).
+/// Request/response traffic stays far below it and keeps no buffer.
+const BULK: usize = SCRATCH / 2;
 
 thread_local! {
     /// One read buffer per worker thread, shared by every connection it
@@ -81,6 +89,11 @@ struct Up {
     eof: bool,
     done: bool,
     bytes: u64,
+    /// The last read was at least [`BULK`] bytes: read into `own` next.
+    bulk: bool,
+    /// The streaming read's buffer, kept only while that read waits for
+    /// the socket (so a wake-up without data allocates nothing).
+    own: Option<BytesMut>,
 }
 
 impl Up {
@@ -123,18 +136,44 @@ impl Up {
             // then clears the readiness itself, so the next poll waits for
             // epoll instead of paying a `recvfrom` that says EAGAIN (one
             // per request on a request/response connection).
-            let read = SCRATCH_BUFFER.with(|scratch| {
-                let mut scratch = scratch.borrow_mut();
-                let mut buf = ReadBuf::new(&mut scratch[..]);
-                Pin::new(&mut *tcp)
-                    .poll_read(cx, &mut buf)
-                    .map_ok(|()| Bytes::copy_from_slice(buf.filled()))
-            });
+            let read = if self.bulk {
+                self.read_own(cx, tcp)
+            } else {
+                SCRATCH_BUFFER.with(|scratch| {
+                    let mut scratch = scratch.borrow_mut();
+                    let mut buf = ReadBuf::new(&mut scratch[..]);
+                    Pin::new(&mut *tcp)
+                        .poll_read(cx, &mut buf)
+                        .map_ok(|()| Bytes::copy_from_slice(buf.filled()))
+                })
+            };
             match ready!(read) {
                 Ok(data) if data.is_empty() => self.eof = true,
-                Ok(data) => self.pending = data,
+                Ok(data) => {
+                    self.bulk = data.len() >= BULK;
+                    self.pending = data;
+                }
                 Err(e) => return Poll::Ready(Err(e)),
             }
+        }
+    }
+}
+
+impl Up {
+    /// One read into a buffer of the connection's own, which becomes the
+    /// `Bytes` h2 sends (freed once it has). On `Pending` the buffer is kept
+    /// for the next poll.
+    fn read_own(&mut self, cx: &mut Context<'_>, tcp: &mut TcpStream) -> Poll<io::Result<Bytes>> {
+        let mut buf = self
+            .own
+            .take()
+            .unwrap_or_else(|| BytesMut::with_capacity(SCRATCH));
+        match tokio_util::io::poll_read_buf(Pin::new(tcp), cx, &mut buf) {
+            Poll::Pending => {
+                self.own = Some(buf);
+                Poll::Pending
+            }
+            Poll::Ready(result) => Poll::Ready(result.map(|_| buf.freeze())),
         }
     }
 }
