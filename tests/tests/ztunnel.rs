@@ -10,7 +10,8 @@
 //! address, every socket it opens marked 0x539.
 //!
 //! Covered, in the eBPF mode and in the iptables mode with Istio's rules:
-//! the pod redirected only after the ack; bytes both ways through the
+//! the pod redirected only after the ack (eBPF: with `tcp_fwmark_accept`
+//! on in its netns before ztunnel is handed it); bytes both ways through the
 //! client's stand-in (original destination from `SO_ORIGINAL_DST`, IPv4
 //! and v4-mapped IPv6) and the server's (inbound plaintext on 15006: the
 //! application sees the client's address and its replies come back);
@@ -106,6 +107,20 @@ async fn a_pod_is_redirected_to_the_stand_in_only_after_its_ack() {
             "{payload:?}"
         );
         assert_eq!(fds.len(), 1, "one netns fd");
+        // Handed to ztunnel, which may accept connections for the pod from
+        // now on (a peer's HBONE to podIP:15008 needs no redirect), and
+        // not enrolled yet: the application must already take the mark of
+        // the proxy's connections, which the pod's `REPLY_BY_MARK` relies
+        // on once enrolled (reply_path.rs).
+        let fwmark_accept = client
+            .run(|| std::fs::read_to_string("/proc/sys/net/ipv4/tcp_fwmark_accept"))
+            .expect("enter the pod")
+            .expect("read tcp_fwmark_accept");
+        assert_eq!(
+            fwmark_accept.trim(),
+            "1",
+            "net.ipv4.tcp_fwmark_accept in the pod before ztunnel may serve it"
+        );
         let listeners = bind_in(fds.remove(0));
         zds.ack().expect("ack");
         let (payload, _) = zds.recv().expect("snapshot sent");

@@ -341,6 +341,13 @@ impl NodeAgent {
         // After the unenrolments above: ztunnel lets go of a pod only once
         // its traffic no longer reaches it.
         if let (Some(link), Some(wanted)) = (&self.ztunnel, for_ztunnel) {
+            // ztunnel binds its listeners in a pod's netns as soon as it is
+            // handed it, before the enrolment its answer lets happen.
+            for (key, pod) in &wanted {
+                if !self.is_enrolled(key) {
+                    self.before_serving(key, &pod.netns);
+                }
+            }
             link.publish(wanted);
         }
         self.pods = next;

@@ -19,7 +19,7 @@ use std::{
 };
 
 use futures::StreamExt as _;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 use super::NodeAgent;
 use crate::{
@@ -80,6 +80,7 @@ impl NodeAgent {
     ) -> Option<String> {
         let handle = self.proxy.as_ref()?;
         let pod = self.to_serve(key, workload, netns)?;
+        self.before_serving(key, netns);
         handle
             .runtime
             .block_on(handle.proxy.add_pod(pod))
@@ -121,6 +122,9 @@ impl NodeAgent {
             // Nothing to overlap: `converge` serves it as it always did.
             return HashMap::new();
         }
+        for pod in &batch {
+            self.before_serving(&pod.key, &pod.netns);
+        }
         let count = batch.len();
         let proxy = &handle.proxy;
         let outcomes: Vec<(WorkloadKey, Served)> = handle.runtime.block_on(
@@ -144,6 +148,16 @@ impl NodeAgent {
             failed, "bound the listeners of a batch of pods before enrolling them"
         );
         outcomes.into_iter().collect()
+    }
+
+    /// What the redirector needs in place before a proxy accepts a
+    /// connection for the pod (`Redirector::before_serving`). A failure
+    /// is logged and the pod served all the same: its enrolment meets the
+    /// same problem and says so.
+    pub(super) fn before_serving(&self, key: &WorkloadKey, netns: &Path) {
+        if let Err(e) = self.redirector.before_serving(key, netns) {
+            warn!(pod = %key, error = %e, "cannot ready the pod's network namespace for the proxy");
+        }
     }
 
     pub(super) fn stop_serving(&self, key: &WorkloadKey) {

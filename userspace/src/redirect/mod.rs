@@ -173,6 +173,18 @@ pub trait Redirector: Send {
     fn mode(&self) -> RedirectMode;
     /// Attaches redirection for `pod`. Idempotent.
     fn enrol(&mut self, pod: &PodTarget) -> Result<(), RedirectError>;
+    /// Readies the pod's netns for a proxy about to bind its listeners
+    /// there (the builtin proxy, or ztunnel once handed the netns): what
+    /// must hold before a proxy accepts any connection for the pod, which
+    /// can happen before [`Redirector::enrol`] (a peer dials podIP:15008
+    /// directly). Default: nothing.
+    fn before_serving(
+        &self,
+        _pod: &WorkloadKey,
+        _netns: &std::path::Path,
+    ) -> Result<(), RedirectError> {
+        Ok(())
+    }
     /// Removes everything `enrol` attached for the pod.
     fn unenrol(&mut self, pod: &WorkloadKey) -> Result<(), RedirectError>;
     /// Checks that the pod's hooks are still in place.

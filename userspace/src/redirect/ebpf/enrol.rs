@@ -240,6 +240,10 @@ impl Redirector for EbpfRedirector {
         RedirectMode::Ebpf
     }
 
+    fn before_serving(&self, pod: &WorkloadKey, netns: &Path) -> Result<(), RedirectError> {
+        self.fwmark_accept_before_serving(pod, netns)
+    }
+
     fn enrol(&mut self, target: &PodTarget) -> Result<(), RedirectError> {
         let pod = &target.key;
         let mut config = pod_config(target, self.splice, self.preserve_source, self.fast_path)?;
@@ -282,7 +286,10 @@ impl Redirector for EbpfRedirector {
         // `tcp_fwmark_accept` goes on first, in the same trip into the netns
         // as reading its cookie: before anything below steers the pod's
         // inbound to the proxy, so that the application accepts the
-        // proxy's connections marked (see `reply::reply_by_mark`).
+        // proxy's connections marked (see `reply::reply_by_mark`). It is
+        // normally on already: `before_serving` turned it on before the
+        // proxy bound the pod's listeners, and `fwmark_was_on` answers
+        // what it was before that.
         let (cookie, fwmark_accept) = netns.run(move || {
             (
                 netns_cookie_of_current_thread(),
@@ -293,6 +300,7 @@ impl Redirector for EbpfRedirector {
             path: netns.path().to_path_buf(),
             source,
         })?;
+        let fwmark_accept = fwmark_accept.map(|now| self.fwmark_was_on(&netns, now));
         if let Some((other, _)) = self.pods.iter().find(|(_, e)| e.cookie == cookie) {
             return Err(RedirectError::NetNsTaken {
                 pod: pod.clone(),

@@ -171,6 +171,7 @@ impl EbpfRedirector {
             original_dst,
             splice,
             preserve_source: options.preserve_source,
+            fwmark_before_serving: Default::default(),
             fast_path: options.fast_path,
         })
     }

@@ -119,6 +119,10 @@ pub struct EbpfRedirector {
     splice: SpliceMode,
     /// Whether pods get the reply path of source preservation.
     preserve_source: bool,
+    /// Whether `tcp_fwmark_accept` was on in a netns when
+    /// [`Redirector::before_serving`] first looked, until its enrolment
+    /// takes the answer (`reply.rs`).
+    fwmark_before_serving: std::sync::Mutex<std::collections::HashMap<crate::netns::NsId, bool>>,
     /// `--fast-path`: whether pods (but those that opt out) get
     /// [`PodConfig::FAST_PATH`].
     fast_path: bool,

@@ -5,11 +5,11 @@
 //! lets TC egress look up only the packets that can be such replies (pod
 //! flag [`PodConfig::REPLY_BY_MARK`]).
 
-use std::io;
+use std::{io, path::Path};
 
 use shunt_common::PodConfig;
 
-use super::{RedirectError, kernel, route};
+use super::{EbpfRedirector, RedirectError, kernel, route};
 use crate::{netns::NetNs, state::WorkloadKey};
 
 const FWMARK_ACCEPT: &str = "/proc/sys/net/ipv4/tcp_fwmark_accept";
@@ -59,6 +59,57 @@ pub(super) fn remove_reply_path() -> io::Result<()> {
     Ok(())
 }
 
+impl EbpfRedirector {
+    /// [`super::Redirector::before_serving`]: with source preservation,
+    /// turns `tcp_fwmark_accept` on in the pod's netns before a proxy binds
+    /// its listeners there. An HBONE connection to podIP:15008 needs no
+    /// redirect, so it can arrive as soon as that listener exists, before
+    /// the pod is enrolled; the application must accept the proxy's
+    /// connection it leads to marked, or `REPLY_BY_MARK` (set at the
+    /// enrolment) would lose its replies. Remembers whether the sysctl was
+    /// on before (the first answer per netns) for [`fwmark_was_on`].
+    /// Nothing to do for a pod already enrolled in that netns.
+    pub(super) fn fwmark_accept_before_serving(
+        &self,
+        pod: &WorkloadKey,
+        path: &Path,
+    ) -> Result<(), RedirectError> {
+        if !self.preserve_source
+            || self
+                .pods
+                .get(pod)
+                .is_some_and(|enrolled| enrolled.netns.is_at(path))
+        {
+            return Ok(());
+        }
+        let netns = NetNs::open(path)?;
+        let id = netns.id()?;
+        let was_on = netns
+            .run(enable_fwmark_accept)?
+            .map_err(|e| kernel(pod, "turning net.ipv4.tcp_fwmark_accept on", e))?;
+        self.fwmark_before_serving
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(id)
+            .or_insert(was_on);
+        Ok(())
+    }
+
+    /// What the enrolment's own [`enable_fwmark_accept`] answer (`now`)
+    /// means for [`reply_by_mark`]: whether the sysctl was on before
+    /// this agent touched the netns, counting a turn-on by
+    /// [`EbpfRedirector::fwmark_accept_before_serving`] as "was off".
+    pub(super) fn fwmark_was_on(&self, netns: &NetNs, now: io::Result<bool>) -> io::Result<bool> {
+        let before = netns.id().ok().and_then(|id| {
+            self.fwmark_before_serving
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&id)
+        });
+        now.map(|on| on && before.unwrap_or(true))
+    }
+}
+
 /// Sets `net.ipv4.tcp_fwmark_accept=1` in the calling thread's netns and
 /// says whether it was on already.
 ///
@@ -85,13 +136,15 @@ pub(super) fn fwmark_accept_on() -> io::Result<bool> {
 /// Whether a pod being enrolled gets [`PodConfig::REPLY_BY_MARK`]:
 /// `earlier` is the settings an earlier enrolment of the same netns left in
 /// the pinned map (`None`: this is its first enrolment), `fwmark_accept`
-/// what [`enable_fwmark_accept`] answered just now (before the pod's
-/// inbound reaches the proxy).
+/// whether the sysctl was on before this agent turned it on
+/// ([`EbpfRedirector::fwmark_was_on`]; it goes on before the proxy binds
+/// the pod's listeners, so before any connection from the proxy).
 ///
 /// The flag is only safe if every live connection from the proxy to the
 /// pod's applications was accepted with `tcp_fwmark_accept` on: an
 /// unmarked one would have its replies leave through `eth0` to the real
-/// client. A first enrolment has no such connection yet. An adopted pod
+/// client. A first enrolment has none: the sysctl went on before the
+/// proxy's listeners were bound. An adopted pod
 /// (a restart, a handover, an upgrade) keeps the flag only if the earlier
 /// enrolment had it and the sysctl is still on: an earlier release never
 /// set it, so the proxy it ran may still hold connections the application
