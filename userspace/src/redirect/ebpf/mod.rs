@@ -40,6 +40,7 @@ mod pin_report;
 mod pins;
 mod policy;
 mod reply;
+mod settings;
 mod slots;
 mod splice;
 mod sys;
@@ -68,8 +69,8 @@ pub use load::{EbpfOptions, LoadError};
 pub use original_dst::EbpfOriginalDst;
 pub use pin_report::{LinkReport, MapReport, PinReport, Unreadable, pin_report};
 use shunt_common::{
-    Cidr4, DEFAULT_SPLICE_BACKLOG, GlobalConfig, MAX_EXCLUDED_CIDRS, MAX_EXCLUDED_PORTS, MAX_PODS,
-    PodAddrs, PodConfig, PodCounters, PodRecord, PodSlot, globals, maps,
+    DEFAULT_SPLICE_BACKLOG, GlobalConfig, MAX_PODS, PodAddrs, PodConfig, PodCounters, PodRecord,
+    PodSlot, globals, maps,
 };
 pub use splice::SpliceMode;
 pub use tc::{TC_HANDLE, TC_PRIORITY};
