@@ -46,6 +46,7 @@ use super::{
     h2::H2Stream,
     h2_refusals::FrameTap,
     limits::{Admission, H2Context},
+    read_ahead::ReadAhead,
 };
 
 /// Answer to a request that is not CONNECT. DESIGN.md records ztunnel
@@ -121,7 +122,7 @@ async fn serve_connection(
     // task then keeps only what serving its streams needs.
     let handshake = Box::pin(tokio::time::timeout(
         handshake_timeout,
-        tokio_rustls::TlsAcceptor::from(config).accept(tcp),
+        tokio_rustls::TlsAcceptor::from(config).accept(ReadAhead::new(tcp)),
     ));
     let handshake = tokio::select! {
         h = handshake => h,

@@ -28,6 +28,7 @@ mod outbound;
 mod pods;
 mod policy;
 mod pool;
+mod read_ahead;
 mod relay;
 mod shared;
 mod socket;
