@@ -46,7 +46,6 @@ use super::{
     h2::H2Stream,
     h2_refusals::FrameTap,
     limits::{Admission, H2Context},
-    read_ahead::ReadAhead,
 };
 
 /// Answer to a request that is not CONNECT. DESIGN.md records ztunnel
@@ -122,7 +121,7 @@ async fn serve_connection(
     // task then keeps only what serving its streams needs.
     let handshake = Box::pin(tokio::time::timeout(
         handshake_timeout,
-        tokio_rustls::TlsAcceptor::from(config).accept(ReadAhead::new(tcp)),
+        tokio_rustls::TlsAcceptor::from(config).accept(tcp),
     ));
     let handshake = tokio::select! {
         h = handshake => h,

@@ -28,7 +28,6 @@ mod outbound;
 mod pods;
 mod policy;
 mod pool;
-mod read_ahead;
 mod relay;
 mod shared;
 mod socket;

@@ -32,7 +32,6 @@ use super::{
     AccessLog, Outcome, PROXY_PORTS, PodState, Shared, copy_both,
     h2::H2Stream,
     pool::{PoolKey, StreamGuard},
-    read_ahead::ReadAhead,
     reset,
     waypoint::{self, Bound, FailureReason, Route, WaypointFailure, WaypointHop},
 };
@@ -455,7 +454,7 @@ async fn connect(
     let server_name = ServerName::IpAddress(key.dst_ip.into());
     let tls = tokio::time::timeout(
         handshake_timeout,
-        tokio_rustls::TlsConnector::from(config).connect(server_name, ReadAhead::new(tcp)),
+        tokio_rustls::TlsConnector::from(config).connect(server_name, tcp),
     )
     .await
     .map_err(|_| timed_out("TLS handshake"))?
