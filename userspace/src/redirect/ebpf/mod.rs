@@ -122,7 +122,9 @@ pub struct EbpfRedirector {
     preserve_source: bool,
     /// Whether `tcp_fwmark_accept` was on in a netns when
     /// [`Redirector::before_serving`] first looked, until its enrolment
-    /// takes the answer (`reply.rs`).
+    /// takes the answer (`reply.rs`). The entry of a pod that is never
+    /// enrolled stays: a few bytes, and should its namespace id be reused
+    /// it can only make an adoption more careful (flag off), never less.
     fwmark_before_serving: std::sync::Mutex<std::collections::HashMap<crate::netns::NsId, bool>>,
     /// `--fast-path`: whether pods (but those that opt out) get
     /// [`PodConfig::FAST_PATH`].
