@@ -1,0 +1,8 @@
+#!/bin/bash
+# Interleaved: default log level (info: per-connection spans on) vs RUST_LOG=warn (spans off).
+set -u
+for i in 1 2 3; do
+  /tmp/b19/shunt-bench run --shunt /tmp/s13/shunt --paths direct/cross,ebpf/cross/hbone --workloads rr1 --placements pinned --reps 5 --out /tmp/s13/ab --name info-$i > /tmp/s13/ab-info-$i.log 2>&1
+  RUST_LOG=warn /tmp/b19/shunt-bench run --shunt /tmp/s13/shunt --paths direct/cross,ebpf/cross/hbone --workloads rr1 --placements pinned --reps 5 --out /tmp/s13/ab --name warn-$i > /tmp/s13/ab-warn-$i.log 2>&1
+done
+echo done
