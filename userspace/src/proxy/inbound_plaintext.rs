@@ -14,9 +14,7 @@ use shunt_common::PORT_INBOUND_PLAINTEXT;
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
-use super::{
-    AccessLog, Decision, Outcome, PROXY_PORTS, PlaintextConnection, PodState, Shared, copy_both,
-};
+use super::{AccessLog, Decision, Outcome, PROXY_PORTS, PlaintextConnection, PodState, Shared};
 
 pub(super) async fn serve(
     shared: Arc<Shared>,
@@ -88,7 +86,7 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, tcp: TcpStream, pe
     };
     log.open(&shared);
     let copied = tokio::select! {
-        copied = copy_both(&mut client, &mut upstream, shared.config.copy_buffer) => copied,
+        copied = super::relay::relay_tcp(&mut client, &mut upstream) => copied,
         decision = super::revoked(&shared, changes, &pod.key, authz_connection) => {
             // A policy change denies it now: cut both sides.
             super::reset(&client);

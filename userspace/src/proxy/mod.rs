@@ -29,6 +29,8 @@ mod pods;
 mod policy;
 mod pool;
 mod relay;
+#[cfg(test)]
+mod relay_tests;
 mod shared;
 mod socket;
 pub mod waypoint;
@@ -88,10 +90,6 @@ pub const PROXY_PORTS: [u16; 3] = [PORT_OUTBOUND, PORT_INBOUND_PLAINTEXT, PORT_H
 pub struct ProxyConfig {
     pub trust_domain: TrustDomain,
     pub h2: H2Settings,
-    /// Copy buffer per direction per connection. 64 KiB: tokio's default
-    /// 8 KiB capped throughput in measurements (DESIGN); more costs memory
-    /// per stream for little gain.
-    pub copy_buffer: usize,
     /// TCP connect to a peer's 15008, an application, or a passthrough
     /// destination.
     pub connect_timeout: Duration,
@@ -116,7 +114,6 @@ impl Default for ProxyConfig {
         Self {
             trust_domain: TrustDomain::default(),
             h2: H2Settings::default(),
-            copy_buffer: 64 * 1024,
             connect_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(10),
             connect_response_timeout: Duration::from_secs(15),
@@ -358,21 +355,6 @@ pub(crate) async fn revoked(
         }
     }
     std::future::pending().await
-}
-
-/// Copies both ways until both directions are done, honouring half-close
-/// (EOF on one side shuts down the other side's write half). Returns the
-/// bytes a→b and b→a, or the error with the counts so far unknown.
-pub(crate) async fn copy_both<A, B>(
-    a: &mut A,
-    b: &mut B,
-    buffer: usize,
-) -> std::io::Result<(u64, u64)>
-where
-    A: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
-    B: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
-{
-    tokio::io::copy_bidirectional_with_sizes(a, b, buffer, buffer).await
 }
 
 /// Makes `stream` close with RST, so the other side sees a failure rather

@@ -29,7 +29,7 @@ use tokio::net::TcpStream;
 use tracing::Instrument;
 
 use super::{
-    AccessLog, Outcome, PROXY_PORTS, PodState, Shared, copy_both,
+    AccessLog, Outcome, PROXY_PORTS, PodState, Shared,
     h2::H2Stream,
     pool::{PoolKey, StreamGuard},
     reset,
@@ -336,7 +336,7 @@ async fn passthrough(
         }
     };
     log.open(shared);
-    match copy_both(&mut app, &mut upstream, shared.config.copy_buffer).await {
+    match super::relay::relay_tcp(&mut app, &mut upstream).await {
         Ok((sent, received)) => {
             log.bytes_sent = sent;
             log.bytes_received = received;

@@ -21,6 +21,12 @@
 //!
 //! Half-close as before: EOF from TCP sends END_STREAM, END_STREAM shuts
 //! the socket's write half; the relay ends when both directions have.
+//!
+//! [`relay_tcp`] is the plaintext relay (passthrough, inbound plaintext)
+//! between two TCP connections, with the same reads: nothing held while a
+//! connection is idle, where `tokio::io::copy_bidirectional` keeps two
+//! 64 KiB buffers per connection for its whole life (≈ 128 KiB per idle
+//! passthrough connection, docs/BENCHMARKS.md).
 
 use std::{
     cell::RefCell,
@@ -136,18 +142,7 @@ impl Up {
             // then clears the readiness itself, so the next poll waits for
             // epoll instead of paying a `recvfrom` that says EAGAIN (one
             // per request on a request/response connection).
-            let read = if self.bulk {
-                self.read_own(cx, tcp)
-            } else {
-                SCRATCH_BUFFER.with(|scratch| {
-                    let mut scratch = scratch.borrow_mut();
-                    let mut buf = ReadBuf::new(&mut scratch[..]);
-                    Pin::new(&mut *tcp)
-                        .poll_read(cx, &mut buf)
-                        .map_ok(|()| Bytes::copy_from_slice(buf.filled()))
-                })
-            };
-            match ready!(read) {
+            match ready!(poll_read_chunk(cx, tcp, self.bulk, &mut self.own)) {
                 Ok(data) if data.is_empty() => self.eof = true,
                 Ok(data) => {
                     self.bulk = data.len() >= BULK;
@@ -159,23 +154,61 @@ impl Up {
     }
 }
 
-impl Up {
-    /// One read into a buffer of the connection's own, which becomes the
-    /// `Bytes` h2 sends (freed once it has). On `Pending` the buffer is kept
-    /// for the next poll.
-    fn read_own(&mut self, cx: &mut Context<'_>, tcp: &mut TcpStream) -> Poll<io::Result<Bytes>> {
-        let mut buf = self
-            .own
-            .take()
-            .unwrap_or_else(|| BytesMut::with_capacity(SCRATCH));
-        match tokio_util::io::poll_read_buf(Pin::new(tcp), cx, &mut buf) {
-            Poll::Pending => {
-                self.own = Some(buf);
-                Poll::Pending
-            }
-            Poll::Ready(result) => Poll::Ready(result.map(|_| buf.freeze())),
+/// One read from `tcp`: into the worker thread's scratch buffer, copied out
+/// into a `Bytes` of exactly what came; or, while the connection streams
+/// (`bulk`), into a buffer of its own that becomes the `Bytes` (no copy).
+/// On `Pending` that buffer is kept in `own` for the next poll. An empty
+/// `Bytes` is EOF.
+fn poll_read_chunk(
+    cx: &mut Context<'_>,
+    tcp: &mut TcpStream,
+    bulk: bool,
+    own: &mut Option<BytesMut>,
+) -> Poll<io::Result<Bytes>> {
+    if !bulk {
+        return SCRATCH_BUFFER.with(|scratch| {
+            let mut scratch = scratch.borrow_mut();
+            let mut buf = ReadBuf::new(&mut scratch[..]);
+            Pin::new(&mut *tcp)
+                .poll_read(cx, &mut buf)
+                .map_ok(|()| Bytes::copy_from_slice(buf.filled()))
+        });
+    }
+    let mut buf = own
+        .take()
+        .unwrap_or_else(|| BytesMut::with_capacity(SCRATCH));
+    match tokio_util::io::poll_read_buf(Pin::new(tcp), cx, &mut buf) {
+        Poll::Pending => {
+            *own = Some(buf);
+            Poll::Pending
+        }
+        Poll::Ready(result) => Poll::Ready(result.map(|_| buf.freeze())),
+    }
+}
+
+/// Writes `pending` to `tcp` until it is empty, counting into `bytes`.
+fn poll_write_all(
+    cx: &mut Context<'_>,
+    tcp: &mut TcpStream,
+    pending: &mut Bytes,
+    bytes: &mut u64,
+) -> Poll<io::Result<()>> {
+    while !pending.is_empty() {
+        let n = ready!(Pin::new(&mut *tcp).poll_write(cx, pending))?;
+        if n == 0 {
+            return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+        }
+        *bytes += n as u64;
+        if n == pending.len() {
+            // Not `advance`: an emptied `Bytes` still holds its share of
+            // the buffer it came from (h2's read buffer, or a 64 KiB read),
+            // for as long as the connection then stays idle.
+            *pending = Bytes::new();
+        } else {
+            pending.advance(n);
         }
     }
+    Poll::Ready(Ok(()))
 }
 
 /// Why sending on the stream failed: the peer's reset reason, or the
@@ -212,21 +245,7 @@ impl Down {
             return Poll::Ready(Ok(()));
         }
         loop {
-            while !pending.is_empty() {
-                let n = ready!(Pin::new(&mut *tcp).poll_write(cx, pending))?;
-                if n == 0 {
-                    return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
-                }
-                self.bytes += n as u64;
-                if n == pending.len() {
-                    // Not `advance`: an emptied `Bytes` still holds its
-                    // share of h2's read buffer (up to a whole record's
-                    // worth), for as long as the stream then stays idle.
-                    *pending = Bytes::new();
-                } else {
-                    pending.advance(n);
-                }
-            }
+            ready!(poll_write_all(cx, tcp, pending, &mut self.bytes))?;
             if self.eof {
                 ready!(Pin::new(&mut *tcp).poll_shutdown(cx))?;
                 self.done = true;
@@ -253,6 +272,84 @@ impl Down {
                         _ => h2_to_io(e),
                     }));
                 }
+            }
+        }
+    }
+}
+
+/// Moves bytes both ways between two TCP connections until both directions
+/// have ended, honouring half-close (EOF from one side shuts the other's
+/// write half). Returns the bytes `a` → `b` and `b` → `a`.
+pub(crate) async fn relay_tcp(a: &mut TcpStream, b: &mut TcpStream) -> io::Result<(u64, u64)> {
+    let mut a_to_b = TcpToTcp::default();
+    let mut b_to_a = TcpToTcp::default();
+    poll_fn(|cx| {
+        let forward_done = match a_to_b.poll(cx, a, b) {
+            Poll::Ready(Ok(())) => true,
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+            Poll::Pending => false,
+        };
+        let back_done = match b_to_a.poll(cx, b, a) {
+            Poll::Ready(Ok(())) => true,
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+            Poll::Pending => false,
+        };
+        if forward_done && back_done {
+            Poll::Ready(Ok((a_to_b.bytes, b_to_a.bytes)))
+        } else {
+            Poll::Pending
+        }
+    })
+    .await
+}
+
+/// One direction of [`relay_tcp`]: what was read and not yet written is
+/// held (at most one read), and the source is not read again until it has
+/// gone.
+#[derive(Default)]
+pub(super) struct TcpToTcp {
+    pending: Bytes,
+    /// The source said EOF; the destination's write half is shut once
+    /// `pending` is written.
+    eof: bool,
+    done: bool,
+    /// Bytes written to the destination.
+    pub(super) bytes: u64,
+    /// The last read was at least [`BULK`] bytes (see [`poll_read_chunk`]).
+    bulk: bool,
+    own: Option<BytesMut>,
+}
+
+impl TcpToTcp {
+    /// Nothing read and unwritten, and no buffer kept for the next read.
+    #[cfg(test)]
+    pub(super) fn holds_nothing(&self) -> bool {
+        self.pending.is_empty() && self.own.is_none()
+    }
+
+    pub(super) fn poll(
+        &mut self,
+        cx: &mut Context<'_>,
+        from: &mut TcpStream,
+        to: &mut TcpStream,
+    ) -> Poll<io::Result<()>> {
+        if self.done {
+            return Poll::Ready(Ok(()));
+        }
+        loop {
+            ready!(poll_write_all(cx, to, &mut self.pending, &mut self.bytes))?;
+            if self.eof {
+                ready!(Pin::new(&mut *to).poll_shutdown(cx))?;
+                self.done = true;
+                return Poll::Ready(Ok(()));
+            }
+            match ready!(poll_read_chunk(cx, from, self.bulk, &mut self.own)) {
+                Ok(data) if data.is_empty() => self.eof = true,
+                Ok(data) => {
+                    self.bulk = data.len() >= BULK;
+                    self.pending = data;
+                }
+                Err(e) => return Poll::Ready(Err(e)),
             }
         }
     }
