@@ -208,7 +208,7 @@ mod tests {
                 PortList {
                     ports: vec![Port {
                         service_port: 80,
-                        target_port: 0,
+                        ..Default::default()
                     }],
                 },
             )]),
@@ -232,13 +232,14 @@ mod tests {
     #[test]
     fn authorization_wire_layout_matches_istio() {
         use super::istio::security::{
-            Action, Authorization, Group, Match, Rules, StringMatch, string_match,
+            Action, Authorization, Clause, Match, Rule, ServiceAccountMatch, StringMatch,
+            string_match,
         };
         let policy = Authorization {
             name: "p".into(),
             action: Action::Deny as i32,
-            groups: vec![Group {
-                rules: vec![Rules {
+            rules: vec![Rule {
+                clauses: vec![Clause {
                     matches: vec![Match {
                         principals: vec![StringMatch {
                             match_type: Some(string_match::MatchType::Presence(())),
@@ -250,7 +251,7 @@ mod tests {
             }],
             ..Default::default()
         };
-        // name = 1, action = 4 (varint 1), groups = 5 { rules = 1 {
+        // name = 1, action = 4 (varint 1), rules = 5 { clauses = 1 {
         // matches = 2 { principals = 3 { presence = 4 {} },
         // destination_ports = 9 (packed) } } }.
         assert_eq!(
@@ -258,6 +259,19 @@ mod tests {
             [
                 0x0a, 1, b'p', 0x20, 1, 0x2a, 11, 0x0a, 9, 0x12, 7, 0x1a, 2, 0x22, 0, 0x4a, 1, 80
             ]
+        );
+        // service_accounts = 11 { namespace = 1, serviceAccount = 2 }: the
+        // field whose absence made `from.source.serviceAccounts` match all.
+        let by_account = Match {
+            service_accounts: vec![ServiceAccountMatch {
+                namespace: "d".into(),
+                service_account: "s".into(),
+            }],
+            ..Default::default()
+        };
+        assert_eq!(
+            by_account.encode_to_vec(),
+            [0x5a, 6, 0x0a, 1, b'd', 0x12, 1, b's']
         );
     }
 

@@ -60,15 +60,18 @@ fn big_response(workloads: u32, services: u32) -> DeltaDiscoveryResponse {
             addresses: vec![pb::NetworkAddress {
                 network: String::new(),
                 address: [198, 19, (s >> 8) as u8, s as u8].to_vec(),
+                ..Default::default()
             }],
             ports: vec![
                 pb::Port {
                     service_port: 80,
                     target_port: 8080,
+                    ..Default::default()
                 },
                 pb::Port {
                     service_port: 443,
                     target_port: 0,
+                    ..Default::default()
                 },
             ],
             ..Default::default()
@@ -105,10 +108,12 @@ fn big_response(workloads: u32, services: u32) -> DeltaDiscoveryResponse {
                         pb::Port {
                             service_port: 80,
                             target_port: 0,
+                            ..Default::default()
                         },
                         pb::Port {
                             service_port: 443,
                             target_port: 8443,
+                            ..Default::default()
                         },
                     ],
                 },

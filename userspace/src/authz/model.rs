@@ -7,7 +7,7 @@
 //! into these types; the engine evaluates only these.
 //!
 //! Logic, as Istio defines it:
-//! - a policy's [`Rule`]s are OR'd (`groups` in the proto; `rules` in the CRD);
+//! - a policy's [`Rule`]s are OR'd (`rules` in the proto and in the CRD);
 //! - a rule's [`Clause`]s are AND'd (the CRD's `from`, `to`, `when`);
 //! - a clause's [`Match`]es are OR'd (the entries of one `from` or `to` list);
 //! - the fields set inside a [`Match`] are AND'd, the values inside one
@@ -95,13 +95,13 @@ impl fmt::Display for Action {
     }
 }
 
-/// AND of its clauses (`istio.security.Group`).
+/// AND of its clauses (`istio.security.Rule`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Rule {
     pub clauses: Vec<Clause>,
 }
 
-/// OR of its matches (`istio.security.Rules`).
+/// OR of its matches (`istio.security.Clause`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Clause {
     pub matches: Vec<Match>,

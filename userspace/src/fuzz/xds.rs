@@ -40,10 +40,12 @@ fn service() -> Vec<u8> {
             addresses: vec![workload_pb::NetworkAddress {
                 network: String::new(),
                 address: vec![198, 19, 100, 1],
+                ..Default::default()
             }],
             ports: vec![workload_pb::Port {
                 service_port: 80,
                 target_port: 8080,
+                ..Default::default()
             }],
             ..Default::default()
         })),
@@ -60,8 +62,8 @@ fn policy() -> Vec<u8> {
         namespace: "default".into(),
         scope: security_pb::Scope::WorkloadSelector as i32,
         action: security_pb::Action::Allow as i32,
-        groups: vec![security_pb::Group {
-            rules: vec![security_pb::Rules {
+        rules: vec![security_pb::Rule {
+            clauses: vec![security_pb::Clause {
                 matches: vec![security_pb::Match {
                     principals: vec![exact("cluster.local/ns/default/sa/sleep")],
                     source_ips: vec![security_pb::Address {
@@ -74,6 +76,7 @@ fn policy() -> Vec<u8> {
             }],
         }],
         dry_run: false,
+        ..Default::default()
     }
     .encode_to_vec()
 }

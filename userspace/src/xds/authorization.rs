@@ -1,6 +1,6 @@
 //! `istio.security.Authorization` → [`authz::Policy`](crate::authz::Policy).
 //!
-//! The shapes are the same (groups → rules, rules → clauses, matches), so
+//! The shapes are the same (rules, clauses, matches), so
 //! this only checks values: CIDRs, ports, enum values and string matches.
 //! Workload selection is istiod's: it names the policies that bind each
 //! workload in `Workload::authorization_policies`, so `selector` is `None`.
@@ -38,13 +38,13 @@ pub(crate) fn translate(a: pb::Authorization) -> Result<Policy, FieldError> {
             ));
         }
     };
-    let mut rules = Vec::with_capacity(a.groups.len());
-    for (g, group) in a.groups.iter().enumerate() {
-        let mut clauses = Vec::with_capacity(group.rules.len());
-        for (r, rule) in group.rules.iter().enumerate() {
-            let mut matches = Vec::with_capacity(rule.matches.len());
-            for (m, one) in rule.matches.iter().enumerate() {
-                let path = format!("groups[{g}].rules[{r}].matches[{m}]");
+    let mut rules = Vec::with_capacity(a.rules.len());
+    for (g, rule) in a.rules.iter().enumerate() {
+        let mut clauses = Vec::with_capacity(rule.clauses.len());
+        for (r, clause) in rule.clauses.iter().enumerate() {
+            let mut matches = Vec::with_capacity(clause.matches.len());
+            for (m, one) in clause.matches.iter().enumerate() {
+                let path = format!("rules[{g}].clauses[{r}].matches[{m}]");
                 matches.push(translate_match(one).map_err(|e| e.under(&path))?);
             }
             clauses.push(Clause { matches });
@@ -136,9 +136,9 @@ mod tests {
             namespace: "default".into(),
             scope: pb::Scope::WorkloadSelector as i32,
             action: pb::Action::Deny as i32,
-            groups: vec![pb::Group {
-                rules: vec![
-                    pb::Rules {
+            rules: vec![pb::Rule {
+                clauses: vec![
+                    pb::Clause {
                         matches: vec![pb::Match {
                             principals: vec![exact("cluster.local/ns/default/sa/sleep")],
                             source_ips: vec![pb::Address {
@@ -148,7 +148,7 @@ mod tests {
                             ..Default::default()
                         }],
                     },
-                    pb::Rules {
+                    pb::Clause {
                         matches: vec![pb::Match {
                             destination_ports: vec![8080],
                             not_namespaces: vec![pb::StringMatch {
@@ -160,6 +160,7 @@ mod tests {
                 ],
             }],
             dry_run: true,
+            ..Default::default()
         }
     }
 
@@ -198,27 +199,27 @@ mod tests {
     #[test]
     fn errors_name_the_field() {
         let mut p = proto();
-        p.groups[0].rules[0].matches[0].source_ips[0].length = 33;
+        p.rules[0].clauses[0].matches[0].source_ips[0].length = 33;
         let err = translate(p).expect_err("prefix");
         assert_eq!(
             err.field,
-            "groups[0].rules[0].matches[0].source_ips[0].length"
+            "rules[0].clauses[0].matches[0].source_ips[0].length"
         );
         let mut p = proto();
-        p.groups[0].rules[1].matches[0]
+        p.rules[0].clauses[1].matches[0]
             .destination_ports
             .push(65536);
         let err = translate(p).expect_err("port");
         assert_eq!(
             err.field,
-            "groups[0].rules[1].matches[0].destination_ports[1]"
+            "rules[0].clauses[1].matches[0].destination_ports[1]"
         );
         let mut p = proto();
-        p.groups[0].rules[0].matches[0]
+        p.rules[0].clauses[0].matches[0]
             .principals
             .push(pb::StringMatch::default());
         let err = translate(p).expect_err("no match type");
-        assert_eq!(err.field, "groups[0].rules[0].matches[0].principals[1]");
+        assert_eq!(err.field, "rules[0].clauses[0].matches[0].principals[1]");
         let mut p = proto();
         p.action = 7;
         assert_eq!(translate(p).expect_err("action").field, "action");

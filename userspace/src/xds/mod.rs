@@ -141,7 +141,7 @@ impl XdsConfig {
 pub struct ResourceError {
     /// The xDS resource name (or `resources[i]` when it has none).
     pub resource: String,
-    /// The field inside it, as a path (`addresses[0]`, `groups[1].rules[0]`).
+    /// The field inside it, as a path (`addresses[0]`, `rules[1].clauses[0]`).
     pub field: String,
     pub reason: String,
 }

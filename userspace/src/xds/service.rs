@@ -219,20 +219,24 @@ mod tests {
                 pb::NetworkAddress {
                     network: String::new(),
                     address: vec![198, 19, 100, 1],
+                    ..Default::default()
                 },
                 pb::NetworkAddress {
                     network: "net-b".into(),
                     address: vec![198, 19, 100, 2],
+                    ..Default::default()
                 },
             ],
             ports: vec![
                 pb::Port {
                     service_port: 80,
                     target_port: 8080,
+                    ..Default::default()
                 },
                 pb::Port {
                     service_port: 443,
                     target_port: 0,
+                    ..Default::default()
                 },
             ],
             subject_alt_names: vec!["spiffe://cluster.local/ns/default/sa/other".into()],

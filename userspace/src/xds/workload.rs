@@ -41,6 +41,13 @@ pub(crate) fn translate(w: pb::Workload, resource_name: &str) -> Result<Workload
     let tunnel = match pb::TunnelProtocol::try_from(w.tunnel_protocol) {
         Ok(pb::TunnelProtocol::Hbone) => TunnelProtocol::Hbone,
         Ok(pb::TunnelProtocol::None) => TunnelProtocol::None,
+        // ztunnel refuses it the same way: a sidecar's mTLS is not HBONE.
+        Ok(pb::TunnelProtocol::LegacyIstioMtls) => {
+            return Err(FieldError::new(
+                "tunnel_protocol",
+                "LEGACY_ISTIO_MTLS (a sidecar's mTLS) is not supported by a node proxy",
+            ));
+        }
         Err(_) => {
             return Err(FieldError::new(
                 "tunnel_protocol",
@@ -267,6 +274,7 @@ mod tests {
                     ports: vec![pb::Port {
                         service_port: 80,
                         target_port: 8080,
+                        ..Default::default()
                     }],
                 },
             )]),
@@ -452,6 +460,7 @@ mod tests {
                             ports: vec![pb::Port {
                                 service_port: 70000,
                                 target_port: 0,
+                                ..Default::default()
                             }],
                         },
                     );

@@ -439,6 +439,7 @@ pub fn web_backend(
             ports: vec![workload_pb::Port {
                 service_port: 80,
                 target_port: 0,
+                ..Default::default()
             }],
         },
     );
@@ -457,10 +458,12 @@ pub fn web_service(vip: [u8; 4]) -> workload_pb::Service {
         addresses: vec![workload_pb::NetworkAddress {
             network: String::new(),
             address: vip.to_vec(),
+            ..Default::default()
         }],
         ports: vec![workload_pb::Port {
             service_port: 80,
             target_port: 8080,
+            ..Default::default()
         }],
         ..Default::default()
     }
@@ -480,8 +483,8 @@ pub fn principal_policy(
         namespace: "default".into(),
         scope: scope as i32,
         action: action as i32,
-        groups: vec![security_pb::Group {
-            rules: vec![security_pb::Rules {
+        rules: vec![security_pb::Rule {
+            clauses: vec![security_pb::Clause {
                 matches: vec![security_pb::Match {
                     principals: vec![security_pb::StringMatch {
                         match_type: Some(security_pb::string_match::MatchType::Exact(
@@ -494,5 +497,6 @@ pub fn principal_policy(
             }],
         }],
         dry_run: false,
+        ..Default::default()
     }
 }
