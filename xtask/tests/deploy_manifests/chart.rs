@@ -1,7 +1,10 @@
-//! deploy/helm/shunt: rendered (helm.rs) with its default values it is
-//! deploy/ (`kustomize build deploy/`), with its Istio values it is
-//! deploy/istio/, object for object as the typed structs see them; its
-//! values are named like Istio's ztunnel chart's and each does what it says.
+//! deploy/helm/shunt, rendered by the real Helm (helm.rs): with its default
+//! values it is deploy/ (`kubectl kustomize deploy/`), with its Istio values
+//! it is deploy/istio/, object for object as the typed structs see them
+//! (less the chart's `checksum/config` annotation, which kustomize has no
+//! way to compute); every rendering validates against the Kubernetes schemas
+//! (schemas.rs); its values are named like Istio's ztunnel chart's, each
+//! does what it says, and values.schema.json refuses the rest.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -13,7 +16,7 @@ use serde_json::Value;
 use super::{
     HELM_CHART, Object, agent_container, check_args, check_rbac, check_rolling_update,
     config_maps_in, daemonset_in, effective_agent_args, helm, istio, kustomize, pod_spec, read,
-    root,
+    root, schemas,
 };
 
 fn chart_dir() -> PathBuf {
@@ -21,18 +24,54 @@ fn chart_dir() -> PathBuf {
 }
 
 /// `helm template shunt deploy/helm/shunt -n NAMESPACE -f FILE… --set …`,
-/// parsed strictly into the typed objects.
+/// validated against the supported releases' schemas and parsed strictly
+/// into the typed objects.
 fn render(namespace: &str, value_files: &[&str], sets: &[&str]) -> Vec<Object> {
     let files: Vec<PathBuf> = value_files.iter().map(|f| chart_dir().join(f)).collect();
     let files: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
     let rendered = helm::template(&chart_dir(), "shunt", namespace, &files, sets)
         .unwrap_or_else(|e| panic!("rendering deploy/{HELM_CHART}: {e}"));
+    let all: String = rendered.iter().map(|r| r.text.as_str()).collect();
+    schemas::assert_valid(
+        &all,
+        &format!("helm template deploy/{HELM_CHART} {value_files:?} {sets:?}"),
+    );
     rendered
         .iter()
         .flat_map(|r| {
             kustomize::parse_stream(&r.text, &format!("deploy/{HELM_CHART}/{}", r.template))
         })
         .collect()
+}
+
+/// The chart's `checksum/config` annotation on the DaemonSet's pods: what
+/// makes a settings change roll it.
+const CONFIG_CHECKSUM: &str = "checksum/config";
+
+fn config_checksum(objects: &[Object]) -> String {
+    daemonset_in(objects)
+        .spec
+        .and_then(|s| s.template.metadata)
+        .and_then(|m| m.annotations)
+        .and_then(|a| a.get(CONFIG_CHECKSUM).cloned())
+        .unwrap_or_else(|| panic!("the DaemonSet's pods carry no {CONFIG_CHECKSUM}"))
+}
+
+/// The chart's objects less the annotation kustomize cannot compute.
+fn without_config_checksum(mut objects: Vec<Object>) -> Vec<Object> {
+    for object in &mut objects {
+        if let Object::DaemonSet(ds) = object {
+            let annotations = ds
+                .spec
+                .as_mut()
+                .and_then(|s| s.template.metadata.as_mut())
+                .and_then(|m| m.annotations.as_mut());
+            if let Some(annotations) = annotations {
+                annotations.remove(CONFIG_CHECKSUM);
+            }
+        }
+    }
+    objects
 }
 
 /// Where two objects differ, as JSON paths with both values.
@@ -81,6 +120,7 @@ pub fn diff(expected: &Object, found: &Object) -> String {
 /// stores the release there first), so README.md and the chart's README
 /// say how to create and label it.
 fn assert_same_objects(kustomized: Vec<Object>, charted: Vec<Object>, what: &str) {
+    let charted = without_config_checksum(charted);
     let expected: BTreeMap<_, _> = kustomized
         .into_iter()
         .filter(|o| !matches!(o, Object::Namespace(_)))
@@ -313,85 +353,132 @@ fn chart_values_do_what_they_say() {
     }
 }
 
-// ------------------------------------------------- the renderer itself
+// ------------------------------------------- what real Helm makes of it
 
-fn render_text(template: &str, values: &str, sets: &[&str]) -> Result<String, String> {
-    static COUNT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let dir = std::env::temp_dir().join(format!("shunt-chart-test-{}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(dir.join("templates")).expect("temp chart");
-    std::fs::write(dir.join("values.yaml"), values).expect("values");
-    std::fs::write(dir.join("templates/t.yaml"), template).expect("template");
-    std::fs::write(
-        dir.join("templates/_h.tpl"),
-        "{{- define \"h.name\" -}}\n{{ .Values.name | default \"none\" }}\n{{- end }}\n",
-    )
-    .expect("helpers");
-    let result = helm::template(&dir, "r", "ns", &[], sets).map(|mut r| {
-        assert_eq!(r.len(), 1, "_h.tpl renders nothing");
-        r.remove(0).text
-    });
-    let _ = std::fs::remove_dir_all(&dir);
-    result
+#[test]
+fn chart_lints_strictly() {
+    let istio = chart_dir().join("values-istio.yaml");
+    for files in [vec![], vec![istio.as_path()]] {
+        helm::lint(&chart_dir(), &files).unwrap_or_else(|e| panic!("helm lint {files:?}: {e}"));
+    }
+}
+
+/// A values file in the chart's directory's temp sibling, as an operator
+/// writes one.
+fn values_file(name: &str, text: &str) -> PathBuf {
+    let path =
+        std::env::temp_dir().join(format!("shunt-values-{}-{name}.yaml", std::process::id()));
+    std::fs::write(&path, text).expect("writing a values file");
+    path
+}
+
+fn render_error(files: &[&Path], sets: &[&str]) -> String {
+    match helm::template(&chart_dir(), "shunt", "shunt-system", files, sets) {
+        Ok(_) => panic!("helm template {files:?} {sets:?} rendered; it must fail"),
+        Err(e) => e,
+    }
 }
 
 #[test]
-fn the_renderer_follows_helm_for_the_subset_the_chart_uses() {
-    let ok = |t: &str, v: &str| render_text(t, v, &[]).unwrap_or_else(|e| panic!("{t}: {e}"));
-    // Values, release, trimming, comments.
-    assert_eq!(
-        ok("a: {{ .Values.x }}\nb: {{ .Release.Namespace }}", "x: 1"),
-        "a: 1\nb: ns"
-    );
-    assert_eq!(ok("a:\n  {{- /* c */ -}}\n  b", ""), "a:b");
-    assert_eq!(ok("a: {{ .Values.missing }}.", "{}"), "a: .");
-    // if / else if / else with Go's truth.
-    let branch = "{{ if .Values.a }}A{{ else if .Values.b }}B{{ else }}C{{ end }}";
-    assert_eq!(ok(branch, "a: x\nb: true"), "A");
-    assert_eq!(ok(branch, "a: \"\"\nb: true"), "B");
-    assert_eq!(ok(branch, "a: 0\nb: {}"), "C");
-    assert_eq!(ok("{{ if not .Values.a }}n{{ end }}", "a: []"), "n");
-    // Functions and pipelines.
-    assert_eq!(ok("{{ .Values.s | quote }}", "s: \"on\""), "\"on\"");
-    assert_eq!(ok("{{ .Values.s | default \"d\" }}", "s: \"\""), "d");
-    assert_eq!(ok("{{ contains \"/\" .Values.s }}", "s: a/b"), "true");
-    assert_eq!(
-        ok("x:{{ toYaml .Values.m | nindent 2 }}", "m: {b: 1, a: [x]}"),
-        "x:\n  a:\n  - x\n  b: 1"
-    );
-    assert_eq!(ok("{{ include \"h.name\" . }}|", "name: n"), "n|");
-    assert_eq!(
-        ok(
-            "{{ range $k, $v := .Values.m }}{{ $k }}={{ $v }};{{ end }}",
-            "m: {b: 2, a: 1}"
-        ),
-        "a=1;b=2;"
-    );
-    // Value files and --set.
-    assert_eq!(
-        render_text(
-            "{{ .Values.a.b }}{{ .Values.c }}",
-            "a: {b: 1}\nc: x",
-            &["a.b=true", "c=7"]
-        )
-        .expect("set"),
-        "true7"
-    );
-    // Outside the subset, or wrong: an error naming it, never other output.
-    for (template, needle) in [
-        ("{{ with .Values.a }}x{{ end }}", "with"),
-        ("{{ tpl .Values.a . }}", "tpl"),
-        ("{{ .Values.a.b.c }}", "nil pointer"),
-        ("{{ .Values.m }}", "toYaml"),
-        ("{{ if .Values.a }}", "without"),
-        ("{{ end }}", "without"),
-        ("{{ .Values.a", "unclosed"),
+fn a_values_typo_or_a_wrong_type_fails_helm_template() {
+    // Unknown keys: a typo, values of other charts' shapes.
+    for (set, key) in [
+        ("istio.enable=true", "enable"),
+        ("proxy=ztunnel", "proxy"),
+        ("logLevl=debug", "logLevl"),
+        ("multiCluster.name=east", "name"),
     ] {
-        let err = render_text(template, "a: {}\nm: {k: v}", &[]).expect_err(template);
-        assert!(
-            err.contains(needle) && err.contains("templates/t.yaml"),
-            "{template}: {err}"
+        let err = render_error(&[], &[set]);
+        assert!(err.contains(key), "--set {set}: {err}");
+    }
+    // Wrong types and values, as a values file says them (YAML 1.1).
+    for (text, needle) in [
+        ("tag: 1.10\n", "/tag"),
+        ("redirect: bpf\n", "/redirect"),
+        ("logAsJson: \"yes\"\n", "/logAsJson"),
+        ("imagePullPolicy: always\n", "/imagePullPolicy"),
+        ("extraArgs: [\"dns-capture=on\"]\n", "/extraArgs"),
+    ] {
+        let file = values_file("bad", text);
+        let err = render_error(&[file.as_path()], &[]);
+        let _ = std::fs::remove_file(&file);
+        assert!(err.contains(needle), "{text:?}: {err}");
+    }
+}
+
+#[test]
+fn bare_on_off_in_a_values_file_render_as_the_words_the_agent_takes() {
+    // YAML 1.1: Helm reads `off` as false and `on` as true.
+    let file = values_file("onoff", "capture: off\nsplice: on\n");
+    let objects = render("shunt-system", &[file.to_str().expect("utf-8 path")], &[]);
+    let _ = std::fs::remove_file(&file);
+    let maps = config_maps_in(&objects);
+    let data = maps
+        .iter()
+        .find(|m| m.metadata.name.as_deref() == Some("shunt-config"))
+        .and_then(|m| m.data.clone())
+        .expect("shunt-config");
+    assert_eq!(data.get("capture").map(String::as_str), Some("off"));
+    assert_eq!(data.get("splice").map(String::as_str), Some("on"));
+}
+
+#[test]
+fn a_settings_change_rolls_the_daemonset() {
+    let base = config_checksum(&render("shunt-system", &[], &[]));
+    assert_eq!(
+        base,
+        config_checksum(&render("shunt-system", &[], &[])),
+        "the same values, the same pods"
+    );
+    for set in [
+        "logLevel=debug",
+        "redirect=iptables",
+        "splice=on",
+        "capture=off",
+    ] {
+        assert_ne!(
+            base,
+            config_checksum(&render("shunt-system", &[], &[set])),
+            "--set {set} must change the pod template (or nothing rolls)"
         );
     }
+}
+
+#[test]
+fn operator_values_reach_the_pods() {
+    let objects = render(
+        "shunt-system",
+        &[],
+        &[
+            "imagePullSecrets[0].name=regcred",
+            "affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].key=mesh",
+            "affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].operator=Exists",
+            "extraArgs[0]=--dns-capture=on",
+            "tag=",
+            "global.hub=registry.example",
+            "global.tag=1.10",
+        ],
+    );
+    let spec = pod_spec(&daemonset_in(&objects));
+    let secrets: Vec<String> = spec
+        .image_pull_secrets
+        .iter()
+        .flatten()
+        .map(|s| s.name.clone())
+        .collect();
+    assert_eq!(secrets, ["regcred"]);
+    assert!(
+        spec.affinity
+            .as_ref()
+            .and_then(|a| a.node_affinity.as_ref())
+            .is_some(),
+        "affinity rendered"
+    );
+    let agent = agent_container(&spec);
+    assert!(
+        agent.args.iter().flatten().any(|a| a == "--dns-capture=on"),
+        "{:?}",
+        agent.args
+    );
+    assert_eq!(agent.image.as_deref(), Some("registry.example/shunt:1.10"));
 }

@@ -1,37 +1,42 @@
-//! What `kubectl apply -k` applies: kustomize (the pinned release that
-//! `cargo xtask setup` links at `.tools/kustomize`) run on a directory of
-//! deploy/, its output parsed strictly into the typed objects.
+//! What `kubectl apply -k` applies: `kubectl kustomize` (kubectl's built-in
+//! kustomize, the pinned kubectl that `cargo xtask setup` links at
+//! `.tools/kubectl`) run on a directory of deploy/, its output validated
+//! against the Kubernetes schemas (schemas.rs) and parsed strictly into the
+//! typed objects.
 
 use std::process::Command;
 
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{Object, parse_object, root};
+use super::{Object, parse_object, root, schemas};
 
-/// The objects `kustomize build deploy/<dir>` builds, in its order.
+/// The objects `kubectl kustomize deploy/<dir>` builds, in its order,
+/// each valid against every supported Kubernetes release's schema.
 pub fn build(dir: &str) -> Vec<Object> {
     let path = root().join("deploy").join(dir);
-    let kustomize = root().join(".tools/kustomize");
-    let output = Command::new(&kustomize)
-        .arg("build")
+    let kubectl = root().join(".tools/kubectl");
+    let output = Command::new(&kubectl)
+        .arg("kustomize")
         .arg(&path)
         .output()
         .unwrap_or_else(|e| {
             panic!(
-                "running `{} build {}`: {e} (run `cargo xtask setup`, which installs it)",
-                kustomize.display(),
+                "running `{} kustomize {}`: {e} (run `cargo xtask setup`, which installs it)",
+                kubectl.display(),
                 path.display()
             )
         });
     assert!(
         output.status.success(),
-        "kustomize build {}: {}",
+        "kubectl kustomize {}: {}",
         path.display(),
         String::from_utf8_lossy(&output.stderr)
     );
-    let text = String::from_utf8(output.stdout).expect("kustomize prints UTF-8");
-    parse_stream(&text, &format!("kustomize build deploy/{dir}"))
+    let text = String::from_utf8(output.stdout).expect("kubectl prints UTF-8");
+    let what = format!("kubectl kustomize deploy/{dir}");
+    schemas::assert_valid(&text, &what);
+    parse_stream(&text, &what)
 }
 
 /// Every object of a multi-document YAML stream, parsed strictly; panics
