@@ -1178,8 +1178,22 @@ fn check_agent_needs(objects: &[Object]) {
     }
 
     // The mesh's CA: the same Secret on every node (the one `cargo xtask
-    // run` creates), at --ca-dir.
-    if args["--ca"] == "builtin" {
+    // run` creates), at --ca-dir; none beside ztunnel, which gets its
+    // certificates from istiod (shunt's CA is never built in that mode, and a
+    // Secret nobody creates would keep the pods ContainerCreating).
+    if args.get("--proxy").is_some_and(|p| p == "ztunnel") {
+        let secrets: Vec<&str> = spec
+            .volumes
+            .iter()
+            .flatten()
+            .filter_map(|v| v.secret.as_ref())
+            .filter_map(|s| s.secret_name.as_deref())
+            .collect();
+        assert!(
+            secrets.is_empty(),
+            "--proxy ztunnel mounts no Secret: {secrets:?}"
+        );
+    } else if args["--ca"] == "builtin" {
         let ca_dir = &args["--ca-dir"];
         let mount = agent
             .volume_mounts

@@ -173,6 +173,15 @@ fn chart_with_istio_values_renders_the_istio_overlay() {
 }
 
 #[test]
+fn chart_with_proxy_ztunnel_renders_the_ztunnel_overlay() {
+    assert_same_objects(
+        kustomize::build(super::ZTUNNEL_OVERLAY),
+        render("shunt-system", &[], &["proxy=ztunnel"]),
+        "--set proxy=ztunnel vs deploy/ztunnel/",
+    );
+}
+
+#[test]
 fn chart_readme_says_how_to_create_the_namespace_it_does_not_render() {
     let readme = read(&format!("deploy/{HELM_CHART}/README.md"));
     assert!(readme.contains("pod-security.kubernetes.io/enforce=privileged"));
@@ -384,7 +393,7 @@ fn a_values_typo_or_a_wrong_type_fails_helm_template() {
     // Unknown keys: a typo, values of other charts' shapes.
     for (set, key) in [
         ("istio.enable=true", "enable"),
-        ("proxy=ztunnel", "proxy"),
+        ("proxy=sidecar", "proxy"),
         ("logLevl=debug", "logLevl"),
         ("multiCluster.name=east", "name"),
     ] {
