@@ -42,8 +42,8 @@ use k8s_openapi::{
     api::{
         apps::v1::{DaemonSet, Deployment},
         core::v1::{
-            ConfigMap, Container, EnvVar, Namespace, PodSpec, Service, ServiceAccount, Volume,
-            VolumeMount,
+            ConfigMap, Container, EnvVar, Namespace, PodSpec, ResourceQuota, Service,
+            ServiceAccount, Volume, VolumeMount,
         },
         rbac::v1::{ClusterRole, ClusterRoleBinding},
     },
@@ -186,6 +186,7 @@ enum Object {
     Deployment(Deployment),
     ClusterRole(ClusterRole),
     ClusterRoleBinding(ClusterRoleBinding),
+    ResourceQuota(ResourceQuota),
 }
 
 fn is<T: Resource>(api_version: &str, kind: &str) -> bool {
@@ -212,6 +213,8 @@ fn parse_object(value: &Value) -> Result<Object, String> {
         Object::ClusterRole(strict(value)?)
     } else if is::<ClusterRoleBinding>(v, k) {
         Object::ClusterRoleBinding(strict(value)?)
+    } else if is::<ResourceQuota>(v, k) {
+        Object::ResourceQuota(strict(value)?)
     } else {
         return Err(format!(
             "{api_version}/{kind} is not a kind this test knows; add it to `Object`"
@@ -577,6 +580,7 @@ fn kustomizations_list_exactly_their_manifests() {
                     Object::Service(o) => (&o.metadata, true),
                     Object::DaemonSet(o) => (&o.metadata, true),
                     Object::Deployment(o) => (&o.metadata, true),
+                    Object::ResourceQuota(o) => (&o.metadata, true),
                 };
                 if namespaced {
                     assert_eq!(

@@ -86,6 +86,7 @@ pub fn diff(expected: &Object, found: &Object) -> String {
             Object::Deployment(o) => serde_json::to_value(o),
             Object::ClusterRole(o) => serde_json::to_value(o),
             Object::ClusterRoleBinding(o) => serde_json::to_value(o),
+            Object::ResourceQuota(o) => serde_json::to_value(o),
         }
         .expect("objects serialise")
     }
@@ -490,4 +491,40 @@ fn operator_values_reach_the_pods() {
         agent.args
     );
     assert_eq!(agent.image.as_deref(), Some("registry.example/shunt:1.10"));
+}
+
+#[test]
+fn the_gke_quota_admits_the_agents_priority_class() {
+    let without = render("istio-system", &["values-istio.yaml"], &[]);
+    assert!(
+        !without
+            .iter()
+            .any(|o| matches!(o, Object::ResourceQuota(_))),
+        "no quota unless asked"
+    );
+    let objects = render(
+        "istio-system",
+        &["values-istio.yaml"],
+        &["resourceQuotas.enabled=true"],
+    );
+    let quota = objects
+        .iter()
+        .find_map(|o| match o {
+            Object::ResourceQuota(q) => Some(q.clone()),
+            _ => None,
+        })
+        .expect("resourceQuotas.enabled renders a ResourceQuota");
+    let spec = quota.spec.expect("spec");
+    let scope = spec
+        .scope_selector
+        .and_then(|s| s.match_expressions)
+        .unwrap_or_default();
+    let priority = pod_spec(&daemonset_in(&objects)).priority_class_name;
+    assert_eq!(scope.len(), 1);
+    assert_eq!(scope[0].scope_name, "PriorityClass");
+    assert_eq!(
+        scope[0].values.clone().unwrap_or_default(),
+        [priority.unwrap_or_default()]
+    );
+    assert_eq!(quota.metadata.namespace.as_deref(), Some("istio-system"));
 }

@@ -69,6 +69,7 @@ pub fn key(object: &Object) -> (String, String, String) {
         Object::Deployment(o) => ("Deployment", &o.metadata),
         Object::ClusterRole(o) => ("ClusterRole", &o.metadata),
         Object::ClusterRoleBinding(o) => ("ClusterRoleBinding", &o.metadata),
+        Object::ResourceQuota(o) => ("ResourceQuota", &o.metadata),
     };
     (
         kind.to_string(),
