@@ -17,8 +17,8 @@ use crate::{
         config_dump::{
             ApplicationTunnelDump, CertDump, CertsDump, ConfigDump, EndpointDump, EnrolledDump,
             GatewayDump, LoadBalancerDump, LocalityDump, MatchDump, NodeDump, Origin, PolicyDump,
-            PolicyExtra, ServiceDump, SourcesDump, StringMatchDump, WorkloadDump, WorkloadExtra,
-            WorkloadInfoDump, WorkloadStateDump,
+            PolicyExtra, ServiceAccountDump, ServiceDump, SourcesDump, StringMatchDump,
+            WorkloadDump, WorkloadExtra, WorkloadInfoDump, WorkloadStateDump,
         },
     },
     authz::{Action, Match, Policy, PolicySet, Scope, StringMatch},
@@ -408,10 +408,20 @@ fn policy(p: &Policy, origin: &dyn Fn(&str, &str) -> Origin) -> PolicyDump {
 
 fn match_dump(m: &Match) -> MatchDump {
     let strings = |v: &[StringMatch]| v.iter().map(string_match).collect();
+    let accounts = |v: &[crate::authz::ServiceAccount]| {
+        v.iter()
+            .map(|a| ServiceAccountDump {
+                namespace: a.namespace.clone(),
+                service_account: a.name.clone(),
+            })
+            .collect()
+    };
     let cidrs = |v: &[crate::authz::Cidr]| v.iter().map(ToString::to_string).collect();
     MatchDump {
         namespaces: strings(&m.namespaces),
         not_namespaces: strings(&m.not_namespaces),
+        service_accounts: accounts(&m.service_accounts),
+        not_service_accounts: accounts(&m.not_service_accounts),
         principals: strings(&m.principals),
         not_principals: strings(&m.not_principals),
         source_ips: cidrs(&m.source_ips),

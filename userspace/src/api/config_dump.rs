@@ -233,6 +233,10 @@ pub struct MatchDump {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub not_namespaces: Vec<StringMatchDump>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub service_accounts: Vec<ServiceAccountDump>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub not_service_accounts: Vec<ServiceAccountDump>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub principals: Vec<StringMatchDump>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub not_principals: Vec<StringMatchDump>,
@@ -248,6 +252,14 @@ pub struct MatchDump {
     pub destination_ports: Vec<u16>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub not_destination_ports: Vec<u16>,
+}
+
+/// `{"namespace": "ns", "serviceAccount": "sa"}`, as ztunnel writes it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceAccountDump {
+    pub namespace: String,
+    pub service_account: String,
 }
 
 /// `{"Exact": "v"}`, `{"Prefix": "v"}`, `{"Suffix": "v"}` or

@@ -10,8 +10,12 @@
 //! - what a node proxy cannot see (L7: `hosts`, `methods`, `paths`, request
 //!   principals, `remoteIpBlocks`, `when` keys other than `source.ip`,
 //!   `source.namespace`, `source.principal`, `destination.ip`,
-//!   `destination.port`): an ALLOW rule needing it matches nothing, a DENY
-//!   rule is applied without it — both err towards denying; each policy so
+//!   `destination.port`): an ALLOW rule needing it matches nothing; a DENY
+//!   rule is applied without it, exactly as istiod sends it: a `to`/`from`
+//!   entry or `when` condition left with no L4 attribute becomes an empty
+//!   match, which matches nothing (ztunnel skips it), so such a DENY rule
+//!   denies *less* than written, not more (istiod's "more restrictive"
+//!   warning notwithstanding; see docs/authz.md); each policy so
 //!   translated carries a note, for one log line;
 //! - `AUDIT`, `CUSTOM` and `targetRef(s)` policies are for other
 //!   enforcement points (waypoints, ext-authz): skipped, with the reason.
@@ -30,7 +34,7 @@ use raw::{RawCondition, RawOperation, RawPolicy, RawPort, RawRule, RawSource};
 
 use super::{
     ROOT_NAMESPACE,
-    model::{Action, Cidr, Clause, Match, Policy, Rule, Scope, StringMatch},
+    model::{Action, Cidr, Clause, Match, Policy, Rule, Scope, ServiceAccount, StringMatch},
 };
 
 /// The API versions whose `AuthorizationPolicy` has this schema.
@@ -83,9 +87,12 @@ pub struct PolicyError {
     /// - `AUDIT` and `CUSTOM` are not enforced by a node proxy: `None`.
     ///
     /// The scope is the policy's own when its selector is readable; with a
-    /// broken or empty selector it widens to the policy's namespace (the
-    /// whole mesh in the root namespace), a superset of what it could have
-    /// selected.
+    /// broken or empty selector it becomes the policy's namespace (a
+    /// superset of what it could have selected there). In the root
+    /// namespace, where a selector picks workloads of every namespace, a
+    /// broken selector confines the stand-in to the root namespace's own
+    /// workloads: a broken policy never becomes a mesh-wide deny unless it
+    /// was written mesh-wide (no selector in the root namespace).
     pub stand_in: Option<Box<Policy>>,
 }
 
@@ -141,6 +148,8 @@ struct Peek {
     namespace: String,
     action: Option<String>,
     selector: Option<BTreeMap<String, String>>,
+    /// `spec.selector` is there, readable or not.
+    has_selector: bool,
     dry_run: bool,
 }
 
@@ -166,6 +175,7 @@ impl Peek {
                 .unwrap_or_else(|| default_namespace.to_owned()),
             action: text(spec.and_then(|s| s.get("action"))),
             selector,
+            has_selector: spec.and_then(|s| s.get("selector")).is_some(),
             dry_run,
         }
     }
@@ -197,7 +207,12 @@ impl Peek {
         };
         let (scope, selector) = match &self.selector {
             Some(labels) => (Scope::WorkloadSelector, Some(labels.clone())),
-            None if self.namespace == ROOT_NAMESPACE => (Scope::Global, None),
+            // Written mesh-wide: its own scope.
+            None if self.namespace == ROOT_NAMESPACE && !self.has_selector => (Scope::Global, None),
+            // A selector that cannot be read: its namespace's workloads.
+            // In the root namespace that is the root namespace's own, never
+            // the whole mesh (what a broken policy meant to select is
+            // unknown, and a mesh-wide outage is not its own scope).
             None => (Scope::Namespace, None),
         };
         Some(Policy {
@@ -327,9 +342,8 @@ impl Translator<'_> {
         }
         for (j, when) in raw.when.unwrap_or_default().into_iter().enumerate() {
             let at = format!("{at}.when[{j}]");
-            if let Some(m) = self.condition(&at, when, &mut l7)? {
-                clauses.push(Clause { matches: vec![m] });
-            }
+            let m = self.condition(&at, when, &mut l7)?;
+            clauses.push(Clause { matches: vec![m] });
         }
         if l7.is_empty() {
             return Ok(Some(Rule { clauses }));
@@ -344,7 +358,7 @@ impl Translator<'_> {
             }
             Action::Deny => {
                 notes.push(format!(
-                    "{at} needs attributes a node proxy cannot see ({what}): this DENY rule is applied without them"
+                    "{at} needs attributes a node proxy cannot see ({what}): this DENY rule is applied without them, and an entry left with no L4 attribute matches nothing (as ztunnel reads istiod's translation)"
                 ));
                 Some(Rule { clauses })
             }
@@ -400,33 +414,31 @@ impl Translator<'_> {
                 "cannot be set together with principals or namespaces".into(),
             ));
         }
-        let mut principals = self.strings(&format!("{at}.principals"), &src.principals)?;
-        let mut not_principals =
-            self.strings(&format!("{at}.notPrincipals"), &src.not_principals)?;
-        principals.extend(self.accounts(&format!("{at}.serviceAccounts"), &src.service_accounts)?);
-        not_principals.extend(self.accounts(
-            &format!("{at}.notServiceAccounts"),
-            &src.not_service_accounts,
-        )?);
         Ok(Match {
             namespaces: self.strings(&format!("{at}.namespaces"), &src.namespaces)?,
             not_namespaces: self.strings(&format!("{at}.notNamespaces"), &src.not_namespaces)?,
-            principals,
-            not_principals,
+            service_accounts: self
+                .accounts(&format!("{at}.serviceAccounts"), &src.service_accounts)?,
+            not_service_accounts: self.accounts(
+                &format!("{at}.notServiceAccounts"),
+                &src.not_service_accounts,
+            )?,
+            principals: self.strings(&format!("{at}.principals"), &src.principals)?,
+            not_principals: self.strings(&format!("{at}.notPrincipals"), &src.not_principals)?,
             source_ips: self.cidrs(&format!("{at}.ipBlocks"), &src.ip_blocks)?,
             not_source_ips: self.cidrs(&format!("{at}.notIpBlocks"), &src.not_ip_blocks)?,
             ..Default::default()
         })
     }
 
-    /// A `when` condition: a match for the L4 keys, `None` (and a note) for
-    /// the others.
+    /// A `when` condition: a match for the L4 keys, an empty one (which
+    /// matches nothing) and a note for the others.
     fn condition(
         &self,
         at: &str,
         when: RawCondition,
         l7: &mut Vec<String>,
-    ) -> Result<Option<Match>, PolicyError> {
+    ) -> Result<Match, PolicyError> {
         if when.values.is_empty() && when.not_values.is_empty() {
             return Err(self.peek.error(
                 &format!("{at}.values"),
@@ -442,7 +454,9 @@ impl Translator<'_> {
                 ));
             }
             l7.push(format!("{at} (key {key})"));
-            return Ok(None);
+            // istiod sends such a condition as an empty match, which
+            // ztunnel skips: the rule it is in never matches.
+            return Ok(Match::default());
         }
         let (pos, neg) = (format!("{at}.values"), format!("{at}.notValues"));
         let mut m = Match::default();
@@ -469,7 +483,7 @@ impl Translator<'_> {
                 m.not_principals = self.strings(&neg, &when.not_values)?;
             }
         }
-        Ok(Some(m))
+        Ok(m)
     }
 
     fn strings(&self, at: &str, values: &[String]) -> Result<Vec<StringMatch>, PolicyError> {
@@ -496,20 +510,24 @@ impl Translator<'_> {
             .collect()
     }
 
-    /// `namespace/serviceaccount` → the principals of that account in any
-    /// trust domain (`*/ns/<namespace>/sa/<account>`).
-    fn accounts(&self, at: &str, values: &[String]) -> Result<Vec<StringMatch>, PolicyError> {
+    /// `namespace/account`, or a bare `account` of the policy's own
+    /// namespace (as istiod reads them) → the model's service accounts,
+    /// matched in any trust domain.
+    fn accounts(&self, at: &str, values: &[String]) -> Result<Vec<ServiceAccount>, PolicyError> {
         values
             .iter()
             .enumerate()
-            .map(|(i, v)| match v.split_once('/') {
-                Some((ns, sa)) if !ns.is_empty() && !sa.is_empty() && !sa.contains('/') => {
-                    Ok(StringMatch::Suffix(format!("/ns/{ns}/sa/{sa}")))
+            .map(|(i, v)| {
+                let (ns, sa) = v
+                    .split_once('/')
+                    .unwrap_or((self.peek.namespace.as_str(), v.as_str()));
+                if ns.is_empty() || sa.is_empty() || sa.contains('/') {
+                    return Err(self.peek.error(
+                        &format!("{at}[{i}]"),
+                        format!("{v:?} is not `namespace/serviceaccount` or `serviceaccount`"),
+                    ));
                 }
-                _ => Err(self.peek.error(
-                    &format!("{at}[{i}]"),
-                    format!("{v:?} is not `namespace/serviceaccount`"),
-                )),
+                Ok(ServiceAccount::new(ns, sa))
             })
             .collect()
     }

@@ -472,23 +472,16 @@ spec:
     let (deny, notes) = ok(&text("DENY"));
     assert_eq!(deny.rules.len(), 2);
     assert!(notes[0].contains("applied without them"), "{notes:?}");
-    // The L7 rule now denies every connection from sleep, whatever method.
-    assert!(!allowed(
-        std::slice::from_ref(&deny),
-        "foo",
-        &[],
-        "198.18.1.2",
-        Some(SLEEP),
-        "198.18.2.3:80"
-    ));
-    assert!(allowed(
-        &[deny],
-        "foo",
-        &[],
-        "198.18.1.2",
-        Some(FOO),
-        "198.18.2.3:80"
-    ));
+    // As istiod translates it for ztunnel: the `to` of only `methods` and
+    // the L7 `when` become empty matches, which ztunnel skips, so the first
+    // rule denies nothing (not "every connection from sleep").
+    assert_eq!(deny.rules[0].clauses.len(), 3, "{deny:?}");
+    assert!(deny.rules[0].clauses[0].matches[0].is_empty());
+    assert!(deny.rules[0].clauses[2].matches[0].is_empty());
+    let deny = [deny];
+    let check = |dst: &str| allowed(&deny, "foo", &[], "198.18.1.2", Some(SLEEP), dst);
+    assert!(check("198.18.2.3:80"), "the L7 rule denies nothing");
+    assert!(!check("198.18.2.3:9000"), "the L4 rule denies");
 }
 
 #[test]
@@ -590,8 +583,48 @@ spec:
 }
 
 #[test]
-fn service_accounts_become_principals() {
+fn service_accounts_as_istiod_sends_them() {
     let (p, _) = ok("
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: sa, namespace: foo}
+spec:
+  rules:
+  - from:
+    - source: {serviceAccounts: [default/sleep, client]}
+    - source: {notServiceAccounts: [dev/tester]}
+");
+    // The model istiod's xDS carries: service accounts, not principals; a
+    // bare account is of the policy's namespace.
+    let from = &p.rules[0].clauses[0].matches;
+    assert_eq!(
+        from[0].service_accounts,
+        [
+            ServiceAccount::new("default", "sleep"),
+            ServiceAccount::new("foo", "client")
+        ]
+    );
+    assert!(from[0].principals.is_empty());
+    assert_eq!(
+        from[1].not_service_accounts,
+        [ServiceAccount::new("dev", "tester")]
+    );
+    let p = [p];
+    let check =
+        |identity: Option<&str>| allowed(&p, "foo", &[], "198.18.1.2", identity, "198.18.2.3:80");
+    assert!(check(Some(SLEEP)));
+    assert!(
+        check(Some("spiffe://example.org/ns/default/sa/sleep")),
+        "any trust domain"
+    );
+    assert!(
+        check(Some(FOO)),
+        "a bare account is the policy's namespace's"
+    );
+    assert!(!check(Some(DEV)), "neither source admits dev/tester");
+    assert!(check(None), "plaintext passes notServiceAccounts alone");
+
+    let (only, _) = ok("
 apiVersion: security.istio.io/v1
 kind: AuthorizationPolicy
 metadata: {name: sa, namespace: foo}
@@ -600,23 +633,31 @@ spec:
   - from:
     - source: {serviceAccounts: [default/sleep]}
 ");
-    let p = [p];
-    assert!(allowed(
-        &p,
-        "foo",
-        &[],
-        "198.18.1.2",
-        Some(SLEEP),
-        "198.18.2.3:80"
-    ));
-    assert!(!allowed(
-        &p,
-        "foo",
-        &[],
-        "198.18.1.2",
-        Some(DEV),
-        "198.18.2.3:80"
-    ));
+    let only = [only];
+    let check = |identity: Option<&str>| {
+        allowed(&only, "foo", &[], "198.18.1.2", identity, "198.18.2.3:80")
+    };
+    assert!(check(Some(SLEEP)));
+    assert!(!check(Some(DEV)));
+    assert!(!check(None), "plaintext never has a service account");
+
+    for bad in ["/sleep", "default/", "a/b/c", "\"\""] {
+        let e = err(&format!(
+            "
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {{name: sa, namespace: foo}}
+spec:
+  rules:
+  - from:
+    - source: {{serviceAccounts: [ok, {bad}]}}
+"
+        ));
+        assert_eq!(
+            e.field, "spec.rules[0].from[0].source.serviceAccounts[1]",
+            "{bad}"
+        );
+    }
 }
 
 #[test]
@@ -807,6 +848,88 @@ fn bad_input_names_the_policy_and_field_and_fails_closed() {
         None,
         "198.18.2.3:80"
     ));
+}
+
+#[test]
+fn a_broken_deny_never_becomes_mesh_wide_unless_written_so() {
+    // A root-namespace DENY whose selector cannot be read: its stand-in
+    // is confined to the root namespace's own workloads, not the mesh.
+    let e = err("
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: broken, namespace: istio-system}
+spec:
+  action: DENY
+  selector: {matchLabels: {}}
+  rules: [{}]
+");
+    let stand_in = *e.stand_in.clone().expect("DENY stand-in");
+    assert_eq!(
+        (stand_in.action, stand_in.scope),
+        (Action::Deny, Scope::Namespace)
+    );
+    assert!(
+        e.instead()
+            .contains("every workload of namespace istio-system"),
+        "{}",
+        e.instead()
+    );
+    let p = [stand_in];
+    assert!(allowed(
+        &p,
+        "default",
+        &[("app", "x")],
+        "198.18.1.2",
+        Some(SLEEP),
+        "198.18.2.3:80"
+    ));
+    assert!(!allowed(
+        &p,
+        "istio-system",
+        &[],
+        "198.18.1.2",
+        Some(SLEEP),
+        "198.18.2.3:80"
+    ));
+
+    // An unknown field in a namespace's DENY: that namespace only.
+    let e = err("
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: typo, namespace: foo}
+spec:
+  action: DENY
+  rules: [{from: [{source: {principalz: [x]}}]}]
+");
+    assert_eq!(e.field, "spec.rules[0].from[0].source.principalz");
+    let p = [*e.stand_in.expect("DENY stand-in")];
+    assert!(!allowed(
+        &p,
+        "foo",
+        &[],
+        "198.18.1.2",
+        Some(SLEEP),
+        "198.18.2.3:80"
+    ));
+    assert!(allowed(
+        &p,
+        "bar",
+        &[],
+        "198.18.1.2",
+        Some(SLEEP),
+        "198.18.2.3:80"
+    ));
+
+    // Written mesh-wide (no selector in the root namespace): its own scope.
+    let e = err("
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: mesh, namespace: istio-system}
+spec:
+  action: DENY
+  rulez: []
+");
+    assert_eq!(e.stand_in.expect("stand-in").scope, Scope::Global);
 }
 
 #[test]

@@ -31,7 +31,7 @@ use std::{
 
 use super::{
     ROOT_NAMESPACE,
-    model::{Action, Clause, Match, Policy, PolicyKey, Rule, Scope, StringMatch},
+    model::{Action, Clause, Match, Policy, PolicyKey, Rule, Scope, ServiceAccount, StringMatch},
 };
 
 /// The connection a check is about, as the destination's proxy sees it.
@@ -52,17 +52,19 @@ impl Connection<'_> {
             .map(|id| id.strip_prefix("spiffe://").unwrap_or(id))
     }
 
-    /// The source namespace: the identity's `ns/<namespace>` segment.
-    fn namespace(&self) -> Option<&str> {
+    /// The source namespace and service account, when the identity is a
+    /// Kubernetes SPIFFE id (`<trust domain>/ns/<namespace>/sa/<account>`,
+    /// exactly five segments, as ztunnel parses one).
+    fn account(&self) -> Option<(&str, &str)> {
         let mut parts = self.principal()?.split('/');
-        // trust-domain / ns / <namespace> / sa / <sa>
-        parts.next()?;
-        while let Some(part) = parts.next() {
-            if part == "ns" {
-                return parts.next().filter(|ns| !ns.is_empty());
-            }
-        }
-        None
+        let (_td, ns_key, ns, sa_key, sa) = (
+            parts.next()?,
+            parts.next()?,
+            parts.next()?,
+            parts.next()?,
+            parts.next()?,
+        );
+        (parts.next().is_none() && ns_key == "ns" && sa_key == "sa").then_some((ns, sa))
     }
 }
 
@@ -334,23 +336,38 @@ impl Rule {
 }
 
 impl Clause {
-    /// Whether any match matches (OR); an empty clause imposes nothing.
+    /// Whether any match matches (OR). A clause with no match imposes
+    /// nothing; an empty match (`{}`) is skipped, as ztunnel does, so a
+    /// clause of only `{}` matches nothing (istiod sends one for a `to` of
+    /// only HTTP attributes).
     pub fn matches(&self, connection: &Connection<'_>) -> bool {
-        self.matches.is_empty() || self.matches.iter().any(|m| m.matches(connection))
+        self.matches.is_empty()
+            || self
+                .matches
+                .iter()
+                .any(|m| !m.is_empty() && m.matches(connection))
     }
 }
 
 impl Match {
     /// Whether every field set matches (AND): some value of each positive
-    /// field, none of each negative one.
+    /// field, none of each negative one. Says nothing of an empty match
+    /// (see [`Clause::matches`]).
     pub fn matches(&self, connection: &Connection<'_>) -> bool {
         let principal = connection.principal();
-        let namespace = connection.namespace();
+        let account = connection.account();
+        // Plaintext (or an identity that is not a Kubernetes one) has the
+        // empty namespace, as in ztunnel: only presence tells it apart.
+        let namespace = Some(account.map_or("", |(ns, _)| ns));
         let src = connection.src_ip;
         let dst = connection.dst;
         field(&self.namespaces, &self.not_namespaces, |m: &StringMatch| {
             m.matches(namespace)
-        }) && field(&self.principals, &self.not_principals, |m: &StringMatch| {
+        }) && field(
+            &self.service_accounts,
+            &self.not_service_accounts,
+            |sa: &ServiceAccount| account == Some((sa.namespace.as_str(), sa.name.as_str())),
+        ) && field(&self.principals, &self.not_principals, |m: &StringMatch| {
             m.matches(principal)
         }) && field(&self.source_ips, &self.not_source_ips, |c| c.contains(src))
             && field(&self.destination_ips, &self.not_destination_ips, |c| {

@@ -57,9 +57,13 @@ fn every_field_and_its_negation() {
         Some("cluster.local/ns/foo/sa/sleep"),
         "198.18.2.3:8080",
     );
+    let other_td = conn(
+        "198.18.1.2",
+        Some("spiffe://example.org/ns/foo/sa/sleep"),
+        "198.18.2.3:8080",
+    );
+    let sa = |ns: &str, name: &str| ServiceAccount::new(ns, name);
     let cases: Vec<(&str, Match, Connection<'_>, bool)> = vec![
-        ("empty match: everything", Match::default(), mesh, true),
-        ("empty match: plaintext too", Match::default(), plain, true),
         // principals, compared without spiffe://
         (
             "principal exact",
@@ -309,6 +313,97 @@ fn every_field_and_its_negation() {
             plain,
             true,
         ),
+        // service accounts: namespace and account of the identity
+        (
+            "serviceAccounts exact",
+            Match {
+                service_accounts: vec![sa("foo", "sleep")],
+                ..Default::default()
+            },
+            mesh,
+            true,
+        ),
+        (
+            "serviceAccounts without spiffe://",
+            Match {
+                service_accounts: vec![sa("foo", "sleep")],
+                ..Default::default()
+            },
+            bare,
+            true,
+        ),
+        (
+            "serviceAccounts any trust domain",
+            Match {
+                service_accounts: vec![sa("foo", "sleep")],
+                ..Default::default()
+            },
+            other_td,
+            true,
+        ),
+        (
+            "serviceAccounts other account",
+            Match {
+                service_accounts: vec![sa("foo", "curl")],
+                ..Default::default()
+            },
+            mesh,
+            false,
+        ),
+        (
+            "serviceAccounts same account, other namespace",
+            Match {
+                service_accounts: vec![sa("bar", "sleep")],
+                ..Default::default()
+            },
+            mesh,
+            false,
+        ),
+        (
+            "serviceAccounts OR'd",
+            Match {
+                service_accounts: vec![sa("bar", "x"), sa("foo", "sleep")],
+                ..Default::default()
+            },
+            mesh,
+            true,
+        ),
+        (
+            "serviceAccounts never plaintext",
+            Match {
+                service_accounts: vec![sa("foo", "sleep")],
+                ..Default::default()
+            },
+            plain,
+            false,
+        ),
+        (
+            "notServiceAccounts excludes",
+            Match {
+                not_service_accounts: vec![sa("foo", "sleep")],
+                ..Default::default()
+            },
+            mesh,
+            false,
+        ),
+        (
+            "notServiceAccounts other",
+            Match {
+                not_service_accounts: vec![sa("bar", "sleep")],
+                ..Default::default()
+            },
+            mesh,
+            true,
+        ),
+        (
+            "notServiceAccounts passes plaintext",
+            Match {
+                not_service_accounts: vec![sa("foo", "sleep")],
+                ..Default::default()
+            },
+            plain,
+            true,
+        ),
         // source IPs
         (
             "ipBlocks CIDR",
@@ -472,18 +567,19 @@ fn every_field_and_its_negation() {
 }
 
 #[test]
-fn source_namespace_is_the_identitys_ns_segment() {
-    for (identity, namespace) in [
-        (Some(SLEEP), Some("foo")),
-        (Some("cluster.local/ns/bar/sa/x"), Some("bar")),
-        (Some("spiffe://example.org/ns/ns/sa/ns"), Some("ns")),
+fn source_account_is_the_identitys_ns_and_sa_segments() {
+    for (identity, account) in [
+        (Some(SLEEP), Some(("foo", "sleep"))),
+        (Some("cluster.local/ns/bar/sa/x"), Some(("bar", "x"))),
+        (Some("spiffe://example.org/ns/ns/sa/ns"), Some(("ns", "ns"))),
         (Some("spiffe://td/sa/x"), None),
-        (Some("spiffe://td/ns//sa/x"), None),
+        (Some("spiffe://td/ns/a/sa/x/y"), None),
+        (Some("spiffe://td/x/a/sa/x"), None),
         (None, None),
     ] {
         assert_eq!(
-            conn("198.18.1.2", identity, "198.18.2.3:80").namespace(),
-            namespace,
+            conn("198.18.1.2", identity, "198.18.2.3:80").account(),
+            account,
             "{identity:?}"
         );
     }
@@ -492,7 +588,11 @@ fn source_namespace_is_the_identitys_ns_segment() {
 #[test]
 fn rules_or_clauses_and_matches_or() {
     let mesh = conn("198.18.1.2", Some(SLEEP), "198.18.2.3:8080");
-    let yes = Match::default();
+    let yes = Match {
+        destination_ports: vec![8080],
+        ..Default::default()
+    };
+    let empty = Match::default();
     let no = Match {
         destination_ports: vec![1],
         ..Default::default()
@@ -540,6 +640,25 @@ fn rules_or_clauses_and_matches_or() {
                 clauses: vec![clause(vec![]), clause(vec![&yes])],
             }],
             true,
+        ),
+        (
+            "an empty match is skipped: a clause of only {} matches nothing",
+            vec![rule(empty.clone())],
+            false,
+        ),
+        (
+            "{} beside a match that matches: the other decides",
+            vec![Rule {
+                clauses: vec![clause(vec![&empty, &yes])],
+            }],
+            true,
+        ),
+        (
+            "a {} clause AND'd with a matching one: nothing",
+            vec![Rule {
+                clauses: vec![clause(vec![&yes]), clause(vec![&empty])],
+            }],
+            false,
         ),
     ];
     for (name, rules, want) in cases {

@@ -5,8 +5,8 @@
 //! source pod of this node, enrolled destination pod of this node) this
 //! module asks the one engine ([`PolicySet::check`]) about a synthetic
 //! connection carrying what the destination's proxy would see: the
-//! source's SPIFFE identity (hence its principal and namespace), the
-//! source's IP and the destination's IP and port. It does so for every
+//! source's SPIFFE identity (hence its principal, namespace and service
+//! account), the source's IP and the destination's IP and port. It does so for every
 //! port an applicable policy names (`ports` or `notPorts`) and for one
 //! port no policy names: every unnamed port evaluates identically, so that
 //! one answer is the verdict of "any other port" and the table is exact.

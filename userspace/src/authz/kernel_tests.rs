@@ -4,7 +4,7 @@
 
 use super::*;
 use crate::{
-    authz::model::{Action, Cidr, Clause, Match, Rule, Scope, StringMatch},
+    authz::model::{Action, Cidr, Clause, Match, Rule, Scope, ServiceAccount, StringMatch},
     state::{DataplaneMode, GatewayAddress, GatewayDestination},
 };
 
@@ -190,6 +190,81 @@ fn deny_beats_allow_and_namespaces_are_the_identitys() {
     );
 }
 
+#[test]
+fn service_accounts_compile_exactly_never_to_everything() {
+    // ALLOW default/client by service account: the client passes, the
+    // intruder is refused on every port (an unread field would have made
+    // this `{}`: everything, or nothing).
+    let allow = policy(
+        "allow-client-sa",
+        Action::Allow,
+        vec![rule(Match {
+            service_accounts: vec![ServiceAccount::new("default", "client")],
+            ..Default::default()
+        })],
+    );
+    let table = compile_for(vec![allow]);
+    let server = ip(SERVER_IP);
+    let refused = KernelVerdict::Deny(key("allow-client-sa"));
+    assert_eq!(
+        table.entries,
+        [entry(2, ANY_OTHER_PORT, refused.clone())].into()
+    );
+    assert_eq!(table.lookup(1, server, 8080), &KernelVerdict::Allow);
+    assert_eq!(table.lookup(2, server, 8080), &refused);
+
+    // The DENY of the same shape refuses the client only.
+    let deny = policy(
+        "deny-client-sa",
+        Action::Deny,
+        vec![rule(Match {
+            service_accounts: vec![ServiceAccount::new("default", "client")],
+            ..Default::default()
+        })],
+    );
+    let table = compile_for(vec![deny]);
+    assert_eq!(
+        table.lookup(1, server, 8080),
+        &KernelVerdict::Deny(key("deny-client-sa"))
+    );
+    assert_eq!(table.lookup(2, server, 8080), &KernelVerdict::Allow);
+
+    // notServiceAccounts the other way round.
+    let allow_not = policy(
+        "allow-not-client-sa",
+        Action::Allow,
+        vec![rule(Match {
+            not_service_accounts: vec![ServiceAccount::new("default", "client")],
+            ..Default::default()
+        })],
+    );
+    let table = compile_for(vec![allow_not]);
+    assert_eq!(
+        table.lookup(1, server, 8080),
+        &KernelVerdict::Deny(key("allow-not-client-sa"))
+    );
+    assert_eq!(table.lookup(2, server, 8080), &KernelVerdict::Allow);
+}
+
+#[test]
+fn an_empty_match_compiles_to_what_ztunnel_does() {
+    // ALLOW `[{}]`: matches nothing, so every source is refused; DENY
+    // `[{}]`: denies nothing, so no entry at all.
+    let empty = || rule(Match::default());
+    let table = compile_for(vec![policy("allow-empty", Action::Allow, vec![empty()])]);
+    let refused = KernelVerdict::Deny(key("allow-empty"));
+    assert_eq!(
+        table.entries,
+        [
+            entry(1, ANY_OTHER_PORT, refused.clone()),
+            entry(2, ANY_OTHER_PORT, refused)
+        ]
+        .into()
+    );
+    let table = compile_for(vec![policy("deny-empty", Action::Deny, vec![empty()])]);
+    assert!(table.entries.is_empty(), "{table:?}");
+}
+
 /// The table answers exactly what the engine answers, on every port, for
 /// policy sets using each L4 field.
 #[test]
@@ -223,6 +298,34 @@ fn the_table_agrees_with_the_engine_on_every_port() {
                     not_namespaces: vec![StringMatch::Exact("other".into())],
                     ..Default::default()
                 })],
+            ),
+        ],
+        vec![
+            policy(
+                "e",
+                Action::Allow,
+                vec![rule(Match {
+                    service_accounts: vec![ServiceAccount::new("other", "intruder")],
+                    destination_ports: vec![8080],
+                    ..Default::default()
+                })],
+            ),
+            policy(
+                "f",
+                Action::Deny,
+                vec![Rule {
+                    clauses: vec![
+                        Clause {
+                            matches: vec![Match {
+                                destination_ports: vec![9090],
+                                ..Default::default()
+                            }],
+                        },
+                        Clause {
+                            matches: vec![Match::default()],
+                        },
+                    ],
+                }],
             ),
         ],
         vec![policy(

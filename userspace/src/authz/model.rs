@@ -13,6 +13,11 @@
 //! - the fields set inside a [`Match`] are AND'd, the values inside one
 //!   field OR'd, and each `not_` field must match none of its values.
 //!
+//! Empty parts, as ztunnel reads them: a policy with no rule matches
+//! nothing; a rule with no clause and a clause with no match match
+//! everything; a [`Match`] with no field set never matches (it is skipped),
+//! so a clause holding only `{}` matches nothing.
+//!
 //! Principals are compared without the `spiffe://` prefix, as Istio does.
 
 use std::{collections::BTreeMap, fmt, net::IpAddr, str::FromStr};
@@ -108,11 +113,16 @@ pub struct Clause {
 }
 
 /// AND of the fields that are set (`istio.security.Match`). An empty field
-/// imposes nothing.
+/// imposes nothing; a match with no field set never matches
+/// ([`Match::is_empty`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Match {
     pub namespaces: Vec<StringMatch>,
     pub not_namespaces: Vec<StringMatch>,
+    /// `from.source.serviceAccounts`: the peer identity's namespace and
+    /// service account, in any trust domain; plaintext never matches.
+    pub service_accounts: Vec<ServiceAccount>,
+    pub not_service_accounts: Vec<ServiceAccount>,
     /// Compared against the peer identity without `spiffe://`.
     pub principals: Vec<StringMatch>,
     pub not_principals: Vec<StringMatch>,
@@ -122,6 +132,63 @@ pub struct Match {
     pub not_destination_ips: Vec<Cidr>,
     pub destination_ports: Vec<u16>,
     pub not_destination_ports: Vec<u16>,
+}
+
+impl Match {
+    /// No field set: ztunnel skips such a match (it matches nothing), where
+    /// "no condition" might suggest the opposite.
+    pub fn is_empty(&self) -> bool {
+        let Self {
+            namespaces,
+            not_namespaces,
+            service_accounts,
+            not_service_accounts,
+            principals,
+            not_principals,
+            source_ips,
+            not_source_ips,
+            destination_ips,
+            not_destination_ips,
+            destination_ports,
+            not_destination_ports,
+        } = self;
+        namespaces.is_empty()
+            && not_namespaces.is_empty()
+            && service_accounts.is_empty()
+            && not_service_accounts.is_empty()
+            && principals.is_empty()
+            && not_principals.is_empty()
+            && source_ips.is_empty()
+            && not_source_ips.is_empty()
+            && destination_ips.is_empty()
+            && not_destination_ips.is_empty()
+            && destination_ports.is_empty()
+            && not_destination_ports.is_empty()
+    }
+}
+
+/// A Kubernetes service account (`istio.security.ServiceAccountMatch`):
+/// matched exactly against the `ns/<namespace>/sa/<account>` of a peer
+/// identity, whatever its trust domain.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ServiceAccount {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl ServiceAccount {
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        Self {
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+}
+
+impl fmt::Display for ServiceAccount {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
 }
 
 /// How one string value is matched (`istio.security.StringMatch`).

@@ -8,7 +8,7 @@
 use shunt_proto::istio::security as pb;
 
 use super::{FieldError, ip_from_bytes, port};
-use crate::authz::{Action, Cidr, Clause, Match, Policy, Rule, Scope, StringMatch};
+use crate::authz::{Action, Cidr, Clause, Match, Policy, Rule, Scope, ServiceAccount, StringMatch};
 
 pub(crate) fn translate(a: pb::Authorization) -> Result<Policy, FieldError> {
     if a.name.is_empty() {
@@ -66,6 +66,8 @@ fn translate_match(m: &pb::Match) -> Result<Match, FieldError> {
     Ok(Match {
         namespaces: strings(&m.namespaces, "namespaces")?,
         not_namespaces: strings(&m.not_namespaces, "not_namespaces")?,
+        service_accounts: accounts(&m.service_accounts),
+        not_service_accounts: accounts(&m.not_service_accounts),
         principals: strings(&m.principals, "principals")?,
         not_principals: strings(&m.not_principals, "not_principals")?,
         source_ips: cidrs(&m.source_ips, "source_ips")?,
@@ -92,6 +94,15 @@ fn strings(values: &[pb::StringMatch], field: &str) -> Result<Vec<StringMatch>, 
                 "no match type (exact, prefix, suffix or presence)",
             )),
         })
+        .collect()
+}
+
+/// Taken as they are, as ztunnel does: an empty namespace or account
+/// matches no Kubernetes identity, never everything.
+fn accounts(values: &[pb::ServiceAccountMatch]) -> Vec<ServiceAccount> {
+    values
+        .iter()
+        .map(|a| ServiceAccount::new(&a.namespace, &a.service_account))
         .collect()
 }
 
@@ -154,6 +165,14 @@ mod tests {
                             not_namespaces: vec![pb::StringMatch {
                                 match_type: Some(pb::string_match::MatchType::Presence(())),
                             }],
+                            service_accounts: vec![pb::ServiceAccountMatch {
+                                namespace: "default".into(),
+                                service_account: "sleep".into(),
+                            }],
+                            not_service_accounts: vec![pb::ServiceAccountMatch {
+                                namespace: "default".into(),
+                                service_account: "curl".into(),
+                            }],
                             ..Default::default()
                         }],
                     },
@@ -193,6 +212,14 @@ mod tests {
         let second = &clauses[1].matches[0];
         assert_eq!(second.destination_ports, [8080]);
         assert_eq!(second.not_namespaces, [StringMatch::Presence]);
+        assert_eq!(
+            second.service_accounts,
+            [ServiceAccount::new("default", "sleep")]
+        );
+        assert_eq!(
+            second.not_service_accounts,
+            [ServiceAccount::new("default", "curl")]
+        );
         assert_eq!(p.selector, None);
     }
 
