@@ -9,6 +9,7 @@
 
 pub mod bed;
 pub mod cases;
+pub mod compare;
 pub mod istiod;
 pub mod pki;
 pub mod probe;

@@ -5,76 +5,27 @@
 //! istiod; each row's outcome must be the table's (ztunnel's).
 //!
 //! Run as root: `SHUNT_BIN=… SHUNT_ZTUNNEL_BIN=/path/to/ztunnel cargo test
-//! -p shunt-testbed --test reference_authz`.
+//! -p shunt-testbed --test reference_authz` (`REFERENCE_LOGS=1` prints
+//! the peer's log of a case that differs).
 
 use shunt_testbed::{
-    reference::{
-        bed::{Bed, Peer, Run},
-        cases::{Case, authz},
-        ztunnel_peer::ztunnel_binary,
-    },
+    reference::{bed::Peer, cases::authz, compare::check_table},
     require_root,
 };
 
-/// The rows of `run` that differ from the table, one line each.
-fn mismatches(peer: Peer, case: &Case, run: &Run) -> Vec<String> {
-    let mut out = Vec::new();
-    for answer in [&run.addresses, &run.authorizations] {
-        if let Some(error) = &answer.error {
-            out.push(format!(
-                "{peer:?} | {} | NACKed {}: {error}",
-                case.name, answer.type_url
-            ));
-        }
-    }
-    for (row, seen) in &run.observed {
-        if seen.outcome != row.expect {
-            out.push(format!(
-                "{peer:?} | {} | {} -> :{} | expected {:?}, got {:?} ({})",
-                case.name, row.caller, row.port, row.expect, seen.outcome, seen.detail
-            ));
-        }
-    }
-    out
-}
-
 async fn check(peer: Peer, test_name: &str) {
     require_root().expect("kernel tests need root");
-    let ztunnel = match peer {
-        Peer::Shunt => None,
-        Peer::Ztunnel => match ztunnel_binary() {
-            Ok(path) => Some(path),
-            Err(why) => {
-                println!("skipping the ztunnel side: {why}");
-                return;
-            }
-        },
-    };
-    let bed = Bed::new(test_name).expect("bed");
-    let mut failures = Vec::new();
-    for case in authz::cases() {
-        let run = bed
-            .run(peer, ztunnel.as_deref(), &case)
-            .await
-            .unwrap_or_else(|e| panic!("{peer:?} | {}: {e}", case.name));
-        for (row, seen) in &run.observed {
-            println!(
-                "{peer:?} | {} | {} -> :{} | {:?} ({})",
-                case.name, row.caller, row.port, seen.outcome, seen.detail
-            );
-        }
-        let wrong = mismatches(peer, &case, &run);
-        if !wrong.is_empty() && std::env::var_os("REFERENCE_LOGS").is_some() {
-            println!("--- {peer:?} log for {}:\n{}", case.name, run.logs);
-        }
-        failures.extend(wrong);
+    let failures = check_table(peer, test_name, &authz::cases())
+        .await
+        .expect("the comparison bed");
+    if let Some(failures) = failures {
+        assert!(
+            failures.is_empty(),
+            "{} rows differ from ztunnel's outcomes:\n{}",
+            failures.len(),
+            failures.join("\n")
+        );
     }
-    assert!(
-        failures.is_empty(),
-        "{} rows differ from ztunnel's outcomes:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -24,6 +24,9 @@ use crate::{
 };
 
 pub const SERVER_SA: &str = "sa-server";
+/// node-b's address on the fabric: the IP istiod gives its hostNetwork
+/// pods (the topology's addressing is fixed: see lib.rs).
+pub const NODE_B_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 19, 0, 2);
 const WAIT: Duration = Duration::from_secs(30);
 
 /// Which implementation serves the server workload.
@@ -38,7 +41,12 @@ pub enum Peer {
 pub struct Run {
     pub addresses: Answer,
     pub authorizations: Answer,
+    /// The answer to the second address response, if one was sent.
+    pub then_addresses: Option<Answer>,
     pub observed: Vec<(Row, Observed)>,
+    /// Whether the peer said ready before the probes: waited for (bounded)
+    /// when it ACKed both types, one look otherwise.
+    pub ready: bool,
     /// The peer's log, for failure messages.
     pub logs: String,
 }
@@ -71,16 +79,18 @@ impl Bed {
         })
     }
 
-    /// The workloads istiod sends besides a case's own: the server and
-    /// the client.
-    pub fn base_addresses(&self) -> Vec<Resource> {
+    /// The workloads istiod sends besides a case's own: the server
+    /// (naming `server_policies`) and the client.
+    pub fn base_addresses(&self, server_policies: &[&str]) -> Vec<Resource> {
+        let mut server = pod(
+            self.server.name(),
+            SERVER_SA,
+            self.server.ip(),
+            self.server.node().name(),
+        );
+        server.authorization_policies = server_policies.iter().map(|p| p.to_string()).collect();
         vec![
-            workload(pod(
-                self.server.name(),
-                SERVER_SA,
-                self.server.ip(),
-                self.server.node().name(),
-            )),
+            workload(server),
             workload(pod(
                 self.client.name(),
                 "sleep",
@@ -92,7 +102,12 @@ impl Bed {
 
     fn snapshot(&self, case: &Case) -> Snapshot {
         Snapshot {
-            addresses: self.base_addresses(),
+            addresses: self
+                .base_addresses(&case.server_policies)
+                .into_iter()
+                .chain(case.addresses.iter().cloned())
+                .collect(),
+            then_addresses: case.then_addresses.clone(),
             authorizations: case.authorizations.iter().cloned().map(policy).collect(),
         }
     }
@@ -111,15 +126,23 @@ impl Bed {
                 let workload = ("default", self.server.name(), SERVER_SA);
                 let (pki, server) = (self.pki.clone(), self.server.clone());
                 let binary = binary.to_path_buf();
-                let zt = tokio::task::block_in_place(|| {
+                let mut zt = tokio::task::block_in_place(|| {
                     Ztunnel::start(&binary, &server, workload, &istiod, &pki)
                 })?;
-                let (addresses, authorizations) = istiod.wait_for_answers(WAIT).await?;
+                let (addresses, authorizations, then_addresses) =
+                    istiod.wait_for_answers(WAIT).await?;
+                let ready = if settled(&addresses, &authorizations, then_addresses.as_ref()) {
+                    tokio::task::block_in_place(|| zt.wait_ready(WAIT))
+                } else {
+                    zt.readiness() == Some(200)
+                };
                 let observed = self.probe_all(case).await;
                 Ok(Run {
                     addresses,
                     authorizations,
+                    then_addresses,
                     observed,
+                    ready,
                     logs: zt.logs(),
                 })
             }
@@ -128,20 +151,23 @@ impl Bed {
                 let listener = node.listen_tcp(([127, 0, 0, 1], 0).into())?;
                 let istiod = Istiod::serve(&self.pki, listener, snapshot)?;
                 let agent = tokio::task::block_in_place(|| self.start_agent(&istiod))?;
-                let (addresses, authorizations) = istiod.wait_for_answers(WAIT).await?;
-                // Ready once both types applied; a peer that never gets
-                // ready is still probed (what a user would meet).
-                let ready = tokio::task::block_in_place(|| wait_ready(&agent, WAIT));
+                let (addresses, authorizations, then_addresses) =
+                    istiod.wait_for_answers(WAIT).await?;
+                // A peer that never gets ready is still probed (what a
+                // user would meet).
+                let ready = if settled(&addresses, &authorizations, then_addresses.as_ref()) {
+                    tokio::task::block_in_place(|| wait_ready(&agent, WAIT))
+                } else {
+                    matches!(agent.readiness(), Ok((200, _)))
+                };
                 let observed = self.probe_all(case).await;
-                let mut logs = agent.logs();
-                if !ready {
-                    logs.push_str("\n(testbed: the agent never said ready)");
-                }
                 Ok(Run {
                     addresses,
                     authorizations,
+                    then_addresses,
                     observed,
-                    logs,
+                    ready,
+                    logs: agent.logs(),
                 })
             }
         }
@@ -198,6 +224,11 @@ impl Bed {
         }
         observed
     }
+}
+
+/// Whether the last response of each type was ACKed.
+fn settled(addresses: &Answer, authorizations: &Answer, then: Option<&Answer>) -> bool {
+    then.unwrap_or(addresses).error.is_none() && authorizations.error.is_none()
 }
 
 /// Polls the agent's readiness (bounded); false when it never says 200.

@@ -2,11 +2,12 @@
 //! outcome), one file per concern, data only. Expected outcomes are what
 //! the real ztunnel does (each row was run against it).
 
-use shunt_proto::istio::security as sec;
+use shunt_proto::{envoy::service::discovery::v3::Resource, istio::security as sec};
 
 use super::probe::{Caller, Outcome};
 
 pub mod authz;
+pub mod xds;
 
 /// One probe of a case and the outcome ztunnel gives it.
 #[derive(Clone, Copy, Debug)]
@@ -17,13 +18,52 @@ pub struct Row {
     pub expect: Outcome,
 }
 
+/// How a peer answers the response carrying a case's addresses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum XdsAnswer {
+    Ack,
+    /// A NACK whose message names this resource.
+    NackNaming(&'static str),
+}
+
 /// Resources sent to a fresh peer (besides the bed's own workloads), and
 /// the rows probed once it is ready.
 #[derive(Clone, Debug)]
 pub struct Case {
     pub name: &'static str,
+    /// Address resources besides the bed's server and client workloads,
+    /// in the same response.
+    pub addresses: Vec<Resource>,
+    /// A second address response, sent once the first is answered (after
+    /// a NACK: ztunnel is unready until a response of the type is ACKed).
+    pub then_addresses: Vec<Resource>,
+    /// The policies the server workload names (`authorization_policies`:
+    /// the WORKLOAD_SELECTOR ones selecting it).
+    pub server_policies: Vec<&'static str>,
     pub authorizations: Vec<sec::Authorization>,
+    /// ztunnel's answer to the address response (policies are always
+    /// ACKed in these tables).
+    pub addresses_answer: XdsAnswer,
     pub rows: Vec<Row>,
+}
+
+impl Case {
+    /// A case of policies only.
+    pub fn authz(
+        name: &'static str,
+        authorizations: Vec<sec::Authorization>,
+        rows: Vec<Row>,
+    ) -> Case {
+        Case {
+            name,
+            addresses: Vec::new(),
+            then_addresses: Vec::new(),
+            server_policies: Vec::new(),
+            authorizations,
+            addresses_answer: XdsAnswer::Ack,
+            rows,
+        }
+    }
 }
 
 /// The callers the tables use.

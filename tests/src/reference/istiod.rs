@@ -4,8 +4,11 @@
 //!
 //! Every stream gets the same [`Snapshot`]: on a type's first request, one
 //! response with all of that type's resources (an empty one when there are
-//! none: both peers wait for every type before they are ready). The
-//! server records each peer's answer (ACK, or NACK with its message).
+//! none: both peers wait for every type before they are ready), and, once
+//! the first address response is answered, a second one with
+//! [`Snapshot::then_addresses`] if any (a NACKed first response leaves
+//! ztunnel unready until a later one is ACKed, as istiod's next push would).
+//! The server records each peer's answers (ACK, or NACK with its message).
 
 use std::{
     net::{SocketAddr, TcpListener},
@@ -46,11 +49,22 @@ use crate::{Result, TestbedError};
 pub struct Snapshot {
     pub addresses: Vec<Resource>,
     pub authorizations: Vec<Resource>,
+    /// A second address response, sent after the first is answered.
+    pub then_addresses: Vec<Resource>,
+}
+
+/// Which response an answer is to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sent {
+    Addresses,
+    Authorizations,
+    ThenAddresses,
 }
 
 /// A peer's answer to one response.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Answer {
+    pub to: Sent,
     pub type_url: String,
     /// `None` for an ACK; the NACK's message otherwise.
     pub error: Option<String>,
@@ -123,15 +137,24 @@ impl Istiod {
         self.shared.streams.load(Ordering::SeqCst)
     }
 
-    /// Waits (bounded) until the peer answered both types' responses:
-    /// (addresses, authorizations).
-    pub async fn wait_for_answers(&self, timeout: Duration) -> Result<(Answer, Answer)> {
+    /// Waits (bounded) until the peer answered every response sent:
+    /// (addresses, authorizations, the second address response's).
+    pub async fn wait_for_answers(
+        &self,
+        timeout: Duration,
+    ) -> Result<(Answer, Answer, Option<Answer>)> {
         let deadline = tokio::time::Instant::now() + timeout;
+        let then = !self.shared.snapshot.then_addresses.is_empty();
         loop {
             let answers = self.answers();
-            let of = |t: &str| answers.iter().find(|a| a.type_url == t).cloned();
-            if let (Some(a), Some(p)) = (of(ADDRESS_TYPE_URL), of(AUTHORIZATION_TYPE_URL)) {
-                return Ok((a, p));
+            let of = |to: Sent| answers.iter().find(|a| a.to == to).cloned();
+            if let (Some(a), Some(p), t) = (
+                of(Sent::Addresses),
+                of(Sent::Authorizations),
+                of(Sent::ThenAddresses),
+            ) && (t.is_some() || !then)
+            {
+                return Ok((a, p, t));
             }
             if tokio::time::Instant::now() >= deadline {
                 return Err(TestbedError::Invalid(format!(
@@ -165,14 +188,32 @@ impl AggregatedDiscoveryService for Ads {
         tokio::spawn(async move {
             let mut sent: Vec<String> = Vec::new();
             while let Some(Ok(request)) = incoming.next().await {
+                let snapshot = &shared.snapshot;
                 if !request.response_nonce.is_empty() {
+                    let to = match request.response_nonce.rsplit('-').next() {
+                        Some("then") => Sent::ThenAddresses,
+                        _ if request.type_url == ADDRESS_TYPE_URL => Sent::Addresses,
+                        _ => Sent::Authorizations,
+                    };
                     lock(&shared.answers).push(Answer {
+                        to,
                         type_url: request.type_url.clone(),
                         error: request.error_detail.map(|s| s.message),
                     });
+                    if to == Sent::Addresses && !snapshot.then_addresses.is_empty() {
+                        let nonce = format!("Address-{stream}-then");
+                        send(&tx, ADDRESS_TYPE_URL, nonce, &snapshot.then_addresses);
+                    }
                 } else if !sent.contains(&request.type_url) {
                     sent.push(request.type_url.clone());
-                    respond(&shared.snapshot, &tx, &request.type_url, stream);
+                    let resources = match request.type_url.as_str() {
+                        ADDRESS_TYPE_URL => &snapshot.addresses,
+                        AUTHORIZATION_TYPE_URL => &snapshot.authorizations,
+                        _ => &Vec::new(),
+                    };
+                    let short = request.type_url.rsplit('.').next().unwrap_or_default();
+                    let nonce = format!("{short}-{stream}");
+                    send(&tx, &request.type_url, nonce, resources);
                 }
             }
         });
@@ -180,18 +221,12 @@ impl AggregatedDiscoveryService for Ads {
     }
 }
 
-fn respond(snapshot: &Snapshot, tx: &Outgoing, type_url: &str, stream: u64) {
-    let resources = match type_url {
-        ADDRESS_TYPE_URL => snapshot.addresses.clone(),
-        AUTHORIZATION_TYPE_URL => snapshot.authorizations.clone(),
-        _ => Vec::new(),
-    };
-    let short = type_url.rsplit('.').next().unwrap_or(type_url);
+fn send(tx: &Outgoing, type_url: &str, nonce: String, resources: &[Resource]) {
     let response = DeltaDiscoveryResponse {
-        system_version_info: "v1".into(),
+        system_version_info: nonce.clone(),
         type_url: type_url.into(),
-        nonce: format!("{short}-{stream}"),
-        resources,
+        nonce,
+        resources: resources.to_vec(),
         ..Default::default()
     };
     let _ = tx.unbounded_send(Ok(response));

@@ -2,7 +2,9 @@
 //! dedicated mode (`PROXY_MODE=dedicated`, one workload) inside that
 //! workload's pod netns, fed by the in-test [`Istiod`] over TLS for both
 //! xDS and certificates. Its admin and readiness ports are the pod netns'
-//! own loopback ones; it is ready when `:15021/healthz/ready` says 200.
+//! own loopback ones; it is up once `:15021` answers and ready when
+//! `/healthz/ready` says 200 (ztunnel stays unready while the first
+//! response of a type was NACKed, though it applied the rest).
 //!
 //! Plaintext reaches it as istio-cni sends it in the pod: a `nat` REDIRECT
 //! of the pod's inbound TCP (all but 15008) to 15006.
@@ -51,7 +53,7 @@ pub struct Ztunnel {
 impl Ztunnel {
     /// Starts `binary` for the workload `namespace/name/service_account` in
     /// `pod`, against `istiod` (listening on the pod netns' loopback), and
-    /// waits (bounded) until it is ready.
+    /// waits (bounded) until its readiness endpoint answers.
     pub fn start(
         binary: &std::path::Path,
         pod: &Pod,
@@ -105,7 +107,7 @@ impl Ztunnel {
             log,
             _dir: dir,
         };
-        ztunnel.wait_ready(Duration::from_secs(30))?;
+        ztunnel.wait_until(Duration::from_secs(30), |_| true)?;
         Ok(ztunnel)
     }
 
@@ -114,7 +116,19 @@ impl Ztunnel {
         fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
+    /// Waits (bounded) until readiness says 200; false if it does not.
+    pub fn wait_ready(&mut self, timeout: Duration) -> bool {
+        self.wait_until(timeout, |code| code == 200).is_ok()
+    }
+
+    /// Readiness's answer now, if it answers.
+    pub fn readiness(&self) -> Option<u16> {
+        let readiness = SocketAddr::from(([127, 0, 0, 1], 15021));
+        self.pod.run(move || ready_in_netns(readiness)).ok()?.ok()
+    }
+
+    /// Polls readiness (bounded) until its status code passes `done`.
+    fn wait_until(&mut self, timeout: Duration, done: impl Fn(u16) -> bool) -> Result<()> {
         let deadline = Instant::now() + timeout;
         let readiness = SocketAddr::from(([127, 0, 0, 1], 15021));
         loop {
@@ -126,13 +140,13 @@ impl Ztunnel {
             }
             let pod = &self.pod;
             let last = match pod.run(move || ready_in_netns(readiness))? {
-                Ok(200) => return Ok(()),
+                Ok(code) if done(code) => return Ok(()),
                 Ok(code) => format!("readiness answered {code}"),
                 Err(e) => e,
             };
             if Instant::now() >= deadline {
                 return Err(TestbedError::Invalid(format!(
-                    "ztunnel not ready within {timeout:?} ({last}):\n{}",
+                    "ztunnel not up within {timeout:?} ({last}):\n{}",
                     self.logs()
                 )));
             }

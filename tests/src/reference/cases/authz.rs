@@ -20,48 +20,48 @@ fn sa_match(namespace: &str, sa: &str) -> Match {
 
 pub fn cases() -> Vec<Case> {
     vec![
-        Case {
-            name: "no policy: everyone",
-            authorizations: vec![],
-            rows: vec![
+        Case::authz(
+            "no policy: everyone",
+            vec![],
+            vec![
                 row(SLEEP, 8080, Allowed),
                 row(OTHER, 8080, Allowed),
                 row(PLAINTEXT, 8080, Allowed),
             ],
-        },
+        ),
         // Item 1: source.serviceAccounts (Match field 11).
-        Case {
-            name: "ALLOW serviceAccounts [default/sleep]",
-            authorizations: vec![ns_policy(
+        Case::authz(
+            "ALLOW serviceAccounts [default/sleep]",
+            vec![ns_policy(
                 "allow-sleep",
                 Action::Allow,
                 vec![rule(vec![vec![sa_match("default", "sleep")]])],
             )],
-            rows: vec![
+            vec![
                 row(SLEEP, 8080, Allowed),
                 row(OTHER, 8080, Refused),
                 row(FOREIGN, 8080, Refused),
                 row(PLAINTEXT, 8080, Refused),
             ],
-        },
-        Case {
-            name: "DENY serviceAccounts [default/sleep]",
-            authorizations: vec![ns_policy(
+        ),
+        Case::authz(
+            "DENY serviceAccounts [default/sleep]",
+            vec![ns_policy(
                 "deny-sleep",
                 Action::Deny,
                 vec![rule(vec![vec![sa_match("default", "sleep")]])],
             )],
-            rows: vec![
+            vec![
                 row(SLEEP, 8080, Refused),
                 row(OTHER, 8080, Allowed),
                 row(FOREIGN, 8080, Allowed),
                 row(PLAINTEXT, 8080, Allowed),
             ],
-        },
+        ),
         // Item 1: notServiceAccounts (Match field 12).
-        Case {
-            name: "ALLOW notServiceAccounts [default/sleep]",
-            authorizations: vec![ns_policy(
+        Case::authz(
+            "ALLOW notServiceAccounts [default/sleep]",
+            vec![ns_policy(
                 "allow-not-sleep",
                 Action::Allow,
                 vec![rule(vec![vec![Match {
@@ -69,15 +69,15 @@ pub fn cases() -> Vec<Case> {
                     ..Default::default()
                 }]])],
             )],
-            rows: vec![
+            vec![
                 row(SLEEP, 8080, Refused),
                 row(OTHER, 8080, Allowed),
                 row(PLAINTEXT, 8080, Allowed),
             ],
-        },
-        Case {
-            name: "ALLOW principals [cluster.local/ns/default/sa/sleep]",
-            authorizations: vec![ns_policy(
+        ),
+        Case::authz(
+            "ALLOW principals [cluster.local/ns/default/sa/sleep]",
+            vec![ns_policy(
                 "allow-principal",
                 Action::Allow,
                 vec![rule(vec![vec![Match {
@@ -85,54 +85,54 @@ pub fn cases() -> Vec<Case> {
                     ..Default::default()
                 }]])],
             )],
-            rows: vec![
+            vec![
                 row(SLEEP, 8080, Allowed),
                 row(OTHER, 8080, Refused),
                 row(PLAINTEXT, 8080, Refused),
             ],
-        },
+        ),
         // Item 2: an empty Match never matches.
-        Case {
-            name: "ALLOW with clause [{}]",
-            authorizations: vec![ns_policy(
+        Case::authz(
+            "ALLOW with clause [{}]",
+            vec![ns_policy(
                 "allow-empty-match",
                 Action::Allow,
                 vec![rule(vec![vec![Match::default()]])],
             )],
-            rows: vec![row(SLEEP, 8080, Refused), row(PLAINTEXT, 8080, Refused)],
-        },
+            vec![row(SLEEP, 8080, Refused), row(PLAINTEXT, 8080, Refused)],
+        ),
         // Item 2: a rule without clauses matches everything.
-        Case {
-            name: "ALLOW with a rule of no clauses",
-            authorizations: vec![ns_policy(
+        Case::authz(
+            "ALLOW with a rule of no clauses",
+            vec![ns_policy(
                 "allow-empty-clause",
                 Action::Allow,
                 vec![rule(vec![])],
             )],
-            rows: vec![row(SLEEP, 8080, Allowed), row(PLAINTEXT, 8080, Allowed)],
-        },
+            vec![row(SLEEP, 8080, Allowed), row(PLAINTEXT, 8080, Allowed)],
+        ),
         // A policy without rules matches nothing.
-        Case {
-            name: "ALLOW with no rules",
-            authorizations: vec![ns_policy("allow-nothing", Action::Allow, vec![])],
-            rows: vec![row(SLEEP, 8080, Refused), row(PLAINTEXT, 8080, Refused)],
-        },
+        Case::authz(
+            "ALLOW with no rules",
+            vec![ns_policy("allow-nothing", Action::Allow, vec![])],
+            vec![row(SLEEP, 8080, Refused), row(PLAINTEXT, 8080, Refused)],
+        ),
         // Item 2: istiod's translation of a DENY whose `to` is only L7
         // (`operation.methods: [GET]`) is `{}`: ztunnel denies nothing.
-        Case {
-            name: "DENY L7-only (clause [{}])",
-            authorizations: vec![ns_policy(
+        Case::authz(
+            "DENY L7-only (clause [{}])",
+            vec![ns_policy(
                 "deny-get",
                 Action::Deny,
                 vec![rule(vec![vec![Match::default()]])],
             )],
-            rows: vec![row(SLEEP, 8080, Allowed), row(PLAINTEXT, 8080, Allowed)],
-        },
+            vec![row(SLEEP, 8080, Allowed), row(PLAINTEXT, 8080, Allowed)],
+        ),
         // Item 2: [{ports: [9090]}] AND [{}]: the second clause never
         // matches, so neither does the rule.
-        Case {
-            name: "DENY [{ports 9090}] AND [{}]",
-            authorizations: vec![ns_policy(
+        Case::authz(
+            "DENY [{ports 9090}] AND [{}]",
+            vec![ns_policy(
                 "deny-9090-and-empty",
                 Action::Deny,
                 vec![rule(vec![
@@ -143,11 +143,11 @@ pub fn cases() -> Vec<Case> {
                     vec![Match::default()],
                 ])],
             )],
-            rows: vec![row(SLEEP, 9090, Allowed), row(SLEEP, 8080, Allowed)],
-        },
-        Case {
-            name: "DENY [{ports 9090}]",
-            authorizations: vec![ns_policy(
+            vec![row(SLEEP, 9090, Allowed), row(SLEEP, 8080, Allowed)],
+        ),
+        Case::authz(
+            "DENY [{ports 9090}]",
+            vec![ns_policy(
                 "deny-9090",
                 Action::Deny,
                 vec![rule(vec![vec![Match {
@@ -155,15 +155,15 @@ pub fn cases() -> Vec<Case> {
                     ..Default::default()
                 }]])],
             )],
-            rows: vec![
+            vec![
                 row(SLEEP, 9090, Refused),
                 row(SLEEP, 8080, Allowed),
                 row(PLAINTEXT, 9090, Refused),
             ],
-        },
-        Case {
-            name: "DENY namespaces [foreign] before ALLOW everyone",
-            authorizations: vec![
+        ),
+        Case::authz(
+            "DENY namespaces [foreign] before ALLOW everyone",
+            vec![
                 ns_policy(
                     "deny-foreign",
                     Action::Deny,
@@ -174,11 +174,11 @@ pub fn cases() -> Vec<Case> {
                 ),
                 ns_policy("allow-all", Action::Allow, vec![rule(vec![])]),
             ],
-            rows: vec![
+            vec![
                 row(FOREIGN, 8080, Refused),
                 row(SLEEP, 8080, Allowed),
                 row(PLAINTEXT, 8080, Allowed),
             ],
-        },
+        ),
     ]
 }
