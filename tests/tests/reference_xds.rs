@@ -13,11 +13,18 @@ use shunt_testbed::{
     require_root,
 };
 
+const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
+
 async fn check(peer: Peer, test_name: &str) {
     require_root().expect("kernel tests need root");
-    let failures = check_table(peer, test_name, &xds::cases())
-        .await
-        .expect("the comparison bed");
+    let failures = check_table(
+        peer,
+        test_name,
+        std::path::Path::new(TESTAPP),
+        &xds::cases(),
+    )
+    .await
+    .expect("the comparison bed");
     if let Some(failures) = failures {
         assert!(
             failures.is_empty(),

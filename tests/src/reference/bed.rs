@@ -5,25 +5,32 @@
 //! server: the real ztunnel in the server's pod netns, or the shunt agent
 //! of node-b; both are fed by an [`Istiod`] serving the same [`Snapshot`].
 
-use std::{path::Path, time::Duration};
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use shunt_proto::envoy::service::discovery::v3::Resource;
 
 use super::{
-    cases::{Case, Row},
+    cases::{Case, OutboundRow, Row},
     istiod::{Answer, Istiod, Snapshot},
     pki::Pki,
-    probe::{Observed, probe},
+    probe::{Observed, Outcome, probe},
     resources::{pod, policy, workload},
-    ztunnel_peer::Ztunnel,
+    ztunnel_peer::{Ztunnel, redirect_outbound},
 };
 use crate::{
-    Pod, Result, TestbedError, Topology,
+    Cgroup, Pod, Result, TestbedError, Topology,
     agent::{Agent, WorkloadSpec, mesh_pods_enrolled, workloads_yaml},
-    apps::EchoServer,
+    apps::{EchoServer, TestApp, ok},
 };
 
 pub const SERVER_SA: &str = "sa-server";
+/// The client's service account (as the testbed's workloads file names it).
+pub const CLIENT_SA: &str = "sa-client";
+/// Where the tables' Service VIPs are.
+pub const VIP_RANGE: &str = "198.19.100.0/24";
 /// node-b's address on the fabric: the IP istiod gives its hostNetwork
 /// pods (the topology's addressing is fixed: see lib.rs).
 pub const NODE_B_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 19, 0, 2);
@@ -44,6 +51,7 @@ pub struct Run {
     /// The answer to the second address response, if one was sent.
     pub then_addresses: Option<Answer>,
     pub observed: Vec<(Row, Observed)>,
+    pub outbound: Vec<(OutboundRow, Observed)>,
     /// Whether the peer said ready before the probes: waited for (bounded)
     /// when it ACKed both types, one look otherwise.
     pub ready: bool,
@@ -53,6 +61,10 @@ pub struct Run {
 
 pub struct Bed {
     pki: Pki,
+    /// `shunt-testapp`, the client application of outbound probes, and
+    /// the cgroup it runs in (where the agent's socket programs see it).
+    testapp: PathBuf,
+    apps: Cgroup,
     client: Pod,
     server: Pod,
     _echo: [EchoServer; 2],
@@ -60,7 +72,9 @@ pub struct Bed {
 }
 
 impl Bed {
-    pub fn new(test_name: &str) -> Result<Bed> {
+    /// `testapp` is `env!("CARGO_BIN_EXE_shunt-testapp")` in this crate's
+    /// tests.
+    pub fn new(test_name: &str, testapp: &Path) -> Result<Bed> {
         let mut topology = Topology::new(test_name)?;
         topology.add_node("node-a")?;
         topology.add_node("node-b")?;
@@ -70,8 +84,11 @@ impl Bed {
             EchoServer::on(&server, 8080)?,
             EchoServer::on(&server, 9090)?,
         ];
+        let apps = Cgroup::create(&topology, "apps")?;
         Ok(Bed {
             pki: Pki::new()?,
+            testapp: testapp.to_path_buf(),
+            apps,
             client,
             server,
             _echo: echo,
@@ -80,8 +97,13 @@ impl Bed {
     }
 
     /// The workloads istiod sends besides a case's own: the server
-    /// (naming `server_policies`) and the client.
-    pub fn base_addresses(&self, server_policies: &[&str]) -> Vec<Resource> {
+    /// (naming `server_policies`, an endpoint of `server_services`) and the
+    /// client.
+    pub fn base_addresses(
+        &self,
+        server_policies: &[&str],
+        server_services: &[&str],
+    ) -> Vec<Resource> {
         let mut server = pod(
             self.server.name(),
             SERVER_SA,
@@ -89,11 +111,22 @@ impl Bed {
             self.server.node().name(),
         );
         server.authorization_policies = server_policies.iter().map(|p| p.to_string()).collect();
+        for key in server_services {
+            let port = shunt_proto::istio::workload::Port {
+                service_port: 80,
+                target_port: 8080,
+                ..Default::default()
+            };
+            server.services.insert(
+                key.to_string(),
+                shunt_proto::istio::workload::PortList { ports: vec![port] },
+            );
+        }
         vec![
             workload(server),
             workload(pod(
                 self.client.name(),
-                "sleep",
+                CLIENT_SA,
                 self.client.ip(),
                 self.client.node().name(),
             )),
@@ -103,7 +136,7 @@ impl Bed {
     fn snapshot(&self, case: &Case) -> Snapshot {
         Snapshot {
             addresses: self
-                .base_addresses(&case.server_policies)
+                .base_addresses(&case.server_policies, &case.server_services)
                 .into_iter()
                 .chain(case.addresses.iter().cloned())
                 .collect(),
@@ -137,20 +170,41 @@ impl Bed {
                     zt.readiness() == Some(200)
                 };
                 let observed = self.probe_all(case).await;
+                let mut logs = zt.logs();
+                let mut outbound = Vec::new();
+                if !case.outbound.is_empty() {
+                    let listener = self.client.listen_tcp(([127, 0, 0, 1], 0).into())?;
+                    let istiod = Istiod::serve(&self.pki, listener, self.snapshot(case))?;
+                    let workload = ("default", self.client.name(), CLIENT_SA);
+                    let client = self.client.clone();
+                    let mut zt = tokio::task::block_in_place(|| {
+                        redirect_outbound(&client, VIP_RANGE)?;
+                        Ztunnel::start(&binary, &client, workload, &istiod, &pki)
+                    })?;
+                    let answers = istiod.wait_for_answers(WAIT).await?;
+                    if settled(&answers.0, &answers.1, answers.2.as_ref()) {
+                        tokio::task::block_in_place(|| zt.wait_ready(WAIT));
+                    }
+                    outbound = self.probe_outbound(case);
+                    logs.push_str("\n--- the client's ztunnel:\n");
+                    logs.push_str(&zt.logs());
+                }
                 Ok(Run {
                     addresses,
                     authorizations,
                     then_addresses,
                     observed,
+                    outbound,
                     ready,
-                    logs: zt.logs(),
+                    logs,
                 })
             }
             Peer::Shunt => {
                 let node = self.server.node().clone();
                 let listener = node.listen_tcp(([127, 0, 0, 1], 0).into())?;
                 let istiod = Istiod::serve(&self.pki, listener, snapshot)?;
-                let agent = tokio::task::block_in_place(|| self.start_agent(&istiod))?;
+                let agent =
+                    tokio::task::block_in_place(|| self.start_agent(&istiod, &self.server))?;
                 let (addresses, authorizations, then_addresses) =
                     istiod.wait_for_answers(WAIT).await?;
                 // A peer that never gets ready is still probed (what a
@@ -161,20 +215,41 @@ impl Bed {
                     matches!(agent.readiness(), Ok((200, _)))
                 };
                 let observed = self.probe_all(case).await;
+                let mut logs = agent.logs();
+                let mut outbound = Vec::new();
+                if !case.outbound.is_empty() {
+                    let node = self.client.node().clone();
+                    let listener = node.listen_tcp(([127, 0, 0, 1], 0).into())?;
+                    let istiod = Istiod::serve(&self.pki, listener, self.snapshot(case))?;
+                    let client_agent =
+                        tokio::task::block_in_place(|| self.start_agent(&istiod, &self.client))?;
+                    let answers = istiod.wait_for_answers(WAIT).await?;
+                    if settled(&answers.0, &answers.1, answers.2.as_ref()) {
+                        tokio::task::block_in_place(|| wait_ready(&client_agent, WAIT));
+                    }
+                    outbound = self.probe_outbound(case);
+                    logs.push_str("\n--- node-a's agent:\n");
+                    logs.push_str(&client_agent.logs());
+                }
                 Ok(Run {
                     addresses,
                     authorizations,
                     then_addresses,
                     observed,
+                    outbound,
                     ready,
-                    logs: agent.logs(),
+                    logs,
                 })
             }
         }
     }
 
-    fn start_agent(&self, istiod: &Istiod) -> Result<Agent> {
-        let yaml = workloads_yaml(&[WorkloadSpec::for_pod(&self.server, true)]);
+    /// The agent of `pod`'s node, on the in-test istiod and the bed's root.
+    fn start_agent(&self, istiod: &Istiod, pod: &Pod) -> Result<Agent> {
+        let yaml = workloads_yaml(&[
+            WorkloadSpec::for_pod(&self.server, true),
+            WorkloadSpec::for_pod(&self.client, true),
+        ]);
         // The agent's --ca-dir (see agent.rs): the bed's root, installed
         // before it starts, so it trusts the probes' certificates.
         let ca_dir = std::env::temp_dir().join(format!("{}-ca", self.topology.prefix()));
@@ -182,7 +257,7 @@ impl Bed {
         let address = istiod.addr.to_string();
         let root = self.pki.root_file().display().to_string();
         let token = self.pki.token_file().display().to_string();
-        let node = self.server.node();
+        let node = pod.node();
         let mut agent = Agent::start(
             &self.topology,
             node,
@@ -204,7 +279,7 @@ impl Bed {
                 "istio-system",
             ],
         )?;
-        agent.wait_for("the server pod enrolled", WAIT, mesh_pods_enrolled)?;
+        agent.wait_for("its pod enrolled", WAIT, mesh_pods_enrolled)?;
         Ok(agent)
     }
 
@@ -223,6 +298,30 @@ impl Bed {
             observed.push((*row, seen));
         }
         observed
+    }
+}
+
+impl Bed {
+    /// The client application connects to each VIP row (through whatever
+    /// proxy serves the client) and sends bytes the server echoes.
+    fn probe_outbound(&self, case: &Case) -> Vec<(OutboundRow, Observed)> {
+        let app = TestApp::new(&self.testapp, &self.apps);
+        case.outbound
+            .iter()
+            .map(|row| {
+                let to = std::net::SocketAddrV4::new(row.vip.into(), row.port).to_string();
+                let report = tokio::task::block_in_place(|| {
+                    app.run(&self.client, &["connect", &to, "--send", "4096"])
+                });
+                let outcome = if ok(&report) {
+                    Outcome::Allowed
+                } else {
+                    Outcome::Refused
+                };
+                let detail = report.to_string();
+                (*row, Observed { outcome, detail })
+            })
+            .collect()
     }
 }
 

@@ -18,6 +18,15 @@ pub struct Row {
     pub expect: Outcome,
 }
 
+/// One connection the client pod's application makes to a Service VIP
+/// (through the client's proxy), and ztunnel's outcome for it.
+#[derive(Clone, Copy, Debug)]
+pub struct OutboundRow {
+    pub vip: [u8; 4],
+    pub port: u16,
+    pub expect: Outcome,
+}
+
 /// How a peer answers the response carrying a case's addresses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum XdsAnswer {
@@ -40,11 +49,18 @@ pub struct Case {
     /// The policies the server workload names (`authorization_policies`:
     /// the WORKLOAD_SELECTOR ones selecting it).
     pub server_policies: Vec<&'static str>,
+    /// The services (`namespace/hostname`) the server workload is an
+    /// endpoint of, on service port 80 to 8080 (istiod fills the endpoint's target port;
+    /// ztunnel takes 0 as is).
+    pub server_services: Vec<&'static str>,
     pub authorizations: Vec<sec::Authorization>,
     /// ztunnel's answer to the address response (policies are always
     /// ACKed in these tables).
     pub addresses_answer: XdsAnswer,
     pub rows: Vec<Row>,
+    /// Probes through the client's proxy (the client pod gets one then:
+    /// a second ztunnel, or node-a's agent).
+    pub outbound: Vec<OutboundRow>,
 }
 
 impl Case {
@@ -59,9 +75,11 @@ impl Case {
             addresses: Vec::new(),
             then_addresses: Vec::new(),
             server_policies: Vec::new(),
+            server_services: Vec::new(),
             authorizations,
             addresses_answer: XdsAnswer::Ack,
             rows,
+            outbound: Vec::new(),
         }
     }
 }

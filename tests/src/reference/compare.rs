@@ -46,6 +46,14 @@ pub fn mismatches(peer: Peer, case: &Case, run: &Run) -> Vec<String> {
             ));
         }
     }
+    for (row, seen) in &run.outbound {
+        if seen.outcome != row.expect {
+            out.push(format!(
+                "{peer:?} | {} | client -> {:?}:{} | expected {:?}, got {:?} ({})",
+                case.name, row.vip, row.port, row.expect, seen.outcome, seen.detail
+            ));
+        }
+    }
     out
 }
 
@@ -57,6 +65,7 @@ pub fn mismatches(peer: Peer, case: &Case, run: &Run) -> Vec<String> {
 pub async fn check_table(
     peer: Peer,
     test_name: &str,
+    testapp: &std::path::Path,
     cases: &[Case],
 ) -> Result<Option<Vec<String>>> {
     let ztunnel = match peer {
@@ -69,7 +78,7 @@ pub async fn check_table(
             }
         },
     };
-    let bed = Bed::new(test_name)?;
+    let bed = Bed::new(test_name, testapp)?;
     let mut failures = Vec::new();
     for case in cases {
         let run = bed.run(peer, ztunnel.as_deref(), case).await?;
@@ -88,6 +97,12 @@ pub async fn check_table(
             println!(
                 "{peer:?} | {} | {} -> :{} | {:?} ({})",
                 case.name, row.caller, row.port, seen.outcome, seen.detail
+            );
+        }
+        for (row, seen) in &run.outbound {
+            println!(
+                "{peer:?} | {} | client -> {:?}:{} | {:?} ({})",
+                case.name, row.vip, row.port, seen.outcome, seen.detail
             );
         }
         let wrong = mismatches(peer, case, &run);

@@ -176,27 +176,28 @@ fn ready_in_netns(addr: SocketAddr) -> std::result::Result<u16, String> {
 }
 
 /// The pod's inbound TCP, except HBONE's 15008, to ztunnel's plaintext
-/// inbound port 15006 (idempotent: a second ztunnel in the pod finds it).
+/// inbound port 15006.
 fn redirect_inbound_plaintext(pod: &Pod) -> Result<()> {
-    let rule = [
-        "-t",
-        "nat",
-        "PREROUTING",
-        "-i",
-        crate::POD_IF,
-        "-p",
-        "tcp",
-        "!",
-        "--dport",
-        "15008",
-        "-j",
-        "REDIRECT",
-        "--to-ports",
-        "15006",
-    ];
+    let rule = "PREROUTING -i eth0 -p tcp ! --dport 15008 -j REDIRECT --to-ports 15006";
+    nat_rule(pod, &rule.replace("eth0", crate::POD_IF))
+}
+
+/// The pod's own TCP to `vips` (a CIDR: the Service VIPs) to ztunnel's
+/// outbound port 15001. ztunnel's own connections go to pod IPs, never to
+/// a VIP, so they are not caught again.
+pub fn redirect_outbound(pod: &Pod, vips: &str) -> Result<()> {
+    nat_rule(
+        pod,
+        &format!("OUTPUT -p tcp -d {vips} -j REDIRECT --to-ports 15001"),
+    )
+}
+
+/// Appends `rule` (chain first, words separated by spaces) to the pod's
+/// `nat` table unless it is there (a second ztunnel in the pod finds it).
+fn nat_rule(pod: &Pod, rule: &str) -> Result<()> {
     let iptables = |op: &str| {
-        let mut args = vec![rule[0], rule[1], op];
-        args.extend(&rule[2..]);
+        let mut args = vec!["-t", "nat", op];
+        args.extend(rule.split(' '));
         pod.command("iptables")
             .args(&args)
             .stdout(Stdio::null())

@@ -13,36 +13,40 @@ use shunt_proto::istio::{
     workload as wl,
 };
 
-use super::{Case, OTHER, SLEEP, XdsAnswer, row};
+use super::{Case, OTHER, OutboundRow, SLEEP, XdsAnswer, row};
 use crate::reference::{
     bed::NODE_B_IP,
     probe::Outcome::{Allowed, Refused},
     resources::{any_resource, authorization, exact, pod, rule, workload},
 };
 
+const FRESH_VIP: [u8; 4] = [198, 19, 100, 43];
+const EXT_A_VIP: [u8; 4] = [198, 19, 100, 41];
+const EXT_B_VIP: [u8; 4] = [198, 19, 100, 42];
+
+fn to(vip: [u8; 4], expect: crate::reference::probe::Outcome) -> OutboundRow {
+    OutboundRow {
+        vip,
+        port: 80,
+        expect,
+    }
+}
+
 /// The policy the server workload names.
 pub const SELECTED: &str = "default/deny-sleep-selected";
 
 fn case(name: &'static str, addresses: Vec<wl::Address>, answer: XdsAnswer) -> Case {
-    raw_case(
-        name,
-        addresses
-            .into_iter()
-            .map(|a| match a.r#type {
-                Some(wl::address::Type::Workload(w)) => workload(w),
-                Some(wl::address::Type::Service(s)) => any_resource(
-                    &format!("{}/{}", s.namespace, s.hostname),
-                    ADDRESS_TYPE_URL,
-                    wl::Address {
-                        r#type: Some(wl::address::Type::Service(s)),
-                    }
-                    .encode_to_vec(),
-                ),
-                None => any_resource("empty", ADDRESS_TYPE_URL, Vec::new()),
-            })
-            .collect(),
-        answer,
-    )
+    raw_case(name, addresses.into_iter().map(encode).collect(), answer)
+}
+
+/// An address resource named as istiod names it.
+fn encode(address: wl::Address) -> shunt_proto::envoy::service::discovery::v3::Resource {
+    let name = match &address.r#type {
+        Some(wl::address::Type::Workload(w)) => w.uid.clone(),
+        Some(wl::address::Type::Service(s)) => format!("{}/{}", s.namespace, s.hostname),
+        None => String::new(),
+    };
+    any_resource(&name, ADDRESS_TYPE_URL, address.encode_to_vec())
 }
 
 fn raw_case(
@@ -64,6 +68,7 @@ fn raw_case(
             ))],
         },
         server_policies: vec![SELECTED],
+        server_services: Vec::new(),
         authorizations: vec![authorization(
             "deny-sleep-selected",
             Scope::WorkloadSelector,
@@ -75,6 +80,7 @@ fn raw_case(
         )],
         addresses_answer: answer,
         rows: vec![row(SLEEP, 8080, Refused), row(OTHER, 8080, Allowed)],
+        outbound: Vec::new(),
     }
 }
 
@@ -94,11 +100,12 @@ fn host_network(name: &str) -> wl::Address {
     as_workload(w)
 }
 
-/// A Service `default/ext` for one ServiceEntry host, at `vip`.
-fn service_entry_host(host: &str, vip: [u8; 4]) -> wl::Address {
+/// A Service `default/<name>` for `host` at `vip`, port 80 to 8080 (one
+/// per ServiceEntry host, as istiod sends them).
+fn service(name: &str, host: &str, vip: [u8; 4]) -> wl::Address {
     wl::Address {
         r#type: Some(wl::address::Type::Service(wl::Service {
-            name: "ext".into(),
+            name: name.into(),
             namespace: "default".into(),
             hostname: host.into(),
             addresses: vec![wl::NetworkAddress {
@@ -120,6 +127,34 @@ pub fn cases() -> Vec<Case> {
     legacy.tunnel_protocol = wl::TunnelProtocol::LegacyIstioMtls as i32;
     let mut entry = pod("server", "sa-entry", [198, 18, 2, 50].into(), "node-b");
     entry.uid = "Kubernetes/networking.istio.io/WorkloadEntry/default/server".into();
+    let mut undecodable = raw_case(
+        "one undecodable resource and a new Service in the response",
+        vec![
+            any_resource(
+                "default/broken",
+                ADDRESS_TYPE_URL,
+                vec![0x0a, 0xff, 0xff, 0xff],
+            ),
+            encode(service(
+                "fresh",
+                "fresh.default.svc.cluster.local",
+                FRESH_VIP,
+            )),
+        ],
+        XdsAnswer::NackNaming("default/broken"),
+    );
+    undecodable.server_services = vec!["default/fresh.default.svc.cluster.local"];
+    undecodable.outbound = vec![to(FRESH_VIP, Allowed)];
+    let mut two_hosts = case(
+        "two ServiceEntry hosts as Services default/ext",
+        vec![
+            service("ext", "a.ext.example.com", EXT_A_VIP),
+            service("ext", "b.ext.example.com", EXT_B_VIP),
+        ],
+        XdsAnswer::Ack,
+    );
+    two_hosts.server_services = vec!["default/a.ext.example.com", "default/b.ext.example.com"];
+    two_hosts.outbound = vec![to(EXT_A_VIP, Allowed), to(EXT_B_VIP, Allowed)];
     vec![
         case("the server's workload alone", vec![], XdsAnswer::Ack),
         // Item 3: kube-proxy and a CNI agent, both on the node's IP.
@@ -128,16 +163,9 @@ pub fn cases() -> Vec<Case> {
             vec![host_network("kube-proxy"), host_network("cni-agent")],
             XdsAnswer::Ack,
         ),
-        // Item 4: the response also carries a resource that does not decode.
-        raw_case(
-            "one undecodable resource in the response",
-            vec![any_resource(
-                "default/broken",
-                ADDRESS_TYPE_URL,
-                vec![0x0a, 0xff, 0xff, 0xff],
-            )],
-            XdsAnswer::NackNaming("default/broken"),
-        ),
+        // Item 4: the response also carries a resource that does not decode;
+        // the new Service in it must still be served.
+        undecodable,
         // Item 4: a workload ztunnel cannot serve.
         case(
             "a LEGACY_ISTIO_MTLS workload in the response",
@@ -150,16 +178,8 @@ pub fn cases() -> Vec<Case> {
             vec![as_workload(entry)],
             XdsAnswer::Ack,
         ),
-        // Item 5: one Service per ServiceEntry host, same namespace/name.
-        // (Only the feed's answer is probed here: reaching each VIP needs
-        // an outbound probe.)
-        case(
-            "two ServiceEntry hosts as Services default/ext",
-            vec![
-                service_entry_host("a.ext.example.com", [198, 19, 100, 41]),
-                service_entry_host("b.ext.example.com", [198, 19, 100, 42]),
-            ],
-            XdsAnswer::Ack,
-        ),
+        // Item 5: one Service per ServiceEntry host, same namespace/name:
+        // both VIPs reach the server.
+        two_hosts,
     ]
 }
