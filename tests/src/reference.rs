@@ -1,0 +1,17 @@
+//! Holding shunt against the real ztunnel (issue 34, "the real peer"): the
+//! same xDS resources fed to both by an in-test istiod (delta ADS and
+//! Istio's CA over TLS, [`istiod`]), the same probes from a client pod
+//! ([`probe`]), and tables of expected outcomes taken from ztunnel
+//! ([`cases`]). [`bed::Bed`] runs a case against a fresh peer: the shunt
+//! agent, or the ztunnel binary named by `SHUNT_ZTUNNEL_BIN`
+//! ([`ztunnel_peer`]). Not to be confused with the ZDS stand-in
+//! `ztunnel.rs`.
+
+pub mod bed;
+pub mod cases;
+pub mod compare;
+pub mod istiod;
+pub mod pki;
+pub mod probe;
+pub mod resources;
+pub mod ztunnel_peer;

@@ -1,0 +1,345 @@
+//! The comparison bed: two nodes, a client pod on node-a (not in the mesh:
+//! the probes speak HBONE themselves) and the server workload
+//! `default/server` (service account `sa-server`) on node-b with echo
+//! servers on 8080 and 9090. A case runs against a fresh peer serving the
+//! server: the real ztunnel in the server's pod netns, or the shunt agent
+//! of node-b; both are fed by an [`Istiod`] serving the same [`Snapshot`].
+
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use shunt_proto::envoy::service::discovery::v3::Resource;
+
+use super::{
+    cases::{Case, OutboundRow, Row},
+    istiod::{Answer, Istiod, Snapshot},
+    pki::Pki,
+    probe::{Observed, Outcome, probe},
+    resources::{pod, policy, workload},
+    ztunnel_peer::{Ztunnel, redirect_outbound},
+};
+use crate::{
+    Cgroup, Pod, Result, TestbedError, Topology,
+    agent::{Agent, WorkloadSpec, mesh_pods_enrolled, workloads_yaml},
+    apps::{EchoServer, TestApp, ok},
+};
+
+pub const SERVER_SA: &str = "sa-server";
+/// The client's service account (as the testbed's workloads file names it).
+pub const CLIENT_SA: &str = "sa-client";
+/// Where the tables' Service VIPs are.
+pub const VIP_RANGE: &str = "198.19.100.0/24";
+/// node-b's address on the fabric: the IP istiod gives its hostNetwork
+/// pods (the topology's addressing is fixed: see lib.rs).
+pub const NODE_B_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 19, 0, 2);
+const WAIT: Duration = Duration::from_secs(30);
+
+/// Which implementation serves the server workload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Peer {
+    Shunt,
+    Ztunnel,
+}
+
+/// What one case gave on one peer.
+#[derive(Debug)]
+pub struct Run {
+    pub addresses: Answer,
+    pub authorizations: Answer,
+    /// The answer to the second address response, if one was sent.
+    pub then_addresses: Option<Answer>,
+    pub observed: Vec<(Row, Observed)>,
+    pub outbound: Vec<(OutboundRow, Observed)>,
+    /// Whether the peer said ready before the probes: waited for (bounded)
+    /// when it ACKed both types, one look otherwise.
+    pub ready: bool,
+    /// The peer's log, for failure messages.
+    pub logs: String,
+}
+
+pub struct Bed {
+    pki: Pki,
+    /// `shunt-testapp`, the client application of outbound probes, and
+    /// the cgroup it runs in (where the agent's socket programs see it).
+    testapp: PathBuf,
+    apps: Cgroup,
+    client: Pod,
+    server: Pod,
+    _echo: [EchoServer; 2],
+    topology: Topology,
+}
+
+impl Bed {
+    /// `testapp` is `env!("CARGO_BIN_EXE_shunt-testapp")` in this crate's
+    /// tests.
+    pub fn new(test_name: &str, testapp: &Path) -> Result<Bed> {
+        let mut topology = Topology::new(test_name)?;
+        topology.add_node("node-a")?;
+        topology.add_node("node-b")?;
+        let client = topology.add_pod("node-a", "client")?;
+        let server = topology.add_pod("node-b", "server")?;
+        let echo = [
+            EchoServer::on(&server, 8080)?,
+            EchoServer::on(&server, 9090)?,
+        ];
+        let apps = Cgroup::create(&topology, "apps")?;
+        Ok(Bed {
+            pki: Pki::new()?,
+            testapp: testapp.to_path_buf(),
+            apps,
+            client,
+            server,
+            _echo: echo,
+            topology,
+        })
+    }
+
+    /// The workloads istiod sends besides a case's own: the server
+    /// (naming `server_policies`, an endpoint of `server_services`) and the
+    /// client.
+    pub fn base_addresses(
+        &self,
+        server_policies: &[&str],
+        server_services: &[&str],
+    ) -> Vec<Resource> {
+        let mut server = pod(
+            self.server.name(),
+            SERVER_SA,
+            self.server.ip(),
+            self.server.node().name(),
+        );
+        server.authorization_policies = server_policies.iter().map(|p| p.to_string()).collect();
+        for key in server_services {
+            let port = shunt_proto::istio::workload::Port {
+                service_port: 80,
+                target_port: 8080,
+                ..Default::default()
+            };
+            server.services.insert(
+                key.to_string(),
+                shunt_proto::istio::workload::PortList { ports: vec![port] },
+            );
+        }
+        vec![
+            workload(server),
+            workload(pod(
+                self.client.name(),
+                CLIENT_SA,
+                self.client.ip(),
+                self.client.node().name(),
+            )),
+        ]
+    }
+
+    fn snapshot(&self, case: &Case) -> Snapshot {
+        Snapshot {
+            addresses: self
+                .base_addresses(&case.server_policies, &case.server_services)
+                .into_iter()
+                .chain(case.addresses.iter().cloned())
+                .collect(),
+            then_addresses: case.then_addresses.clone(),
+            authorizations: case.authorizations.iter().cloned().map(policy).collect(),
+        }
+    }
+
+    /// Runs `case` on a fresh `peer` (`ztunnel` is the binary, for
+    /// [`Peer::Ztunnel`]).
+    pub async fn run(&self, peer: Peer, ztunnel: Option<&Path>, case: &Case) -> Result<Run> {
+        let snapshot = self.snapshot(case);
+        match peer {
+            Peer::Ztunnel => {
+                let binary = ztunnel.ok_or_else(|| {
+                    TestbedError::Invalid("no ztunnel binary for a ztunnel run".into())
+                })?;
+                let listener = self.server.listen_tcp(([127, 0, 0, 1], 0).into())?;
+                let istiod = Istiod::serve(&self.pki, listener, snapshot)?;
+                let workload = ("default", self.server.name(), SERVER_SA);
+                let (pki, server) = (self.pki.clone(), self.server.clone());
+                let binary = binary.to_path_buf();
+                let mut zt = tokio::task::block_in_place(|| {
+                    Ztunnel::start(&binary, &server, workload, &istiod, &pki)
+                })?;
+                let (addresses, authorizations, then_addresses) =
+                    istiod.wait_for_answers(WAIT).await?;
+                let ready = if settled(&addresses, &authorizations, then_addresses.as_ref()) {
+                    tokio::task::block_in_place(|| zt.wait_ready(WAIT))
+                } else {
+                    zt.readiness() == Some(200)
+                };
+                let observed = self.probe_all(case).await;
+                let mut logs = zt.logs();
+                let mut outbound = Vec::new();
+                if !case.outbound.is_empty() {
+                    let listener = self.client.listen_tcp(([127, 0, 0, 1], 0).into())?;
+                    let istiod = Istiod::serve(&self.pki, listener, self.snapshot(case))?;
+                    let workload = ("default", self.client.name(), CLIENT_SA);
+                    let client = self.client.clone();
+                    let mut zt = tokio::task::block_in_place(|| {
+                        redirect_outbound(&client, VIP_RANGE)?;
+                        Ztunnel::start(&binary, &client, workload, &istiod, &pki)
+                    })?;
+                    let answers = istiod.wait_for_answers(WAIT).await?;
+                    if settled(&answers.0, &answers.1, answers.2.as_ref()) {
+                        tokio::task::block_in_place(|| zt.wait_ready(WAIT));
+                    }
+                    outbound = self.probe_outbound(case);
+                    logs.push_str("\n--- the client's ztunnel:\n");
+                    logs.push_str(&zt.logs());
+                }
+                Ok(Run {
+                    addresses,
+                    authorizations,
+                    then_addresses,
+                    observed,
+                    outbound,
+                    ready,
+                    logs,
+                })
+            }
+            Peer::Shunt => {
+                let node = self.server.node().clone();
+                let listener = node.listen_tcp(([127, 0, 0, 1], 0).into())?;
+                let istiod = Istiod::serve(&self.pki, listener, snapshot)?;
+                let agent =
+                    tokio::task::block_in_place(|| self.start_agent(&istiod, &self.server))?;
+                let (addresses, authorizations, then_addresses) =
+                    istiod.wait_for_answers(WAIT).await?;
+                // A peer that never gets ready is still probed (what a
+                // user would meet).
+                let ready = if settled(&addresses, &authorizations, then_addresses.as_ref()) {
+                    tokio::task::block_in_place(|| wait_ready(&agent, WAIT))
+                } else {
+                    matches!(agent.readiness(), Ok((200, _)))
+                };
+                let observed = self.probe_all(case).await;
+                let mut logs = agent.logs();
+                let mut outbound = Vec::new();
+                if !case.outbound.is_empty() {
+                    let node = self.client.node().clone();
+                    let listener = node.listen_tcp(([127, 0, 0, 1], 0).into())?;
+                    let istiod = Istiod::serve(&self.pki, listener, self.snapshot(case))?;
+                    let client_agent =
+                        tokio::task::block_in_place(|| self.start_agent(&istiod, &self.client))?;
+                    let answers = istiod.wait_for_answers(WAIT).await?;
+                    if settled(&answers.0, &answers.1, answers.2.as_ref()) {
+                        tokio::task::block_in_place(|| wait_ready(&client_agent, WAIT));
+                    }
+                    outbound = self.probe_outbound(case);
+                    logs.push_str("\n--- node-a's agent:\n");
+                    logs.push_str(&client_agent.logs());
+                }
+                Ok(Run {
+                    addresses,
+                    authorizations,
+                    then_addresses,
+                    observed,
+                    outbound,
+                    ready,
+                    logs,
+                })
+            }
+        }
+    }
+
+    /// The agent of `pod`'s node, on the in-test istiod and the bed's root.
+    fn start_agent(&self, istiod: &Istiod, pod: &Pod) -> Result<Agent> {
+        let yaml = workloads_yaml(&[
+            WorkloadSpec::for_pod(&self.server, true),
+            WorkloadSpec::for_pod(&self.client, true),
+        ]);
+        // The agent's --ca-dir (see agent.rs): the bed's root, installed
+        // before it starts, so it trusts the probes' certificates.
+        let ca_dir = std::env::temp_dir().join(format!("{}-ca", self.topology.prefix()));
+        self.pki.install_ca(&ca_dir)?;
+        let address = istiod.addr.to_string();
+        let root = self.pki.root_file().display().to_string();
+        let token = self.pki.token_file().display().to_string();
+        let node = pod.node();
+        let mut agent = Agent::start(
+            &self.topology,
+            node,
+            &yaml,
+            &[
+                "--redirect",
+                "ebpf",
+                "--xds-address",
+                &address,
+                "--xds-root-cert",
+                &root,
+                "--xds-token",
+                &token,
+                "--instance-ip",
+                "198.18.0.5",
+                "--pod-name",
+                "shunt-x1",
+                "--pod-namespace",
+                "istio-system",
+            ],
+        )?;
+        agent.wait_for("its pod enrolled", WAIT, mesh_pods_enrolled)?;
+        Ok(agent)
+    }
+
+    async fn probe_all(&self, case: &Case) -> Vec<(Row, Observed)> {
+        let mut observed = Vec::new();
+        for row in &case.rows {
+            let seen = probe(
+                &self.pki,
+                &self.client,
+                &self.server,
+                SERVER_SA,
+                row.caller,
+                row.port,
+            )
+            .await;
+            observed.push((*row, seen));
+        }
+        observed
+    }
+}
+
+impl Bed {
+    /// The client application connects to each VIP row (through whatever
+    /// proxy serves the client) and sends bytes the server echoes.
+    fn probe_outbound(&self, case: &Case) -> Vec<(OutboundRow, Observed)> {
+        let app = TestApp::new(&self.testapp, &self.apps);
+        case.outbound
+            .iter()
+            .map(|row| {
+                let to = std::net::SocketAddrV4::new(row.vip.into(), row.port).to_string();
+                let report = tokio::task::block_in_place(|| {
+                    app.run(&self.client, &["connect", &to, "--send", "4096"])
+                });
+                let outcome = if ok(&report) {
+                    Outcome::Allowed
+                } else {
+                    Outcome::Refused
+                };
+                let detail = report.to_string();
+                (*row, Observed { outcome, detail })
+            })
+            .collect()
+    }
+}
+
+/// Whether the last response of each type was ACKed.
+fn settled(addresses: &Answer, authorizations: &Answer, then: Option<&Answer>) -> bool {
+    then.unwrap_or(addresses).error.is_none() && authorizations.error.is_none()
+}
+
+/// Polls the agent's readiness (bounded); false when it never says 200.
+fn wait_ready(agent: &Agent, timeout: Duration) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if matches!(agent.readiness(), Ok((200, _))) {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -1,0 +1,108 @@
+//! The comparison tables: rows of (xDS resources sent, probe, expected
+//! outcome), one file per concern, data only. Expected outcomes are what
+//! the real ztunnel does (each row was run against it).
+
+use shunt_proto::{envoy::service::discovery::v3::Resource, istio::security as sec};
+
+use super::probe::{Caller, Outcome};
+
+pub mod authz;
+pub mod xds;
+
+/// One probe of a case and the outcome ztunnel gives it.
+#[derive(Clone, Copy, Debug)]
+pub struct Row {
+    pub caller: Caller,
+    /// The server workload's port (an echo server listens on 8080 and 9090).
+    pub port: u16,
+    pub expect: Outcome,
+}
+
+/// One connection the client pod's application makes to a Service VIP
+/// (through the client's proxy), and ztunnel's outcome for it.
+#[derive(Clone, Copy, Debug)]
+pub struct OutboundRow {
+    pub vip: [u8; 4],
+    pub port: u16,
+    pub expect: Outcome,
+}
+
+/// How a peer answers the response carrying a case's addresses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum XdsAnswer {
+    Ack,
+    /// A NACK whose message names this resource.
+    NackNaming(&'static str),
+}
+
+/// Resources sent to a fresh peer (besides the bed's own workloads), and
+/// the rows probed once it is ready.
+#[derive(Clone, Debug)]
+pub struct Case {
+    pub name: &'static str,
+    /// Address resources besides the bed's server and client workloads,
+    /// in the same response.
+    pub addresses: Vec<Resource>,
+    /// A second address response, sent once the first is answered (after
+    /// a NACK: ztunnel is unready until a response of the type is ACKed).
+    pub then_addresses: Vec<Resource>,
+    /// The policies the server workload names (`authorization_policies`:
+    /// the WORKLOAD_SELECTOR ones selecting it).
+    pub server_policies: Vec<&'static str>,
+    /// The services (`namespace/hostname`) the server workload is an
+    /// endpoint of, on service port 80 to 8080 (istiod fills the endpoint's target port;
+    /// ztunnel takes 0 as is).
+    pub server_services: Vec<&'static str>,
+    pub authorizations: Vec<sec::Authorization>,
+    /// ztunnel's answer to the address response (policies are always
+    /// ACKed in these tables).
+    pub addresses_answer: XdsAnswer,
+    pub rows: Vec<Row>,
+    /// Probes through the client's proxy (the client pod gets one then:
+    /// a second ztunnel, or node-a's agent).
+    pub outbound: Vec<OutboundRow>,
+}
+
+impl Case {
+    /// A case of policies only.
+    pub fn authz(
+        name: &'static str,
+        authorizations: Vec<sec::Authorization>,
+        rows: Vec<Row>,
+    ) -> Case {
+        Case {
+            name,
+            addresses: Vec::new(),
+            then_addresses: Vec::new(),
+            server_policies: Vec::new(),
+            server_services: Vec::new(),
+            authorizations,
+            addresses_answer: XdsAnswer::Ack,
+            rows,
+            outbound: Vec::new(),
+        }
+    }
+}
+
+/// The callers the tables use.
+pub const SLEEP: Caller = Caller::Mesh {
+    namespace: "default",
+    service_account: "sleep",
+};
+pub const OTHER: Caller = Caller::Mesh {
+    namespace: "default",
+    service_account: "other",
+};
+pub const FOREIGN: Caller = Caller::Mesh {
+    namespace: "foreign",
+    service_account: "sleep",
+};
+pub const PLAINTEXT: Caller = Caller::Plaintext;
+
+pub const fn row(caller: Caller, port: u16, expect: Outcome) -> Row {
+    Row {
+        caller,
+        port,
+        expect,
+    }
+}

@@ -1,0 +1,46 @@
+//! The authorization table (`shunt_testbed::reference::cases::authz`) on
+//! both peers: every case on a fresh shunt agent (always) and on a fresh
+//! real ztunnel (when `SHUNT_ZTUNNEL_BIN` names the binary; skipped, with
+//! the reason printed, otherwise), fed the same resources by the in-test
+//! istiod; each row's outcome must be the table's (ztunnel's).
+//!
+//! Run as root: `SHUNT_BIN=… SHUNT_ZTUNNEL_BIN=/path/to/ztunnel cargo test
+//! -p shunt-testbed --test reference_authz` (`REFERENCE_LOGS=1` prints
+//! the peer's log of a case that differs).
+
+use shunt_testbed::{
+    reference::{bed::Peer, cases::authz, compare::check_table},
+    require_root,
+};
+
+const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
+
+async fn check(peer: Peer, test_name: &str) {
+    require_root().expect("kernel tests need root");
+    let failures = check_table(
+        peer,
+        test_name,
+        std::path::Path::new(TESTAPP),
+        &authz::cases(),
+    )
+    .await
+    .expect("the comparison bed");
+    if let Some(failures) = failures {
+        assert!(
+            failures.is_empty(),
+            "{} rows differ from ztunnel's outcomes:\n{}",
+            failures.len(),
+            failures.join("\n")
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_authorization_table_holds_on_the_real_ztunnel() {
+    check(Peer::Ztunnel, "ref-authz-zt").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_authorization_table_holds_on_shunt() {
+    check(Peer::Shunt, "ref-authz-sh").await;
+}
