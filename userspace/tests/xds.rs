@@ -190,14 +190,43 @@ async fn initial_push_lands_in_the_view_with_acks_and_readiness() {
     let ack = server.answer_to("a1").await;
     assert_eq!(ack.type_url, ADDRESS_TYPE_URL);
     assert_eq!(ack.error_detail, None, "an ACK carries no error");
-    let view = running
-        .sink
-        .view_where("the workloads", |v| v.workloads.len() == 4)
-        .await;
+    // Workloads without policies are no view to serve with: nothing is
+    // published before both types came (inbound fails closed until then).
+    assert_eq!(
+        running.sink.published(),
+        0,
+        "a view was published before the policies: {:?}",
+        running.sink.last()
+    );
     assert!(
         !running.sink.is_synced(),
         "not ready before policies were received"
     );
+
+    server.push(response(
+        AUTHORIZATION_TYPE_URL,
+        "p1",
+        vec![policy(
+            principal_policy(
+                "deny-evil",
+                security_pb::Scope::Namespace,
+                security_pb::Action::Deny,
+                "cluster.local/ns/evil/sa/default",
+                &[],
+            ),
+            "1",
+        )],
+        &[],
+    ));
+    assert_eq!(server.answer_to("p1").await.error_detail, None);
+    wait_for("synced", || running.sink.is_synced().then_some(())).await;
+    let view = running
+        .sink
+        .view_where("the workloads and the policy", |v| {
+            v.workloads.len() == 4 && v.policies.len() == 1
+        })
+        .await;
+    assert_eq!(running.sink.published(), 1, "one complete view");
 
     let client = view
         .workloads
@@ -239,27 +268,6 @@ async fn initial_push_lands_in_the_view_with_acks_and_readiness() {
     let web = view.services.iter().find(|s| s.name == "web").expect("web");
     assert_eq!(web.hostname, "web.default.svc.cluster.local");
 
-    server.push(response(
-        AUTHORIZATION_TYPE_URL,
-        "p1",
-        vec![policy(
-            principal_policy(
-                "deny-evil",
-                security_pb::Scope::Namespace,
-                security_pb::Action::Deny,
-                "cluster.local/ns/evil/sa/default",
-                &[],
-            ),
-            "1",
-        )],
-        &[],
-    ));
-    assert_eq!(server.answer_to("p1").await.error_detail, None);
-    wait_for("synced", || running.sink.is_synced().then_some(())).await;
-    let view = running
-        .sink
-        .view_where("the policy", |v| v.policies.len() == 1)
-        .await;
     let p = &view.policies[0];
     assert_eq!(p.key(), PolicyKey::new("default", "deny-evil"));
     assert_eq!((p.scope, p.action), (Scope::Namespace, Action::Deny));

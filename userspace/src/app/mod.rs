@@ -202,6 +202,16 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
                 })
                 .instrument(info_span!("store")),
             );
+            // Inbound fails closed until the first view is in the store:
+            // every source pushes only complete views (istiod's once both
+            // types came, the discovery's once policies were listed).
+            let proxy = parts.proxy.clone();
+            let mut first_view = store_applied.clone();
+            tokio::spawn(async move {
+                if first_view.wait_for(|n| *n > 0).await.is_ok() {
+                    proxy.cluster_view_applied();
+                }
+            });
             (Some(views), Some(store_applied))
         }
         None => (None, None),

@@ -67,6 +67,10 @@ pub(super) async fn accept_loop(
         // reset, counted and logged there).
         let (stream, admission) = match kind.inbound() {
             None => (stream, None),
+            Some(inbound) if !shared.cluster_synced() => {
+                limits::refuse_unsynced(&shared, &pod, inbound, stream, peer);
+                continue;
+            }
             Some(inbound) => match limits::admit_or_refuse(&shared, &pod, inbound, stream, peer) {
                 Some((stream, admission)) => (stream, Some(admission)),
                 None => continue,

@@ -110,10 +110,14 @@ pub enum RefusalReason {
     Request,
     /// An authorization policy.
     Policy,
+    /// An inbound connection before the first complete cluster view
+    /// (workloads and policies) was applied: refused at once, fail closed
+    /// (`accept.rs`).
+    NotSynced,
 }
 
 impl RefusalReason {
-    pub const ALL: [RefusalReason; 16] = [
+    pub const ALL: [RefusalReason; 17] = [
         RefusalReason::SourceLimit,
         RefusalReason::FdBudget,
         RefusalReason::HandshakeEvicted,
@@ -130,6 +134,7 @@ impl RefusalReason {
         RefusalReason::H2GoAway,
         RefusalReason::Request,
         RefusalReason::Policy,
+        RefusalReason::NotSynced,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -150,6 +155,7 @@ impl RefusalReason {
             RefusalReason::H2GoAway => "h2_goaway",
             RefusalReason::Request => "request",
             RefusalReason::Policy => "policy",
+            RefusalReason::NotSynced => "not_synced",
         }
     }
 
@@ -525,6 +531,39 @@ pub(crate) fn admit_or_refuse(
     quiet_unless_allowed(shared, &mut log, format!("refused at accept: {refused}"));
     log.emit(shared);
     None
+}
+
+/// Refuses an inbound connection accepted before the first complete
+/// cluster view: no policy is known, so none can be applied (fail closed).
+/// Reset at once rather than held: ztunnel binds no pod listener before its
+/// first xDS update, so its peers see a refusal at once too; a client
+/// retries, and a held connection would only delay that.
+pub(crate) fn refuse_unsynced(
+    shared: &Shared,
+    pod: &PodState,
+    kind: Inbound,
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+) {
+    super::reset(&stream);
+    let local = stream.local_addr().unwrap_or(peer);
+    drop(stream);
+    let direction = match kind {
+        Inbound::Hbone => "inbound",
+        Inbound::Plaintext => "inbound_plaintext",
+    };
+    let mut log = AccessLog {
+        pod: Some(&pod.key),
+        dst_identity: Some(pod.identity.as_str()),
+        refusal: Some(RefusalReason::NotSynced),
+        ..AccessLog::new(direction, peer, local)
+    };
+    quiet_unless_allowed(
+        shared,
+        &mut log,
+        "refused at accept: no complete cluster view (workloads and policies) yet".into(),
+    );
+    log.emit(shared);
 }
 
 /// Sets `log`'s reason, and makes it quiet when too many such lines were

@@ -245,6 +245,7 @@ impl Proxy {
                 observer: OnceLock::new(),
                 dns: OnceLock::new(),
                 policy_changes: tokio::sync::watch::Sender::new(0),
+                cluster_synced: std::sync::atomic::AtomicBool::new(false),
             }),
         })
     }
@@ -254,6 +255,16 @@ impl Proxy {
     /// does).
     pub fn policies_changed(&self) {
         self.shared.policy_changes.send_modify(|n| *n += 1);
+    }
+
+    /// The store holds a complete cluster view (workloads and policies)
+    /// from now on: inbound connections, refused until then (fail closed,
+    /// counted as `not_synced`), are served. ztunnel likewise serves no pod
+    /// before its first xDS update.
+    pub fn cluster_view_applied(&self) {
+        if !self.shared.cluster_synced.swap(true, Ordering::AcqRel) {
+            tracing::info!("cluster view applied: inbound connections are served from now on");
+        }
     }
 
     /// Serves the DNS of pods whose DNS is captured ([`PodNet::dns`]) with

@@ -124,9 +124,21 @@ pub(crate) struct Shared {
     /// Bumped by [`Proxy::policies_changed`]: open inbound connections
     /// re-check their authorization.
     pub policy_changes: tokio::sync::watch::Sender<u64>,
+    /// Whether a complete cluster view (workloads and policies) has been
+    /// applied to the store once ([`Proxy::cluster_view_applied`]): until
+    /// then inbound connections are refused, as no policy is known yet.
+    ///
+    /// [`Proxy::cluster_view_applied`]: super::Proxy::cluster_view_applied
+    pub(super) cluster_synced: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
+    /// See [`Shared::cluster_synced`].
+    pub fn cluster_synced(&self) -> bool {
+        self.cluster_synced
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// Asks the redirector where a redirected connection was going.
     pub fn original_dst_of(
         &self,

@@ -215,7 +215,7 @@ impl XdsSource {
     ) {
         let nonce = response.nonce.as_str();
         let type_url = response.type_url.as_str();
-        let first = !state.received(type_url);
+        let was_synced = state.synced();
         let answer = match state.apply(&response) {
             Ok(applied) => {
                 state.record_ack(type_url, nonce, &response.system_version_info);
@@ -227,7 +227,10 @@ impl XdsSource {
                     changed = applied.changed,
                     "applied; ACK"
                 );
-                if applied.changed || first {
+                // Only complete views (both types received once): a view
+                // of workloads without policies would serve inbound with
+                // no policy (the proxy fails closed until the first one).
+                if state.synced() && (applied.changed || !was_synced) {
                     let (view, new_warnings) = state.view();
                     for warning in new_warnings {
                         warn!(%warning, "xDS resources refer to something istiod has not sent");

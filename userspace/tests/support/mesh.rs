@@ -132,6 +132,8 @@ impl Mesh {
                 odst.clone(),
             )
             .expect("proxy");
+            // The store above is complete: inbound is served.
+            proxy.cluster_view_applied();
             for w in workloads.iter().filter(|w| w.node == *n && w.wants_mesh()) {
                 proxy
                     .add_pod(PodNet {
