@@ -18,7 +18,7 @@ use super::{
     pki::Pki,
     probe::{Observed, Outcome, probe},
     resources::{pod, policy, workload},
-    ztunnel_peer::{Ztunnel, redirect_outbound},
+    ztunnel_peer::Ztunnel,
 };
 use crate::{
     Cgroup, Pod, Result, TestbedError, Topology,
@@ -29,8 +29,12 @@ use crate::{
 pub const SERVER_SA: &str = "sa-server";
 /// The client's service account (as the testbed's workloads file names it).
 pub const CLIENT_SA: &str = "sa-client";
-/// Where the tables' Service VIPs are.
-pub const VIP_RANGE: &str = "198.19.100.0/24";
+/// What the client's ztunnel captures: the topology's range (VIPs and
+/// pods).
+pub const CAPTURED: &str = "198.18.0.0/15";
+/// The server pod's address (the topology's addressing is fixed: the
+/// first pod of the second node).
+pub const SERVER_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 18, 2, 10);
 /// node-b's address on the fabric: the IP istiod gives its hostNetwork
 /// pods (the topology's addressing is fixed: see lib.rs).
 pub const NODE_B_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 19, 0, 2);
@@ -84,6 +88,12 @@ impl Bed {
             EchoServer::on(&server, 8080)?,
             EchoServer::on(&server, 9090)?,
         ];
+        if server.ip() != SERVER_IP {
+            return Err(TestbedError::Invalid(format!(
+                "the server pod is at {}, the tables expect {SERVER_IP}",
+                server.ip()
+            )));
+        }
         let apps = Cgroup::create(&topology, "apps")?;
         Ok(Bed {
             pki: Pki::new()?,
@@ -160,7 +170,7 @@ impl Bed {
                 let (pki, server) = (self.pki.clone(), self.server.clone());
                 let binary = binary.to_path_buf();
                 let mut zt = tokio::task::block_in_place(|| {
-                    Ztunnel::start(&binary, &server, workload, &istiod, &pki)
+                    Ztunnel::start(&binary, &server, workload, &istiod, &pki, None)
                 })?;
                 let (addresses, authorizations, then_addresses) =
                     istiod.wait_for_answers(WAIT).await?;
@@ -178,8 +188,7 @@ impl Bed {
                     let workload = ("default", self.client.name(), CLIENT_SA);
                     let client = self.client.clone();
                     let mut zt = tokio::task::block_in_place(|| {
-                        redirect_outbound(&client, VIP_RANGE)?;
-                        Ztunnel::start(&binary, &client, workload, &istiod, &pki)
+                        Ztunnel::start(&binary, &client, workload, &istiod, &pki, Some(CAPTURED))
                     })?;
                     let answers = istiod.wait_for_answers(WAIT).await?;
                     if settled(&answers.0, &answers.1, answers.2.as_ref()) {
@@ -309,7 +318,7 @@ impl Bed {
         case.outbound
             .iter()
             .map(|row| {
-                let to = std::net::SocketAddrV4::new(row.vip.into(), row.port).to_string();
+                let to = std::net::SocketAddrV4::new(row.dst.into(), row.port).to_string();
                 let report = tokio::task::block_in_place(|| {
                     app.run(&self.client, &["connect", &to, "--send", "4096"])
                 });

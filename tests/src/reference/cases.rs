@@ -18,11 +18,11 @@ pub struct Row {
     pub expect: Outcome,
 }
 
-/// One connection the client pod's application makes to a Service VIP
-/// (through the client's proxy), and ztunnel's outcome for it.
+/// One connection the client pod's application makes to a Service VIP or
+/// a pod IP (through the client's proxy), and ztunnel's outcome for it.
 #[derive(Clone, Copy, Debug)]
 pub struct OutboundRow {
-    pub vip: [u8; 4],
+    pub dst: [u8; 4],
     pub port: u16,
     pub expect: Outcome,
 }

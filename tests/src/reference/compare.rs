@@ -50,7 +50,7 @@ pub fn mismatches(peer: Peer, case: &Case, run: &Run) -> Vec<String> {
         if seen.outcome != row.expect {
             out.push(format!(
                 "{peer:?} | {} | client -> {:?}:{} | expected {:?}, got {:?} ({})",
-                case.name, row.vip, row.port, row.expect, seen.outcome, seen.detail
+                case.name, row.dst, row.port, row.expect, seen.outcome, seen.detail
             ));
         }
     }
@@ -102,7 +102,7 @@ pub async fn check_table(
         for (row, seen) in &run.outbound {
             println!(
                 "{peer:?} | {} | client -> {:?}:{} | {:?} ({})",
-                case.name, row.vip, row.port, seen.outcome, seen.detail
+                case.name, row.dst, row.port, seen.outcome, seen.detail
             );
         }
         let wrong = mismatches(peer, case, &run);

@@ -13,9 +13,9 @@ use shunt_proto::istio::{
     workload as wl,
 };
 
-use super::{Case, OTHER, OutboundRow, SLEEP, XdsAnswer, row};
+use super::{Case, OTHER, OutboundRow, PLAINTEXT, SLEEP, XdsAnswer, row};
 use crate::reference::{
-    bed::NODE_B_IP,
+    bed::{NODE_B_IP, SERVER_IP},
     probe::Outcome::{Allowed, Refused},
     resources::{any_resource, authorization, exact, pod, rule, workload},
 };
@@ -24,13 +24,16 @@ const FRESH_VIP: [u8; 4] = [198, 19, 100, 43];
 const EXT_A_VIP: [u8; 4] = [198, 19, 100, 41];
 const EXT_B_VIP: [u8; 4] = [198, 19, 100, 42];
 
-fn to(vip: [u8; 4], expect: crate::reference::probe::Outcome) -> OutboundRow {
+fn to(dst: [u8; 4], expect: crate::reference::probe::Outcome) -> OutboundRow {
     OutboundRow {
-        vip,
+        dst,
         port: 80,
         expect,
     }
 }
+
+/// The policy allowing only the client, for the cases that name it.
+pub const ALLOWED: &str = "default/allow-client-selected";
 
 /// The policy the server workload names.
 pub const SELECTED: &str = "default/deny-sleep-selected";
@@ -155,6 +158,29 @@ pub fn cases() -> Vec<Case> {
     );
     two_hosts.server_services = vec!["default/a.ext.example.com", "default/b.ext.example.com"];
     two_hosts.outbound = vec![to(EXT_A_VIP, Allowed), to(EXT_B_VIP, Allowed)];
+    // Item 5: the client calls the pod by IP; only mutual TLS with the
+    // client's identity is allowed in, so a lost HBONE mapping shows.
+    let mut entry_then_call = case(
+        "a WorkloadEntry named like the server pod; the client calls the pod",
+        vec![as_workload(entry.clone())],
+        XdsAnswer::Ack,
+    );
+    entry_then_call.server_policies = vec![ALLOWED];
+    entry_then_call.authorizations = vec![authorization(
+        "allow-client-selected",
+        Scope::WorkloadSelector,
+        Action::Allow,
+        vec![rule(vec![vec![Match {
+            principals: vec![exact("cluster.local/ns/default/sa/sa-client")],
+            ..Default::default()
+        }]])],
+    )];
+    entry_then_call.rows = vec![row(OTHER, 8080, Refused), row(PLAINTEXT, 8080, Refused)];
+    entry_then_call.outbound = vec![OutboundRow {
+        dst: SERVER_IP.octets(),
+        port: 8080,
+        expect: Allowed,
+    }];
     vec![
         case("the server's workload alone", vec![], XdsAnswer::Ack),
         // Item 3: kube-proxy and a CNI agent, both on the node's IP.
@@ -178,6 +204,7 @@ pub fn cases() -> Vec<Case> {
             vec![as_workload(entry)],
             XdsAnswer::Ack,
         ),
+        entry_then_call,
         // Item 5: one Service per ServiceEntry host, same namespace/name:
         // both VIPs reach the server.
         two_hosts,
