@@ -55,6 +55,8 @@ pub struct Run {
     /// The answer to the second address response, if one was sent.
     pub then_addresses: Option<Answer>,
     pub observed: Vec<(Row, Observed)>,
+    /// The rows probed before the first xDS update.
+    pub before_sync: Vec<(Row, Observed)>,
     pub outbound: Vec<(OutboundRow, Observed)>,
     /// Whether the peer said ready before the probes: waited for (bounded)
     /// when it ACKed both types, one look otherwise.
@@ -151,6 +153,7 @@ impl Bed {
                 .chain(case.addresses.iter().cloned())
                 .collect(),
             then_addresses: case.then_addresses.clone(),
+            hold: !case.before_sync.is_empty(),
             authorizations: case.authorizations.iter().cloned().map(policy).collect(),
         }
     }
@@ -172,6 +175,8 @@ impl Bed {
                 let mut zt = tokio::task::block_in_place(|| {
                     Ztunnel::start(&binary, &server, workload, &istiod, &pki, None)
                 })?;
+                let before_sync = self.probe_rows(&case.before_sync).await;
+                istiod.release();
                 let (addresses, authorizations, then_addresses) =
                     istiod.wait_for_answers(WAIT).await?;
                 let ready = if settled(&addresses, &authorizations, then_addresses.as_ref()) {
@@ -185,6 +190,7 @@ impl Bed {
                 if !case.outbound.is_empty() {
                     let listener = self.client.listen_tcp(([127, 0, 0, 1], 0).into())?;
                     let istiod = Istiod::serve(&self.pki, listener, self.snapshot(case))?;
+                    istiod.release(); // the client's view is not the case's subject
                     let workload = ("default", self.client.name(), CLIENT_SA);
                     let client = self.client.clone();
                     let mut zt = tokio::task::block_in_place(|| {
@@ -203,6 +209,7 @@ impl Bed {
                     authorizations,
                     then_addresses,
                     observed,
+                    before_sync,
                     outbound,
                     ready,
                     logs,
@@ -214,6 +221,8 @@ impl Bed {
                 let istiod = Istiod::serve(&self.pki, listener, snapshot)?;
                 let agent =
                     tokio::task::block_in_place(|| self.start_agent(&istiod, &self.server))?;
+                let before_sync = self.probe_rows(&case.before_sync).await;
+                istiod.release();
                 let (addresses, authorizations, then_addresses) =
                     istiod.wait_for_answers(WAIT).await?;
                 // A peer that never gets ready is still probed (what a
@@ -230,6 +239,7 @@ impl Bed {
                     let node = self.client.node().clone();
                     let listener = node.listen_tcp(([127, 0, 0, 1], 0).into())?;
                     let istiod = Istiod::serve(&self.pki, listener, self.snapshot(case))?;
+                    istiod.release(); // the client's view is not the case's subject
                     let client_agent =
                         tokio::task::block_in_place(|| self.start_agent(&istiod, &self.client))?;
                     let answers = istiod.wait_for_answers(WAIT).await?;
@@ -245,6 +255,7 @@ impl Bed {
                     authorizations,
                     then_addresses,
                     observed,
+                    before_sync,
                     outbound,
                     ready,
                     logs,
@@ -293,8 +304,12 @@ impl Bed {
     }
 
     async fn probe_all(&self, case: &Case) -> Vec<(Row, Observed)> {
+        self.probe_rows(&case.rows).await
+    }
+
+    async fn probe_rows(&self, rows: &[Row]) -> Vec<(Row, Observed)> {
         let mut observed = Vec::new();
-        for row in &case.rows {
+        for row in rows {
             let seen = probe(
                 &self.pki,
                 &self.client,

@@ -7,6 +7,7 @@ use shunt_proto::{envoy::service::discovery::v3::Resource, istio::security as se
 use super::probe::{Caller, Outcome};
 
 pub mod authz;
+pub mod sync;
 pub mod xds;
 
 /// One probe of a case and the outcome ztunnel gives it.
@@ -58,6 +59,9 @@ pub struct Case {
     /// ACKed in these tables).
     pub addresses_answer: XdsAnswer,
     pub rows: Vec<Row>,
+    /// Rows probed before the peer's first xDS update (istiod holds its
+    /// responses until they ran); empty: no holding.
+    pub before_sync: Vec<Row>,
     /// Probes through the client's proxy (the client pod gets one then:
     /// a second ztunnel, or node-a's agent).
     pub outbound: Vec<OutboundRow>,
@@ -79,6 +83,7 @@ impl Case {
             authorizations,
             addresses_answer: XdsAnswer::Ack,
             rows,
+            before_sync: Vec::new(),
             outbound: Vec::new(),
         }
     }

@@ -46,6 +46,14 @@ pub fn mismatches(peer: Peer, case: &Case, run: &Run) -> Vec<String> {
             ));
         }
     }
+    for (row, seen) in &run.before_sync {
+        if seen.outcome != row.expect {
+            out.push(format!(
+                "{peer:?} | {} | before the first sync: {} -> :{} | expected {:?}, got {:?} ({})",
+                case.name, row.caller, row.port, row.expect, seen.outcome, seen.detail
+            ));
+        }
+    }
     for (row, seen) in &run.outbound {
         if seen.outcome != row.expect {
             out.push(format!(
@@ -96,6 +104,12 @@ pub async fn check_table(
         for (row, seen) in &run.observed {
             println!(
                 "{peer:?} | {} | {} -> :{} | {:?} ({})",
+                case.name, row.caller, row.port, seen.outcome, seen.detail
+            );
+        }
+        for (row, seen) in &run.before_sync {
+            println!(
+                "{peer:?} | {} | before the first sync: {} -> :{} | {:?} ({})",
                 case.name, row.caller, row.port, seen.outcome, seen.detail
             );
         }

@@ -83,6 +83,7 @@ fn raw_case(
         )],
         addresses_answer: answer,
         rows: vec![row(SLEEP, 8080, Refused), row(OTHER, 8080, Allowed)],
+        before_sync: Vec::new(),
         outbound: Vec::new(),
     }
 }
