@@ -7,6 +7,7 @@ use shunt_proto::{envoy::service::discovery::v3::Resource, istio::security as se
 use super::probe::{Caller, Outcome};
 
 pub mod authz;
+pub mod routing;
 pub mod sync;
 pub mod xds;
 

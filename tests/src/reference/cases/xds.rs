@@ -6,7 +6,6 @@
 //! NACK, a later ACKed push shows whether the rest of the NACKed response
 //! was applied.
 
-use prost::Message as _;
 use shunt::xds::ADDRESS_TYPE_URL;
 use shunt_proto::istio::{
     security::{Action, Match, Scope},
@@ -17,7 +16,7 @@ use super::{Case, OTHER, OutboundRow, PLAINTEXT, SLEEP, XdsAnswer, row};
 use crate::reference::{
     bed::{NODE_B_IP, SERVER_IP},
     probe::Outcome::{Allowed, Refused},
-    resources::{any_resource, authorization, exact, pod, rule, workload},
+    resources::{any_resource, authorization, encode, exact, pod, rule, service, workload},
 };
 
 const FRESH_VIP: [u8; 4] = [198, 19, 100, 43];
@@ -40,16 +39,6 @@ pub const SELECTED: &str = "default/deny-sleep-selected";
 
 fn case(name: &'static str, addresses: Vec<wl::Address>, answer: XdsAnswer) -> Case {
     raw_case(name, addresses.into_iter().map(encode).collect(), answer)
-}
-
-/// An address resource named as istiod names it.
-fn encode(address: wl::Address) -> shunt_proto::envoy::service::discovery::v3::Resource {
-    let name = match &address.r#type {
-        Some(wl::address::Type::Workload(w)) => w.uid.clone(),
-        Some(wl::address::Type::Service(s)) => format!("{}/{}", s.namespace, s.hostname),
-        None => String::new(),
-    };
-    any_resource(&name, ADDRESS_TYPE_URL, address.encode_to_vec())
 }
 
 fn raw_case(
@@ -102,28 +91,6 @@ fn host_network(name: &str) -> wl::Address {
     w.network_mode = wl::NetworkMode::HostNetwork as i32;
     w.tunnel_protocol = wl::TunnelProtocol::None as i32;
     as_workload(w)
-}
-
-/// A Service `default/<name>` for `host` at `vip`, port 80 to 8080 (one
-/// per ServiceEntry host, as istiod sends them).
-fn service(name: &str, host: &str, vip: [u8; 4]) -> wl::Address {
-    wl::Address {
-        r#type: Some(wl::address::Type::Service(wl::Service {
-            name: name.into(),
-            namespace: "default".into(),
-            hostname: host.into(),
-            addresses: vec![wl::NetworkAddress {
-                address: vip.to_vec(),
-                ..Default::default()
-            }],
-            ports: vec![wl::Port {
-                service_port: 80,
-                target_port: 8080,
-                ..Default::default()
-            }],
-            ..Default::default()
-        })),
-    }
 }
 
 pub fn cases() -> Vec<Case> {
