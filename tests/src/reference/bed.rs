@@ -316,6 +316,7 @@ impl Bed {
                 &self.server,
                 SERVER_SA,
                 row.caller,
+                row.host,
                 row.port,
             )
             .await;

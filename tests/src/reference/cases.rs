@@ -7,6 +7,7 @@ use shunt_proto::{envoy::service::discovery::v3::Resource, istio::security as se
 use super::probe::{Caller, Outcome};
 
 pub mod authz;
+pub mod hostname;
 pub mod routing;
 pub mod sync;
 pub mod xds;
@@ -15,8 +16,12 @@ pub mod xds;
 #[derive(Clone, Copy, Debug)]
 pub struct Row {
     pub caller: Caller,
-    /// The server workload's port (an echo server listens on 8080 and 9090).
+    /// The server workload's port (an echo server listens on 8080 and 9090),
+    /// or, with `host`, the service port.
     pub port: u16,
+    /// A hostname for the CONNECT authority (`host:port`) instead of the
+    /// server's IP (HBONE callers only).
+    pub host: Option<&'static str>,
     pub expect: Outcome,
 }
 
@@ -109,6 +114,17 @@ pub const fn row(caller: Caller, port: u16, expect: Outcome) -> Row {
     Row {
         caller,
         port,
+        host: None,
+        expect,
+    }
+}
+
+/// A row whose CONNECT names `host:port` (a service hostname).
+pub const fn row_to_host(caller: Caller, host: &'static str, port: u16, expect: Outcome) -> Row {
+    Row {
+        caller,
+        port,
+        host: Some(host),
         expect,
     }
 }

@@ -41,16 +41,26 @@ pub fn mismatches(peer: Peer, case: &Case, run: &Run) -> Vec<String> {
     for (row, seen) in &run.observed {
         if seen.outcome != row.expect {
             out.push(format!(
-                "{peer:?} | {} | {} -> :{} | expected {:?}, got {:?} ({})",
-                case.name, row.caller, row.port, row.expect, seen.outcome, seen.detail
+                "{peer:?} | {} | {} -> {} | expected {:?}, got {:?} ({})",
+                case.name,
+                row.caller,
+                target(row),
+                row.expect,
+                seen.outcome,
+                seen.detail
             ));
         }
     }
     for (row, seen) in &run.before_sync {
         if seen.outcome != row.expect {
             out.push(format!(
-                "{peer:?} | {} | before the first sync: {} -> :{} | expected {:?}, got {:?} ({})",
-                case.name, row.caller, row.port, row.expect, seen.outcome, seen.detail
+                "{peer:?} | {} | before the first sync: {} -> {} | expected {:?}, got {:?} ({})",
+                case.name,
+                row.caller,
+                target(row),
+                row.expect,
+                seen.outcome,
+                seen.detail
             ));
         }
     }
@@ -103,14 +113,22 @@ pub async fn check_table(
         );
         for (row, seen) in &run.observed {
             println!(
-                "{peer:?} | {} | {} -> :{} | {:?} ({})",
-                case.name, row.caller, row.port, seen.outcome, seen.detail
+                "{peer:?} | {} | {} -> {} | {:?} ({})",
+                case.name,
+                row.caller,
+                target(row),
+                seen.outcome,
+                seen.detail
             );
         }
         for (row, seen) in &run.before_sync {
             println!(
-                "{peer:?} | {} | before the first sync: {} -> :{} | {:?} ({})",
-                case.name, row.caller, row.port, seen.outcome, seen.detail
+                "{peer:?} | {} | before the first sync: {} -> {} | {:?} ({})",
+                case.name,
+                row.caller,
+                target(row),
+                seen.outcome,
+                seen.detail
             );
         }
         for (row, seen) in &run.outbound {
@@ -133,4 +151,9 @@ fn describe(answer: &Answer) -> String {
         None => "ACK".into(),
         Some(message) => format!("NACK ({message})"),
     }
+}
+
+/// Where a row connects, as printed: `:port` or `host:port`.
+fn target(row: &super::cases::Row) -> String {
+    format!("{}:{}", row.host.unwrap_or_default(), row.port)
 }

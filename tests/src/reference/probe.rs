@@ -68,16 +68,22 @@ const STEP: Duration = Duration::from_secs(10);
 
 /// `caller` connects from `client` to `server`:`port` (HBONE to the
 /// server's 15008 expecting the server identity `server_sa` of namespace
-/// `default`, or plain TCP), sends a line and waits for its echo.
+/// `default`, its CONNECT naming `host:port` when `host` is given; or
+/// plain TCP), sends a line and waits for its echo.
 pub async fn probe(
     pki: &Pki,
     client: &Pod,
     server: &Pod,
     server_sa: &str,
     caller: Caller,
+    host: Option<&str>,
     port: u16,
 ) -> Observed {
     let target = SocketAddr::from((server.ip(), port));
+    let authority = match host {
+        Some(host) => format!("{host}:{port}"),
+        None => target.to_string(),
+    };
     match caller {
         Caller::Plaintext => {
             let client = client.clone();
@@ -95,7 +101,7 @@ pub async fn probe(
             server_sa,
             namespace,
             service_account,
-            target,
+            &authority,
         )
         .await
         {
@@ -132,7 +138,7 @@ async fn mesh(
     server_sa: &str,
     namespace: &str,
     service_account: &str,
-    target: SocketAddr,
+    authority: &str,
 ) -> Result<Observed, String> {
     let creds = pki
         .credentials(namespace, service_account)
@@ -148,7 +154,7 @@ async fn mesh(
     tcp.set_nonblocking(true).map_err(|e| e.to_string())?;
     let tcp = tokio::net::TcpStream::from_std(tcp).map_err(|e| e.to_string())?;
     let (mut send, mut recv) =
-        hbone::connect(tcp, &creds.cert, &creds.roots, &server_id, target).await?;
+        hbone::connect(tcp, &creds.cert, &creds.roots, &server_id, authority).await?;
     send.send_data(Bytes::from_static(PAYLOAD), false)
         .map_err(|e| format!("send: {e}"))?;
     let mut got = Vec::new();
