@@ -13,10 +13,10 @@ use std::{
 use shunt_proto::envoy::service::discovery::v3::Resource;
 
 use super::{
-    cases::{Case, OutboundRow, Row},
+    cases::{Case, DnsRow, OutboundRow, Row},
     istiod::{Answer, Istiod, Snapshot},
     pki::Pki,
-    probe::{Observed, Outcome, probe},
+    probe::{Observed, Outcome, dns_a, probe},
     resources::{pod, policy, workload},
     ztunnel_peer::Ztunnel,
 };
@@ -58,6 +58,8 @@ pub struct Run {
     /// The rows probed before the first xDS update.
     pub before_sync: Vec<(Row, Observed)>,
     pub outbound: Vec<(OutboundRow, Observed)>,
+    /// Each DNS row's answer: the addresses, or why none came.
+    pub dns: Vec<(DnsRow, std::result::Result<Vec<std::net::Ipv4Addr>, String>)>,
     /// Whether the peer said ready before the probes: waited for (bounded)
     /// when it ACKed both types, one look otherwise.
     pub ready: bool,
@@ -111,11 +113,15 @@ impl Bed {
     /// The workloads istiod sends besides a case's own: the server
     /// (naming `server_policies`, an endpoint of `server_services`) and the
     /// client.
-    pub fn base_addresses(
-        &self,
-        server_policies: &[&str],
-        server_services: &[&str],
-    ) -> Vec<Resource> {
+    pub fn base_addresses(&self, case: &Case) -> Vec<Resource> {
+        let (server_policies, server_services) = (&case.server_policies, &case.server_services);
+        let mut client = pod(
+            self.client.name(),
+            CLIENT_SA,
+            self.client.ip(),
+            self.client.node().name(),
+        );
+        client.network = case.client_network.into();
         let mut server = pod(
             self.server.name(),
             SERVER_SA,
@@ -134,21 +140,13 @@ impl Bed {
                 shunt_proto::istio::workload::PortList { ports: vec![port] },
             );
         }
-        vec![
-            workload(server),
-            workload(pod(
-                self.client.name(),
-                CLIENT_SA,
-                self.client.ip(),
-                self.client.node().name(),
-            )),
-        ]
+        vec![workload(server), workload(client)]
     }
 
     fn snapshot(&self, case: &Case) -> Snapshot {
         Snapshot {
             addresses: self
-                .base_addresses(&case.server_policies, &case.server_services)
+                .base_addresses(case)
                 .into_iter()
                 .chain(case.addresses.iter().cloned())
                 .collect(),
@@ -173,7 +171,7 @@ impl Bed {
                 let (pki, server) = (self.pki.clone(), self.server.clone());
                 let binary = binary.to_path_buf();
                 let mut zt = tokio::task::block_in_place(|| {
-                    Ztunnel::start(&binary, &server, workload, &istiod, &pki, None)
+                    Ztunnel::start(&binary, &server, workload, &istiod, &pki, None, "")
                 })?;
                 let before_sync = self.probe_rows(&case.before_sync).await;
                 istiod.release();
@@ -187,20 +185,30 @@ impl Bed {
                 let observed = self.probe_all(case).await;
                 let mut logs = zt.logs();
                 let mut outbound = Vec::new();
-                if !case.outbound.is_empty() {
+                let mut dns = Vec::new();
+                if !case.outbound.is_empty() || !case.dns.is_empty() {
                     let listener = self.client.listen_tcp(([127, 0, 0, 1], 0).into())?;
                     let istiod = Istiod::serve(&self.pki, listener, self.snapshot(case))?;
                     istiod.release(); // the client's view is not the case's subject
                     let workload = ("default", self.client.name(), CLIENT_SA);
                     let client = self.client.clone();
                     let mut zt = tokio::task::block_in_place(|| {
-                        Ztunnel::start(&binary, &client, workload, &istiod, &pki, Some(CAPTURED))
+                        Ztunnel::start(
+                            &binary,
+                            &client,
+                            workload,
+                            &istiod,
+                            &pki,
+                            Some(CAPTURED),
+                            case.client_network,
+                        )
                     })?;
                     let answers = istiod.wait_for_answers(WAIT).await?;
                     if settled(&answers.0, &answers.1, answers.2.as_ref()) {
                         tokio::task::block_in_place(|| zt.wait_ready(WAIT));
                     }
                     outbound = self.probe_outbound(case);
+                    dns = self.probe_dns(case);
                     logs.push_str("\n--- the client's ztunnel:\n");
                     logs.push_str(&zt.logs());
                 }
@@ -211,6 +219,7 @@ impl Bed {
                     observed,
                     before_sync,
                     outbound,
+                    dns,
                     ready,
                     logs,
                 })
@@ -235,7 +244,8 @@ impl Bed {
                 let observed = self.probe_all(case).await;
                 let mut logs = agent.logs();
                 let mut outbound = Vec::new();
-                if !case.outbound.is_empty() {
+                let mut dns = Vec::new();
+                if !case.outbound.is_empty() || !case.dns.is_empty() {
                     let node = self.client.node().clone();
                     let listener = node.listen_tcp(([127, 0, 0, 1], 0).into())?;
                     let istiod = Istiod::serve(&self.pki, listener, self.snapshot(case))?;
@@ -247,6 +257,7 @@ impl Bed {
                         tokio::task::block_in_place(|| wait_ready(&client_agent, WAIT));
                     }
                     outbound = self.probe_outbound(case);
+                    dns = self.probe_dns(case);
                     logs.push_str("\n--- node-a's agent:\n");
                     logs.push_str(&client_agent.logs());
                 }
@@ -257,6 +268,7 @@ impl Bed {
                     observed,
                     before_sync,
                     outbound,
+                    dns,
                     ready,
                     logs,
                 })
@@ -268,7 +280,10 @@ impl Bed {
     fn start_agent(&self, istiod: &Istiod, pod: &Pod) -> Result<Agent> {
         let yaml = workloads_yaml(&[
             WorkloadSpec::for_pod(&self.server, true),
-            WorkloadSpec::for_pod(&self.client, true),
+            WorkloadSpec {
+                dns_capture: Some(true),
+                ..WorkloadSpec::for_pod(&self.client, true)
+            },
         ]);
         // The agent's --ca-dir (see agent.rs): the bed's root, installed
         // before it starts, so it trusts the probes' certificates.
@@ -327,6 +342,22 @@ impl Bed {
 }
 
 impl Bed {
+    /// Each DNS row asked in the client pod.
+    fn probe_dns(
+        &self,
+        case: &Case,
+    ) -> Vec<(DnsRow, std::result::Result<Vec<std::net::Ipv4Addr>, String>)> {
+        case.dns
+            .iter()
+            .map(|row| {
+                (
+                    *row,
+                    tokio::task::block_in_place(|| dns_a(&self.client, row.name)),
+                )
+            })
+            .collect()
+    }
+
     /// The client application connects to each VIP row (through whatever
     /// proxy serves the client) and sends bytes the server echoes.
     fn probe_outbound(&self, case: &Case) -> Vec<(OutboundRow, Observed)> {

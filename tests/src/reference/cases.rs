@@ -7,6 +7,7 @@ use shunt_proto::{envoy::service::discovery::v3::Resource, istio::security as se
 use super::probe::{Caller, Outcome};
 
 pub mod authz;
+pub mod dns;
 pub mod hostname;
 pub mod routing;
 pub mod sync;
@@ -32,6 +33,15 @@ pub struct OutboundRow {
     pub dst: [u8; 4],
     pub port: u16,
     pub expect: Outcome,
+}
+
+/// One DNS question (A) the client pod asks its proxy's DNS server on
+/// 127.0.0.1:15053, and the addresses ztunnel answers (none: no address
+/// in the answer, whatever its code).
+#[derive(Clone, Copy, Debug)]
+pub struct DnsRow {
+    pub name: &'static str,
+    pub expect: &'static [[u8; 4]],
 }
 
 /// How a peer answers the response carrying a case's addresses.
@@ -71,6 +81,10 @@ pub struct Case {
     /// Probes through the client's proxy (the client pod gets one then:
     /// a second ztunnel, or node-a's agent).
     pub outbound: Vec<OutboundRow>,
+    /// DNS questions to the client's proxy (which it gets then too).
+    pub dns: Vec<DnsRow>,
+    /// The client workload's network ("" by default).
+    pub client_network: &'static str,
 }
 
 impl Case {
@@ -91,6 +105,8 @@ impl Case {
             rows,
             before_sync: Vec::new(),
             outbound: Vec::new(),
+            dns: Vec::new(),
+            client_network: "",
         }
     }
 }

@@ -64,6 +64,16 @@ pub fn mismatches(peer: Peer, case: &Case, run: &Run) -> Vec<String> {
             ));
         }
     }
+    for (row, answer) in &run.dns {
+        let expected: Vec<std::net::Ipv4Addr> = row.expect.iter().map(|a| (*a).into()).collect();
+        let got = answer.as_ref().map(|a| a.as_slice()).unwrap_or_default();
+        if got != expected.as_slice() {
+            out.push(format!(
+                "{peer:?} | {} | DNS {} | expected {expected:?}, got {answer:?}",
+                case.name, row.name
+            ));
+        }
+    }
     for (row, seen) in &run.outbound {
         if seen.outcome != row.expect {
             out.push(format!(
@@ -130,6 +140,9 @@ pub async fn check_table(
                 seen.outcome,
                 seen.detail
             );
+        }
+        for (row, answer) in &run.dns {
+            println!("{peer:?} | {} | DNS {} | {answer:?}", case.name, row.name);
         }
         for (row, seen) in &run.outbound {
             println!(

@@ -63,6 +63,42 @@ impl Observed {
     }
 }
 
+/// Asks 127.0.0.1:15053 in `client`'s netns for `name`'s A records: the
+/// addresses answered (empty: none), or what went wrong.
+pub fn dns_a(client: &Pod, name: &str) -> std::result::Result<Vec<std::net::Ipv4Addr>, String> {
+    let name = name.to_string();
+    client
+        .run(
+            move || -> std::result::Result<Vec<std::net::Ipv4Addr>, String> {
+                let socket = std::net::UdpSocket::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+                socket
+                    .set_read_timeout(Some(STEP))
+                    .map_err(|e| e.to_string())?;
+                let query = crate::dns::query(4242, &name, hickory_proto::rr::RecordType::A)?
+                    .to_vec()
+                    .map_err(|e| e.to_string())?;
+                socket
+                    .send_to(&query, "127.0.0.1:15053")
+                    .map_err(|e| format!("send: {e}"))?;
+                let mut buf = [0u8; 4096];
+                let n = socket
+                    .recv(&mut buf)
+                    .map_err(|e| format!("no answer: {e}"))?;
+                let answer = hickory_proto::op::Message::from_vec(&buf[..n])
+                    .map_err(|e| format!("malformed answer: {e}"))?;
+                Ok(answer
+                    .answers
+                    .iter()
+                    .filter_map(|r| match &r.data {
+                        hickory_proto::rr::RData::A(a) => Some(a.0),
+                        _ => None,
+                    })
+                    .collect())
+            },
+        )
+        .map_err(|e| e.to_string())?
+}
+
 const PAYLOAD: &[u8] = b"reference probe\n";
 const STEP: Duration = Duration::from_secs(10);
 

@@ -59,7 +59,7 @@ impl Ztunnel {
     /// `pod`, against `istiod` (listening on the pod netns' loopback), and
     /// waits (bounded) until its readiness endpoint answers. With
     /// `capture_outbound` (a CIDR), the pod's own connections there go to
-    /// it too.
+    /// it too. `network` is the proxy's network (`NETWORK`).
     pub fn start(
         binary: &std::path::Path,
         pod: &Pod,
@@ -67,6 +67,7 @@ impl Ztunnel {
         istiod: &Istiod,
         pki: &Pki,
         capture_outbound: Option<&str>,
+        network: &str,
     ) -> Result<Ztunnel> {
         let mut rules = vec![inbound_plaintext_rule()];
         if let Some(cidr) = capture_outbound {
@@ -103,6 +104,7 @@ impl Ztunnel {
             .env("INSTANCE_IP", pod.ip().to_string())
             .env("NODE_NAME", pod.node().name())
             .env("CLUSTER_ID", "Kubernetes")
+            .env("NETWORK", network)
             // The topology has no IPv6; nothing may bind the pod's source
             // address on ztunnel's side (no policy routing here).
             .env("IPV6_ENABLED", "false")

@@ -74,6 +74,8 @@ fn raw_case(
         rows: vec![row(SLEEP, 8080, Refused), row(OTHER, 8080, Allowed)],
         before_sync: Vec::new(),
         outbound: Vec::new(),
+        dns: Vec::new(),
+        client_network: "",
     }
 }
 
