@@ -157,123 +157,80 @@ impl Bed {
     }
 
     /// Runs `case` on a fresh `peer` (`ztunnel` is the binary, for
-    /// [`Peer::Ztunnel`]).
+    /// [`Peer::Ztunnel`]): the server's proxy first (its istiod holding
+    /// the snapshot while the before-sync rows run), then, for outbound
+    /// or DNS rows, the client's.
     pub async fn run(&self, peer: Peer, ztunnel: Option<&Path>, case: &Case) -> Result<Run> {
-        let snapshot = self.snapshot(case);
-        match peer {
+        let mut server_side = tokio::task::block_in_place(|| {
+            self.start_side(peer, ztunnel, &self.server, case, Role::Server)
+        })?;
+        let before_sync = self.probe_rows(&case.before_sync).await;
+        server_side.istiod.release();
+        let (addresses, authorizations, then_addresses, ready) = server_side.settle().await?;
+        let observed = self.probe_rows(&case.rows).await;
+        let mut logs = server_side.proxy.logs();
+        let (mut outbound, mut dns) = (Vec::new(), Vec::new());
+        if !case.outbound.is_empty() || !case.dns.is_empty() {
+            let mut client_side = tokio::task::block_in_place(|| {
+                self.start_side(peer, ztunnel, &self.client, case, Role::Client)
+            })?;
+            client_side.settle().await?;
+            outbound = self.probe_outbound(case);
+            dns = self.probe_dns(case);
+            logs.push_str("\n--- the client's proxy:\n");
+            logs.push_str(&client_side.proxy.logs());
+        }
+        Ok(Run {
+            addresses,
+            authorizations,
+            then_addresses,
+            observed,
+            before_sync,
+            outbound,
+            dns,
+            ready,
+            logs,
+        })
+    }
+
+    /// A fresh `peer` serving `pod` and the istiod feeding it the case's
+    /// snapshot (held, on the server side, until released).
+    fn start_side(
+        &self,
+        peer: Peer,
+        ztunnel: Option<&Path>,
+        pod: &Pod,
+        case: &Case,
+        role: Role,
+    ) -> Result<Side> {
+        let on_loopback = ([127, 0, 0, 1], 0).into();
+        let listener = match peer {
+            // ztunnel runs in the pod's netns, the agent in its node's.
+            Peer::Ztunnel => pod.listen_tcp(on_loopback)?,
+            Peer::Shunt => pod.node().listen_tcp(on_loopback)?,
+        };
+        let istiod = Istiod::serve(&self.pki, listener, self.snapshot(case))?;
+        if role == Role::Client {
+            // The client's view is not the subject of the before-sync rows.
+            istiod.release();
+        }
+        let proxy = match peer {
             Peer::Ztunnel => {
                 let binary = ztunnel.ok_or_else(|| {
                     TestbedError::Invalid("no ztunnel binary for a ztunnel run".into())
                 })?;
-                let listener = self.server.listen_tcp(([127, 0, 0, 1], 0).into())?;
-                let istiod = Istiod::serve(&self.pki, listener, snapshot)?;
-                let workload = ("default", self.server.name(), SERVER_SA);
-                let (pki, server) = (self.pki.clone(), self.server.clone());
-                let binary = binary.to_path_buf();
-                let mut zt = tokio::task::block_in_place(|| {
-                    Ztunnel::start(&binary, &server, workload, &istiod, &pki, None, "")
-                })?;
-                let before_sync = self.probe_rows(&case.before_sync).await;
-                istiod.release();
-                let (addresses, authorizations, then_addresses) =
-                    istiod.wait_for_answers(WAIT).await?;
-                let ready = if settled(&addresses, &authorizations, then_addresses.as_ref()) {
-                    tokio::task::block_in_place(|| zt.wait_ready(WAIT))
-                } else {
-                    zt.readiness() == Some(200)
+                let (service_account, capture, network) = match role {
+                    Role::Server => (SERVER_SA, None, ""),
+                    Role::Client => (CLIENT_SA, Some(CAPTURED), case.client_network),
                 };
-                let observed = self.probe_all(case).await;
-                let mut logs = zt.logs();
-                let mut outbound = Vec::new();
-                let mut dns = Vec::new();
-                if !case.outbound.is_empty() || !case.dns.is_empty() {
-                    let listener = self.client.listen_tcp(([127, 0, 0, 1], 0).into())?;
-                    let istiod = Istiod::serve(&self.pki, listener, self.snapshot(case))?;
-                    istiod.release(); // the client's view is not the case's subject
-                    let workload = ("default", self.client.name(), CLIENT_SA);
-                    let client = self.client.clone();
-                    let mut zt = tokio::task::block_in_place(|| {
-                        Ztunnel::start(
-                            &binary,
-                            &client,
-                            workload,
-                            &istiod,
-                            &pki,
-                            Some(CAPTURED),
-                            case.client_network,
-                        )
-                    })?;
-                    let answers = istiod.wait_for_answers(WAIT).await?;
-                    if settled(&answers.0, &answers.1, answers.2.as_ref()) {
-                        tokio::task::block_in_place(|| zt.wait_ready(WAIT));
-                    }
-                    outbound = self.probe_outbound(case);
-                    dns = self.probe_dns(case);
-                    logs.push_str("\n--- the client's ztunnel:\n");
-                    logs.push_str(&zt.logs());
-                }
-                Ok(Run {
-                    addresses,
-                    authorizations,
-                    then_addresses,
-                    observed,
-                    before_sync,
-                    outbound,
-                    dns,
-                    ready,
-                    logs,
-                })
+                let workload = ("default", pod.name(), service_account);
+                Proxy::Ztunnel(Box::new(Ztunnel::start(
+                    binary, pod, workload, &istiod, &self.pki, capture, network,
+                )?))
             }
-            Peer::Shunt => {
-                let node = self.server.node().clone();
-                let listener = node.listen_tcp(([127, 0, 0, 1], 0).into())?;
-                let istiod = Istiod::serve(&self.pki, listener, snapshot)?;
-                let agent =
-                    tokio::task::block_in_place(|| self.start_agent(&istiod, &self.server))?;
-                let before_sync = self.probe_rows(&case.before_sync).await;
-                istiod.release();
-                let (addresses, authorizations, then_addresses) =
-                    istiod.wait_for_answers(WAIT).await?;
-                // A peer that never gets ready is still probed (what a
-                // user would meet).
-                let ready = if settled(&addresses, &authorizations, then_addresses.as_ref()) {
-                    tokio::task::block_in_place(|| wait_ready(&agent, WAIT))
-                } else {
-                    matches!(agent.readiness(), Ok((200, _)))
-                };
-                let observed = self.probe_all(case).await;
-                let mut logs = agent.logs();
-                let mut outbound = Vec::new();
-                let mut dns = Vec::new();
-                if !case.outbound.is_empty() || !case.dns.is_empty() {
-                    let node = self.client.node().clone();
-                    let listener = node.listen_tcp(([127, 0, 0, 1], 0).into())?;
-                    let istiod = Istiod::serve(&self.pki, listener, self.snapshot(case))?;
-                    istiod.release(); // the client's view is not the case's subject
-                    let client_agent =
-                        tokio::task::block_in_place(|| self.start_agent(&istiod, &self.client))?;
-                    let answers = istiod.wait_for_answers(WAIT).await?;
-                    if settled(&answers.0, &answers.1, answers.2.as_ref()) {
-                        tokio::task::block_in_place(|| wait_ready(&client_agent, WAIT));
-                    }
-                    outbound = self.probe_outbound(case);
-                    dns = self.probe_dns(case);
-                    logs.push_str("\n--- node-a's agent:\n");
-                    logs.push_str(&client_agent.logs());
-                }
-                Ok(Run {
-                    addresses,
-                    authorizations,
-                    then_addresses,
-                    observed,
-                    before_sync,
-                    outbound,
-                    dns,
-                    ready,
-                    logs,
-                })
-            }
-        }
+            Peer::Shunt => Proxy::Shunt(Box::new(self.start_agent(&istiod, pod)?)),
+        };
+        Ok(Side { istiod, proxy })
     }
 
     /// The agent of `pod`'s node, on the in-test istiod and the bed's root.
@@ -316,10 +273,6 @@ impl Bed {
         )?;
         agent.wait_for("its pod enrolled", WAIT, mesh_pods_enrolled)?;
         Ok(agent)
-    }
-
-    async fn probe_all(&self, case: &Case) -> Vec<(Row, Observed)> {
-        self.probe_rows(&case.rows).await
     }
 
     async fn probe_rows(&self, rows: &[Row]) -> Vec<(Row, Observed)> {
@@ -381,9 +334,66 @@ impl Bed {
     }
 }
 
-/// Whether the last response of each type was ACKed.
-fn settled(addresses: &Answer, authorizations: &Answer, then: Option<&Answer>) -> bool {
-    then.unwrap_or(addresses).error.is_none() && authorizations.error.is_none()
+/// Which end of the probes a proxy serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    Server,
+    Client,
+}
+
+/// A running proxy of either implementation.
+enum Proxy {
+    Ztunnel(Box<Ztunnel>),
+    Shunt(Box<Agent>),
+}
+
+impl Proxy {
+    /// Waits (bounded) for readiness 200; false if it does not come.
+    fn wait_ready(&mut self) -> bool {
+        match self {
+            Proxy::Ztunnel(zt) => tokio::task::block_in_place(|| zt.wait_ready(WAIT)),
+            Proxy::Shunt(agent) => tokio::task::block_in_place(|| wait_ready(agent, WAIT)),
+        }
+    }
+
+    /// Whether readiness says 200 now.
+    fn is_ready(&self) -> bool {
+        match self {
+            Proxy::Ztunnel(zt) => zt.readiness() == Some(200),
+            Proxy::Shunt(agent) => matches!(agent.readiness(), Ok((200, _))),
+        }
+    }
+
+    fn logs(&self) -> String {
+        match self {
+            Proxy::Ztunnel(zt) => zt.logs(),
+            Proxy::Shunt(agent) => agent.logs(),
+        }
+    }
+}
+
+/// A proxy and the istiod feeding it (dropped proxy first).
+struct Side {
+    proxy: Proxy,
+    istiod: Istiod,
+}
+
+impl Side {
+    /// Waits for the answers to what istiod sent, then readiness: waited
+    /// for (bounded) when the last response of each type was ACKed, one
+    /// look otherwise (a peer never ready is still probed: what a user
+    /// would meet).
+    async fn settle(&mut self) -> Result<(Answer, Answer, Option<Answer>, bool)> {
+        let (addresses, authorizations, then) = self.istiod.wait_for_answers(WAIT).await?;
+        let acked =
+            then.as_ref().unwrap_or(&addresses).error.is_none() && authorizations.error.is_none();
+        let ready = if acked {
+            self.proxy.wait_ready()
+        } else {
+            self.proxy.is_ready()
+        };
+        Ok((addresses, authorizations, then, ready))
+    }
 }
 
 /// Polls the agent's readiness (bounded); false when it never says 200.
