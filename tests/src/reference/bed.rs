@@ -35,8 +35,8 @@ pub const CAPTURED: &str = "198.18.0.0/15";
 /// The server pod's address (the topology's addressing is fixed: the
 /// first pod of the second node).
 pub const SERVER_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 18, 2, 10);
-/// node-b's address on the fabric: the IP istiod gives its hostNetwork
-/// pods (the topology's addressing is fixed: see lib.rs).
+/// node-b's address on the fabric (its InternalIP): the IP istiod gives
+/// its hostNetwork pods (the topology's addressing is fixed: see lib.rs).
 pub const NODE_B_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 19, 0, 2);
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -92,10 +92,11 @@ impl Bed {
             EchoServer::on(&server, 8080)?,
             EchoServer::on(&server, 9090)?,
         ];
-        if server.ip() != SERVER_IP {
+        if server.ip() != SERVER_IP || server.node().ip() != NODE_B_IP {
             return Err(TestbedError::Invalid(format!(
-                "the server pod is at {}, the tables expect {SERVER_IP}",
-                server.ip()
+                "the server pod is at {} on a node at {}, the tables expect {SERVER_IP} on {NODE_B_IP}",
+                server.ip(),
+                server.node().ip()
             )));
         }
         let apps = Cgroup::create(&topology, "apps")?;
