@@ -8,7 +8,7 @@
 //! [`MeshCa`] issues the certificates for a stand-in that no agent serves
 //! (the waypoint's come from an agent's `--ca-dir` instead).
 
-use std::{net::SocketAddr, sync::Arc, thread, time::Duration};
+use std::{sync::Arc, thread, time::Duration};
 
 use bytes::Bytes;
 use h2::{RecvStream, SendStream};
@@ -129,14 +129,15 @@ pub async fn accept(
 
 /// The client side: TLS over `tcp` (connected to a peer's 15008)
 /// presenting `cert` and accepting only a server that is `expected`, the
-/// HTTP/2 handshake, one CONNECT to `authority`. Returns the stream once
-/// the answer is 200.
+/// HTTP/2 handshake, one CONNECT to `authority` (`ip:port`, or
+/// `hostname:port` as waypoints send). Returns the stream once the answer
+/// is 200.
 pub async fn connect(
     tcp: TcpStream,
     cert: &WorkloadCert,
     roots: &TrustRoots,
     expected: &SpiffeId,
-    authority: SocketAddr,
+    authority: impl std::fmt::Display,
 ) -> std::result::Result<(SendStream<Bytes>, RecvStream), String> {
     connect_with_headers(tcp, cert, roots, expected, authority, &[]).await
 }
@@ -147,7 +148,7 @@ pub async fn connect_with_headers(
     cert: &WorkloadCert,
     roots: &TrustRoots,
     expected: &SpiffeId,
-    authority: SocketAddr,
+    authority: impl std::fmt::Display,
     headers: &[(&str, &str)],
 ) -> std::result::Result<(SendStream<Bytes>, RecvStream), String> {
     let peer = tcp.peer_addr().map_err(|e| e.to_string())?;

@@ -1,4 +1,5 @@
-//! The authorization table (`shunt_testbed::reference::cases::authz`) on
+//! The authorization table (`shunt_testbed::reference::cases::authz`) and
+//! the CONNECT-to-a-hostname rows (`cases::hostname`) on
 //! both peers: every case on a fresh shunt agent (always) and on a fresh
 //! real ztunnel (when `SHUNT_ZTUNNEL_BIN` names the binary; skipped, with
 //! the reason printed, otherwise), fed the same resources by the in-test
@@ -9,7 +10,11 @@
 //! the peer's log of a case that differs).
 
 use shunt_testbed::{
-    reference::{bed::Peer, cases::authz, compare::check_table},
+    reference::{
+        bed::Peer,
+        cases::{authz, hostname},
+        compare::check_table,
+    },
     require_root,
 };
 
@@ -21,7 +26,7 @@ async fn check(peer: Peer, test_name: &str) {
         peer,
         test_name,
         std::path::Path::new(TESTAPP),
-        &authz::cases(),
+        &[authz::cases(), hostname::cases()].concat(),
     )
     .await
     .expect("the comparison bed");

@@ -1,4 +1,4 @@
-//! The address-feed table (`shunt_testbed::reference::cases::xds`: hostNetwork pods, an undecodable resource, LEGACY_ISTIO_MTLS, a WorkloadEntry named like a pod, two ServiceEntry hosts) on
+//! The address-feed table (`shunt_testbed::reference::cases::xds`: hostNetwork pods, an undecodable resource, LEGACY_ISTIO_MTLS, a WorkloadEntry named like a pod, two ServiceEntry hosts) the sync table (`cases::sync`: inbound before the first update) the routing table (`cases::routing`: STRICT and FAILOVER by node) and DNS by network (`cases::dns`) on
 //! both peers: every case on a fresh shunt agent (always) and on a fresh
 //! real ztunnel (when `SHUNT_ZTUNNEL_BIN` names the binary; skipped, with
 //! the reason printed, otherwise), fed the same resources by the in-test
@@ -9,7 +9,11 @@
 //! the peer's log of a case that differs).
 
 use shunt_testbed::{
-    reference::{bed::Peer, cases::xds, compare::check_table},
+    reference::{
+        bed::Peer,
+        cases::{dns, routing, sync, xds},
+        compare::check_table,
+    },
     require_root,
 };
 
@@ -21,7 +25,7 @@ async fn check(peer: Peer, test_name: &str) {
         peer,
         test_name,
         std::path::Path::new(TESTAPP),
-        &xds::cases(),
+        &[xds::cases(), sync::cases(), routing::cases(), dns::cases()].concat(),
     )
     .await
     .expect("the comparison bed");

@@ -13,12 +13,12 @@ use std::{
 use shunt_proto::envoy::service::discovery::v3::Resource;
 
 use super::{
-    cases::{Case, OutboundRow, Row},
+    cases::{Case, DnsRow, OutboundRow, Row},
     istiod::{Answer, Istiod, Snapshot},
     pki::Pki,
-    probe::{Observed, Outcome, probe},
+    probe::{Observed, Outcome, dns_a, probe},
     resources::{pod, policy, workload},
-    ztunnel_peer::{Ztunnel, redirect_outbound},
+    ztunnel_peer::Ztunnel,
 };
 use crate::{
     Cgroup, Pod, Result, TestbedError, Topology,
@@ -29,10 +29,14 @@ use crate::{
 pub const SERVER_SA: &str = "sa-server";
 /// The client's service account (as the testbed's workloads file names it).
 pub const CLIENT_SA: &str = "sa-client";
-/// Where the tables' Service VIPs are.
-pub const VIP_RANGE: &str = "198.19.100.0/24";
-/// node-b's address on the fabric: the IP istiod gives its hostNetwork
-/// pods (the topology's addressing is fixed: see lib.rs).
+/// What the client's ztunnel captures: the topology's range (VIPs and
+/// pods).
+pub const CAPTURED: &str = "198.18.0.0/15";
+/// The server pod's address (the topology's addressing is fixed: the
+/// first pod of the second node).
+pub const SERVER_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 18, 2, 10);
+/// node-b's address on the fabric (its InternalIP): the IP istiod gives
+/// its hostNetwork pods (the topology's addressing is fixed: see lib.rs).
 pub const NODE_B_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 19, 0, 2);
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -51,7 +55,11 @@ pub struct Run {
     /// The answer to the second address response, if one was sent.
     pub then_addresses: Option<Answer>,
     pub observed: Vec<(Row, Observed)>,
+    /// The rows probed before the first xDS update.
+    pub before_sync: Vec<(Row, Observed)>,
     pub outbound: Vec<(OutboundRow, Observed)>,
+    /// Each DNS row's answer: the addresses, or why none came.
+    pub dns: Vec<(DnsRow, std::result::Result<Vec<std::net::Ipv4Addr>, String>)>,
     /// Whether the peer said ready before the probes: waited for (bounded)
     /// when it ACKed both types, one look otherwise.
     pub ready: bool,
@@ -84,6 +92,13 @@ impl Bed {
             EchoServer::on(&server, 8080)?,
             EchoServer::on(&server, 9090)?,
         ];
+        if server.ip() != SERVER_IP || server.node().ip() != NODE_B_IP {
+            return Err(TestbedError::Invalid(format!(
+                "the server pod is at {} on a node at {}, the tables expect {SERVER_IP} on {NODE_B_IP}",
+                server.ip(),
+                server.node().ip()
+            )));
+        }
         let apps = Cgroup::create(&topology, "apps")?;
         Ok(Bed {
             pki: Pki::new()?,
@@ -99,11 +114,15 @@ impl Bed {
     /// The workloads istiod sends besides a case's own: the server
     /// (naming `server_policies`, an endpoint of `server_services`) and the
     /// client.
-    pub fn base_addresses(
-        &self,
-        server_policies: &[&str],
-        server_services: &[&str],
-    ) -> Vec<Resource> {
+    pub fn base_addresses(&self, case: &Case) -> Vec<Resource> {
+        let (server_policies, server_services) = (&case.server_policies, &case.server_services);
+        let mut client = pod(
+            self.client.name(),
+            CLIENT_SA,
+            self.client.ip(),
+            self.client.node().name(),
+        );
+        client.network = case.client_network.into();
         let mut server = pod(
             self.server.name(),
             SERVER_SA,
@@ -122,133 +141,107 @@ impl Bed {
                 shunt_proto::istio::workload::PortList { ports: vec![port] },
             );
         }
-        vec![
-            workload(server),
-            workload(pod(
-                self.client.name(),
-                CLIENT_SA,
-                self.client.ip(),
-                self.client.node().name(),
-            )),
-        ]
+        vec![workload(server), workload(client)]
     }
 
     fn snapshot(&self, case: &Case) -> Snapshot {
         Snapshot {
             addresses: self
-                .base_addresses(&case.server_policies, &case.server_services)
+                .base_addresses(case)
                 .into_iter()
                 .chain(case.addresses.iter().cloned())
                 .collect(),
             then_addresses: case.then_addresses.clone(),
+            hold: !case.before_sync.is_empty(),
             authorizations: case.authorizations.iter().cloned().map(policy).collect(),
         }
     }
 
     /// Runs `case` on a fresh `peer` (`ztunnel` is the binary, for
-    /// [`Peer::Ztunnel`]).
+    /// [`Peer::Ztunnel`]): the server's proxy first (its istiod holding
+    /// the snapshot while the before-sync rows run), then, for outbound
+    /// or DNS rows, the client's.
     pub async fn run(&self, peer: Peer, ztunnel: Option<&Path>, case: &Case) -> Result<Run> {
-        let snapshot = self.snapshot(case);
-        match peer {
+        let mut server_side = tokio::task::block_in_place(|| {
+            self.start_side(peer, ztunnel, &self.server, case, Role::Server)
+        })?;
+        let before_sync = self.probe_rows(&case.before_sync).await;
+        server_side.istiod.release();
+        let (addresses, authorizations, then_addresses, ready) = server_side.settle().await?;
+        let observed = self.probe_rows(&case.rows).await;
+        let mut logs = server_side.proxy.logs();
+        let (mut outbound, mut dns) = (Vec::new(), Vec::new());
+        if !case.outbound.is_empty() || !case.dns.is_empty() {
+            let mut client_side = tokio::task::block_in_place(|| {
+                self.start_side(peer, ztunnel, &self.client, case, Role::Client)
+            })?;
+            client_side.settle().await?;
+            outbound = self.probe_outbound(case);
+            dns = self.probe_dns(case);
+            logs.push_str("\n--- the client's proxy:\n");
+            logs.push_str(&client_side.proxy.logs());
+        }
+        Ok(Run {
+            addresses,
+            authorizations,
+            then_addresses,
+            observed,
+            before_sync,
+            outbound,
+            dns,
+            ready,
+            logs,
+        })
+    }
+
+    /// A fresh `peer` serving `pod` and the istiod feeding it the case's
+    /// snapshot (held, on the server side, until released).
+    fn start_side(
+        &self,
+        peer: Peer,
+        ztunnel: Option<&Path>,
+        pod: &Pod,
+        case: &Case,
+        role: Role,
+    ) -> Result<Side> {
+        let on_loopback = ([127, 0, 0, 1], 0).into();
+        let listener = match peer {
+            // ztunnel runs in the pod's netns, the agent in its node's.
+            Peer::Ztunnel => pod.listen_tcp(on_loopback)?,
+            Peer::Shunt => pod.node().listen_tcp(on_loopback)?,
+        };
+        let istiod = Istiod::serve(&self.pki, listener, self.snapshot(case))?;
+        if role == Role::Client {
+            // The client's view is not the subject of the before-sync rows.
+            istiod.release();
+        }
+        let proxy = match peer {
             Peer::Ztunnel => {
                 let binary = ztunnel.ok_or_else(|| {
                     TestbedError::Invalid("no ztunnel binary for a ztunnel run".into())
                 })?;
-                let listener = self.server.listen_tcp(([127, 0, 0, 1], 0).into())?;
-                let istiod = Istiod::serve(&self.pki, listener, snapshot)?;
-                let workload = ("default", self.server.name(), SERVER_SA);
-                let (pki, server) = (self.pki.clone(), self.server.clone());
-                let binary = binary.to_path_buf();
-                let mut zt = tokio::task::block_in_place(|| {
-                    Ztunnel::start(&binary, &server, workload, &istiod, &pki)
-                })?;
-                let (addresses, authorizations, then_addresses) =
-                    istiod.wait_for_answers(WAIT).await?;
-                let ready = if settled(&addresses, &authorizations, then_addresses.as_ref()) {
-                    tokio::task::block_in_place(|| zt.wait_ready(WAIT))
-                } else {
-                    zt.readiness() == Some(200)
+                let (service_account, capture, network) = match role {
+                    Role::Server => (SERVER_SA, None, ""),
+                    Role::Client => (CLIENT_SA, Some(CAPTURED), case.client_network),
                 };
-                let observed = self.probe_all(case).await;
-                let mut logs = zt.logs();
-                let mut outbound = Vec::new();
-                if !case.outbound.is_empty() {
-                    let listener = self.client.listen_tcp(([127, 0, 0, 1], 0).into())?;
-                    let istiod = Istiod::serve(&self.pki, listener, self.snapshot(case))?;
-                    let workload = ("default", self.client.name(), CLIENT_SA);
-                    let client = self.client.clone();
-                    let mut zt = tokio::task::block_in_place(|| {
-                        redirect_outbound(&client, VIP_RANGE)?;
-                        Ztunnel::start(&binary, &client, workload, &istiod, &pki)
-                    })?;
-                    let answers = istiod.wait_for_answers(WAIT).await?;
-                    if settled(&answers.0, &answers.1, answers.2.as_ref()) {
-                        tokio::task::block_in_place(|| zt.wait_ready(WAIT));
-                    }
-                    outbound = self.probe_outbound(case);
-                    logs.push_str("\n--- the client's ztunnel:\n");
-                    logs.push_str(&zt.logs());
-                }
-                Ok(Run {
-                    addresses,
-                    authorizations,
-                    then_addresses,
-                    observed,
-                    outbound,
-                    ready,
-                    logs,
-                })
+                let workload = ("default", pod.name(), service_account);
+                Proxy::Ztunnel(Box::new(Ztunnel::start(
+                    binary, pod, workload, &istiod, &self.pki, capture, network,
+                )?))
             }
-            Peer::Shunt => {
-                let node = self.server.node().clone();
-                let listener = node.listen_tcp(([127, 0, 0, 1], 0).into())?;
-                let istiod = Istiod::serve(&self.pki, listener, snapshot)?;
-                let agent =
-                    tokio::task::block_in_place(|| self.start_agent(&istiod, &self.server))?;
-                let (addresses, authorizations, then_addresses) =
-                    istiod.wait_for_answers(WAIT).await?;
-                // A peer that never gets ready is still probed (what a
-                // user would meet).
-                let ready = if settled(&addresses, &authorizations, then_addresses.as_ref()) {
-                    tokio::task::block_in_place(|| wait_ready(&agent, WAIT))
-                } else {
-                    matches!(agent.readiness(), Ok((200, _)))
-                };
-                let observed = self.probe_all(case).await;
-                let mut logs = agent.logs();
-                let mut outbound = Vec::new();
-                if !case.outbound.is_empty() {
-                    let node = self.client.node().clone();
-                    let listener = node.listen_tcp(([127, 0, 0, 1], 0).into())?;
-                    let istiod = Istiod::serve(&self.pki, listener, self.snapshot(case))?;
-                    let client_agent =
-                        tokio::task::block_in_place(|| self.start_agent(&istiod, &self.client))?;
-                    let answers = istiod.wait_for_answers(WAIT).await?;
-                    if settled(&answers.0, &answers.1, answers.2.as_ref()) {
-                        tokio::task::block_in_place(|| wait_ready(&client_agent, WAIT));
-                    }
-                    outbound = self.probe_outbound(case);
-                    logs.push_str("\n--- node-a's agent:\n");
-                    logs.push_str(&client_agent.logs());
-                }
-                Ok(Run {
-                    addresses,
-                    authorizations,
-                    then_addresses,
-                    observed,
-                    outbound,
-                    ready,
-                    logs,
-                })
-            }
-        }
+            Peer::Shunt => Proxy::Shunt(Box::new(self.start_agent(&istiod, pod)?)),
+        };
+        Ok(Side { istiod, proxy })
     }
 
     /// The agent of `pod`'s node, on the in-test istiod and the bed's root.
     fn start_agent(&self, istiod: &Istiod, pod: &Pod) -> Result<Agent> {
         let yaml = workloads_yaml(&[
             WorkloadSpec::for_pod(&self.server, true),
-            WorkloadSpec::for_pod(&self.client, true),
+            WorkloadSpec {
+                dns_capture: Some(true),
+                ..WorkloadSpec::for_pod(&self.client, true)
+            },
         ]);
         // The agent's --ca-dir (see agent.rs): the bed's root, installed
         // before it starts, so it trusts the probes' certificates.
@@ -283,15 +276,16 @@ impl Bed {
         Ok(agent)
     }
 
-    async fn probe_all(&self, case: &Case) -> Vec<(Row, Observed)> {
+    async fn probe_rows(&self, rows: &[Row]) -> Vec<(Row, Observed)> {
         let mut observed = Vec::new();
-        for row in &case.rows {
+        for row in rows {
             let seen = probe(
                 &self.pki,
                 &self.client,
                 &self.server,
                 SERVER_SA,
                 row.caller,
+                row.host,
                 row.port,
             )
             .await;
@@ -302,6 +296,22 @@ impl Bed {
 }
 
 impl Bed {
+    /// Each DNS row asked in the client pod.
+    fn probe_dns(
+        &self,
+        case: &Case,
+    ) -> Vec<(DnsRow, std::result::Result<Vec<std::net::Ipv4Addr>, String>)> {
+        case.dns
+            .iter()
+            .map(|row| {
+                (
+                    *row,
+                    tokio::task::block_in_place(|| dns_a(&self.client, row.name)),
+                )
+            })
+            .collect()
+    }
+
     /// The client application connects to each VIP row (through whatever
     /// proxy serves the client) and sends bytes the server echoes.
     fn probe_outbound(&self, case: &Case) -> Vec<(OutboundRow, Observed)> {
@@ -309,7 +319,7 @@ impl Bed {
         case.outbound
             .iter()
             .map(|row| {
-                let to = std::net::SocketAddrV4::new(row.vip.into(), row.port).to_string();
+                let to = std::net::SocketAddrV4::new(row.dst.into(), row.port).to_string();
                 let report = tokio::task::block_in_place(|| {
                     app.run(&self.client, &["connect", &to, "--send", "4096"])
                 });
@@ -325,9 +335,66 @@ impl Bed {
     }
 }
 
-/// Whether the last response of each type was ACKed.
-fn settled(addresses: &Answer, authorizations: &Answer, then: Option<&Answer>) -> bool {
-    then.unwrap_or(addresses).error.is_none() && authorizations.error.is_none()
+/// Which end of the probes a proxy serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    Server,
+    Client,
+}
+
+/// A running proxy of either implementation.
+enum Proxy {
+    Ztunnel(Box<Ztunnel>),
+    Shunt(Box<Agent>),
+}
+
+impl Proxy {
+    /// Waits (bounded) for readiness 200; false if it does not come.
+    fn wait_ready(&mut self) -> bool {
+        match self {
+            Proxy::Ztunnel(zt) => tokio::task::block_in_place(|| zt.wait_ready(WAIT)),
+            Proxy::Shunt(agent) => tokio::task::block_in_place(|| wait_ready(agent, WAIT)),
+        }
+    }
+
+    /// Whether readiness says 200 now.
+    fn is_ready(&self) -> bool {
+        match self {
+            Proxy::Ztunnel(zt) => zt.readiness() == Some(200),
+            Proxy::Shunt(agent) => matches!(agent.readiness(), Ok((200, _))),
+        }
+    }
+
+    fn logs(&self) -> String {
+        match self {
+            Proxy::Ztunnel(zt) => zt.logs(),
+            Proxy::Shunt(agent) => agent.logs(),
+        }
+    }
+}
+
+/// A proxy and the istiod feeding it (dropped proxy first).
+struct Side {
+    proxy: Proxy,
+    istiod: Istiod,
+}
+
+impl Side {
+    /// Waits for the answers to what istiod sent, then readiness: waited
+    /// for (bounded) when the last response of each type was ACKed, one
+    /// look otherwise (a peer never ready is still probed: what a user
+    /// would meet).
+    async fn settle(&mut self) -> Result<(Answer, Answer, Option<Answer>, bool)> {
+        let (addresses, authorizations, then) = self.istiod.wait_for_answers(WAIT).await?;
+        let acked =
+            then.as_ref().unwrap_or(&addresses).error.is_none() && authorizations.error.is_none();
+        let ready = if acked {
+            self.proxy.wait_ready()
+        } else {
+            self.proxy.is_ready()
+        };
+        Ok((addresses, authorizations, then, ready))
+    }
 }
 
 /// Polls the agent's readiness (bounded); false when it never says 200.

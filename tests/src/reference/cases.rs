@@ -7,24 +7,41 @@ use shunt_proto::{envoy::service::discovery::v3::Resource, istio::security as se
 use super::probe::{Caller, Outcome};
 
 pub mod authz;
+pub mod dns;
+pub mod hostname;
+pub mod routing;
+pub mod sync;
 pub mod xds;
 
 /// One probe of a case and the outcome ztunnel gives it.
 #[derive(Clone, Copy, Debug)]
 pub struct Row {
     pub caller: Caller,
-    /// The server workload's port (an echo server listens on 8080 and 9090).
+    /// The server workload's port (an echo server listens on 8080 and 9090),
+    /// or, with `host`, the service port.
+    pub port: u16,
+    /// A hostname for the CONNECT authority (`host:port`) instead of the
+    /// server's IP (HBONE callers only).
+    pub host: Option<&'static str>,
+    pub expect: Outcome,
+}
+
+/// One connection the client pod's application makes to a Service VIP or
+/// a pod IP (through the client's proxy), and ztunnel's outcome for it.
+#[derive(Clone, Copy, Debug)]
+pub struct OutboundRow {
+    pub dst: [u8; 4],
     pub port: u16,
     pub expect: Outcome,
 }
 
-/// One connection the client pod's application makes to a Service VIP
-/// (through the client's proxy), and ztunnel's outcome for it.
+/// One DNS question (A) the client pod asks its proxy's DNS server on
+/// 127.0.0.1:15053, and the addresses ztunnel answers (none: no address
+/// in the answer, whatever its code).
 #[derive(Clone, Copy, Debug)]
-pub struct OutboundRow {
-    pub vip: [u8; 4],
-    pub port: u16,
-    pub expect: Outcome,
+pub struct DnsRow {
+    pub name: &'static str,
+    pub expect: &'static [[u8; 4]],
 }
 
 /// How a peer answers the response carrying a case's addresses.
@@ -58,9 +75,16 @@ pub struct Case {
     /// ACKed in these tables).
     pub addresses_answer: XdsAnswer,
     pub rows: Vec<Row>,
+    /// Rows probed before the peer's first xDS update (istiod holds its
+    /// responses until they ran); empty: no holding.
+    pub before_sync: Vec<Row>,
     /// Probes through the client's proxy (the client pod gets one then:
     /// a second ztunnel, or node-a's agent).
     pub outbound: Vec<OutboundRow>,
+    /// DNS questions to the client's proxy (which it gets then too).
+    pub dns: Vec<DnsRow>,
+    /// The client workload's network ("" by default).
+    pub client_network: &'static str,
 }
 
 impl Case {
@@ -79,7 +103,10 @@ impl Case {
             authorizations,
             addresses_answer: XdsAnswer::Ack,
             rows,
+            before_sync: Vec::new(),
             outbound: Vec::new(),
+            dns: Vec::new(),
+            client_network: "",
         }
     }
 }
@@ -103,6 +130,17 @@ pub const fn row(caller: Caller, port: u16, expect: Outcome) -> Row {
     Row {
         caller,
         port,
+        host: None,
+        expect,
+    }
+}
+
+/// A row whose CONNECT names `host:port` (a service hostname).
+pub const fn row_to_host(caller: Caller, host: &'static str, port: u16, expect: Outcome) -> Row {
+    Row {
+        caller,
+        port,
+        host: Some(host),
         expect,
     }
 }

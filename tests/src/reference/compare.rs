@@ -41,8 +41,36 @@ pub fn mismatches(peer: Peer, case: &Case, run: &Run) -> Vec<String> {
     for (row, seen) in &run.observed {
         if seen.outcome != row.expect {
             out.push(format!(
-                "{peer:?} | {} | {} -> :{} | expected {:?}, got {:?} ({})",
-                case.name, row.caller, row.port, row.expect, seen.outcome, seen.detail
+                "{peer:?} | {} | {} -> {} | expected {:?}, got {:?} ({})",
+                case.name,
+                row.caller,
+                target(row),
+                row.expect,
+                seen.outcome,
+                seen.detail
+            ));
+        }
+    }
+    for (row, seen) in &run.before_sync {
+        if seen.outcome != row.expect {
+            out.push(format!(
+                "{peer:?} | {} | before the first sync: {} -> {} | expected {:?}, got {:?} ({})",
+                case.name,
+                row.caller,
+                target(row),
+                row.expect,
+                seen.outcome,
+                seen.detail
+            ));
+        }
+    }
+    for (row, answer) in &run.dns {
+        let expected: Vec<std::net::Ipv4Addr> = row.expect.iter().map(|a| (*a).into()).collect();
+        let got = answer.as_ref().map(|a| a.as_slice()).unwrap_or_default();
+        if got != expected.as_slice() {
+            out.push(format!(
+                "{peer:?} | {} | DNS {} | expected {expected:?}, got {answer:?}",
+                case.name, row.name
             ));
         }
     }
@@ -50,7 +78,7 @@ pub fn mismatches(peer: Peer, case: &Case, run: &Run) -> Vec<String> {
         if seen.outcome != row.expect {
             out.push(format!(
                 "{peer:?} | {} | client -> {:?}:{} | expected {:?}, got {:?} ({})",
-                case.name, row.vip, row.port, row.expect, seen.outcome, seen.detail
+                case.name, row.dst, row.port, row.expect, seen.outcome, seen.detail
             ));
         }
     }
@@ -95,14 +123,31 @@ pub async fn check_table(
         );
         for (row, seen) in &run.observed {
             println!(
-                "{peer:?} | {} | {} -> :{} | {:?} ({})",
-                case.name, row.caller, row.port, seen.outcome, seen.detail
+                "{peer:?} | {} | {} -> {} | {:?} ({})",
+                case.name,
+                row.caller,
+                target(row),
+                seen.outcome,
+                seen.detail
             );
+        }
+        for (row, seen) in &run.before_sync {
+            println!(
+                "{peer:?} | {} | before the first sync: {} -> {} | {:?} ({})",
+                case.name,
+                row.caller,
+                target(row),
+                seen.outcome,
+                seen.detail
+            );
+        }
+        for (row, answer) in &run.dns {
+            println!("{peer:?} | {} | DNS {} | {answer:?}", case.name, row.name);
         }
         for (row, seen) in &run.outbound {
             println!(
                 "{peer:?} | {} | client -> {:?}:{} | {:?} ({})",
-                case.name, row.vip, row.port, seen.outcome, seen.detail
+                case.name, row.dst, row.port, seen.outcome, seen.detail
             );
         }
         let wrong = mismatches(peer, case, &run);
@@ -119,4 +164,9 @@ fn describe(answer: &Answer) -> String {
         None => "ACK".into(),
         Some(message) => format!("NACK ({message})"),
     }
+}
+
+/// Where a row connects, as printed: `:port` or `host:port`.
+fn target(row: &super::cases::Row) -> String {
+    format!("{}:{}", row.host.unwrap_or_default(), row.port)
 }

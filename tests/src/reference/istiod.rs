@@ -51,6 +51,9 @@ pub struct Snapshot {
     pub authorizations: Vec<Resource>,
     /// A second address response, sent after the first is answered.
     pub then_addresses: Vec<Resource>,
+    /// Send nothing until [`Istiod::release`] (istiod unreachable at
+    /// first: the peer has had no xDS update yet).
+    pub hold: bool,
 }
 
 /// Which response an answer is to.
@@ -70,11 +73,12 @@ pub struct Answer {
     pub error: Option<String>,
 }
 
-#[derive(Default)]
 struct Shared {
     snapshot: Snapshot,
     answers: Mutex<Vec<Answer>>,
     streams: AtomicU64,
+    /// False while the snapshot is held.
+    released: tokio::sync::watch::Sender<bool>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -107,9 +111,12 @@ impl Istiod {
         let addr = listener.local_addr().map_err(|e| invalid("address", &e))?;
         let listener =
             tokio::net::TcpListener::from_std(listener).map_err(|e| invalid("listener", &e))?;
+        let released = tokio::sync::watch::Sender::new(!snapshot.hold);
         let shared = Arc::new(Shared {
             snapshot,
-            ..Default::default()
+            answers: Mutex::default(),
+            streams: AtomicU64::default(),
+            released,
         });
         let server = Server::builder()
             .tls_config(ServerTlsConfig::new().identity(pki.serving_identity()?))
@@ -125,6 +132,11 @@ impl Istiod {
             }
         });
         Ok(Istiod { addr, shared, task })
+    }
+
+    /// Sends what a held snapshot kept back.
+    pub fn release(&self) {
+        self.shared.released.send_replace(true);
     }
 
     /// The answers received so far, in order.
@@ -187,7 +199,11 @@ impl AggregatedDiscoveryService for Ads {
         let mut incoming = request.into_inner();
         tokio::spawn(async move {
             let mut sent: Vec<String> = Vec::new();
+            let mut released = shared.released.subscribe();
             while let Some(Ok(request)) = incoming.next().await {
+                // Held: the requests wait here (the sender lives as long
+                // as `shared`, so this returns once released).
+                let _ = released.wait_for(|r| *r).await;
                 let snapshot = &shared.snapshot;
                 if !request.response_nonce.is_empty() {
                     let to = match request.response_nonce.rsplit('-').next() {

@@ -63,21 +63,63 @@ impl Observed {
     }
 }
 
+/// Asks 127.0.0.1:15053 in `client`'s netns for `name`'s A records: the
+/// addresses answered (empty: none), or what went wrong.
+pub fn dns_a(client: &Pod, name: &str) -> std::result::Result<Vec<std::net::Ipv4Addr>, String> {
+    let name = name.to_string();
+    client
+        .run(
+            move || -> std::result::Result<Vec<std::net::Ipv4Addr>, String> {
+                let socket = std::net::UdpSocket::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+                socket
+                    .set_read_timeout(Some(STEP))
+                    .map_err(|e| e.to_string())?;
+                let query = crate::dns::query(4242, &name, hickory_proto::rr::RecordType::A)?
+                    .to_vec()
+                    .map_err(|e| e.to_string())?;
+                socket
+                    .send_to(&query, "127.0.0.1:15053")
+                    .map_err(|e| format!("send: {e}"))?;
+                let mut buf = [0u8; 4096];
+                let n = socket
+                    .recv(&mut buf)
+                    .map_err(|e| format!("no answer: {e}"))?;
+                let answer = hickory_proto::op::Message::from_vec(&buf[..n])
+                    .map_err(|e| format!("malformed answer: {e}"))?;
+                Ok(answer
+                    .answers
+                    .iter()
+                    .filter_map(|r| match &r.data {
+                        hickory_proto::rr::RData::A(a) => Some(a.0),
+                        _ => None,
+                    })
+                    .collect())
+            },
+        )
+        .map_err(|e| e.to_string())?
+}
+
 const PAYLOAD: &[u8] = b"reference probe\n";
 const STEP: Duration = Duration::from_secs(10);
 
 /// `caller` connects from `client` to `server`:`port` (HBONE to the
 /// server's 15008 expecting the server identity `server_sa` of namespace
-/// `default`, or plain TCP), sends a line and waits for its echo.
+/// `default`, its CONNECT naming `host:port` when `host` is given; or
+/// plain TCP), sends a line and waits for its echo.
 pub async fn probe(
     pki: &Pki,
     client: &Pod,
     server: &Pod,
     server_sa: &str,
     caller: Caller,
+    host: Option<&str>,
     port: u16,
 ) -> Observed {
     let target = SocketAddr::from((server.ip(), port));
+    let authority = match host {
+        Some(host) => format!("{host}:{port}"),
+        None => target.to_string(),
+    };
     match caller {
         Caller::Plaintext => {
             let client = client.clone();
@@ -95,7 +137,7 @@ pub async fn probe(
             server_sa,
             namespace,
             service_account,
-            target,
+            &authority,
         )
         .await
         {
@@ -132,7 +174,7 @@ async fn mesh(
     server_sa: &str,
     namespace: &str,
     service_account: &str,
-    target: SocketAddr,
+    authority: &str,
 ) -> Result<Observed, String> {
     let creds = pki
         .credentials(namespace, service_account)
@@ -148,7 +190,7 @@ async fn mesh(
     tcp.set_nonblocking(true).map_err(|e| e.to_string())?;
     let tcp = tokio::net::TcpStream::from_std(tcp).map_err(|e| e.to_string())?;
     let (mut send, mut recv) =
-        hbone::connect(tcp, &creds.cert, &creds.roots, &server_id, target).await?;
+        hbone::connect(tcp, &creds.cert, &creds.roots, &server_id, authority).await?;
     send.send_data(Bytes::from_static(PAYLOAD), false)
         .map_err(|e| format!("send: {e}"))?;
     let mut got = Vec::new();

@@ -101,3 +101,35 @@ pub fn exact(value: &str) -> sec::StringMatch {
         match_type: Some(sec::string_match::MatchType::Exact(value.into())),
     }
 }
+
+/// An address resource named as istiod names it.
+pub fn encode(address: wl::Address) -> Resource {
+    let name = match &address.r#type {
+        Some(wl::address::Type::Workload(w)) => w.uid.clone(),
+        Some(wl::address::Type::Service(s)) => format!("{}/{}", s.namespace, s.hostname),
+        None => String::new(),
+    };
+    any_resource(&name, ADDRESS_TYPE_URL, address.encode_to_vec())
+}
+
+/// A Service `default/<name>` for `host` at `vip`, port 80 to 8080 (one
+/// per ServiceEntry host, as istiod sends them).
+pub fn service(name: &str, host: &str, vip: [u8; 4]) -> wl::Address {
+    wl::Address {
+        r#type: Some(wl::address::Type::Service(wl::Service {
+            name: name.into(),
+            namespace: "default".into(),
+            hostname: host.into(),
+            addresses: vec![wl::NetworkAddress {
+                address: vip.to_vec(),
+                ..Default::default()
+            }],
+            ports: vec![wl::Port {
+                service_port: 80,
+                target_port: 8080,
+                ..Default::default()
+            }],
+            ..Default::default()
+        })),
+    }
+}

@@ -7,7 +7,9 @@
 //! response of a type was NACKed, though it applied the rest).
 //!
 //! Plaintext reaches it as istio-cni sends it in the pod: a `nat` REDIRECT
-//! of the pod's inbound TCP (all but 15008) to 15006.
+//! of the pod's inbound TCP (all but 15008) to 15006, and, for a client's
+//! ztunnel, of the pod's own TCP to the test range to 15001. The rules go
+//! with the ztunnel.
 
 use std::{
     fs,
@@ -47,21 +49,33 @@ pub struct Ztunnel {
     child: Child,
     pod: Pod,
     log: PathBuf,
+    /// The `nat` rules it added to the pod, removed when it goes.
+    rules: Vec<String>,
     _dir: tempfile::TempDir,
 }
 
 impl Ztunnel {
     /// Starts `binary` for the workload `namespace/name/service_account` in
     /// `pod`, against `istiod` (listening on the pod netns' loopback), and
-    /// waits (bounded) until its readiness endpoint answers.
+    /// waits (bounded) until its readiness endpoint answers. With
+    /// `capture_outbound` (a CIDR), the pod's own connections there go to
+    /// it too. `network` is the proxy's network (`NETWORK`).
     pub fn start(
         binary: &std::path::Path,
         pod: &Pod,
         workload: (&str, &str, &str),
         istiod: &Istiod,
         pki: &Pki,
+        capture_outbound: Option<&str>,
+        network: &str,
     ) -> Result<Ztunnel> {
-        redirect_inbound_plaintext(pod)?;
+        let mut rules = vec![inbound_plaintext_rule()];
+        if let Some(cidr) = capture_outbound {
+            rules.push(outbound_rule(cidr));
+        }
+        for rule in &rules {
+            nat_rule(pod, "-A", rule)?;
+        }
         // ztunnel reads a few defaults relative to its working directory
         // (`./etc/istio/...`, `./var/run/secrets/...`): an empty one.
         let dir = tempfile::tempdir().map_err(|e| TestbedError::io("a temp dir", e))?;
@@ -90,6 +104,7 @@ impl Ztunnel {
             .env("INSTANCE_IP", pod.ip().to_string())
             .env("NODE_NAME", pod.node().name())
             .env("CLUSTER_ID", "Kubernetes")
+            .env("NETWORK", network)
             // The topology has no IPv6; nothing may bind the pod's source
             // address on ztunnel's side (no policy routing here).
             .env("IPV6_ENABLED", "false")
@@ -105,6 +120,7 @@ impl Ztunnel {
             child,
             pod: pod.clone(),
             log,
+            rules,
             _dir: dir,
         };
         ztunnel.wait_until(Duration::from_secs(30), |_| true)?;
@@ -176,25 +192,25 @@ fn ready_in_netns(addr: SocketAddr) -> std::result::Result<u16, String> {
 }
 
 /// The pod's inbound TCP, except HBONE's 15008, to ztunnel's plaintext
-/// inbound port 15006.
-fn redirect_inbound_plaintext(pod: &Pod) -> Result<()> {
-    let rule = "PREROUTING -i eth0 -p tcp ! --dport 15008 -j REDIRECT --to-ports 15006";
-    nat_rule(pod, &rule.replace("eth0", crate::POD_IF))
-}
-
-/// The pod's own TCP to `vips` (a CIDR: the Service VIPs) to ztunnel's
-/// outbound port 15001. ztunnel's own connections go to pod IPs, never to
-/// a VIP, so they are not caught again.
-pub fn redirect_outbound(pod: &Pod, vips: &str) -> Result<()> {
-    nat_rule(
-        pod,
-        &format!("OUTPUT -p tcp -d {vips} -j REDIRECT --to-ports 15001"),
+/// inbound port 15006 (as istio-cni sends it in the pod).
+fn inbound_plaintext_rule() -> String {
+    format!(
+        "PREROUTING -i {} -p tcp ! --dport 15008 -j REDIRECT --to-ports 15006",
+        crate::POD_IF
     )
 }
 
-/// Appends `rule` (chain first, words separated by spaces) to the pod's
-/// `nat` table unless it is there (a second ztunnel in the pod finds it).
-fn nat_rule(pod: &Pod, rule: &str) -> Result<()> {
+/// The pod's own TCP to `cidr` (the test range: VIPs and pods), except
+/// to HBONE's 15008, to ztunnel's outbound port 15001. ztunnel's own
+/// connections (HBONE to 15008, istiod on loopback) are not caught again.
+fn outbound_rule(cidr: &str) -> String {
+    format!("OUTPUT -p tcp -d {cidr} ! --dport 15008 -j REDIRECT --to-ports 15001")
+}
+
+/// Appends (`-A`) or deletes (`-D`) `rule` (chain first, words separated
+/// by spaces) in the pod's `nat` table; appending a rule that is there
+/// already does nothing.
+fn nat_rule(pod: &Pod, op: &str, rule: &str) -> Result<()> {
     let iptables = |op: &str| {
         let mut args = vec!["-t", "nat", op];
         args.extend(rule.split(' '));
@@ -205,15 +221,15 @@ fn nat_rule(pod: &Pod, rule: &str) -> Result<()> {
             .status()
             .map_err(|e| TestbedError::io("running iptables", e))
     };
-    if iptables("-C")?.success() {
+    if op == "-A" && iptables("-C")?.success() {
         return Ok(());
     }
-    let status = iptables("-A")?;
+    let status = iptables(op)?;
     if status.success() {
         Ok(())
     } else {
         Err(TestbedError::Invalid(format!(
-            "iptables REDIRECT in {}: {status}",
+            "iptables -t nat {op} {rule} in {}: {status}",
             pod.name()
         )))
     }
@@ -224,5 +240,10 @@ impl Drop for Ztunnel {
         let pid = Pid::from_raw(self.child.id() as i32);
         let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
         let _ = self.child.wait();
+        for rule in &self.rules {
+            if let Err(e) = nat_rule(&self.pod, "-D", rule) {
+                crate::warn(format_args!("removing a ztunnel rule: {e}"));
+            }
+        }
     }
 }

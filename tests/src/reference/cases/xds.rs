@@ -6,47 +6,39 @@
 //! NACK, a later ACKed push shows whether the rest of the NACKed response
 //! was applied.
 
-use prost::Message as _;
 use shunt::xds::ADDRESS_TYPE_URL;
 use shunt_proto::istio::{
     security::{Action, Match, Scope},
     workload as wl,
 };
 
-use super::{Case, OTHER, OutboundRow, SLEEP, XdsAnswer, row};
+use super::{Case, OTHER, OutboundRow, PLAINTEXT, SLEEP, XdsAnswer, row};
 use crate::reference::{
-    bed::NODE_B_IP,
+    bed::{NODE_B_IP, SERVER_IP},
     probe::Outcome::{Allowed, Refused},
-    resources::{any_resource, authorization, exact, pod, rule, workload},
+    resources::{any_resource, authorization, encode, exact, pod, rule, service, workload},
 };
 
 const FRESH_VIP: [u8; 4] = [198, 19, 100, 43];
 const EXT_A_VIP: [u8; 4] = [198, 19, 100, 41];
 const EXT_B_VIP: [u8; 4] = [198, 19, 100, 42];
 
-fn to(vip: [u8; 4], expect: crate::reference::probe::Outcome) -> OutboundRow {
+fn to(dst: [u8; 4], expect: crate::reference::probe::Outcome) -> OutboundRow {
     OutboundRow {
-        vip,
+        dst,
         port: 80,
         expect,
     }
 }
+
+/// The policy allowing only the client, for the cases that name it.
+pub const ALLOWED: &str = "default/allow-client-selected";
 
 /// The policy the server workload names.
 pub const SELECTED: &str = "default/deny-sleep-selected";
 
 fn case(name: &'static str, addresses: Vec<wl::Address>, answer: XdsAnswer) -> Case {
     raw_case(name, addresses.into_iter().map(encode).collect(), answer)
-}
-
-/// An address resource named as istiod names it.
-fn encode(address: wl::Address) -> shunt_proto::envoy::service::discovery::v3::Resource {
-    let name = match &address.r#type {
-        Some(wl::address::Type::Workload(w)) => w.uid.clone(),
-        Some(wl::address::Type::Service(s)) => format!("{}/{}", s.namespace, s.hostname),
-        None => String::new(),
-    };
-    any_resource(&name, ADDRESS_TYPE_URL, address.encode_to_vec())
 }
 
 fn raw_case(
@@ -80,7 +72,10 @@ fn raw_case(
         )],
         addresses_answer: answer,
         rows: vec![row(SLEEP, 8080, Refused), row(OTHER, 8080, Allowed)],
+        before_sync: Vec::new(),
         outbound: Vec::new(),
+        dns: Vec::new(),
+        client_network: "",
     }
 }
 
@@ -98,28 +93,6 @@ fn host_network(name: &str) -> wl::Address {
     w.network_mode = wl::NetworkMode::HostNetwork as i32;
     w.tunnel_protocol = wl::TunnelProtocol::None as i32;
     as_workload(w)
-}
-
-/// A Service `default/<name>` for `host` at `vip`, port 80 to 8080 (one
-/// per ServiceEntry host, as istiod sends them).
-fn service(name: &str, host: &str, vip: [u8; 4]) -> wl::Address {
-    wl::Address {
-        r#type: Some(wl::address::Type::Service(wl::Service {
-            name: name.into(),
-            namespace: "default".into(),
-            hostname: host.into(),
-            addresses: vec![wl::NetworkAddress {
-                address: vip.to_vec(),
-                ..Default::default()
-            }],
-            ports: vec![wl::Port {
-                service_port: 80,
-                target_port: 8080,
-                ..Default::default()
-            }],
-            ..Default::default()
-        })),
-    }
 }
 
 pub fn cases() -> Vec<Case> {
@@ -155,6 +128,29 @@ pub fn cases() -> Vec<Case> {
     );
     two_hosts.server_services = vec!["default/a.ext.example.com", "default/b.ext.example.com"];
     two_hosts.outbound = vec![to(EXT_A_VIP, Allowed), to(EXT_B_VIP, Allowed)];
+    // Item 5: the client calls the pod by IP; only mutual TLS with the
+    // client's identity is allowed in, so a lost HBONE mapping shows.
+    let mut entry_then_call = case(
+        "a WorkloadEntry named like the server pod; the client calls the pod",
+        vec![as_workload(entry.clone())],
+        XdsAnswer::Ack,
+    );
+    entry_then_call.server_policies = vec![ALLOWED];
+    entry_then_call.authorizations = vec![authorization(
+        "allow-client-selected",
+        Scope::WorkloadSelector,
+        Action::Allow,
+        vec![rule(vec![vec![Match {
+            principals: vec![exact("cluster.local/ns/default/sa/sa-client")],
+            ..Default::default()
+        }]])],
+    )];
+    entry_then_call.rows = vec![row(OTHER, 8080, Refused), row(PLAINTEXT, 8080, Refused)];
+    entry_then_call.outbound = vec![OutboundRow {
+        dst: SERVER_IP.octets(),
+        port: 8080,
+        expect: Allowed,
+    }];
     vec![
         case("the server's workload alone", vec![], XdsAnswer::Ack),
         // Item 3: kube-proxy and a CNI agent, both on the node's IP.
@@ -178,6 +174,7 @@ pub fn cases() -> Vec<Case> {
             vec![as_workload(entry)],
             XdsAnswer::Ack,
         ),
+        entry_then_call,
         // Item 5: one Service per ServiceEntry host, same namespace/name:
         // both VIPs reach the server.
         two_hosts,
