@@ -256,6 +256,77 @@ fn allow_by_principal_keeps_others_out_in_iptables_mode() {
     allow_by_principal("iptables");
 }
 
+/// `source.serviceAccounts` (a bare account is of the policy's namespace):
+/// the client's account is let in, the intruder's (another namespace and
+/// account) gets 401, and plaintext, which has no service account, is
+/// reset — where an unread field would have opened the server to all.
+/// An L7-only DENY beside it (`to: methods`) denies nothing, as ztunnel
+/// reads istiod's translation of it.
+fn allow_by_service_account(mode: &str) {
+    let policies = "  - apiVersion: security.istio.io/v1
+    kind: AuthorizationPolicy
+    metadata: {name: allow-client-sa, namespace: default}
+    spec:
+      selector: {matchLabels: {app: server}}
+      rules: [{from: [{source: {serviceAccounts: [sa-client]}}]}]
+  - apiVersion: security.istio.io/v1
+    kind: AuthorizationPolicy
+    metadata: {name: no-get, namespace: default}
+    spec:
+      action: DENY
+      rules: [{to: [{operation: {methods: [GET]}}]}]
+";
+    let bed = Bed::start(&format!("authz-sa-{mode}"), mode, policies);
+    let echo = EchoServer::on(&bed.server, 8080).expect("echo");
+
+    let report = bed.connect(&bed.client, 8080);
+    assert!(
+        ok(&report),
+        "the client's service account is allowed: {report}\n{}",
+        bed.agent.logs()
+    );
+    assert_eq!(echo.accepted().len(), 1);
+    let line = bed.wait_for_access_line("inbound", "the client, allowed", |l| {
+        field(l, "src.identity") == format!("spiffe://{CLIENT}") && field(l, "result") == "success"
+    });
+    assert_eq!(field(&line, "policy"), "default/allow-client-sa", "{line}");
+
+    let report = bed.connect(&bed.intruder, 8080);
+    assert!(
+        !ok(&report),
+        "another service account got through: {report}"
+    );
+    let line = bed.wait_for_access_line("inbound", "the intruder, denied", |l| {
+        field(l, "src.identity") == INTRUDER && field(l, "result") == "denied"
+    });
+    assert_eq!(field(&line, "policy"), "default/allow-client-sa", "{line}");
+    assert!(field(&line, "reason").starts_with("401 "), "{line}");
+
+    let report = bed.connect(&bed.outsider, 8080);
+    assert!(!ok(&report), "plaintext got through: {report}");
+    let line = bed.wait_for_access_line("inbound_plaintext", "the plaintext, denied", |l| {
+        field(l, "result") == "denied"
+    });
+    assert_eq!(field(&line, "policy"), "default/allow-client-sa", "{line}");
+    assert_eq!(
+        echo.accepted().len(),
+        1,
+        "the application saw a denied peer"
+    );
+    drop(echo);
+    bed.stop();
+}
+
+#[test]
+fn allow_by_service_account_in_ebpf_mode() {
+    allow_by_service_account("ebpf");
+}
+
+#[test]
+fn allow_by_service_account_in_iptables_mode() {
+    allow_by_service_account("iptables");
+}
+
 /// Namespace-wide policies (no selector): a DENY of port 9090, and an
 /// ALLOW from namespace default or from the outsider's address. The client
 /// reaches 8080 but not 9090; the intruder (namespace other) reaches

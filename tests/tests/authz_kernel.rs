@@ -232,6 +232,42 @@ const CASES: &[Case] = &[
         ],
     },
     Case {
+        what: "ALLOW by service account",
+        policies: "  - apiVersion: security.istio.io/v1
+    kind: AuthorizationPolicy
+    metadata: {name: c{n}-allow-client-sa, namespace: default}
+    spec:
+      selector: {matchLabels: {app: server}}
+      rules: [{from: [{source: {serviceAccounts: [default/sa-client]}}]}]
+",
+        names: &["c{n}-allow-client-sa"],
+        probes: &[(Who::Client, 8080, true), (Who::Intruder, 8080, false)],
+    },
+    Case {
+        what: "DENY by service account (bare: the policy's namespace)",
+        policies: "  - apiVersion: security.istio.io/v1
+    kind: AuthorizationPolicy
+    metadata: {name: c{n}-deny-client-sa, namespace: default}
+    spec:
+      action: DENY
+      rules: [{from: [{source: {serviceAccounts: [sa-client]}}]}]
+",
+        names: &["c{n}-deny-client-sa"],
+        probes: &[(Who::Client, 8080, false), (Who::Intruder, 8080, true)],
+    },
+    Case {
+        what: "a DENY of only HTTP attributes denies nothing (ztunnel skips `{}`)",
+        policies: "  - apiVersion: security.istio.io/v1
+    kind: AuthorizationPolicy
+    metadata: {name: c{n}-no-get, namespace: default}
+    spec:
+      action: DENY
+      rules: [{to: [{operation: {methods: [GET]}}]}]
+",
+        names: &["c{n}-no-get"],
+        probes: &[(Who::Client, 8080, true), (Who::Intruder, 9090, true)],
+    },
+    Case {
         what: "no policy",
         policies: "",
         names: &[],

@@ -335,8 +335,43 @@ fn field<'a>(line: &'a Value, name: &str) -> &'a str {
 /// policy (and the agent says so in /config_dump), the other client passes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_istiod_policy_answers_other_identities_with_401_until_removed() {
+    let policy = principal_policy(
+        "allow-client",
+        security_pb::Scope::WorkloadSelector,
+        security_pb::Action::Allow,
+        "cluster.local/ns/default/sa/sa-client",
+        &[],
+    );
+    istiod_allow_policy("xds-authz", policy).await;
+}
+
+/// The same with the policy istiod sends for `from.source.serviceAccounts`
+/// (`Match` field 11): before the field was known it arrived as `{}` and
+/// every identity passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_istiod_service_account_policy_answers_other_accounts_with_401() {
+    let mut policy = principal_policy(
+        "allow-client",
+        security_pb::Scope::WorkloadSelector,
+        security_pb::Action::Allow,
+        "-",
+        &[],
+    );
+    policy.rules[0].clauses[0].matches[0] = security_pb::Match {
+        service_accounts: vec![security_pb::ServiceAccountMatch {
+            namespace: "default".into(),
+            service_account: "sa-client".into(),
+        }],
+        ..Default::default()
+    };
+    istiod_allow_policy("xds-authz-sa", policy).await;
+}
+
+/// `allow_client` (named `default/allow-client`, admitting the client and
+/// not the other pod) bound to the server by istiod.
+async fn istiod_allow_policy(test: &str, allow_client: security_pb::Authorization) {
     require_root().expect("kernel tests need root");
-    let mut topo = Topology::new("xds-authz").expect("topology");
+    let mut topo = Topology::new(test).expect("topology");
     topo.add_node("node-a").expect("node");
     topo.add_node("node-b").expect("node");
     let server = topo.add_pod("node-a", "server").expect("pod");
@@ -382,16 +417,7 @@ async fn an_istiod_policy_answers_other_identities_with_401_until_removed() {
     istiod.push(response(
         AUTHORIZATION_TYPE_URL,
         "p1",
-        vec![policy(
-            principal_policy(
-                "allow-client",
-                security_pb::Scope::WorkloadSelector,
-                security_pb::Action::Allow,
-                "cluster.local/ns/default/sa/sa-client",
-                &[],
-            ),
-            "1",
-        )],
+        vec![policy(allow_client, "1")],
         &[],
     ));
     assert_eq!(istiod.answer_to("a1").await.error_detail, None);

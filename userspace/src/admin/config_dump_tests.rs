@@ -132,6 +132,9 @@ fn allow_client() -> Policy {
                         "cluster.local/ns/default/sa/sleep".into(),
                     )],
                     not_namespaces: vec![StringMatch::Presence],
+                    not_service_accounts: vec![crate::authz::ServiceAccount::new(
+                        "default", "curl",
+                    )],
                     source_ips: vec![Cidr::new(ip("198.18.0.0"), 15).expect("cidr")],
                     destination_ports: vec![8080],
                     ..Default::default()
@@ -365,6 +368,7 @@ fn a_fixed_snapshot_dumps_as_ztunnel_does() {
             "action": "Allow",
             "rules": [[[{
                 "notNamespaces": [{"Presence": {}}],
+                "notServiceAccounts": [{"namespace": "default", "serviceAccount": "curl"}],
                 "principals": [{"Exact": "cluster.local/ns/default/sa/sleep"}],
                 "sourceIps": ["198.18.0.0/15"],
                 "destinationPorts": [8080],

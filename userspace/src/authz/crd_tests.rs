@@ -994,3 +994,86 @@ spec:
         "{verdict:?}"
     );
 }
+
+/// Objects whose translation istiod makes in a way that surprises, checked
+/// through the engine: (what, policy spec in namespace foo, identity,
+/// port, allowed).
+#[test]
+fn istiods_model_for_the_surprising_cases() {
+    let head = "apiVersion: security.istio.io/v1\nkind: AuthorizationPolicy\nmetadata: {name: p, namespace: foo}\n";
+    let other_td = Some("spiffe://example.org/ns/default/sa/sleep");
+    let cases: [(&str, &str, Option<&str>, u16, bool); 8] = [
+        (
+            "an ALLOW from an empty source allows nothing ({} is skipped)",
+            "spec:\n  rules: [{from: [{source: {}}]}]\n",
+            Some(SLEEP),
+            80,
+            false,
+        ),
+        (
+            "a DENY from only request principals denies nothing",
+            "spec:\n  action: DENY\n  rules: [{from: [{source: {requestPrincipals: ['*']}}]}]\n",
+            Some(SLEEP),
+            80,
+            true,
+        ),
+        (
+            "a DENY on only an L7 `when` denies nothing",
+            "spec:\n  action: DENY\n  rules: [{when: [{key: 'request.headers[x]', values: [y]}]}]\n",
+            None,
+            80,
+            true,
+        ),
+        (
+            "a DENY of methods OR a port: the port is denied",
+            "spec:\n  action: DENY\n  rules: [{to: [{operation: {methods: [GET]}}, {operation: {ports: ['80']}}]}]\n",
+            Some(SLEEP),
+            80,
+            false,
+        ),
+        (
+            "... and no other port",
+            "spec:\n  action: DENY\n  rules: [{to: [{operation: {methods: [GET]}}, {operation: {ports: ['80']}}]}]\n",
+            Some(SLEEP),
+            81,
+            true,
+        ),
+        (
+            "principals are compared verbatim: cluster.local is not another trust domain",
+            "spec:\n  rules: [{from: [{source: {principals: [cluster.local/ns/default/sa/sleep]}}]}]\n",
+            other_td,
+            80,
+            false,
+        ),
+        (
+            "serviceAccounts hold in any trust domain",
+            "spec:\n  rules: [{from: [{source: {serviceAccounts: [default/sleep]}}]}]\n",
+            other_td,
+            80,
+            true,
+        ),
+        (
+            "a DENY of notServiceAccounts refuses plaintext",
+            "spec:\n  action: DENY\n  rules: [{from: [{source: {notServiceAccounts: [default/sleep]}}]}]\n",
+            None,
+            80,
+            false,
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (what, spec, identity, port, want) in cases {
+        let (p, _) = ok(&format!("{head}{spec}"));
+        let got = allowed(
+            &[p],
+            "foo",
+            &[],
+            "198.18.1.2",
+            identity,
+            &format!("198.18.2.3:{port}"),
+        );
+        if got != want {
+            failures.push(format!("{what}: allowed {got}, want {want}"));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
