@@ -10,17 +10,29 @@ use std::{
 };
 
 use crate::authz::{Policy, PolicySet};
-use crate::state::{Service, ServiceStore, Workload, WorkloadKey};
+use crate::state::{Service, ServiceStore, TunnelProtocol, Workload, WorkloadKey};
 
-/// All known workloads, by key and by IP, and the services they back.
+/// All known workloads, by id, by namespace/name and by IP, and the
+/// services they back.
+///
+/// Workloads are identified as xDS names them: by the source's uid (a
+/// pod's and a WorkloadEntry of the same namespace/name are two
+/// workloads), or by namespace/name when a source gives no uid. Entries
+/// are shared and immutable (`Arc`): a lookup per connection clones a
+/// pointer, and an update replaces only what changed.
 ///
 /// One owner (the reconcile loop, or cluster discovery) mutates it; readers
 /// elsewhere get snapshots or lookups through that owner, so there is no
 /// locking here.
 #[derive(Clone, Debug, Default)]
 pub struct WorkloadStore {
-    by_key: BTreeMap<WorkloadKey, Workload>,
-    by_ip: HashMap<IpAddr, WorkloadKey>,
+    by_id: HashMap<String, Arc<Workload>>,
+    /// namespace/name → the workloads so named (usually one), for the
+    /// node's own pods, which the pod source knows by name.
+    by_name: BTreeMap<WorkloadKey, Vec<Arc<Workload>>>,
+    /// IP → the workloads claiming it (usually one); host-network
+    /// workloads are left out: their IP is the node's.
+    by_ip: HashMap<IpAddr, Vec<Arc<Workload>>>,
     services: ServiceStore,
     /// Shared with checks in flight: a change swaps in a new set.
     policies: Arc<PolicySet>,
@@ -47,6 +59,47 @@ impl WorkloadChanges {
     }
 }
 
+/// The difference between the store and a complete list of workloads
+/// ([`WorkloadStore::diff`]), to apply with [`WorkloadStore::apply_diff`].
+/// Computing it only reads the store, so its owner can do that without
+/// holding the write lock the proxy's lookups wait on.
+#[derive(Clone, Debug, Default)]
+pub struct WorkloadDiff {
+    upserts: Vec<Arc<Workload>>,
+    removals: Vec<String>,
+}
+
+impl WorkloadDiff {
+    pub fn is_empty(&self) -> bool {
+        self.upserts.is_empty() && self.removals.is_empty()
+    }
+}
+
+/// The id a workload is stored under: the source's uid, else
+/// namespace/name.
+pub fn workload_id(w: &Workload) -> std::borrow::Cow<'_, str> {
+    if w.uid.is_empty() {
+        std::borrow::Cow::Owned(w.key().to_string())
+    } else {
+        std::borrow::Cow::Borrowed(&w.uid)
+    }
+}
+
+/// Of several workloads with one IP (or name), the one it means, as
+/// ztunnel ranks them: a pod over anything else (a WorkloadEntry can
+/// claim any address), then one in the mesh; then the greater id, so the
+/// choice does not depend on the order updates came in.
+fn preferred(claimants: &[Arc<Workload>]) -> Option<&Arc<Workload>> {
+    match claimants {
+        [only] => Some(only),
+        _ => claimants.iter().max_by_key(|w| {
+            let is_pod = w.uid.contains("//Pod/");
+            let in_mesh = w.tunnel == TunnelProtocol::Hbone;
+            (is_pod, in_mesh, workload_id(w))
+        }),
+    }
+}
+
 impl WorkloadStore {
     pub fn new() -> Self {
         Self::default()
@@ -55,60 +108,127 @@ impl WorkloadStore {
     /// Makes `workloads` the whole content of the store (a full resync, as
     /// after loading a file or relisting from the API server).
     ///
-    /// Sources should not send two workloads with one key or one IP, but a
-    /// watch can briefly show a pod's IP on its successor too. The store then
-    /// stays consistent and logs a warning: of two entries with one key the
-    /// later is kept; an IP claimed twice stays with the greater key
-    /// (arbitrary, but the same whatever the order of a relist) and is dropped
-    /// from the other workload's `ips`, so every IP maps to exactly one
-    /// workload that lists it.
-    pub fn replace_all(
+    /// Of two entries with one id the later is kept (with a warning). Two
+    /// workloads may claim one IP (a pod and a WorkloadEntry, or a watch
+    /// briefly showing a pod's IP on its successor): both are kept, and
+    /// the IP names the one [`preferred`] ranks first, whatever the order.
+    pub fn replace_all<W: Into<Arc<Workload>>>(
         &mut self,
-        workloads: impl IntoIterator<Item = Workload>,
+        workloads: impl IntoIterator<Item = W>,
     ) -> WorkloadChanges {
-        let mut next = BTreeMap::new();
-        for w in workloads {
-            if let Some(old) = next.insert(w.key(), w) {
-                tracing::warn!(workload = %old.key(), "workload listed twice; keeping the last");
+        let diff = self.diff(workloads);
+        self.apply_diff(diff)
+    }
+
+    /// What makes `workloads` the store's whole content; reads only.
+    pub fn diff<W: Into<Arc<Workload>>>(
+        &self,
+        workloads: impl IntoIterator<Item = W>,
+    ) -> WorkloadDiff {
+        let workloads: Vec<Arc<Workload>> = workloads.into_iter().map(Into::into).collect();
+        let ids: Vec<std::borrow::Cow<'_, str>> =
+            workloads.iter().map(|w| workload_id(w)).collect();
+        let mut last: HashMap<&str, usize> = HashMap::with_capacity(ids.len());
+        for (i, id) in ids.iter().enumerate() {
+            if last.insert(id, i).is_some() {
+                tracing::warn!(workload = %workloads[i].key(), id = %id, "workload listed twice; keeping the last");
             }
         }
-        let mut by_ip = HashMap::new();
-        for (key, w) in &next {
+        let mut diff = WorkloadDiff::default();
+        let mut kept = 0;
+        for (i, (w, id)) in workloads.iter().zip(&ids).enumerate() {
+            if last.get(id.as_ref()) != Some(&i) {
+                continue;
+            }
+            match self.by_id.get(id.as_ref()) {
+                Some(held) => {
+                    kept += 1;
+                    if !Arc::ptr_eq(held, w) && held != w {
+                        diff.upserts.push(w.clone());
+                    }
+                }
+                None => diff.upserts.push(w.clone()),
+            }
+        }
+        if kept != self.by_id.len() {
+            diff.removals = self
+                .by_id
+                .keys()
+                .filter(|id| !last.contains_key(id.as_str()))
+                .cloned()
+                .collect();
+        }
+        diff
+    }
+
+    /// Applies a [`WorkloadDiff`]: only what it names is touched.
+    pub fn apply_diff(&mut self, diff: WorkloadDiff) -> WorkloadChanges {
+        let mut changes = WorkloadChanges::default();
+        for id in diff.removals {
+            if let Some(old) = self.remove(&id) {
+                changes.removed.push(old.key());
+            }
+        }
+        for w in diff.upserts {
+            match self.insert(w.clone()) {
+                Some(_) => changes.updated.push(w.key()),
+                None => changes.added.push(w.key()),
+            }
+        }
+        changes.added.sort();
+        changes.removed.sort();
+        changes.updated.sort();
+        changes
+    }
+
+    /// Adds or replaces one workload (by id); returns the one replaced.
+    pub fn insert(&mut self, w: Arc<Workload>) -> Option<Arc<Workload>> {
+        let id = workload_id(&w).into_owned();
+        let old = self.remove(&id);
+        if !w.host_network {
             for ip in &w.ips {
-                if let Some(other) = by_ip.insert(*ip, key.clone()) {
-                    tracing::warn!(%ip, workload = %key, other = %other, "IP claimed by two workloads");
+                self.by_ip.entry(*ip).or_default().push(w.clone());
+            }
+        }
+        self.by_name.entry(w.key()).or_default().push(w.clone());
+        self.by_id.insert(id, w);
+        old
+    }
+
+    /// Removes the workload stored under `id` (see [`workload_id`]).
+    pub fn remove(&mut self, id: &str) -> Option<Arc<Workload>> {
+        let old = self.by_id.remove(id)?;
+        for ip in &old.ips {
+            if let Some(claimants) = self.by_ip.get_mut(ip) {
+                claimants.retain(|w| !Arc::ptr_eq(w, &old));
+                if claimants.is_empty() {
+                    self.by_ip.remove(ip);
                 }
             }
         }
-        for (key, w) in next.iter_mut() {
-            w.ips.retain(|ip| by_ip.get(ip) == Some(key));
-        }
-
-        let mut changes = WorkloadChanges::default();
-        for (key, w) in &next {
-            match self.by_key.get(key) {
-                None => changes.added.push(key.clone()),
-                Some(old) if old != w => changes.updated.push(key.clone()),
-                Some(_) => {}
+        let key = old.key();
+        if let Some(named) = self.by_name.get_mut(&key) {
+            named.retain(|w| !Arc::ptr_eq(w, &old));
+            if named.is_empty() {
+                self.by_name.remove(&key);
             }
         }
-        changes.removed = self
-            .by_key
-            .keys()
-            .filter(|k| !next.contains_key(*k))
-            .cloned()
-            .collect();
-
-        self.by_key = next;
-        self.by_ip = by_ip;
-        changes
+        Some(old)
     }
 
     /// Makes `services` every service known (a full resync); returns whether
     /// anything changed. Kept apart from [`WorkloadStore::replace_all`]:
     /// sources list services and pods separately, and either may be late.
-    pub fn replace_services(&mut self, services: impl IntoIterator<Item = Service>) -> bool {
+    pub fn replace_services<S: Into<Arc<Service>>>(
+        &mut self,
+        services: impl IntoIterator<Item = S>,
+    ) -> bool {
         self.services.replace_all(services)
+    }
+
+    /// The services, mutable for their owner (the store's owner).
+    pub fn services_mut(&mut self) -> &mut ServiceStore {
+        &mut self.services
     }
 
     /// Makes `policies` every authorization policy known (a full resync);
@@ -138,31 +258,51 @@ impl WorkloadStore {
         &self.services
     }
 
+    /// The workload named `key`; of several (a pod and a WorkloadEntry of
+    /// one name), the pod ([`preferred`]).
     pub fn get(&self, key: &WorkloadKey) -> Option<&Workload> {
-        self.by_key.get(key)
+        self.get_shared(key).map(Arc::as_ref)
+    }
+
+    /// As [`WorkloadStore::get`], shared.
+    pub fn get_shared(&self, key: &WorkloadKey) -> Option<&Arc<Workload>> {
+        self.by_name.get(key).and_then(|named| preferred(named))
+    }
+
+    /// The workload stored under `id` (its uid; see [`workload_id`]).
+    pub fn by_id(&self, id: &str) -> Option<&Arc<Workload>> {
+        self.by_id.get(id)
     }
 
     /// The workload that owns `ip`, if any.
     pub fn by_ip(&self, ip: IpAddr) -> Option<&Workload> {
-        self.by_ip.get(&ip).and_then(|key| self.by_key.get(key))
+        self.by_ip_shared(ip).map(Arc::as_ref)
+    }
+
+    /// As [`WorkloadStore::by_ip`], shared: what the proxy takes per
+    /// connection (a pointer clone, no allocation).
+    pub fn by_ip_shared(&self, ip: IpAddr) -> Option<&Arc<Workload>> {
+        self.by_ip
+            .get(&ip)
+            .and_then(|claimants| preferred(claimants))
     }
 
     /// The workloads scheduled on `node`, in key order.
     pub fn on_node<'a>(&'a self, node: &'a str) -> impl Iterator<Item = &'a Workload> + 'a {
-        self.by_key.values().filter(move |w| w.node == node)
+        self.iter().filter(move |w| w.node == node)
     }
 
-    /// All workloads, in key order.
+    /// All workloads, in key (namespace/name) order.
     pub fn iter(&self) -> impl Iterator<Item = &Workload> {
-        self.by_key.values()
+        self.by_name.values().flatten().map(Arc::as_ref)
     }
 
     pub fn len(&self) -> usize {
-        self.by_key.len()
+        self.by_id.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.by_key.is_empty()
+        self.by_id.is_empty()
     }
 }
 
@@ -287,12 +427,11 @@ mod tests {
         assert_eq!(
             owner,
             Some(key("default", "old")),
-            "the greater key keeps the IP"
+            "of equal rank, the greater id names the IP"
         );
         assert!(
-            store
-                .get(&key("default", "new"))
-                .is_some_and(|w| w.ips.is_empty())
+            store.get(&key("default", "new")).is_some(),
+            "the other claimant stays a workload"
         );
         assert_eq!(store.by_ip(ip("198.18.1.7")), None);
         assert_eq!(
@@ -300,5 +439,65 @@ mod tests {
             Some(key("default", "twice"))
         );
         assert_eq!(store.len(), 3);
+        // The owner leaves: the IP falls to the other claimant.
+        store.remove("default/old");
+        assert_eq!(
+            store.by_ip(ip("198.18.1.1")).map(Workload::key),
+            Some(key("default", "new"))
+        );
+    }
+
+    /// Keyed by uid; an IP and a name mean the pod before anything else
+    /// (ztunnel's ranking); host-network workloads own no IP.
+    #[test]
+    fn uids_ranking_and_host_network() {
+        let mut pod = workload("default", "server", "198.18.1.1", "node-b");
+        pod.uid = "Kubernetes//Pod/default/server".into();
+        let mut entry = workload("default", "server", "198.18.1.1", "node-b");
+        entry.uid = "Kubernetes/networking.istio.io/WorkloadEntry/default/server".into();
+        let mut host_a = workload("kube-system", "kube-proxy", "198.18.0.2", "node-b");
+        host_a.uid = "Kubernetes//Pod/kube-system/kube-proxy".into();
+        host_a.host_network = true;
+        let mut host_b = host_a.clone();
+        host_b.name = "cni".into();
+        host_b.uid = "Kubernetes//Pod/kube-system/cni".into();
+        let mut store = WorkloadStore::new();
+        let changes = store.replace_all(vec![entry.clone(), pod.clone(), host_a, host_b]);
+        assert_eq!(changes.added.len(), 4);
+        assert_eq!(store.len(), 4);
+        let uid_at = |s: &WorkloadStore| s.by_ip(ip("198.18.1.1")).map(|w| w.uid.clone());
+        assert_eq!(
+            uid_at(&store),
+            Some(pod.uid.clone()),
+            "the pod, not the entry"
+        );
+        assert_eq!(
+            store.get(&key("default", "server")).map(|w| w.uid.clone()),
+            Some(pod.uid.clone())
+        );
+        assert_eq!(
+            store.by_ip(ip("198.18.0.2")),
+            None,
+            "the node's IP names no pod"
+        );
+        assert!(store.get(&key("kube-system", "cni")).is_some());
+        assert!(
+            store
+                .by_id("Kubernetes//Pod/kube-system/kube-proxy")
+                .is_some()
+        );
+
+        // Same content again: nothing changes; the shared entries are kept.
+        let held = store.by_ip_shared(ip("198.18.1.1")).cloned().expect("pod");
+        let same: Vec<Arc<Workload>> = store.iter().cloned().map(Arc::new).collect();
+        assert!(store.replace_all(same).is_empty());
+        assert!(Arc::ptr_eq(
+            &held,
+            store.by_ip_shared(ip("198.18.1.1")).expect("pod")
+        ));
+        // The pod goes: the entry is what the IP names now.
+        let changes = store.replace_all(vec![entry.clone()]);
+        assert_eq!(changes.removed.len(), 3);
+        assert_eq!(uid_at(&store), Some(entry.uid));
     }
 }

@@ -10,17 +10,63 @@
 //! Prints the median and worst of `--rounds` fresh applies (a new state
 //! each round: the first push, the worst case), and one re-apply of the
 //! same response to a full state (istiod's resend after a reconnect).
+//!
+//! Then, on that full state, the steady-state costs (issue 34, item 11):
+//! - `--deltas` one-workload deltas (one pod's revision changes), each
+//!   timed from the bytes to the agent's store holding it (decode, apply,
+//!   hand-over, the store's update under its write lock), p50/p99/max,
+//!   and the longest the write lock was held;
+//! - the proxy's per-connection lookup (the workload at a peer IP, as
+//!   `proxy/lookup.rs` does it), timed and with its heap allocations
+//!   counted by a counting global allocator.
 
-use std::time::{Duration, Instant};
+use std::{
+    alloc::{GlobalAlloc, Layout, System},
+    net::IpAddr,
+    sync::{
+        RwLock,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
 
 use anyhow::{Context as _, ensure};
 use clap::Parser;
 use prost::Message as _;
-use shunt::xds::{ADDRESS_TYPE_URL, XdsState};
+use shunt::{
+    store::WorkloadStore,
+    xds::{ADDRESS_TYPE_URL, XdsState},
+};
 use shunt_proto::{
     envoy::service::discovery::v3::{DeltaDiscoveryResponse, Resource},
     istio::workload as pb,
 };
+
+/// Counts heap allocations (all threads; the bench is single-threaded).
+struct Counting;
+
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: forwards to the system allocator unchanged; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract is passed on as is.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: as above.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: as above.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
 
 #[derive(Parser)]
 struct Args {
@@ -33,6 +79,12 @@ struct Args {
     /// Fresh applies to time.
     #[arg(long, default_value_t = 10)]
     rounds: u32,
+    /// One-workload deltas to time on the full state.
+    #[arg(long, default_value_t = 500)]
+    deltas: u32,
+    /// Per-connection lookups to time (each at another peer IP).
+    #[arg(long, default_value_t = 100_000)]
+    lookups: u32,
 }
 
 fn any(name: String, address: pb::Address) -> Resource {
@@ -84,20 +136,39 @@ fn big_response(workloads: u32, services: u32) -> DeltaDiscoveryResponse {
         ));
     }
     for w in 0..workloads {
-        let s = w % services.max(1);
-        let ns = format!("ns-{}", s % 50);
-        let name = format!("pod-{w}");
-        let uid = format!("Kubernetes//Pod/{ns}/{name}");
+        resources.push(workload_resource(w, services, "v1", "1"));
+    }
+    DeltaDiscoveryResponse {
+        system_version_info: "bench".into(),
+        type_url: ADDRESS_TYPE_URL.into(),
+        nonce: "n1".into(),
+        resources,
+        removed_resources: Vec::new(),
+    }
+}
+
+/// The IP of workload number `w`.
+fn workload_ip(w: u32) -> [u8; 4] {
+    [198, 18, (w >> 8) as u8, w as u8]
+}
+
+/// Workload number `w` at `revision`, as the resource istiod sends.
+fn workload_resource(w: u32, services: u32, revision: &str, version: &str) -> Resource {
+    let s = w % services.max(1);
+    let ns = format!("ns-{}", s % 50);
+    let name = format!("pod-{w}");
+    let uid = format!("Kubernetes//Pod/{ns}/{name}");
+    {
         let workload = pb::Workload {
             uid: uid.clone(),
             name,
             namespace: ns.clone(),
-            addresses: vec![[198, 18, (w >> 8) as u8, w as u8].to_vec()],
+            addresses: vec![workload_ip(w).to_vec()],
             tunnel_protocol: pb::TunnelProtocol::Hbone as i32,
             service_account: format!("sa-{s}"),
             node: format!("node-{}", w % 100),
             canonical_name: format!("svc-{s}"),
-            canonical_revision: "v1".into(),
+            canonical_revision: revision.into(),
             workload_name: format!("svc-{s}"),
             workload_type: pb::WorkloadType::Pod as i32,
             cluster_id: "Kubernetes".into(),
@@ -121,18 +192,31 @@ fn big_response(workloads: u32, services: u32) -> DeltaDiscoveryResponse {
             .into(),
             ..Default::default()
         };
-        resources.push(any(
+        let mut resource = any(
             uid,
             pb::Address {
                 r#type: Some(pb::address::Type::Workload(workload)),
             },
-        ));
+        );
+        resource.version = version.into();
+        resource
     }
+}
+
+/// A response carrying one changed workload, as istiod sends after a pod
+/// update.
+fn one_workload_delta(w: u32, services: u32, round: u32) -> DeltaDiscoveryResponse {
+    let revision = if round % 2 == 0 { "v2" } else { "v1" };
     DeltaDiscoveryResponse {
         system_version_info: "bench".into(),
         type_url: ADDRESS_TYPE_URL.into(),
-        nonce: "n1".into(),
-        resources,
+        nonce: format!("d{round}"),
+        resources: vec![workload_resource(
+            w,
+            services,
+            revision,
+            &format!("{}", round + 2),
+        )],
         removed_resources: Vec::new(),
     }
 }
@@ -145,7 +229,8 @@ fn apply_once(
 ) -> anyhow::Result<Duration> {
     let start = Instant::now();
     let response = DeltaDiscoveryResponse::decode(wire).context("decode")?;
-    state.apply(&response).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let applied = state.apply(&response).map_err(|e| anyhow::anyhow!("{e}"))?;
+    ensure!(applied.rejected.is_empty(), "{:?}", applied.nack_reason());
     let (view, _) = state.view();
     let elapsed = start.elapsed();
     ensure!(
@@ -158,6 +243,62 @@ fn apply_once(
         "a service without endpoints"
     );
     Ok(elapsed)
+}
+
+/// Percentile `p` (0-100) of sorted `times`.
+fn percentile(times: &[Duration], p: usize) -> Duration {
+    times[(times.len() * p / 100).min(times.len() - 1)]
+}
+
+/// What the store's owner does with a view (`app/store.rs`'s `apply`):
+/// the difference worked out under the read lock, applied under the write
+/// lock. Returns how long the write lock was held.
+fn view_to_store(view: shunt::control::ClusterView, store: &RwLock<WorkloadStore>) -> Duration {
+    let diff = store
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .diff(view.workloads);
+    let start = Instant::now();
+    let mut store = store.write().unwrap_or_else(|p| p.into_inner());
+    store.apply_diff(diff);
+    store.replace_services(view.services);
+    store.replace_policies(view.policies);
+    drop(store);
+    start.elapsed()
+}
+
+/// The whole held state into `store`.
+fn full_to_store(state: &mut XdsState, store: &RwLock<WorkloadStore>) -> anyhow::Result<()> {
+    let (view, _) = state.view();
+    view_to_store(view, store);
+    Ok(())
+}
+
+/// One delta from the wire into `store`: (total, write lock held).
+fn delta_to_store(
+    state: &mut XdsState,
+    store: &RwLock<WorkloadStore>,
+    wire: &[u8],
+) -> anyhow::Result<(Duration, Duration)> {
+    let start = Instant::now();
+    let response = DeltaDiscoveryResponse::decode(wire).context("decode")?;
+    let applied = state.apply(&response).map_err(|e| anyhow::anyhow!("{e}"))?;
+    ensure!(applied.rejected.is_empty(), "{:?}", applied.nack_reason());
+    let (view, _) = state.view();
+    let lock = view_to_store(view, store);
+    Ok((start.elapsed(), lock))
+}
+
+/// The proxy's lookup per connection (`proxy/lookup.rs`): a shared entry.
+fn lookup(
+    store: &RwLock<WorkloadStore>,
+    ip: IpAddr,
+) -> Option<std::sync::Arc<shunt::state::Workload>> {
+    store
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .by_ip_shared(ip)
+        .cloned()
 }
 
 fn main() -> anyhow::Result<()> {
@@ -184,5 +325,56 @@ fn main() -> anyhow::Result<()> {
         times.len()
     );
     println!("same response again (full state, nothing changes): {again:.2?}");
+
+    // Steady state: the full state handed to a store, then deltas.
+    let store = RwLock::new(WorkloadStore::new());
+    full_to_store(&mut state, &store)?;
+    let mut totals = Vec::with_capacity(args.deltas as usize);
+    let mut locks = Vec::with_capacity(args.deltas as usize);
+    for round in 0..args.deltas.max(1) {
+        let w = (round * 7919) % args.workloads.max(1);
+        let wire = one_workload_delta(w, args.services, round).encode_to_vec();
+        let (total, lock) = delta_to_store(&mut state, &store, &wire)?;
+        totals.push(total);
+        locks.push(lock);
+    }
+    totals.sort();
+    locks.sort();
+    println!(
+        "one-workload delta at {} workloads, {} deltas: p50 {:.2?}, p99 {:.2?}, max {:.2?}; write lock held p50 {:.2?}, p99 {:.2?}, max {:.2?}",
+        args.workloads,
+        totals.len(),
+        percentile(&totals, 50),
+        percentile(&totals, 99),
+        totals[totals.len() - 1],
+        percentile(&locks, 50),
+        percentile(&locks, 99),
+        locks[locks.len() - 1],
+    );
+
+    let ips: Vec<IpAddr> = (0..args.workloads.max(1))
+        .map(|w| IpAddr::from(workload_ip(w)))
+        .collect();
+    let lookups = args.lookups.max(1);
+    let mut found = 0usize;
+    let allocations_before = ALLOCATIONS.load(Ordering::Relaxed);
+    let start = Instant::now();
+    for n in 0..lookups {
+        let ip = ips[n as usize % ips.len()];
+        if lookup(&store, ip).is_some() {
+            found += 1;
+        }
+    }
+    let elapsed = start.elapsed();
+    let allocations = ALLOCATIONS.load(Ordering::Relaxed) - allocations_before;
+    ensure!(
+        found == lookups as usize,
+        "{found} of {lookups} lookups found their workload"
+    );
+    println!(
+        "per-connection lookup (workload by peer IP): {lookups} lookups, {:.0} ns each, {:.2} heap allocations each",
+        elapsed.as_nanos() as f64 / f64::from(lookups),
+        allocations as f64 / f64::from(lookups),
+    );
     Ok(())
 }

@@ -64,6 +64,10 @@ pub async fn own_store(
 
 /// Makes `view` the store's whole content. The single place where a
 /// cluster view reaches the store. Returns whether the policies changed.
+///
+/// What changed is worked out under the read lock (this task is the one
+/// writer, so the store cannot move meanwhile); the write lock the proxy's
+/// lookups wait on is held only to apply that difference.
 pub fn apply(store: &RwLock<WorkloadStore>, view: ClusterView) -> bool {
     let ClusterView {
         workloads,
@@ -71,8 +75,12 @@ pub fn apply(store: &RwLock<WorkloadStore>, view: ClusterView) -> bool {
         policies,
     } = view;
     let count = (workloads.len(), services.len(), policies.len());
+    let diff = store
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .diff(workloads);
     let mut store = store.write().unwrap_or_else(|p| p.into_inner());
-    let changes = store.replace_all(workloads);
+    let changes = store.apply_diff(diff);
     if !changes.is_empty() {
         info!(
             workloads = count.0,

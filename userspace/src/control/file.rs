@@ -97,8 +97,8 @@ impl FileSource {
     fn push(&self, sink: &dyn SourceSink) {
         let current = &self.current;
         sink.cluster(ClusterView {
-            workloads: current.workloads.clone(),
-            services: current.services.clone(),
+            workloads: current.workloads.iter().cloned().map(Into::into).collect(),
+            services: current.services.iter().cloned().map(Into::into).collect(),
             policies: current.policies.clone(),
         });
         sink.node_pods(NodePods {

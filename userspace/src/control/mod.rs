@@ -14,11 +14,13 @@ pub mod local;
 pub mod waypoint;
 
 /// The cluster-wide view one discovery source knows: every workload of any
-/// node, every service, every authorization policy.
+/// node, every service, every authorization policy. Entries are shared and
+/// immutable: a source that keeps them (xDS) hands over pointers, and the
+/// store replaces only the entries that are not the same.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ClusterView {
-    pub workloads: Vec<crate::state::Workload>,
-    pub services: Vec<crate::state::Service>,
+    pub workloads: Vec<std::sync::Arc<crate::state::Workload>>,
+    pub services: Vec<std::sync::Arc<crate::state::Service>>,
     pub policies: Vec<crate::authz::Policy>,
 }
 

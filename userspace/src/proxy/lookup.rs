@@ -15,7 +15,8 @@ use crate::{
 /// Where the proxy learns which workload owns an IP (for the destination's
 /// identity and whether it is in the mesh), and which service a VIP is.
 pub trait WorkloadLookup: Send + Sync {
-    fn workload_by_ip(&self, ip: IpAddr) -> Option<Workload>;
+    /// Shared: a connection takes a pointer, not a copy.
+    fn workload_by_ip(&self, ip: IpAddr) -> Option<Arc<Workload>>;
 
     /// The service whose cluster IP and port `dst` is.
     fn service_at(&self, dst: SocketAddr) -> Option<Arc<Service>>;
@@ -47,10 +48,10 @@ pub trait WorkloadLookup: Send + Sync {
 }
 
 impl WorkloadLookup for RwLock<WorkloadStore> {
-    fn workload_by_ip(&self, ip: IpAddr) -> Option<Workload> {
+    fn workload_by_ip(&self, ip: IpAddr) -> Option<Arc<Workload>> {
         self.read()
             .unwrap_or_else(|p| p.into_inner())
-            .by_ip(ip)
+            .by_ip_shared(ip)
             .cloned()
     }
 

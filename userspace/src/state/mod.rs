@@ -275,6 +275,11 @@ pub struct Workload {
     /// `<hostname>.<subdomain>.<ns>.svc.<domain>` in DNS. Empty: not set.
     pub pod_hostname: String,
     pub pod_subdomain: String,
+    /// It shares its node's network namespace (xDS `network_mode:
+    /// HOST_NETWORK`): its IPs are the node's, claimed by every such pod
+    /// of the node, so they name none of them (kept out of the store's
+    /// address index, as ztunnel does).
+    pub host_network: bool,
 }
 
 impl Default for Workload {
@@ -313,6 +318,7 @@ impl Default for Workload {
             application_tunnel: None,
             pod_hostname: String::new(),
             pod_subdomain: String::new(),
+            host_network: false,
         }
     }
 }

@@ -187,18 +187,37 @@ impl Service {
     }
 }
 
-/// Every known service, by key and by `VIP:port`.
+/// Every known service, by id, by name, by `VIP:port` and by hostname.
 ///
 /// Owned by the `WorkloadStore` (`store.rs`): one owner for what discovery knows.
+/// Services are identified as xDS names them, by namespace/hostname (one
+/// ServiceEntry with two hosts is two services of one name), or by
+/// namespace/name when the source gives no hostname ([`Service::id`]).
 /// Services are behind `Arc` so that a lookup per connection is a clone of a
 /// pointer, not of an endpoint list.
 #[derive(Clone, Debug, Default)]
 pub struct ServiceStore {
-    by_key: BTreeMap<WorkloadKey, Arc<Service>>,
+    by_id: BTreeMap<WorkloadKey, Arc<Service>>,
+    /// namespace/name → ids (a headless service's pods are published by
+    /// its name).
+    by_name: HashMap<WorkloadKey, Vec<WorkloadKey>>,
     by_addr: HashMap<SocketAddr, WorkloadKey>,
     /// hostname → namespace → service, for services that have a hostname
     /// (how waypoints are named). Nested so a lookup borrows its `&str`s.
     by_hostname: HashMap<String, HashMap<String, WorkloadKey>>,
+}
+
+impl Service {
+    /// The id the store keeps it under: namespace/hostname, or
+    /// namespace/name when it has no hostname.
+    pub fn id(&self) -> WorkloadKey {
+        let host = if self.hostname.is_empty() {
+            &self.name
+        } else {
+            &self.hostname
+        };
+        WorkloadKey::new(&self.namespace, host)
+    }
 }
 
 impl ServiceStore {
@@ -206,51 +225,54 @@ impl ServiceStore {
     /// anything changed.
     ///
     /// As with workload IPs, a `VIP:port` claimed by two services (a brief
-    /// state of a watch) stays with the greater key, with a warning, so a
+    /// state of a watch) stays with the greater id, with a warning, so a
     /// lookup is the same whatever the order of a relist.
-    pub fn replace_all(&mut self, services: impl IntoIterator<Item = Service>) -> bool {
+    pub fn replace_all<S: Into<Arc<Service>>>(
+        &mut self,
+        services: impl IntoIterator<Item = S>,
+    ) -> bool {
         let mut next = BTreeMap::new();
         for s in services {
-            if let Some(old) = next.insert(s.key(), Arc::new(s)) {
-                tracing::warn!(service = %old.key(), "service listed twice; keeping the last");
+            let s: Arc<Service> = s.into();
+            if let Some(old) = next.insert(s.id(), s) {
+                tracing::warn!(service = %old.id(), "service listed twice; keeping the last");
             }
         }
+        let changed = next.len() != self.by_id.len()
+            || next.iter().any(|(id, s)| {
+                self.by_id
+                    .get(id)
+                    .is_none_or(|old| !Arc::ptr_eq(old, s) && old != s)
+            });
+        if !changed {
+            return false;
+        }
         let mut by_addr = HashMap::new();
-        for (key, s) in &next {
+        let mut by_name: HashMap<WorkloadKey, Vec<WorkloadKey>> = HashMap::new();
+        for (id, s) in &next {
+            by_name.entry(s.key()).or_default().push(id.clone());
             for vip in &s.vips {
                 for port in &s.ports {
                     let addr = SocketAddr::new(*vip, port.port);
-                    if let Some(other) = by_addr.insert(addr, key.clone()) {
-                        tracing::warn!(%addr, service = %key, other = %other, "VIP and port claimed by two services");
+                    if let Some(other) = by_addr.insert(addr, id.clone()) {
+                        tracing::warn!(%addr, service = %id, other = %other, "VIP and port claimed by two services");
                     }
                 }
             }
         }
+        // One entry per namespace and hostname: that is the id.
         let mut by_hostname: HashMap<String, HashMap<String, WorkloadKey>> = HashMap::new();
-        for (key, s) in &next {
-            if s.hostname.is_empty() {
-                continue;
-            }
-            let in_namespaces = by_hostname.entry(s.hostname.clone()).or_default();
-            match in_namespaces.get(&s.namespace).and_then(|k| next.get(k)) {
-                // The canonical one owns a shared hostname; else the
-                // greater key (as for VIPs: the same whatever the order).
-                Some(held) if held.canonical && !s.canonical => continue,
-                Some(held) if held.canonical == s.canonical => {
-                    tracing::debug!(hostname = %s.hostname, service = %key, other = %held.key(), "hostname shared by two services");
-                }
-                _ => {}
-            }
-            in_namespaces.insert(s.namespace.clone(), key.clone());
+        for (id, s) in next.iter().filter(|(_, s)| !s.hostname.is_empty()) {
+            by_hostname
+                .entry(s.hostname.clone())
+                .or_default()
+                .insert(s.namespace.clone(), id.clone());
         }
-        let changed = next.len() != self.by_key.len()
-            || next
-                .iter()
-                .any(|(key, s)| self.by_key.get(key).is_none_or(|old| old != s));
-        self.by_key = next;
+        self.by_id = next;
+        self.by_name = by_name;
         self.by_addr = by_addr;
         self.by_hostname = by_hostname;
-        changed
+        true
     }
 
     /// The service named `hostname` in `namespace` (one map lookup).
@@ -258,29 +280,39 @@ impl ServiceStore {
         self.by_hostname
             .get(hostname)
             .and_then(|in_namespaces| in_namespaces.get(namespace))
-            .and_then(|key| self.by_key.get(key))
+            .and_then(|id| self.by_id.get(id))
     }
 
     /// The service whose VIP and port `dst` is.
     pub fn by_addr(&self, dst: SocketAddr) -> Option<&Arc<Service>> {
-        self.by_addr.get(&dst).and_then(|key| self.by_key.get(key))
+        self.by_addr.get(&dst).and_then(|id| self.by_id.get(id))
     }
 
+    /// A service named `key` (namespace/name); of several of one name (a
+    /// ServiceEntry's hosts), the one with the greatest id.
     pub fn get(&self, key: &WorkloadKey) -> Option<&Arc<Service>> {
-        self.by_key.get(key)
+        self.by_name
+            .get(key)
+            .and_then(|ids| ids.iter().max())
+            .and_then(|id| self.by_id.get(id))
     }
 
-    /// All services, in key order.
+    /// The service stored under `id` ([`Service::id`]).
+    pub fn by_id(&self, id: &WorkloadKey) -> Option<&Arc<Service>> {
+        self.by_id.get(id)
+    }
+
+    /// All services, in id order.
     pub fn iter(&self) -> impl Iterator<Item = &Service> {
-        self.by_key.values().map(Arc::as_ref)
+        self.by_id.values().map(Arc::as_ref)
     }
 
     pub fn len(&self) -> usize {
-        self.by_key.len()
+        self.by_id.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.by_key.is_empty()
+        self.by_id.is_empty()
     }
 }
 
@@ -327,7 +359,7 @@ mod tests {
         assert_eq!(store.len(), 2);
         let same: Vec<Service> = store.iter().cloned().collect();
         assert!(!store.replace_all(same), "same content is no change");
-        assert!(store.replace_all(Vec::new()));
+        assert!(store.replace_all(Vec::<Service>::new()));
         assert!(store.is_empty() && store.by_addr(addr("198.19.100.1:80")).is_none());
     }
 
@@ -401,24 +433,52 @@ mod tests {
         assert_eq!(picks, [a, b, a, a, b, a], "2:1, capacity 0 never");
     }
 
+    /// What xDS sends for a ServiceEntry `default/ext` with two hosts:
+    /// two services of one name, both served (keyed by hostname).
     #[test]
-    fn hostname_index_prefers_the_canonical_service() {
-        let mut a = service("default", "a", "198.19.100.1", 80, 80);
-        a.hostname = "shared.example.org".into();
-        let mut b = service("default", "b", "198.19.100.2", 80, 80);
-        b.hostname = "shared.example.org".into();
+    fn services_are_keyed_by_namespace_and_hostname() {
+        let mut a = service("default", "ext", "198.19.100.1", 80, 80);
+        a.hostname = "a.ext.example.com".into();
+        let mut b = service("default", "ext", "198.19.100.2", 80, 80);
+        b.hostname = "b.ext.example.com".into();
+        let mut other_ns = service("shop", "ext", "198.19.100.3", 80, 80);
+        other_ns.hostname = "a.ext.example.com".into();
         let mut store = ServiceStore::default();
-        store.replace_all(vec![a.clone(), b.clone()]);
-        let owner = |s: &ServiceStore| {
-            s.by_hostname("default", "shared.example.org")
-                .map(|s| s.name.clone())
-        };
-        assert_eq!(owner(&store), Some("b".into()), "greater key by default");
-        a.canonical = true;
-        store.replace_all(vec![a, b]);
-        assert_eq!(owner(&store), Some("a".into()), "canonical wins");
+        store.replace_all(vec![a.clone(), b.clone(), other_ns]);
+        assert_eq!(store.len(), 3);
+        let at = |s: &ServiceStore, a: &str| s.by_addr(addr(a)).map(|s| s.hostname.clone());
+        assert_eq!(
+            at(&store, "198.19.100.1:80"),
+            Some("a.ext.example.com".into())
+        );
+        assert_eq!(
+            at(&store, "198.19.100.2:80"),
+            Some("b.ext.example.com".into())
+        );
+        let host =
+            |s: &ServiceStore, ns: &str, h: &str| s.by_hostname(ns, h).map(|s| s.vips.clone());
+        assert_eq!(
+            host(&store, "default", "a.ext.example.com"),
+            Some(vec![ip("198.19.100.1")])
+        );
+        assert_eq!(
+            host(&store, "default", "b.ext.example.com"),
+            Some(vec![ip("198.19.100.2")])
+        );
+        assert_eq!(
+            host(&store, "shop", "a.ext.example.com"),
+            Some(vec![ip("198.19.100.3")])
+        );
         assert!(store.by_hostname("default", "other.example.org").is_none());
-        store.replace_all(Vec::new());
-        assert_eq!(owner(&store), None, "the index follows the services");
+        assert_eq!(
+            store
+                .get(&WorkloadKey::new("default", "ext"))
+                .map(|s| s.hostname.clone()),
+            Some("b.ext.example.com".into()),
+            "by name: the greatest id"
+        );
+        assert!(store.replace_all(vec![a]), "b removed");
+        assert_eq!(at(&store, "198.19.100.2:80"), None);
+        assert!(store.by_hostname("shop", "a.ext.example.com").is_none());
     }
 }

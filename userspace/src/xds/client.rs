@@ -9,9 +9,11 @@
 //! literal `*` as a name to look up on demand), plus, after a reconnect,
 //! `initial_resource_versions` so istiod sends only the difference.
 //!
-//! Each response is applied whole ([`XdsState::apply`]) and ACKed by nonce,
-//! or rejected whole and NACKed with an `error_detail` naming the resource
-//! and field; the last good state stays. When the stream ends the source
+//! Each response is applied resource by resource ([`XdsState::apply`]) and
+//! ACKed by nonce, or, when some resources were refused, NACKed with an
+//! `error_detail` naming each refused resource
+//! and field (the rest is applied; a refused resource keeps its last good
+//! copy). When the stream ends the source
 //! keeps everything it holds, waits (doubling, with jitter) and reconnects.
 
 use std::{path::Path, sync::Arc, time::Duration};
@@ -216,16 +218,36 @@ impl XdsSource {
         let nonce = response.nonce.as_str();
         let type_url = response.type_url.as_str();
         let was_synced = state.synced();
+        let nack = |state: &mut XdsState, reason: String| {
+            state.record_nack(type_url, nonce, &reason);
+            DeltaDiscoveryRequest {
+                type_url: type_url.to_owned(),
+                response_nonce: nonce.to_owned(),
+                error_detail: Some(RpcStatus {
+                    code: INVALID_ARGUMENT,
+                    message: reason,
+                    details: Vec::new(),
+                }),
+                ..Default::default()
+            }
+        };
         let answer = match state.apply(&response) {
             Ok(applied) => {
-                state.record_ack(type_url, nonce, &response.system_version_info);
+                // The type counts as received even when some resources
+                // were refused: the rest is applied and serving.
+                let reason = applied.nack_reason();
+                match &reason {
+                    None => state.record_ack(type_url, nonce, &response.system_version_info),
+                    Some(_) => state.record_received(type_url),
+                }
                 debug!(
                     type_url,
                     nonce,
                     resources = applied.updated,
                     removed = applied.removed,
+                    rejected = applied.rejected.len(),
                     changed = applied.changed,
-                    "applied; ACK"
+                    "applied"
                 );
                 // Only complete views (both types received once): a view
                 // of workloads without policies would serve inbound with
@@ -242,26 +264,22 @@ impl XdsSource {
                     info!("xDS synced: workloads, services and policies received from istiod");
                     sink.synced(SOURCE_NAME);
                 }
-                DeltaDiscoveryRequest {
-                    type_url: type_url.to_owned(),
-                    response_nonce: nonce.to_owned(),
-                    ..Default::default()
+                match reason {
+                    None => DeltaDiscoveryRequest {
+                        type_url: type_url.to_owned(),
+                        response_nonce: nonce.to_owned(),
+                        ..Default::default()
+                    },
+                    Some(reason) => {
+                        warn!(type_url, nonce, %reason, "NACK: resources refused (each keeps its last good copy); the rest applied");
+                        nack(state, reason)
+                    }
                 }
             }
             Err(rejected) => {
                 let reason = rejected.to_string();
-                warn!(type_url, nonce, %reason, "NACK: istiod's response not applied; keeping the last good state");
-                state.record_nack(type_url, nonce, &reason);
-                DeltaDiscoveryRequest {
-                    type_url: type_url.to_owned(),
-                    response_nonce: nonce.to_owned(),
-                    error_detail: Some(RpcStatus {
-                        code: INVALID_ARGUMENT,
-                        message: reason,
-                        details: Vec::new(),
-                    }),
-                    ..Default::default()
-                }
+                warn!(type_url, nonce, %reason, "NACK: istiod's response not applied");
+                nack(state, reason)
             }
         };
         // A closed request stream means the response stream ends too; the

@@ -5,8 +5,11 @@
 //! - [`client`]: the `DeltaAggregatedResources` stream over TLS (token,
 //!   node identity, ACK/NACK, reconnects with `initial_resource_versions`,
 //!   back-off);
-//! - [`state`]: the resources held per type, applied one response at a time
-//!   (all of it or none), and the status `/config_dump` shows;
+//! - [`state`]: the resources held per type, applied resource by resource
+//!   (a bad one is NACKed by name and keeps its last good copy; the rest
+//!   applies), and the status `/config_dump` shows;
+//! - `derived`: what the held resources imply (each service's endpoints,
+//!   the warnings), updated only where a response changed something;
 //! - [`workload`], [`service`], [`authorization`]: istiod's resources
 //!   translated into the agent's own model (`state::Workload`,
 //!   `state::Service`, `authz::Policy`), each refusal naming the field.
@@ -18,6 +21,7 @@
 
 pub mod authorization;
 pub mod client;
+mod derived;
 pub mod service;
 pub mod state;
 pub mod workload;

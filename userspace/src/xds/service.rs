@@ -9,7 +9,7 @@
 //! the service's health policy allows unhealthy ones), so `/config_dump`
 //! still lists it, as ztunnel's does.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use shunt_proto::istio::workload as pb;
 
@@ -135,17 +135,42 @@ pub(crate) fn service_key(s: &Service) -> String {
     format!("{}/{}", s.namespace, s.hostname)
 }
 
+/// Adds `w`'s addresses to `service`'s endpoints, `ports` being what `w`
+/// says of the service (its `services` entry).
+pub(crate) fn push_endpoints(service: &mut Service, w: &Workload, ports: &BTreeMap<u16, u16>) {
+    let ready = w.status != WorkloadStatus::Unhealthy || service.allows_unhealthy();
+    // A target port of 0 defers to the service's (ServicePort).
+    let ports: BTreeMap<u16, u16> = ports
+        .iter()
+        .filter(|(_, target)| **target != 0)
+        .map(|(p, t)| (*p, *t))
+        .collect();
+    for ip in &w.ips {
+        service.endpoints.push(Endpoint {
+            ip: *ip,
+            ready,
+            pod: Some(w.key()),
+            ports: ports.clone(),
+            capacity: w.capacity,
+        });
+    }
+}
+
+/// The whole-list form of what `derived.rs` keeps per service (kept for
+/// the tests of the translation).
+///
 /// Fills each service's endpoints from the workloads that name it (the
 /// unhealthy ones not ready, unless the service allows them),
 /// in workload order. Returns what could not be resolved, for the log and
 /// `/config_dump` (a workload naming a service istiod has not sent (yet),
 /// a waypoint naming an unknown service).
+#[cfg(test)]
 pub(crate) fn attach_endpoints<'a>(
     services: &mut [Service],
     workloads: impl IntoIterator<Item = &'a Workload>,
 ) -> Vec<String> {
     let mut warnings = Vec::new();
-    let index: HashMap<String, usize> = services
+    let index: std::collections::HashMap<String, usize> = services
         .iter()
         .enumerate()
         .map(|(i, s)| (service_key(s), i))
@@ -160,22 +185,7 @@ pub(crate) fn attach_endpoints<'a>(
                 ));
                 continue;
             };
-            let ready = w.status != WorkloadStatus::Unhealthy || services[i].allows_unhealthy();
-            // A target port of 0 defers to the service's (ServicePort).
-            let ports: BTreeMap<u16, u16> = ports
-                .iter()
-                .filter(|(_, target)| **target != 0)
-                .map(|(p, t)| (*p, *t))
-                .collect();
-            for ip in &w.ips {
-                services[i].endpoints.push(Endpoint {
-                    ip: *ip,
-                    ready,
-                    pod: Some(w.key()),
-                    ports: ports.clone(),
-                    capacity: w.capacity,
-                });
-            }
+            push_endpoints(&mut services[i], w, ports);
         }
     }
     let waypoint_hosts: Vec<(usize, String)> = services

@@ -2,14 +2,16 @@
 //! record of the exchange (ACKs, NACKs, connection) that `/config_dump` and
 //! `shunt status` show.
 //!
-//! A response is applied whole or not at all: every resource is decoded and
-//! translated first, and only when all of them are valid (and no two claim
-//! one address) does the held state change. A rejected response leaves the
-//! last good state untouched.
+//! A response is applied resource by resource, as ztunnel applies it:
+//! every resource that decodes and translates replaces the held copy (or
+//! is added), every removal is applied, and each bad resource is rejected
+//! alone, named with its field and reason in the NACK. A rejected
+//! resource keeps its last good copy (and only that copy's version is
+//! reported as held on reconnect, so istiod sends the resource again).
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
-    net::IpAddr,
+    sync::Arc,
     time::SystemTime,
 };
 
@@ -21,16 +23,14 @@ use shunt_proto::{
 
 use super::{
     ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL, FieldError, ResourceError, ResourceType,
-    authorization, service, workload,
+    authorization,
+    derived::{Change, Derived, Entry},
+    service, workload,
 };
 pub use crate::api::{
     AckRecord, NackRecord, ResourceStatus, TypeStatus, XdsStatus, XdsStatusHandle, XdsSummary,
 };
-use crate::{
-    authz::Policy,
-    control::ClusterView,
-    state::{Service, Workload},
-};
+use crate::{authz::Policy, control::ClusterView};
 
 /// Seconds since the epoch (negative before it).
 fn unix_seconds(t: SystemTime) -> i64 {
@@ -45,13 +45,6 @@ fn unix_seconds(t: SystemTime) -> i64 {
 /// 10,000 workloads must not make it megabytes long.
 const MAX_ERRORS_LISTED: usize = 10;
 
-/// One resource of the Address type.
-#[derive(Clone, Debug, PartialEq)]
-enum AddressEntry {
-    Workload(Box<Workload>),
-    Service(Box<Service>),
-}
-
 #[derive(Clone, Debug)]
 struct Held<T> {
     version: String,
@@ -59,29 +52,38 @@ struct Held<T> {
 }
 
 /// What a response did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Applied {
     pub resource_type: ResourceType,
     /// Whether the view changed (a new or different resource, a removal of a
     /// held one). A version bump alone does not count.
     pub changed: bool,
+    /// Resources added or replaced.
     pub updated: usize,
     pub removed: usize,
+    /// The resources refused (each keeps its last good copy, if any): the
+    /// response is NACKed naming them, the rest is applied.
+    pub rejected: Vec<ResourceError>,
 }
 
-/// Why a response was not applied (the NACK's message).
+impl Applied {
+    /// The NACK's message, when something was refused.
+    pub fn nack_reason(&self) -> Option<String> {
+        (!self.rejected.is_empty()).then(|| list_errors(&self.rejected))
+    }
+}
+
+/// Why a response was not applied at all (the NACK's message).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Rejected {
     #[error(
         "unknown type URL {0:?}: shunt subscribes to {ADDRESS_TYPE_URL} and {AUTHORIZATION_TYPE_URL}"
     )]
     UnknownType(String),
-    #[error("{}", list_errors(.0))]
-    Resources(Vec<ResourceError>),
 }
 
 fn list_errors(errors: &[ResourceError]) -> String {
-    let mut out = format!("{} resource error(s), nothing applied: ", errors.len());
+    let mut out = format!("{} resource(s) rejected, the rest applied: ", errors.len());
     let shown: Vec<String> = errors
         .iter()
         .take(MAX_ERRORS_LISTED)
@@ -99,13 +101,17 @@ fn list_errors(errors: &[ResourceError]) -> String {
 pub struct XdsState {
     address: String,
     node_id: String,
-    addresses: BTreeMap<String, Held<AddressEntry>>,
+    addresses: BTreeMap<String, Held<Entry>>,
+    /// The same entries without versions, for [`Derived`].
+    entries: BTreeMap<String, Entry>,
     policies: BTreeMap<String, Held<Policy>>,
+    derived: Derived,
+    /// Warnings new since the last [`XdsState::view`].
+    new_warnings: Vec<String>,
     types: BTreeMap<String, TypeStatus>,
     connected_since: Option<SystemTime>,
     connections: u64,
     last_error: Option<String>,
-    warnings: Vec<String>,
 }
 
 impl XdsState {
@@ -130,80 +136,126 @@ impl XdsState {
             })
     }
 
-    /// Applies one response whole, or returns why not (and changes nothing).
+    /// Applies one response: every good resource and every removal; each
+    /// bad resource is refused alone and listed in [`Applied::rejected`].
+    /// Only a response of a type not subscribed to is refused whole.
     pub fn apply(&mut self, response: &DeltaDiscoveryResponse) -> Result<Applied, Rejected> {
         let ty = ResourceType::from_type_url(&response.type_url)
             .ok_or_else(|| Rejected::UnknownType(response.type_url.clone()))?;
-        let mut errors = Vec::new();
+        let mut rejected = Vec::new();
         let mut names = HashSet::with_capacity(response.resources.len());
+        let removed_names: HashSet<&str> = response
+            .removed_resources
+            .iter()
+            .map(String::as_str)
+            .collect();
         let mut decoded = Vec::with_capacity(response.resources.len());
         for (i, resource) in response.resources.iter().enumerate() {
-            let name = if resource.name.is_empty() {
-                errors
+            let name = resource.name.as_str();
+            if name.is_empty() {
+                rejected
                     .push(FieldError::new("name", "empty").in_resource(&format!("resources[{i}]")));
                 continue;
-            } else {
-                resource.name.as_str()
-            };
+            }
             if !names.insert(name) {
-                errors.push(
-                    FieldError::new("name", "listed twice in one response").in_resource(name),
+                rejected.push(
+                    FieldError::new("name", "listed twice in one response; the first applied")
+                        .in_resource(name),
+                );
+                continue;
+            }
+            if removed_names.contains(name) {
+                rejected.push(
+                    FieldError::new(
+                        "removed_resources",
+                        "also sent as a resource in the same response; neither applied",
+                    )
+                    .in_resource(name),
                 );
                 continue;
             }
             match decode(ty, name, resource.resource.as_ref()) {
                 Ok(entry) => decoded.push((name, resource.version.as_str(), entry)),
-                Err(e) => errors.push(e.in_resource(name)),
+                Err(e) => rejected.push(e.in_resource(name)),
             }
-        }
-        for name in &response.removed_resources {
-            if names.contains(name.as_str()) {
-                errors.push(
-                    FieldError::new(
-                        "removed_resources",
-                        "also sent as a resource in the same response",
-                    )
-                    .in_resource(name),
-                );
-            }
-        }
-        if ty == ResourceType::Address {
-            errors.extend(duplicate_addresses(&decoded));
-        }
-        if !errors.is_empty() {
-            return Err(Rejected::Resources(errors));
         }
 
-        // Valid: commit.
         let mut changed = false;
         let updated = decoded.len();
-        for (name, version, entry) in decoded {
-            let version = version.to_owned();
-            match entry {
-                Decoded::Address(value) => {
-                    changed |= self
-                        .addresses
-                        .get(name)
-                        .is_none_or(|old| old.value != value);
-                    self.addresses
-                        .insert(name.to_owned(), Held { version, value });
+        let mut removed = 0;
+        match ty {
+            ResourceType::Address => {
+                let mut changes = Vec::new();
+                for name in response
+                    .removed_resources
+                    .iter()
+                    .filter(|n| !names.contains(n.as_str()))
+                {
+                    if let Some(old) = self.addresses.remove(name) {
+                        self.entries.remove(name);
+                        removed += 1;
+                        changes.push(Change {
+                            name: name.clone(),
+                            old: Some(old.value),
+                            new: None,
+                        });
+                    }
                 }
-                Decoded::Policy(value) => {
-                    changed |= self.policies.get(name).is_none_or(|old| old.value != value);
-                    self.policies
-                        .insert(name.to_owned(), Held { version, value });
+                for (name, version, entry) in decoded {
+                    let Decoded::Address(value) = entry else {
+                        continue;
+                    };
+                    let old = self.addresses.insert(
+                        name.to_owned(),
+                        Held {
+                            version: version.to_owned(),
+                            value: value.clone(),
+                        },
+                    );
+                    if old.as_ref().is_some_and(|o| o.value == value) {
+                        continue;
+                    }
+                    self.entries.insert(name.to_owned(), value.clone());
+                    changes.push(Change {
+                        name: name.to_owned(),
+                        old: old.map(|o| o.value),
+                        new: Some(value),
+                    });
+                }
+                changed = !changes.is_empty();
+                if changed {
+                    self.update_derived(changes, false);
                 }
             }
-        }
-        let mut removed = 0;
-        for name in &response.removed_resources {
-            let gone = match ty {
-                ResourceType::Address => self.addresses.remove(name).is_some(),
-                ResourceType::Authorization => self.policies.remove(name).is_some(),
-            };
-            if gone {
-                removed += 1;
-                changed = true;
+            ResourceType::Authorization => {
+                let known_before = self.policies.len();
+                for name in response
+                    .removed_resources
+                    .iter()
+                    .filter(|n| !names.contains(n.as_str()))
+                {
+                    if self.policies.remove(name).is_some() {
+                        removed += 1;
+                        changed = true;
+                    }
+                }
+                for (name, version, entry) in decoded {
+                    let Decoded::Policy(value) = entry else {
+                        continue;
+                    };
+                    changed |= self.policies.get(name).is_none_or(|old| old.value != value);
+                    self.policies.insert(
+                        name.to_owned(),
+                        Held {
+                            version: version.to_owned(),
+                            value,
+                        },
+                    );
+                }
+                let names_moved = removed > 0 || self.policies.len() != known_before;
+                if names_moved {
+                    self.update_derived(Vec::new(), true);
+                }
             }
         }
         Ok(Applied {
@@ -211,7 +263,17 @@ impl XdsState {
             changed,
             updated,
             removed,
+            rejected,
         })
+    }
+
+    fn update_derived(&mut self, changes: Vec<Change>, policies_changed: bool) {
+        let policies = &self.policies;
+        let known = |name: &str| policies.contains_key(name);
+        let new = self
+            .derived
+            .update(&self.entries, &known, changes, policies_changed);
+        self.new_warnings.extend(new);
     }
 
     /// Records the ACK sent for a response.
@@ -223,6 +285,12 @@ impl XdsState {
             system_version_info: system_version_info.to_owned(),
             at: unix_seconds(SystemTime::now()),
         });
+    }
+
+    /// Records that a response of `type_url` was applied (in part: a NACK
+    /// follows) without an ACK.
+    pub fn record_received(&mut self, type_url: &str) {
+        self.type_record(type_url).received = true;
     }
 
     /// Records the NACK sent for a response.
@@ -274,48 +342,27 @@ impl XdsState {
         }
     }
 
-    /// The complete cluster view from what is held, with endpoints resolved.
-    /// Keeps what could not be resolved as the status' warnings and returns
-    /// those that are new (to be logged once).
+    /// The complete cluster view from what is held, with endpoints
+    /// resolved: shared entries, so building it copies pointers, not
+    /// workloads. Returns the warnings new since the last call (to be
+    /// logged once); all current ones are in the status.
     pub fn view(&mut self) -> (ClusterView, Vec<String>) {
-        let mut workloads = Vec::new();
-        let mut services = Vec::new();
-        for held in self.addresses.values() {
-            match &held.value {
-                AddressEntry::Workload(w) => workloads.push(w.as_ref().clone()),
-                AddressEntry::Service(s) => services.push(s.as_ref().clone()),
-            }
-        }
-        let mut warnings = service::attach_endpoints(&mut services, workloads.iter());
-        warnings.extend(shared_addresses(&workloads));
-        let policies: Vec<Policy> = self.policies.values().map(|h| h.value.clone()).collect();
-        let known: HashSet<String> = self.policies.keys().cloned().collect();
-        for w in &workloads {
-            for p in w
-                .authorization_policies
-                .iter()
-                .filter(|p| !known.contains(*p))
-            {
-                warnings.push(format!(
-                    "workload {} ({}) names policy {p}, which istiod has not sent",
-                    w.key(),
-                    w.uid
-                ));
-            }
-        }
-        let before: HashSet<&String> = self.warnings.iter().collect();
-        let new = warnings
-            .iter()
-            .filter(|w| !before.contains(w))
-            .cloned()
+        let workloads = self
+            .entries
+            .values()
+            .filter_map(|e| match e {
+                Entry::Workload(w) => Some(w.clone()),
+                Entry::Service(_) => None,
+            })
             .collect();
-        self.warnings = warnings;
+        let services = self.derived.services().cloned().collect();
+        let policies: Vec<Policy> = self.policies.values().map(|h| h.value.clone()).collect();
         let view = ClusterView {
             workloads,
             services,
             policies,
         };
-        (view, new)
+        (view, std::mem::take(&mut self.new_warnings))
     }
 
     /// The status as `/config_dump` shows it.
@@ -331,8 +378,8 @@ impl XdsState {
         let mut resources = Vec::with_capacity(self.addresses.len() + self.policies.len());
         for (name, held) in &self.addresses {
             let kind = match held.value {
-                AddressEntry::Workload(_) => "workload",
-                AddressEntry::Service(_) => "service",
+                Entry::Workload(_) => "workload",
+                Entry::Service(_) => "service",
             };
             resources.push(ResourceStatus {
                 kind: kind.into(),
@@ -356,7 +403,7 @@ impl XdsState {
             last_error: self.last_error.clone(),
             synced: self.synced(),
             types,
-            warnings: self.warnings.clone(),
+            warnings: self.derived.warnings().cloned().collect(),
             resources,
         }
     }
@@ -364,7 +411,7 @@ impl XdsState {
 
 /// One resource, decoded and translated.
 enum Decoded {
-    Address(AddressEntry),
+    Address(Entry),
     Policy(Policy),
 }
 
@@ -392,10 +439,10 @@ fn decode(
                 workload_pb::Address::decode(any.value.as_slice()).map_err(undecodable)?;
             match address.r#type {
                 Some(workload_pb::address::Type::Workload(w)) => workload::translate(w, name)
-                    .map(|w| Decoded::Address(AddressEntry::Workload(Box::new(w))))
+                    .map(|w| Decoded::Address(Entry::Workload(Arc::new(w))))
                     .map_err(|e| e.under("workload")),
                 Some(workload_pb::address::Type::Service(s)) => service::translate(s)
-                    .map(|s| Decoded::Address(AddressEntry::Service(Box::new(s))))
+                    .map(|s| Decoded::Address(Entry::Service(Arc::new(s))))
                     .map_err(|e| e.under("service")),
                 None => Err(FieldError::new("type", "neither workload nor service")),
             }
@@ -408,167 +455,6 @@ fn decode(
     }
 }
 
-/// Two workloads of one response claiming one address on one network:
-/// refused, because which one a peer IP means would be a guess.
-fn duplicate_addresses(decoded: &[(&str, &str, Decoded)]) -> Vec<ResourceError> {
-    let mut owners: HashMap<(&str, IpAddr), &str> = HashMap::new();
-    let mut errors = Vec::new();
-    for (name, _, entry) in decoded {
-        let Decoded::Address(entry) = entry else {
-            continue;
-        };
-        let AddressEntry::Workload(w) = entry else {
-            continue;
-        };
-        for (i, ip) in w.ips.iter().enumerate() {
-            if let Some(first) = owners.insert((w.network.as_str(), *ip), name) {
-                errors.push(
-                    FieldError::new(
-                        format!("workload.addresses[{i}]"),
-                        format!("{ip} (network {:?}) is also claimed by resource {first:?} in this response", w.network),
-                    )
-                    .in_resource(name),
-                );
-            }
-        }
-    }
-    errors
-}
-
-/// Addresses claimed by two held workloads (sent in different responses,
-/// e.g. an IP reused before istiod removed its last owner): kept, and named.
-fn shared_addresses(workloads: &[Workload]) -> Vec<String> {
-    let mut owners: HashMap<(&str, IpAddr), &Workload> = HashMap::with_capacity(workloads.len());
-    let mut warnings = Vec::new();
-    for w in workloads {
-        for ip in &w.ips {
-            if let Some(first) = owners.insert((w.network.as_str(), *ip), w) {
-                warnings.push(format!(
-                    "address {ip} (network {:?}) is claimed by workloads {} ({}) and {} ({})",
-                    w.network,
-                    first.key(),
-                    first.uid,
-                    w.key(),
-                    w.uid
-                ));
-            }
-        }
-    }
-    warnings
-}
-
 #[cfg(test)]
-mod tests {
-    use shunt_proto::envoy::service::discovery::v3::Resource;
-
-    use super::*;
-
-    fn workload_resource(name: &str, ip: [u8; 4]) -> Resource {
-        let address = workload_pb::Address {
-            r#type: Some(workload_pb::address::Type::Workload(
-                workload_pb::Workload {
-                    uid: name.into(),
-                    name: name.into(),
-                    namespace: "default".into(),
-                    addresses: vec![ip.to_vec()],
-                    tunnel_protocol: workload_pb::TunnelProtocol::Hbone as i32,
-                    ..Default::default()
-                },
-            )),
-        };
-        Resource {
-            name: name.into(),
-            version: "1".into(),
-            resource: Some(prost_types::Any {
-                type_url: ADDRESS_TYPE_URL.into(),
-                value: address.encode_to_vec(),
-            }),
-            ..Default::default()
-        }
-    }
-
-    fn response(resources: Vec<Resource>, removed: &[&str]) -> DeltaDiscoveryResponse {
-        DeltaDiscoveryResponse {
-            type_url: ADDRESS_TYPE_URL.into(),
-            resources,
-            removed_resources: removed.iter().map(|s| s.to_string()).collect(),
-            nonce: "n".into(),
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn applies_whole_or_not_at_all() {
-        let mut state = XdsState::new("a", "n");
-        let applied = state
-            .apply(&response(
-                vec![workload_resource("a", [198, 18, 0, 1])],
-                &[],
-            ))
-            .expect("valid");
-        assert!(applied.changed);
-        let mut bad = workload_resource("c", [198, 18, 0, 3]);
-        if let Some(any) = bad.resource.as_mut() {
-            any.value = vec![0xff, 0xff];
-        }
-        let err = state
-            .apply(&response(
-                vec![workload_resource("b", [198, 18, 0, 2]), bad],
-                &["a"],
-            ))
-            .expect_err("undecodable");
-        assert!(
-            err.to_string()
-                .contains("resource \"c\": resource.value: does not decode"),
-            "{err}"
-        );
-        let (view, _) = state.view();
-        let names: Vec<&str> = view.workloads.iter().map(|w| w.name.as_str()).collect();
-        assert_eq!(names, ["a"], "nothing of the rejected response applied");
-
-        let err = state
-            .apply(&response(
-                vec![
-                    workload_resource("b", [198, 18, 0, 2]),
-                    workload_resource("c", [198, 18, 0, 2]),
-                ],
-                &[],
-            ))
-            .expect_err("duplicate address");
-        assert!(
-            err.to_string().contains("also claimed by resource \"b\""),
-            "{err}"
-        );
-
-        let applied = state
-            .apply(&response(vec![], &["a", "never-held"]))
-            .expect("removal");
-        assert_eq!((applied.changed, applied.removed), (true, 1));
-        assert!(state.view().0.workloads.is_empty());
-    }
-
-    #[test]
-    fn unknown_type_and_versions() {
-        let mut state = XdsState::new("a", "n");
-        let mut r = response(vec![], &[]);
-        r.type_url = "type.googleapis.com/envoy.config.cluster.v3.Cluster".into();
-        assert!(matches!(state.apply(&r), Err(Rejected::UnknownType(_))));
-        state
-            .apply(&response(
-                vec![workload_resource("a", [198, 18, 0, 1])],
-                &[],
-            ))
-            .expect("valid");
-        assert_eq!(
-            state.versions(ResourceType::Address),
-            HashMap::from([("a".into(), "1".into())])
-        );
-        assert!(!state.synced());
-        state.record_ack(ADDRESS_TYPE_URL, "n1", "v");
-        state.record_ack(AUTHORIZATION_TYPE_URL, "n2", "v");
-        assert!(state.synced());
-        let status = state.status();
-        assert_eq!(status.resources.len(), 1);
-        assert_eq!(status.types.len(), 2);
-    }
-}
+#[path = "state_tests.rs"]
+mod tests;

@@ -125,6 +125,16 @@ pub(crate) fn translate(w: pb::Workload, resource_name: &str) -> Result<Workload
         .as_ref()
         .map(application_tunnel)
         .transpose()?;
+    let host_network = match pb::NetworkMode::try_from(w.network_mode) {
+        Ok(pb::NetworkMode::Standard) => false,
+        Ok(pb::NetworkMode::HostNetwork) => true,
+        Err(_) => {
+            return Err(FieldError::new(
+                "network_mode",
+                format!("unknown value {}", w.network_mode),
+            ));
+        }
+    };
     let uid = if w.uid.is_empty() {
         resource_name.to_owned()
     } else {
@@ -177,6 +187,7 @@ pub(crate) fn translate(w: pb::Workload, resource_name: &str) -> Result<Workload
         // not the pod's spec.hostname.
         pod_hostname: String::new(),
         pod_subdomain: String::new(),
+        host_network,
     })
 }
 
@@ -424,6 +435,16 @@ mod tests {
                 "unknown value 9",
             ),
             (Box::new(|p| p.status = 4), "status", "unknown value 4"),
+            (
+                Box::new(|p| p.tunnel_protocol = 2),
+                "tunnel_protocol",
+                "LEGACY_ISTIO_MTLS",
+            ),
+            (
+                Box::new(|p| p.network_mode = 3),
+                "network_mode",
+                "unknown value 3",
+            ),
             (
                 Box::new(|p| p.workload_type = 7),
                 "workload_type",

@@ -151,8 +151,8 @@ impl ClusterWorkloads {
                     };
                     waypoints::assign(&inputs, &mut workloads, &mut listed_services, &mut unknown_gateways);
                     let next = ClusterView {
-                        workloads,
-                        services: listed_services,
+                        workloads: workloads.into_iter().map(Into::into).collect(),
+                        services: listed_services.into_iter().map(Into::into).collect(),
                         policies: policies.policies(),
                     };
                     if last.as_ref() == Some(&next) {
