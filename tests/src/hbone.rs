@@ -151,6 +151,19 @@ pub async fn connect_with_headers(
     authority: impl std::fmt::Display,
     headers: &[(&str, &str)],
 ) -> std::result::Result<(SendStream<Bytes>, RecvStream), String> {
+    connect_to(tcp, cert, roots, expected, &authority.to_string(), headers).await
+}
+
+/// [`connect_with_headers`] to any `:authority`, e.g. a waypoint's
+/// `hostname:port`. A refusal is `upstream answered <status>`.
+pub async fn connect_to(
+    tcp: TcpStream,
+    cert: &WorkloadCert,
+    roots: &TrustRoots,
+    expected: &SpiffeId,
+    authority: &str,
+    headers: &[(&str, &str)],
+) -> std::result::Result<(SendStream<Bytes>, RecvStream), String> {
     let peer = tcp.peer_addr().map_err(|e| e.to_string())?;
     let tls_config = client_config(cert, roots, expected).map_err(|e| e.to_string())?;
     let tls = tokio::time::timeout(
@@ -168,9 +181,7 @@ pub async fn connect_with_headers(
         let _ = connection.await;
     });
     let mut send = send.ready().await.map_err(|e| e.to_string())?;
-    let mut request = Request::builder()
-        .method(Method::CONNECT)
-        .uri(authority.to_string());
+    let mut request = Request::builder().method(Method::CONNECT).uri(authority);
     for (name, value) in headers {
         request = request.header(*name, *value);
     }

@@ -109,7 +109,9 @@ impl Handler {
                 owner = target;
             }
         }
-        for addr in &found.host.addrs {
+        // A service VIP only to a client on its network (ztunnel's rule).
+        let network = names.network(&self.pod.namespace, &self.pod.name);
+        for addr in found.host.addrs_for(network) {
             let data = match (addr, record_type) {
                 (IpAddr::V4(v4), RecordType::A) => RData::A(A(*v4)),
                 (IpAddr::V6(v6), RecordType::AAAA) => RData::AAAA(AAAA(*v6)),

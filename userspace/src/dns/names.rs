@@ -9,7 +9,7 @@
 //! the store.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     net::IpAddr,
     sync::{Arc, RwLock},
 };
@@ -18,7 +18,7 @@ use tokio::sync::watch;
 use tracing::debug;
 
 use super::PodDns;
-use crate::store::WorkloadStore;
+use crate::{state::Visibility, store::WorkloadStore};
 
 /// Names the mesh knows, each with its addresses.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -35,6 +35,9 @@ pub struct MeshNames {
     /// Each workload's canonical service and revision, by namespace then
     /// name: the DNS metrics' `source_canonical_*` labels.
     canonical: HashMap<String, HashMap<String, (String, String)>>,
+    /// Each workload's network when it is not the default (empty) one, by
+    /// namespace then name: which service VIPs its queries are answered.
+    networks: HashMap<String, HashMap<String, String>>,
 }
 
 /// A name's addresses as declared in one namespace.
@@ -43,6 +46,23 @@ pub struct MeshHost {
     pub namespace: String,
     /// Both families; a query takes those of its own.
     pub addrs: Vec<IpAddr>,
+    /// The network of each service VIP (empty: the default network): a
+    /// VIP is answered only to a client on that network, as ztunnel
+    /// answers. Addresses not listed (a headless service's endpoints, a
+    /// workload's own) are answered to any client.
+    pub networks: BTreeMap<IpAddr, String>,
+    /// Only pods of `namespace` may resolve it (a service's visibility
+    /// `NAMESPACE`); others' queries go upstream, as with ztunnel.
+    pub namespace_only: bool,
+}
+
+impl MeshHost {
+    /// The addresses answered to a client on `network`.
+    pub fn addrs_for<'a>(&'a self, network: &'a str) -> impl Iterator<Item = &'a IpAddr> + 'a {
+        self.addrs
+            .iter()
+            .filter(move |a| self.networks.get(*a).is_none_or(|n| n == network))
+    }
 }
 
 /// How a query name found a mesh name.
@@ -71,10 +91,12 @@ impl MeshNames {
     /// The names of every service and named workload in `store`:
     /// - a Service: its `hostname` (xDS; a ServiceEntry's host) or, when the
     ///   source gives none (the Kubernetes watch),
-    ///   `<name>.<namespace>.svc.<cluster domain>`; its VIPs on the local
-    ///   network; a Kubernetes headless service (no VIP) its ready
-    ///   endpoints' IPs; any other service without a VIP is left to the
-    ///   upstream resolvers, as ztunnel leaves it;
+    ///   `<name>.<namespace>.svc.<cluster domain>`; its VIPs, each
+    ///   answered to clients on its network only; a Kubernetes headless
+    ///   service (no VIP) its ready endpoints' IPs; any other service
+    ///   without a VIP is left to the upstream resolvers, as ztunnel
+    ///   leaves it; only the families of its `ip_families`; resolvable
+    ///   from its own namespace only when its visibility is `NAMESPACE`;
     /// - a workload with a `hostname`: its IPs;
     /// - a pod with `spec.hostname` and `spec.subdomain` where the subdomain
     ///   is a headless service of its namespace that has the pod as a
@@ -93,13 +115,13 @@ impl MeshNames {
             } else {
                 normalize(&service.hostname)
             };
-            let addrs: Vec<IpAddr> = if !service.vips.is_empty() {
-                service
-                    .vips
-                    .iter()
-                    .filter(|vip| !service.vip_networks.contains_key(vip))
-                    .copied()
-                    .collect()
+            let mut networks = BTreeMap::new();
+            let mut addrs: Vec<IpAddr> = if !service.vips.is_empty() {
+                for vip in &service.vips {
+                    let network = service.vip_networks.get(vip).cloned().unwrap_or_default();
+                    networks.insert(*vip, network);
+                }
+                service.vips.clone()
             } else if hostname.ends_with(&kube_suffix) {
                 let mut ips: Vec<IpAddr> = service
                     .endpoints
@@ -113,7 +135,20 @@ impl MeshNames {
             } else {
                 continue;
             };
-            names.insert_service(&hostname, &service.namespace, addrs);
+            // A single-family service answers nothing of the other family
+            // (ztunnel: a headless v4-only service's dual-stack pods).
+            addrs.retain(|a| service.ip_families.allows(a));
+            networks.retain(|a, _| service.ip_families.allows(a));
+            insert(
+                &mut names.services,
+                &hostname,
+                MeshHost {
+                    namespace: service.namespace.clone(),
+                    addrs,
+                    networks,
+                    namespace_only: service.visibility == Visibility::Namespace,
+                },
+            );
         }
         for workload in store.iter().filter(|w| !w.hostname.is_empty()) {
             names.insert_workload(
@@ -125,6 +160,13 @@ impl MeshNames {
         for workload in store.iter() {
             if let Some((hostname, ips)) = pod_record(store, workload, &names.cluster_domain) {
                 names.insert_workload(&hostname, &workload.namespace, ips);
+            }
+            if !workload.network.is_empty() {
+                names
+                    .networks
+                    .entry(workload.namespace.clone())
+                    .or_default()
+                    .insert(workload.name.clone(), workload.network.clone());
             }
             let (service, revision) = workload.canonical_service();
             names
@@ -148,14 +190,30 @@ impl MeshNames {
             .map(|(s, r)| (s.as_str(), r.as_str()))
     }
 
-    /// Adds (or extends) a service name.
+    /// The network of pod `namespace/name` (empty: the default one).
+    pub fn network(&self, namespace: &str, name: &str) -> &str {
+        self.networks
+            .get(namespace)
+            .and_then(|by_name| by_name.get(name))
+            .map_or("", String::as_str)
+    }
+
+    /// Adds (or extends) a service name, answered on every network.
     pub fn insert_service(&mut self, hostname: &str, namespace: &str, addrs: Vec<IpAddr>) {
-        insert(&mut self.services, hostname, namespace, addrs);
+        insert(
+            &mut self.services,
+            hostname,
+            MeshHost::anywhere(namespace, addrs),
+        );
     }
 
     /// Adds (or extends) a workload name.
     pub fn insert_workload(&mut self, hostname: &str, namespace: &str, addrs: Vec<IpAddr>) {
-        insert(&mut self.workloads, hostname, namespace, addrs);
+        insert(
+            &mut self.workloads,
+            hostname,
+            MeshHost::anywhere(namespace, addrs),
+        );
     }
 
     pub fn cluster_domain(&self) -> &str {
@@ -301,38 +359,45 @@ struct Alias {
     stripped: Option<String>,
 }
 
-fn insert(
-    map: &mut HashMap<String, Vec<MeshHost>>,
-    hostname: &str,
-    namespace: &str,
-    addrs: Vec<IpAddr>,
-) {
+impl MeshHost {
+    fn anywhere(namespace: &str, addrs: Vec<IpAddr>) -> Self {
+        Self {
+            namespace: namespace.to_string(),
+            addrs,
+            networks: BTreeMap::new(),
+            namespace_only: false,
+        }
+    }
+}
+
+fn insert(map: &mut HashMap<String, Vec<MeshHost>>, hostname: &str, new: MeshHost) {
     let hosts = map.entry(normalize(hostname)).or_default();
-    match hosts.iter_mut().find(|h| h.namespace == namespace) {
+    match hosts.iter_mut().find(|h| h.namespace == new.namespace) {
         Some(host) => {
-            for addr in addrs {
+            for addr in new.addrs {
                 if !host.addrs.contains(&addr) {
                     host.addrs.push(addr);
                 }
             }
+            host.networks.extend(new.networks);
+            // Visible when either declaration is.
+            host.namespace_only &= new.namespace_only;
         }
         None => {
-            hosts.push(MeshHost {
-                namespace: namespace.to_string(),
-                addrs,
-            });
+            hosts.push(new);
             hosts.sort_by(|a, b| a.namespace.cmp(&b.namespace));
         }
     }
 }
 
-/// The pod's namespace's host if declared there, else the first.
+/// The pod's namespace's host if declared there, else the first visible
+/// to it.
 fn pick<'a>(hosts: Option<&'a Vec<MeshHost>>, namespace: &str) -> Option<&'a MeshHost> {
     let hosts = hosts?;
     hosts
         .iter()
         .find(|h| h.namespace == namespace)
-        .or_else(|| hosts.first())
+        .or_else(|| hosts.iter().find(|h| !h.namespace_only))
 }
 
 /// `a.b.c` → `a.b.c`, `*.b.c`, `*.c`.

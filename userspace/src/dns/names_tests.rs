@@ -160,7 +160,11 @@ fn built_from_the_store() {
     store.replace_all([vm]);
     let n = MeshNames::build(&store, "cluster.local");
     let p = pod("default");
-    let addrs = |q: &str| n.resolve(q, &p).map(|m| m.host.addrs.clone());
+    // A client on the default network.
+    let addrs = |q: &str| {
+        n.resolve(q, &p)
+            .map(|m| m.host.addrs_for("").copied().collect::<Vec<_>>())
+    };
     assert_eq!(addrs("web"), Some(vec![ip("10.96.0.10"), ip("fd00::10")]));
     assert_eq!(
         addrs("headless"),
@@ -168,7 +172,7 @@ fn built_from_the_store() {
     );
     // A non-Kubernetes host without a VIP is the upstream's to answer.
     assert_eq!(addrs("no-vip.example.com"), None);
-    // Only VIPs on the local network.
+    // Only VIPs on the client's network.
     assert_eq!(addrs("remote"), Some(vec![ip("10.96.0.30")]));
     assert_eq!(addrs("vm1.example.org"), Some(vec![ip("10.0.0.7")]));
 }
@@ -199,7 +203,11 @@ fn pods_of_a_headless_service_answer_to_hostname_dot_subdomain() {
     ]);
     let n = MeshNames::build(&store, "example.internal");
     let p = PodDns::kubernetes("default", "example.internal");
-    let addrs = |q: &str| n.resolve(q, &p).map(|m| m.host.addrs.clone());
+    // A client on the default network.
+    let addrs = |q: &str| {
+        n.resolve(q, &p)
+            .map(|m| m.host.addrs_for("").copied().collect::<Vec<_>>())
+    };
     assert_eq!(
         addrs("db-0.db.default.svc.example.internal"),
         Some(vec![ip("10.1.0.1")])
@@ -262,4 +270,164 @@ fn the_feed_publishes_after_each_applied_view() {
         drop(applied_tx);
         task.await.expect("feed ends when the store owner does");
     });
+}
+
+/// (what, VIPs as (address, network), headless endpoints, ip_families,
+/// visibility NAMESPACE, client's namespace, client's network, query
+/// name, expected addresses; `None`: not a mesh name, forwarded upstream).
+/// The service is `svc` in namespace `ns1`. ztunnel's DNS server answers
+/// these the same way (`dns/server.rs`: VIPs of the client's network,
+/// `service_family_allowed`, `visible_to`).
+type DnsRow = (
+    &'static str,
+    &'static [(&'static str, &'static str)],
+    &'static [&'static str],
+    crate::state::IpFamilies,
+    bool,
+    &'static str,
+    &'static str,
+    &'static str,
+    Option<&'static [&'static str]>,
+);
+
+pub const DNS_ROWS: &[DnsRow] = &[
+    (
+        "a VIP on the client's network is answered",
+        &[("198.19.100.41", "network1")],
+        &[],
+        crate::state::IpFamilies::Any,
+        false,
+        "ns1",
+        "network1",
+        "svc.ns1.svc.cluster.local",
+        Some(&["198.19.100.41"]),
+    ),
+    (
+        "a VIP on the default network is not answered to a client on network1",
+        &[("198.19.100.42", "")],
+        &[],
+        crate::state::IpFamilies::Any,
+        false,
+        "ns1",
+        "network1",
+        "svc.ns1.svc.cluster.local",
+        Some(&[]),
+    ),
+    (
+        "a VIP on network1 is not answered to a client on the default network",
+        &[("198.19.100.41", "network1")],
+        &[],
+        crate::state::IpFamilies::Any,
+        false,
+        "ns1",
+        "",
+        "svc.ns1.svc.cluster.local",
+        Some(&[]),
+    ),
+    (
+        "both networks: only the client's",
+        &[("198.19.100.41", "network1"), ("198.19.100.43", "network2")],
+        &[],
+        crate::state::IpFamilies::Any,
+        false,
+        "ns1",
+        "network2",
+        "svc.ns1.svc.cluster.local",
+        Some(&["198.19.100.43"]),
+    ),
+    (
+        "a v4-only headless service answers no AAAA of its dual-stack pods",
+        &[],
+        &["198.18.1.5", "fd00::5"],
+        crate::state::IpFamilies::V4Only,
+        false,
+        "ns1",
+        "",
+        "svc.ns1.svc.cluster.local",
+        Some(&["198.18.1.5"]),
+    ),
+    (
+        "a v6-only headless service answers no A",
+        &[],
+        &["198.18.1.5", "fd00::5"],
+        crate::state::IpFamilies::V6Only,
+        false,
+        "ns1",
+        "",
+        "svc.ns1.svc.cluster.local",
+        Some(&["fd00::5"]),
+    ),
+    (
+        "a NAMESPACE-visible service from another namespace: forwarded",
+        &[("198.19.100.44", "")],
+        &[],
+        crate::state::IpFamilies::Any,
+        true,
+        "ns2",
+        "",
+        "svc.ns1.svc.cluster.local",
+        None,
+    ),
+    (
+        "a NAMESPACE-visible service from its own namespace",
+        &[("198.19.100.44", "")],
+        &[],
+        crate::state::IpFamilies::Any,
+        true,
+        "ns1",
+        "",
+        "svc",
+        Some(&["198.19.100.44"]),
+    ),
+];
+
+#[test]
+fn networks_families_and_visibility_as_ztunnel_answers() {
+    for (what, vips, endpoints, families, namespace_only, client_ns, network, query, expected) in
+        DNS_ROWS
+    {
+        let mut svc = Service {
+            name: "svc".into(),
+            namespace: "ns1".into(),
+            vips: vips.iter().map(|(v, _)| ip(v)).collect(),
+            endpoints: endpoints
+                .iter()
+                .map(|e| Endpoint::new(ip(e), None))
+                .collect(),
+            ip_families: *families,
+            visibility: if *namespace_only {
+                crate::state::Visibility::Namespace
+            } else {
+                crate::state::Visibility::Public
+            },
+            ..Default::default()
+        };
+        for (v, net) in vips.iter().filter(|(_, net)| !net.is_empty()) {
+            svc.vip_networks.insert(ip(v), net.to_string());
+        }
+        let client = Workload {
+            name: "client".into(),
+            namespace: client_ns.to_string(),
+            ips: vec![ip("198.18.1.100")],
+            network: network.to_string(),
+            ..Default::default()
+        };
+        let mut store = WorkloadStore::new();
+        store.replace_services([svc]);
+        store.replace_all([client]);
+        let n = MeshNames::build(&store, "cluster.local");
+        let mut p = pod(client_ns);
+        p.name = "client".into();
+        let got = n.resolve(query, &p).map(|m| {
+            let mut addrs: Vec<IpAddr> = m
+                .host
+                .addrs_for(n.network(&p.namespace, &p.name))
+                .copied()
+                .collect();
+            addrs.sort();
+            addrs
+        });
+        let expected = expected.map(|e| e.iter().map(|a| ip(a)).collect::<Vec<_>>());
+        assert_eq!(got, expected, "{what}");
+    }
 }

@@ -8,7 +8,10 @@
 //! | request | answer |
 //! |---|---|
 //! | not CONNECT | 400 ([`NON_CONNECT_STATUS`]) |
-//! | `:authority` not `ip:port` | 400 |
+//! | `:authority` neither `ip:port` nor `host:port` | 400 |
+//! | `host:port`: no service of that hostname (one in the arrival pod's namespace first) | 503 |
+//! | `host:port`: the service gives no target port for it at the arrival pod | 503 |
+//! | `host:port` | on to the arrival pod at that target port (below) |
 //! | authority bound to a waypoint the arrival pod is (an enrolled waypoint) | on to the arrival pod's port for it (below) |
 //! | IP not a workload served on this node (no open relay) | 401 |
 //! | IP differs from the one the connection arrived on | 400 |
@@ -24,6 +27,16 @@
 //! ztunnel's inbound without an application tunnel, it goes to the
 //! waypoint pod's address, at the service port's target port (a workload's
 //! port as is); the access line's `dst.addr` is the authority.
+//!
+//! A `host:port` authority (waypoints and gateways send a service's
+//! hostname) is, as with ztunnel, always served by the pod the connection
+//! arrived at: the hostname names a service (the one in the arrival pod's
+//! namespace, else the canonical one, else the first by key), and only
+//! gives the port: the arrival pod's own target port for that service
+//! port (its endpoint's, else the service's numeric target port). The pod
+//! need not be one of the service's endpoints (ztunnel does not check it
+//! either); the access line's `dst.addr` is the arrival pod's address and
+//! that port.
 //!
 //! Headers too large for `max_header_list_size` get 431 from h2 itself,
 //! and a stream over [`MAX_CONCURRENT_STREAMS`](super::MAX_CONCURRENT_STREAMS)
@@ -358,7 +371,12 @@ fn check_request(
     arrival: SocketAddr,
     request: &Request<RecvStream>,
 ) -> Result<(SocketAddr, SocketAddr, Arc<PodState>), (StatusCode, String)> {
-    let target = connect_target(request)?;
+    let target = match connect_target(request)? {
+        ConnectTarget::Addr(target) => target,
+        ConnectTarget::Host { hostname, port } => {
+            return to_hostname(shared, arrival, &hostname, port);
+        }
+    };
     if target.ip() != arrival.ip()
         && let Some((port, pod)) = as_waypoint(shared, arrival, target)
     {
@@ -381,6 +399,29 @@ fn check_request(
     }
     check_port(target.port())?;
     Ok((target, target, target_pod))
+}
+
+/// A CONNECT to `hostname:port`: to the arrival pod, at its target port
+/// for that service port.
+fn to_hostname(
+    shared: &Shared,
+    arrival: SocketAddr,
+    hostname: &str,
+    port: u16,
+) -> Result<(SocketAddr, SocketAddr, Arc<PodState>), (StatusCode, String)> {
+    let pod = shared.local_pod(arrival.ip()).ok_or_else(|| {
+        (
+            StatusCode::UNAUTHORIZED,
+            format!("{} is not a workload on this node", arrival.ip()),
+        )
+    })?;
+    let target_port = shared
+        .workloads
+        .hostname_inbound_port(&pod.key, arrival.ip(), hostname, port)
+        .map_err(|reason| (StatusCode::SERVICE_UNAVAILABLE, reason))?;
+    check_port(target_port)?;
+    let upstream = SocketAddr::new(arrival.ip(), target_port);
+    Ok((upstream, upstream, pod))
 }
 
 fn check_port(port: u16) -> Result<(), (StatusCode, String)> {
@@ -407,9 +448,30 @@ fn as_waypoint(
     Some((port, pod))
 }
 
+/// What a CONNECT's `:authority` names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum ConnectTarget {
+    /// `ip:port` (`[v6]:port`).
+    Addr(SocketAddr),
+    /// `host:port`: a service's hostname (what waypoints send).
+    Host { hostname: String, port: u16 },
+}
+
+impl std::fmt::Display for ConnectTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConnectTarget::Addr(a) => a.fmt(f),
+            ConnectTarget::Host { hostname, port } => write!(f, "{hostname}:{port}"),
+        }
+    }
+}
+
 /// The first checks of the table, on the request alone: a CONNECT whose
-/// `:authority` is `ip:port`.
-pub(crate) fn connect_target<B>(request: &Request<B>) -> Result<SocketAddr, (StatusCode, String)> {
+/// `:authority` is `ip:port` or `host:port` (a port is required either
+/// way, as ztunnel requires it).
+pub(crate) fn connect_target<B>(
+    request: &Request<B>,
+) -> Result<ConnectTarget, (StatusCode, String)> {
     if request.method() != Method::CONNECT {
         return Err((
             NON_CONNECT_STATUS,
@@ -419,12 +481,23 @@ pub(crate) fn connect_target<B>(request: &Request<B>) -> Result<SocketAddr, (Sta
     let authority = request
         .uri()
         .authority()
-        .map(|a| a.as_str())
         .ok_or_else(|| (StatusCode::BAD_REQUEST, "no :authority".to_string()))?;
-    authority.parse().map_err(|_| {
-        (
+    if let Ok(addr) = authority.as_str().parse() {
+        return Ok(ConnectTarget::Addr(addr));
+    }
+    let host = authority.host();
+    match authority.port_u16() {
+        // A bracketed host that is not an IPv6 address is no hostname.
+        Some(port) if !host.is_empty() && !host.starts_with('[') => Ok(ConnectTarget::Host {
+            hostname: host.to_owned(),
+            port,
+        }),
+        _ => Err((
             StatusCode::BAD_REQUEST,
-            format!("authority {authority:?} is not ip:port"),
-        )
-    })
+            format!(
+                "authority {:?} is neither ip:port nor host:port",
+                authority.as_str()
+            ),
+        )),
+    }
 }

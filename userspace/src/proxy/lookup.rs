@@ -8,7 +8,7 @@ use std::{
 
 use super::waypoint;
 use crate::{
-    state::{Service, TrustDomain, Workload, WorkloadKey},
+    state::{Place, Service, ServiceStore, TrustDomain, Workload, WorkloadKey},
     store::WorkloadStore,
 };
 
@@ -20,6 +20,18 @@ pub trait WorkloadLookup: Send + Sync {
 
     /// The service whose cluster IP and port `dst` is.
     fn service_at(&self, dst: SocketAddr) -> Option<Arc<Service>>;
+
+    /// The target of connection number `n` from `client` (a local pod's
+    /// address) to `dst`, one of `service`'s VIPs and ports: a ready
+    /// endpoint as the service's load balancing (locality included)
+    /// allows ([`Service::pick_for`]); `None` when none may take it.
+    fn pick_endpoint(
+        &self,
+        service: &Service,
+        client: IpAddr,
+        dst: SocketAddr,
+        n: usize,
+    ) -> Option<SocketAddr>;
 
     /// Checks `connection` to the local workload `dst` against the
     /// authorization policies.
@@ -45,6 +57,77 @@ pub trait WorkloadLookup: Send + Sync {
     /// `authority` (not the arrival address) goes to when this pod is the
     /// waypoint `authority` is bound to ([`waypoint::inbound_port`]).
     fn waypoint_inbound_port(&self, waypoint: &WorkloadKey, authority: SocketAddr) -> Option<u16>;
+
+    /// Inbound at the local pod `pod` (arrived at `ip`): the port a CONNECT
+    /// to the service `hostname` at `port` goes to ([`hostname_port`]), or
+    /// why there is none.
+    fn hostname_inbound_port(
+        &self,
+        pod: &WorkloadKey,
+        ip: IpAddr,
+        hostname: &str,
+        port: u16,
+    ) -> Result<u16, String>;
+}
+
+/// The service `hostname` names for a client in `namespace`, ranked as
+/// ztunnel ranks services sharing a hostname: the one in `namespace`, else
+/// a canonical one, else the first (by key: ztunnel's is the first it was
+/// sent); one of another namespace with visibility `NAMESPACE` is not
+/// seen.
+pub fn service_by_hostname<'a>(
+    services: &'a ServiceStore,
+    namespace: &str,
+    hostname: &str,
+) -> Option<&'a Service> {
+    if let Some(service) = services.by_hostname(namespace, hostname) {
+        return Some(service);
+    }
+    // Not in the client's namespace: a scan, only for this rarer case;
+    // a service visible to its own namespace only is not a candidate.
+    let mut named = services
+        .iter()
+        .filter(|s| s.hostname == hostname && s.visibility != crate::state::Visibility::Namespace);
+    let first = named.next()?;
+    Some(
+        std::iter::once(first)
+            .chain(named)
+            .find(|s| s.canonical)
+            .unwrap_or(first),
+    )
+}
+
+/// Where a CONNECT to `hostname:port` arriving at the local pod `pod`
+/// (at `ip`) goes, as ztunnel's inbound decides it: the service the
+/// hostname names gives the port only: the pod's endpoint's target port
+/// for `port`, else the service's numeric one.
+pub fn hostname_port(
+    store: &WorkloadStore,
+    pod: &WorkloadKey,
+    ip: IpAddr,
+    hostname: &str,
+    port: u16,
+) -> Result<u16, String> {
+    let service = service_by_hostname(store.services(), &pod.namespace, hostname)
+        .ok_or_else(|| format!("no service has the hostname {hostname}"))?;
+    let endpoint = service
+        .endpoints
+        .iter()
+        .find(|e| e.pod.as_ref() == Some(pod) || e.ip == ip);
+    let target = match endpoint {
+        Some(endpoint) => service.target_port(endpoint, port),
+        None => service
+            .ports
+            .iter()
+            .find(|p| p.port == port)
+            .and_then(|p| p.target_port),
+    };
+    target.filter(|t| *t != 0).ok_or_else(|| {
+        format!(
+            "service {} gives no target port for port {port} at {pod}",
+            service.key()
+        )
+    })
 }
 
 impl WorkloadLookup for RwLock<WorkloadStore> {
@@ -61,6 +144,25 @@ impl WorkloadLookup for RwLock<WorkloadStore> {
             .services()
             .by_addr(dst)
             .cloned()
+    }
+
+    fn pick_endpoint(
+        &self,
+        service: &Service,
+        client: IpAddr,
+        dst: SocketAddr,
+        n: usize,
+    ) -> Option<SocketAddr> {
+        if !service.ranks_by_locality() {
+            return service.pick(dst, n).map(|(_, target)| target);
+        }
+        let store = self.read().unwrap_or_else(|p| p.into_inner());
+        // A client the store does not know compares as nowhere in
+        // particular (every field empty).
+        let client = store.by_ip(client).map(Place::of).unwrap_or_default();
+        service
+            .pick_for(dst, n, &client, |e| store.by_ip(e.ip).map(Place::of))
+            .map(|(_, target)| target)
     }
 
     fn authorize(
@@ -102,4 +204,19 @@ impl WorkloadLookup for RwLock<WorkloadStore> {
         let store = self.read().unwrap_or_else(|p| p.into_inner());
         waypoint::inbound_port(&store, waypoint, authority)
     }
+
+    fn hostname_inbound_port(
+        &self,
+        pod: &WorkloadKey,
+        ip: IpAddr,
+        hostname: &str,
+        port: u16,
+    ) -> Result<u16, String> {
+        let store = self.read().unwrap_or_else(|p| p.into_inner());
+        hostname_port(&store, pod, ip, hostname, port)
+    }
 }
+
+#[cfg(test)]
+#[path = "lookup_tests.rs"]
+mod tests;

@@ -116,7 +116,7 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
             return;
         }
     }
-    let Some(dst) = resolve_service(&shared, dst, n, &mut log) else {
+    let Some(dst) = resolve_service(&shared, client, dst, n, &mut log) else {
         log.emit(&shared);
         reset(&app);
         return;
@@ -286,6 +286,7 @@ async fn hbone(
 /// connections; named in the log). `None` when the service has no ready endpoint (the log says why).
 fn resolve_service(
     shared: &Shared,
+    client: std::net::IpAddr,
     dst: SocketAddr,
     n: usize,
     log: &mut AccessLog<'_>,
@@ -298,16 +299,23 @@ fn resolve_service(
         // Load-balancing mode PASSTHROUGH: no endpoint choice.
         return Some(dst);
     }
-    match service.pick(dst, n) {
-        Some((endpoint, target)) => {
-            tracing::debug!(service = %service.key(), vip = %dst, endpoint = %target, pod = ?endpoint.pod, "service endpoint chosen");
+    match shared.workloads.pick_endpoint(&service, client, dst, n) {
+        Some(target) => {
+            tracing::debug!(service = %service.key(), vip = %dst, endpoint = %target, "service endpoint chosen");
             Some(target)
         }
         None => {
-            tracing::warn!(service = %service.key(), vip = %dst, "service has no ready endpoint; connection refused");
+            // STRICT load balancing refuses too when no ready endpoint
+            // shares the client's locality (ztunnel: "no healthy upstream").
+            let why = if service.ranks_by_locality() {
+                " its load balancing allows this client"
+            } else {
+                ""
+            };
+            tracing::warn!(service = %service.key(), vip = %dst, "service has no ready endpoint{why}; connection refused");
             log.dst_addr = dst;
             log.reason = Some(format!(
-                "service {} has no ready endpoint for {dst}",
+                "service {} has no ready endpoint{why} for {dst}",
                 service.key()
             ));
             None

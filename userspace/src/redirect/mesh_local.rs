@@ -57,7 +57,8 @@ impl MeshLocalTable {
 
     /// Adds every VIP and port of `services` that flow 2 may carry once
     /// [`MeshLocalTable::derive`] chose the destinations: the service has
-    /// no waypoint, is load-balanced (not `PASSTHROUGH`), its VIP is on the
+    /// no waypoint, is load-balanced without locality (not `PASSTHROUGH`,
+    /// `STRICT` or `FAILOVER`), its VIP is on the
     /// local network, and the port has 1 to `MAX_MESH_SERVICE_ENDPOINTS`
     /// ready endpoints (as the proxy chooses among them:
     /// `Service::ready_targets`), every one of them an eligible
@@ -68,7 +69,11 @@ impl MeshLocalTable {
     /// when every capacity is 0, as the proxy does; at most 65,536).
     pub fn add_services<'a>(&mut self, services: impl IntoIterator<Item = &'a Service>) {
         for service in services {
-            if service.waypoint.is_some() || service.is_passthrough() {
+            // Locality load balancing (STRICT / FAILOVER) depends on the
+            // client, which the kernel's per-VIP choice does not know: the
+            // proxy chooses for those.
+            if service.waypoint.is_some() || service.is_passthrough() || service.ranks_by_locality()
+            {
                 continue;
             }
             for vip in &service.vips {

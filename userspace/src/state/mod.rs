@@ -4,16 +4,18 @@
 //! produced them (the local workloads file or the Kubernetes watch),
 //! so that reconciling, enrolment and the proxy never see a source's format.
 
+mod locality;
 mod owner;
 mod pod_state;
 mod service;
 mod weighted;
 
+pub use locality::Place;
 pub use owner::{ApplicationTunnel, ApplicationTunnelProtocol, WorkloadType, pod_owner};
 pub use pod_state::PodState;
 pub use service::{
-    Endpoint, HealthPolicy, LoadBalancing, LoadBalancingMode, LoadBalancingScope, Service,
-    ServicePort, ServiceStore,
+    Endpoint, HealthPolicy, IpFamilies, LoadBalancing, LoadBalancingMode, LoadBalancingScope,
+    Service, ServicePort, ServiceStore, Visibility,
 };
 pub use weighted::weighted_pick;
 

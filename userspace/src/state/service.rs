@@ -12,7 +12,7 @@ use std::{
     sync::Arc,
 };
 
-use super::{GatewayAddress, WorkloadKey, weighted_pick};
+use super::{GatewayAddress, Place, WorkloadKey, weighted_pick};
 
 /// A service with at least one cluster IP.
 ///
@@ -43,6 +43,42 @@ pub struct Service {
     /// The one service that owns its hostname when several share it (xDS
     /// `canonical`): it wins the hostname index.
     pub canonical: bool,
+    /// The address families it serves (xDS `ip_families`): a single-family
+    /// headless service answers no DNS records of the other family.
+    pub ip_families: IpFamilies,
+    /// Who may resolve it by name (xDS `visibility`).
+    pub visibility: Visibility,
+}
+
+/// The families a service serves (`istio.workload.IPFamilies`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum IpFamilies {
+    /// `AUTOMATIC` or `DUAL`: whatever its addresses are.
+    #[default]
+    Any,
+    V4Only,
+    V6Only,
+}
+
+impl IpFamilies {
+    /// Whether `ip`'s family is one the service serves.
+    pub fn allows(self, ip: &IpAddr) -> bool {
+        match self {
+            IpFamilies::Any => true,
+            IpFamilies::V4Only => ip.is_ipv4(),
+            IpFamilies::V6Only => ip.is_ipv6(),
+        }
+    }
+}
+
+/// Who may find a service by name (`istio.workload.Service.Visibility`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Visibility {
+    /// Every namespace.
+    #[default]
+    Public,
+    /// Only its own namespace (`exportTo: .`).
+    Namespace,
 }
 
 /// Locality-aware endpoint choice (`istio.workload.LoadBalancing`).
@@ -78,7 +114,8 @@ pub enum LoadBalancingScope {
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum LoadBalancingMode {
-    /// Not given (istiod's `UNSPECIFIED_MODE`): as `Failover`.
+    /// Not given (istiod's `UNSPECIFIED_MODE`): ztunnel's "standard", any
+    /// ready endpoint, whatever the routing preferences.
     #[default]
     Unspecified,
     /// Only endpoints that match every scope.
@@ -168,6 +205,50 @@ impl Service {
     pub fn pick(&self, dst: SocketAddr, n: usize) -> Option<(&Endpoint, SocketAddr)> {
         let targets = self.ready_targets(dst);
         weighted_pick(&targets, |(e, _)| e.capacity, n).copied()
+    }
+
+    /// [`Service::pick`] for a client at `client`, by the service's
+    /// locality load balancing ([`LoadBalancing::rank`]): `STRICT` keeps
+    /// only the endpoints that share every preference with the client,
+    /// `FAILOVER` the best-ranked; then by capacity among those. `place_of`
+    /// says where an endpoint runs; one it cannot place (no workload known
+    /// at that address) is never chosen under a locality policy, as with
+    /// ztunnel. `None`: no endpoint may take it ("no healthy upstream").
+    pub fn pick_for<'p>(
+        &self,
+        dst: SocketAddr,
+        n: usize,
+        client: &Place<'_>,
+        place_of: impl Fn(&Endpoint) -> Option<Place<'p>>,
+    ) -> Option<(&Endpoint, SocketAddr)> {
+        let Some(lb) = self
+            .load_balancing
+            .as_ref()
+            .filter(|lb| lb.ranks_by_locality())
+        else {
+            return self.pick(dst, n);
+        };
+        let ranked: Vec<(usize, (&Endpoint, SocketAddr))> = self
+            .ready_targets(dst)
+            .into_iter()
+            .filter_map(|target| Some((lb.rank(client, &place_of(target.0)?)?, target)))
+            .collect();
+        let best = ranked.iter().map(|(rank, _)| *rank).max()?;
+        let chosen: Vec<(&Endpoint, SocketAddr)> = ranked
+            .into_iter()
+            .filter(|(rank, _)| *rank == best)
+            .map(|(_, target)| target)
+            .collect();
+        weighted_pick(&chosen, |(e, _)| e.capacity, n).copied()
+    }
+
+    /// Whether the endpoint choice depends on the client's locality
+    /// (`STRICT` or `FAILOVER`): the kernel's per-VIP choice cannot follow
+    /// it.
+    pub fn ranks_by_locality(&self) -> bool {
+        self.load_balancing
+            .as_ref()
+            .is_some_and(LoadBalancing::ranks_by_locality)
     }
 
     /// Whether connections keep the address the client dialled instead of

@@ -15,8 +15,8 @@ use shunt_proto::istio::workload as pb;
 
 use super::{FieldError, ip_from_bytes, port, workload::gateway};
 use crate::state::{
-    Endpoint, HealthPolicy, LoadBalancing, LoadBalancingMode, LoadBalancingScope, Service,
-    ServicePort, Workload, WorkloadStatus,
+    Endpoint, HealthPolicy, IpFamilies, LoadBalancing, LoadBalancingMode, LoadBalancingScope,
+    Service, ServicePort, Visibility, Workload, WorkloadStatus,
 };
 
 /// Translates one service (without endpoints: see [`attach_endpoints`]).
@@ -66,6 +66,27 @@ pub(crate) fn translate(s: pb::Service) -> Result<Service, FieldError> {
         .map(|g| gateway(g).map_err(|e| e.under("waypoint")))
         .transpose()?;
     let load_balancing = s.load_balancing.as_ref().map(load_balancing).transpose()?;
+    let ip_families = match pb::IpFamilies::try_from(s.ip_families) {
+        Ok(pb::IpFamilies::Ipv4Only) => IpFamilies::V4Only,
+        Ok(pb::IpFamilies::Ipv6Only) => IpFamilies::V6Only,
+        Ok(pb::IpFamilies::Automatic | pb::IpFamilies::Dual) => IpFamilies::Any,
+        Err(_) => {
+            return Err(FieldError::new(
+                "ip_families",
+                format!("unknown value {}", s.ip_families),
+            ));
+        }
+    };
+    let visibility = match pb::service::Visibility::try_from(s.visibility) {
+        Ok(pb::service::Visibility::Public) => Visibility::Public,
+        Ok(pb::service::Visibility::Namespace) => Visibility::Namespace,
+        Err(_) => {
+            return Err(FieldError::new(
+                "visibility",
+                format!("unknown value {}", s.visibility),
+            ));
+        }
+    };
     Ok(Service {
         name: s.name,
         namespace: s.namespace,
@@ -78,6 +99,8 @@ pub(crate) fn translate(s: pb::Service) -> Result<Service, FieldError> {
         waypoint,
         load_balancing,
         canonical: s.canonical,
+        ip_families,
+        visibility,
     })
 }
 
