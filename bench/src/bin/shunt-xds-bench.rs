@@ -258,10 +258,11 @@ fn view_to_store(view: shunt::control::ClusterView, store: &RwLock<WorkloadStore
         .read()
         .unwrap_or_else(|p| p.into_inner())
         .diff(view.workloads);
+    let services = shunt::state::ServiceStore::from_services(view.services);
     let start = Instant::now();
     let mut store = store.write().unwrap_or_else(|p| p.into_inner());
     store.apply_diff(diff);
-    store.replace_services(view.services);
+    store.set_services(services);
     store.replace_policies(view.policies);
     drop(store);
     start.elapsed()
