@@ -206,7 +206,7 @@ fn workload_resource(w: u32, services: u32, revision: &str, version: &str) -> Re
 /// A response carrying one changed workload, as istiod sends after a pod
 /// update.
 fn one_workload_delta(w: u32, services: u32, round: u32) -> DeltaDiscoveryResponse {
-    let revision = if round % 2 == 0 { "v2" } else { "v1" };
+    let revision = if round.is_multiple_of(2) { "v2" } else { "v1" };
     DeltaDiscoveryResponse {
         system_version_info: "bench".into(),
         type_url: ADDRESS_TYPE_URL.into(),
