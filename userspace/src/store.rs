@@ -226,9 +226,14 @@ impl WorkloadStore {
         self.services.replace_all(services)
     }
 
-    /// The services, mutable for their owner (the store's owner).
-    pub fn services_mut(&mut self) -> &mut ServiceStore {
-        &mut self.services
+    /// Swaps in `services` (built with [`ServiceStore::from_services`]
+    /// outside the lock); returns whether anything changed.
+    pub fn set_services(&mut self, services: ServiceStore) -> bool {
+        if self.services.same_as(&services) {
+            return false;
+        }
+        self.services = services;
+        true
     }
 
     /// Makes `policies` every authorization policy known (a full resync);

@@ -206,7 +206,7 @@ fn workload_resource(w: u32, services: u32, revision: &str, version: &str) -> Re
 /// A response carrying one changed workload, as istiod sends after a pod
 /// update.
 fn one_workload_delta(w: u32, services: u32, round: u32) -> DeltaDiscoveryResponse {
-    let revision = if round % 2 == 0 { "v2" } else { "v1" };
+    let revision = if round.is_multiple_of(2) { "v2" } else { "v1" };
     DeltaDiscoveryResponse {
         system_version_info: "bench".into(),
         type_url: ADDRESS_TYPE_URL.into(),
@@ -258,10 +258,11 @@ fn view_to_store(view: shunt::control::ClusterView, store: &RwLock<WorkloadStore
         .read()
         .unwrap_or_else(|p| p.into_inner())
         .diff(view.workloads);
+    let services = shunt::state::ServiceStore::from_services(view.services);
     let start = Instant::now();
     let mut store = store.write().unwrap_or_else(|p| p.into_inner());
     store.apply_diff(diff);
-    store.replace_services(view.services);
+    store.set_services(services);
     store.replace_policies(view.policies);
     drop(store);
     start.elapsed()

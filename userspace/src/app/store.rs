@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use tokio::sync::{Notify, watch};
 use tracing::info;
 
-use crate::{control::ClusterView, store::WorkloadStore};
+use crate::{control::ClusterView, state::ServiceStore, store::WorkloadStore};
 
 /// A slot holding the latest value: putting replaces what was not taken
 /// yet, and never waits.
@@ -79,6 +79,7 @@ pub fn apply(store: &RwLock<WorkloadStore>, view: ClusterView) -> bool {
         .read()
         .unwrap_or_else(|p| p.into_inner())
         .diff(workloads);
+    let services = ServiceStore::from_services(services);
     let mut store = store.write().unwrap_or_else(|p| p.into_inner());
     let changes = store.apply_diff(diff);
     if !changes.is_empty() {
@@ -90,7 +91,7 @@ pub fn apply(store: &RwLock<WorkloadStore>, view: ClusterView) -> bool {
             "workload store updated"
         );
     }
-    if store.replace_services(services) {
+    if store.set_services(services) {
         info!(services = count.1, "services updated");
     }
     // Policies with the workloads they select, under one write lock: a

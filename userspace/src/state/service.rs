@@ -312,21 +312,34 @@ impl ServiceStore {
         &mut self,
         services: impl IntoIterator<Item = S>,
     ) -> bool {
+        let next = Self::from_services(services);
+        if self.same_as(&next) {
+            return false;
+        }
+        *self = next;
+        true
+    }
+
+    /// Whether `other` holds the same services (shared entries compare by
+    /// pointer first).
+    pub fn same_as(&self, other: &ServiceStore) -> bool {
+        self.by_id.len() == other.by_id.len()
+            && self
+                .by_id
+                .iter()
+                .zip(&other.by_id)
+                .all(|((a, x), (b, y))| a == b && (Arc::ptr_eq(x, y) || x == y))
+    }
+
+    /// A store holding `services`, indexed. Built apart from the store it
+    /// replaces, so its owner can build it without holding a lock.
+    pub fn from_services<S: Into<Arc<Service>>>(services: impl IntoIterator<Item = S>) -> Self {
         let mut next = BTreeMap::new();
         for s in services {
             let s: Arc<Service> = s.into();
             if let Some(old) = next.insert(s.id(), s) {
                 tracing::warn!(service = %old.id(), "service listed twice; keeping the last");
             }
-        }
-        let changed = next.len() != self.by_id.len()
-            || next.iter().any(|(id, s)| {
-                self.by_id
-                    .get(id)
-                    .is_none_or(|old| !Arc::ptr_eq(old, s) && old != s)
-            });
-        if !changed {
-            return false;
         }
         let mut by_addr = HashMap::new();
         let mut by_name: HashMap<WorkloadKey, Vec<WorkloadKey>> = HashMap::new();
@@ -349,11 +362,12 @@ impl ServiceStore {
                 .or_default()
                 .insert(s.namespace.clone(), id.clone());
         }
-        self.by_id = next;
-        self.by_name = by_name;
-        self.by_addr = by_addr;
-        self.by_hostname = by_hostname;
-        true
+        Self {
+            by_id: next,
+            by_name,
+            by_addr,
+            by_hostname,
+        }
     }
 
     /// The service named `hostname` in `namespace` (one map lookup).
