@@ -77,6 +77,12 @@ pub(super) fn start(
         // Empty: no istiod to connect to (the local file is the config).
         .env("XDS_ADDRESS", "")
         .env("PACKET_MARK", MARK.to_string())
+        // As ztunnel's own dedicated-mode tests: no original source. In
+        // dedicated mode nothing routes the app's replies to a spoofed
+        // client address back into the pod's ztunnel (shunt's reply path
+        // does that for its `IP_TRANSPARENT` delivery), so the connect
+        // to the app would time out.
+        .env("ENABLE_ORIG_SRC", "false")
         .env("NODE_NAME", pod.node().name())
         .env("CLUSTER_ID", "Kubernetes")
         // No DNS capture in the bench: its proxy would only sit idle.
