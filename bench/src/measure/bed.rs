@@ -327,6 +327,11 @@ impl Bed {
     }
 
     pub(super) fn stop_agents(&mut self) {
+        for (pod, ztunnel) in &mut self.ztunnels {
+            if let Err(e) = ztunnel::stop(&mut ztunnel.0) {
+                eprintln!("shunt-bench: stopping the ztunnel of {pod}: {e}");
+            }
+        }
         for (node, agent) in &mut self.agents {
             if let Err(e) = agent.stop() {
                 eprintln!("shunt-bench: stopping the agent on {node}: {e}");

@@ -126,6 +126,27 @@ pub(super) fn start(
     }
 }
 
+/// Stops a ztunnel as its pod's shutdown would (SIGTERM, then a bounded
+/// wait for its drain), so that it exits by itself: a profiler wrapped
+/// around it (valgrind) writes its output only then. Dropping the
+/// [`Owned`] kills whatever is left.
+pub(super) fn stop(child: &mut std::process::Child) -> anyhow::Result<()> {
+    let pid = libc::pid_t::try_from(child.id()).context("pid out of range")?;
+    // SAFETY: kill(2) on the pid of a child we own and have not reaped.
+    if unsafe { libc::kill(pid, libc::SIGTERM) } != 0 {
+        bail!("SIGTERM: {}", std::io::Error::last_os_error());
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    // Bounded by the deadline.
+    while Instant::now() < deadline {
+        if child.try_wait()?.is_some() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    bail!("still running 20 s after SIGTERM")
+}
+
 /// The dedicated-mode capture (ztunnel's `scripts/ztunnel-redirect.sh`):
 /// outgoing TCP that does not leave by `lo` and is not ztunnel's own goes
 /// to its 15001.
