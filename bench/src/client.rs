@@ -86,6 +86,10 @@ pub struct Cost {
     /// processes), in clock ticks.
     pub ksoftirqd_ticks: u64,
     pub clock_ticks: u64,
+    /// Context switches of the agents' threads (voluntary and not), a
+    /// count that contention barely moves.
+    #[serde(default)]
+    pub agents_switches: u64,
 }
 
 impl Cost {
@@ -107,6 +111,7 @@ struct Snapshot {
     apps_usec: Option<u64>,
     agents_usec: Option<u64>,
     ksoftirqd: u64,
+    agents_switches: HashMap<(u32, u32), u64>,
 }
 
 struct Watch {
@@ -144,6 +149,8 @@ impl Watch {
                 .iter()
                 .filter_map(|&pid| sys::process_cpu_ticks(pid))
                 .sum(),
+            agents_switches: agents_context_switches(self.agents_cgroup.as_deref())
+                .unwrap_or_default(),
         }
     }
 }
@@ -165,6 +172,10 @@ impl Snapshot {
             agents_usec: usec(self.agents_usec, earlier.agents_usec),
             ksoftirqd_ticks: self.ksoftirqd.saturating_sub(earlier.ksoftirqd),
             clock_ticks: sys::clock_ticks(),
+            agents_switches: context_switches_between(
+                &earlier.agents_switches,
+                &self.agents_switches,
+            ),
         }
     }
 }

@@ -98,6 +98,16 @@ struct RunArgs {
     /// Mesh paths only; reported in a table of its own.
     #[arg(long, value_delimiter = ',')]
     policies: Vec<usize>,
+    /// A stock Istio ztunnel binary (default: $SHUNT_ZTUNNEL_BIN): adds the
+    /// ztunnel paths (one ztunnel per mesh pod in dedicated mode, captured
+    /// by iptables), measured interleaved with shunt's and reported as
+    /// shunt/ztunnel ratios. Without one the run has no ztunnel paths.
+    #[arg(long)]
+    ztunnel: Option<PathBuf>,
+    /// ztunnel's log filter (RUST_LOG; default: the same as --agent-log,
+    /// so that both write the same lines: ztunnel's access log is info too).
+    #[arg(long)]
+    ztunnel_log: Option<String>,
 }
 
 #[derive(Args)]
@@ -220,6 +230,21 @@ fn shunt_binary(args: &RunArgs, workspace: &Path) -> anyhow::Result<PathBuf> {
     bail!("no shunt binary: build it with `cargo build --release -p shunt` or pass --shunt")
 }
 
+/// `--ztunnel`, else `$SHUNT_ZTUNNEL_BIN` (unset or empty: none).
+fn ztunnel_binary(args: &RunArgs) -> anyhow::Result<Option<PathBuf>> {
+    let Some(path) = args.ztunnel.clone().or_else(|| {
+        std::env::var_os("SHUNT_ZTUNNEL_BIN")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    }) else {
+        return Ok(None);
+    };
+    let path = path
+        .canonicalize()
+        .with_context(|| format!("the ztunnel binary {}", path.display()))?;
+    Ok(Some(path))
+}
+
 /// The raw results, compact (one line): what the reports are computed from.
 fn write_json(results: &RunResults, path: &Path) -> anyhow::Result<()> {
     let mut text = serde_json::to_string(results)?;
@@ -322,6 +347,13 @@ fn run(args: RunArgs) -> anyhow::Result<bool> {
         workspace: workspace.clone(),
         logs_dir: Some(out.join("raw").join(format!("{name}-agent-logs"))),
         policies: args.policies.clone(),
+        ztunnel: ztunnel_binary(&args)?.map(|binary| measure::ZtunnelRun {
+            binary,
+            log: args
+                .ztunnel_log
+                .clone()
+                .unwrap_or_else(|| args.agent_log.clone()),
+        }),
     };
     let result = measure::run(&options);
     let _ = std::fs::remove_dir_all(&scratch);

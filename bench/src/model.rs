@@ -29,6 +29,10 @@ pub enum Mode {
     /// kernel (flow 2, `ebpf-fastpath/same/hbone`: no HBONE despite the
     /// id's `Dest`); cross-node mesh is the eBPF+proxy path.
     EbpfFastPath,
+    /// A stock Istio ztunnel per mesh pod (dedicated mode, iptables
+    /// capture in the pod): the reference dataplane, run only when the
+    /// harness is given its binary (`--ztunnel`).
+    Ztunnel,
 }
 
 impl Mode {
@@ -39,6 +43,7 @@ impl Mode {
             Mode::Ebpf => "ebpf",
             Mode::EbpfSplice => "ebpf-splice",
             Mode::EbpfFastPath => "ebpf-fastpath",
+            Mode::Ztunnel => "ztunnel",
         }
     }
 }
@@ -102,6 +107,22 @@ impl PathSpec {
             locality: Locality::Same,
             dest: Dest::Hbone,
         });
+        paths
+    }
+
+    /// The ztunnel paths (`--ztunnel`): the same four client-to-server
+    /// ways as a proxy mode's.
+    pub fn ztunnel() -> Vec<PathSpec> {
+        let mut paths = Vec::new();
+        for locality in [Locality::Same, Locality::Cross] {
+            for dest in [Dest::Plain, Dest::Hbone] {
+                paths.push(PathSpec {
+                    mode: Mode::Ztunnel,
+                    locality,
+                    dest,
+                });
+            }
+        }
         paths
     }
 

@@ -43,6 +43,7 @@ fn mode_color(mode: Mode) -> &'static str {
         Mode::Ebpf => "#0057b8",
         Mode::EbpfSplice => "#009e73",
         Mode::EbpfFastPath => "#8e44ad",
+        Mode::Ztunnel => "#7f6000",
     }
 }
 

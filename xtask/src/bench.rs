@@ -21,6 +21,10 @@ pub struct BenchArgs {
     /// Repetitions (default 5; 1 with --quick).
     #[arg(long)]
     reps: Option<usize>,
+    /// A stock Istio ztunnel binary to measure beside shunt (default:
+    /// $SHUNT_ZTUNNEL_BIN): adds its paths and the shunt/ztunnel ratios.
+    #[arg(long)]
+    ztunnel: Option<std::path::PathBuf>,
     /// Extra arguments for `shunt-bench run` (after `--`), e.g.
     /// `-- --paths direct/same,ebpf/same/plain --workloads rr1`.
     #[arg(last = true)]
@@ -60,6 +64,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     if let Some(reps) = args.reps {
         harness.args(["--reps", &reps.to_string()]);
+    }
+    if let Some(ztunnel) = &args.ztunnel {
+        harness.arg("--ztunnel").arg(ztunnel);
     }
     harness.args(&args.harness_args);
     util::run(&mut harness)

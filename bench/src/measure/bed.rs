@@ -19,6 +19,7 @@ use shunt_testbed::{
     agent::{Agent, WorkloadSpec as PodSpec, workloads_yaml},
 };
 
+use super::ztunnel;
 use crate::model::{Dest, ECHO_PORT, Locality, Mode, PathSpec, SINK_PORT};
 
 pub(super) const CLIENT: &str = "client";
@@ -31,7 +32,7 @@ const MESH_SERVERS: [&str; 2] = ["same-mesh", "cross-mesh"];
 /// The agent's `--redirect` mode for `mode` (and what its status reports).
 fn redirect_mode(mode: Mode) -> &'static str {
     match mode {
-        Mode::Direct => "none",
+        Mode::Direct | Mode::Ztunnel => "none",
         Mode::Iptables => "iptables",
         Mode::Ebpf | Mode::EbpfSplice | Mode::EbpfFastPath => "ebpf",
     }
@@ -100,6 +101,10 @@ impl Drop for Owned {
 pub(super) struct Bed {
     pub(super) mode: Mode,
     pub(super) servers: BTreeMap<&'static str, Owned>,
+    /// The ztunnel topology's proxies, one per mesh pod (by pod name).
+    pub(super) ztunnels: Vec<(&'static str, Owned)>,
+    /// Their config and logs (removed after them).
+    ztunnel_dir: Option<ScratchDir>,
     pub(super) agents: Vec<(String, Agent)>,
     /// The agents' processes, moved here (below the cgroup root their
     /// programs attach to, a sibling of the apps' cgroup, as on a real node
@@ -128,7 +133,11 @@ const DIRECT_PODS: &[(&str, &str, bool)] = &[
 ];
 
 impl Bed {
-    pub(super) fn build(mode: Mode, bench_bin: &Path) -> anyhow::Result<Bed> {
+    pub(super) fn build(
+        mode: Mode,
+        bench_bin: &Path,
+        ztunnel: Option<&super::ZtunnelRun>,
+    ) -> anyhow::Result<Bed> {
         let mut topo = Topology::new(&format!("bench-{}", mode.name()))?;
         topo.add_node("node-a")?;
         topo.add_node("node-b")?;
@@ -146,7 +155,16 @@ impl Bed {
         let apps = Cgroup::create(&topo, "apps")?;
         let mut agents = Vec::new();
         let mut workloads = String::new();
-        if mode != Mode::Direct {
+        let mut ztunnels = Vec::new();
+        let mut ztunnel_dir = None;
+        if mode == Mode::Ztunnel {
+            let run = ztunnel.ok_or_else(|| anyhow!("a ztunnel path without --ztunnel"))?;
+            let dir = ScratchDir::create(
+                std::env::temp_dir().join(format!("{}-ztunnel", topo.prefix())),
+            )?;
+            ztunnels = start_ztunnels(&dir.0, &pods, layout, run)?;
+            ztunnel_dir = Some(dir);
+        } else if mode != Mode::Direct {
             let specs: Vec<PodSpec> = layout
                 .iter()
                 .map(|&(_, name, ambient)| PodSpec::for_pod(&pods[name], ambient))
@@ -179,7 +197,7 @@ impl Bed {
                 agents.push((node_name.to_string(), agent));
             }
         }
-        let agents_cgroup = if agents.is_empty() {
+        let agents_cgroup = if agents.is_empty() && ztunnels.is_empty() {
             None
         } else {
             let cgroup = AgentsCgroup::create(&topo)?;
@@ -187,11 +205,16 @@ impl Bed {
                 let pid = agent.pid().ok_or_else(|| anyhow!("an agent has no pid"))?;
                 cgroup.add_pid(pid)?;
             }
+            for (_, ztunnel) in &ztunnels {
+                cgroup.add_pid(ztunnel.0.id())?;
+            }
             Some(cgroup)
         };
         let mut bed = Bed {
             mode,
             servers: BTreeMap::new(),
+            ztunnels,
+            ztunnel_dir,
             agents,
             agents_cgroup,
             apps,
@@ -279,21 +302,87 @@ impl Bed {
         Ok(())
     }
 
+    /// The path's proxies: the shunt agents, or the ztunnels.
     pub(super) fn agent_pids(&self) -> Vec<u32> {
-        self.agents.iter().filter_map(|(_, a)| a.pid()).collect()
+        self.agents
+            .iter()
+            .filter_map(|(_, a)| a.pid())
+            .chain(self.ztunnels.iter().map(|(_, z)| z.0.id()))
+            .collect()
     }
 
     pub(super) fn agent_on(&self, node: &str) -> Option<&Agent> {
         self.agents.iter().find(|(n, _)| n == node).map(|(_, a)| a)
     }
 
+    /// The ztunnels' log files (pod name, path).
+    pub(super) fn ztunnel_logs(&self) -> Vec<(&'static str, std::path::PathBuf)> {
+        let Some(dir) = &self.ztunnel_dir else {
+            return Vec::new();
+        };
+        self.ztunnels
+            .iter()
+            .map(|(pod, _)| (*pod, dir.0.join(format!("{pod}.log"))))
+            .collect()
+    }
+
     pub(super) fn stop_agents(&mut self) {
+        for (pod, ztunnel) in &mut self.ztunnels {
+            if let Err(e) = ztunnel::stop(&mut ztunnel.0) {
+                eprintln!("shunt-bench: stopping the ztunnel of {pod}: {e}");
+            }
+        }
         for (node, agent) in &mut self.agents {
             if let Err(e) = agent.stop() {
                 eprintln!("shunt-bench: stopping the agent on {node}: {e}");
             }
         }
     }
+}
+
+/// A directory of the harness's own, removed when dropped.
+pub(super) struct ScratchDir(pub(super) std::path::PathBuf);
+
+impl ScratchDir {
+    fn create(path: std::path::PathBuf) -> anyhow::Result<ScratchDir> {
+        std::fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(ScratchDir(path))
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// One ztunnel per mesh pod of `layout`, all reading one local config in
+/// `dir` (their logs beside it).
+fn start_ztunnels(
+    dir: &Path,
+    pods: &BTreeMap<&'static str, Pod>,
+    layout: &[(&str, &'static str, bool)],
+    run: &super::ZtunnelRun,
+) -> anyhow::Result<Vec<(&'static str, Owned)>> {
+    let members: Vec<ztunnel::ZtunnelPod> = layout
+        .iter()
+        .map(|&(_, name, mesh)| ztunnel::ZtunnelPod {
+            pod: &pods[name],
+            mesh,
+        })
+        .collect();
+    let config = dir.join("local-xds.yaml");
+    std::fs::write(&config, ztunnel::local_config(&members))
+        .with_context(|| format!("writing {}", config.display()))?;
+    let mut started = Vec::new();
+    for &(_, name, mesh) in layout {
+        if mesh {
+            let log = dir.join(format!("{name}.log"));
+            let child = ztunnel::start(&run.binary, &pods[name], &config, &run.log, &log)?;
+            started.push((name, child));
+        }
+    }
+    Ok(started)
 }
 
 /// `<topology's cgroup root>/agents`. The agents must stay below the root:

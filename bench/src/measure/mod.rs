@@ -19,7 +19,9 @@
 //! paths run, so the counts are interleaved like the paths.
 
 mod bed;
+mod fd_limit;
 mod policies;
+mod ztunnel;
 
 use std::{
     collections::BTreeMap,
@@ -62,6 +64,16 @@ pub struct Options {
     /// Numbers of AuthorizationPolicies on the destination to measure
     /// with, in turn (empty: none, and the agents' files name none).
     pub policies: Vec<usize>,
+    /// A stock ztunnel to measure beside shunt (its paths are added).
+    pub ztunnel: Option<ZtunnelRun>,
+}
+
+/// The reference ztunnel (`--ztunnel`).
+#[derive(Clone, Debug)]
+pub struct ZtunnelRun {
+    pub binary: PathBuf,
+    /// Its log filter (`RUST_LOG`).
+    pub log: String,
 }
 
 fn proxy_stats(agent: &Agent) -> Option<ProxyStats> {
@@ -113,8 +125,17 @@ pub fn run(options: &Options) -> anyhow::Result<RunResults> {
         .into_iter()
         .filter(|w| options.only_workloads.is_empty() || options.only_workloads.contains(&w.id))
         .collect();
+    if let Some(run) = &options.ztunnel {
+        ztunnel::check_binary(&run.binary)?;
+    }
+    let ztunnel_paths = if options.ztunnel.is_some() {
+        PathSpec::ztunnel()
+    } else {
+        Vec::new()
+    };
     let paths: Vec<PathSpec> = PathSpec::all()
         .into_iter()
+        .chain(ztunnel_paths)
         .filter(|p| options.only_paths.is_empty() || options.only_paths.contains(&p.id()))
         .collect();
     if workloads.is_empty() || paths.is_empty() {
@@ -144,19 +165,45 @@ pub fn run(options: &Options) -> anyhow::Result<RunResults> {
     let mut beds = BTreeMap::new();
     for mode in modes {
         let t = Instant::now();
-        let bed = Bed::build(mode, &options.bench_bin)
+        let bed = Bed::build(mode, &options.bench_bin, options.ztunnel.as_ref())
             .with_context(|| format!("building the {} topology", mode.name()))?;
+        // The proxies' pids, for profiles taken around the run.
+        let pids: Vec<String> = bed.agent_pids().iter().map(u32::to_string).collect();
         eprintln!(
-            "shunt-bench: {} topology ready ({:.1}s)",
+            "shunt-bench: {} topology ready ({:.1}s); proxy pids: {}",
             mode.name(),
-            t.elapsed().as_secs_f64()
+            t.elapsed().as_secs_f64(),
+            pids.join(" ")
         );
         beds.insert(mode, bed);
     }
 
+    // Measurements the proxies' descriptor limits cannot hold: skipped,
+    // each said once.
+    let mut notes = Vec::new();
+    let mut skipped = Vec::new();
+    for workload in &workloads {
+        for &path in &paths {
+            let limits: Vec<(u32, u64)> = beds[&path.mode]
+                .agent_pids()
+                .into_iter()
+                .filter_map(|pid| fd_limit::hard_nofile(pid).map(|l| (pid, l)))
+                .collect();
+            if let Some(reason) = fd_limit::skip_reason(path, workload, &limits) {
+                eprintln!("shunt-bench: {reason}");
+                notes.push(reason);
+                skipped.push((workload.id.clone(), path));
+            }
+        }
+    }
+    let is_skipped =
+        |w: &Workload, p: &PathSpec| skipped.iter().any(|(id, sp)| *id == w.id && sp == p);
     let cpu_start = sys::CpuTimes::read().unwrap_or_default();
-    let total =
-        options.reps * options.placements.len() * levels.len() * workloads.len() * paths.len();
+    let per_pass: usize = workloads
+        .iter()
+        .map(|w| paths.iter().filter(|p| !is_skipped(w, p)).count())
+        .sum();
+    let total = options.reps * options.placements.len() * levels.len() * per_pass;
     let mut records = Vec::with_capacity(total);
     let measuring = Instant::now();
     for rep in 0..options.reps {
@@ -181,7 +228,7 @@ pub fn run(options: &Options) -> anyhow::Result<RunResults> {
                         .chain(&paths[..shift])
                         .copied()
                         .collect();
-                    for path in order {
+                    for path in order.into_iter().filter(|p| !is_skipped(workload, p)) {
                         let bed = &beds[&path.mode];
                         let mut record = measure(options, bed, path, workload, placement, rep);
                         record.policies = level;
@@ -236,7 +283,7 @@ pub fn run(options: &Options) -> anyhow::Result<RunResults> {
         load_average_end: sys::load_average(),
         machine_cpu: cpu_end.delta(&cpu_start),
         records,
-        notes: Vec::new(),
+        notes,
         policies: options.policies.clone(),
     })
 }
@@ -251,6 +298,13 @@ fn keep_agent_logs(beds: &BTreeMap<Mode, Bed>, dir: &Path) {
         return;
     }
     for bed in beds.values() {
+        for (pod, log) in bed.ztunnel_logs() {
+            let file = dir.join(format!("ztunnel-{pod}.log"));
+            match std::fs::copy(&log, &file) {
+                Ok(_) => eprintln!("shunt-bench: ztunnel log kept in {}", file.display()),
+                Err(e) => eprintln!("shunt-bench: cannot copy {}: {e}", log.display()),
+            }
+        }
         for (node, agent) in &bed.agents {
             let file = dir.join(format!("{}-{node}.log", bed.mode.name()));
             match std::fs::write(&file, agent.logs()) {
@@ -315,6 +369,8 @@ fn measure(
     let target_node = bed.pods[target].node().name().to_string();
     let before_client = bed.agent_on(client_node).and_then(proxy_stats);
     let before_server = bed.agent_on(&target_node).and_then(proxy_stats);
+    let before_ztunnel =
+        (bed.mode == Mode::Ztunnel).then(|| ztunnel::source_connections(&bed.pods[CLIENT]));
     let spliced_before = bed
         .agent_on(client_node)
         .and_then(|agent| client_spliced_bytes(agent, false));
@@ -344,6 +400,13 @@ fn measure(
 
     let proxy = if bed.mode == Mode::Direct {
         None
+    } else if bed.mode == Mode::Ztunnel {
+        Some(ztunnel::check(
+            &bed.pods[CLIENT],
+            before_ztunnel,
+            &report,
+            &mut problems,
+        ))
     } else if bed.mode == Mode::EbpfFastPath {
         Some(check_around_proxy(
             bed,

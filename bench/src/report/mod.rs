@@ -8,13 +8,14 @@ mod policies;
 mod stats;
 mod tables;
 mod targets;
+mod ztunnel;
 
 use std::fmt::Write as _;
 
 pub use policies::policies_table;
 pub use stats::{
-    Index, Metrics, Pick, Stat, metrics, pick_agent, pick_cpu, pick_p50, pick_p90, pick_p99,
-    pick_p999, pick_rate,
+    Index, Metrics, Pick, Stat, metrics, pick_agent, pick_agent_switches, pick_cpu, pick_p50,
+    pick_p90, pick_p99, pick_p999, pick_rate,
 };
 pub use tables::{
     cost_table, detail_tables, headline_table, human, idle_memory_table, one_line, path_label,
@@ -22,6 +23,7 @@ pub use tables::{
 pub use targets::{
     Target, iptables_vs_direct_table, ratio_cell, target_cells, targets, targets_table,
 };
+pub use ztunnel::ztunnel_table;
 
 use crate::model::{Placement, Record, RunResults};
 
@@ -87,6 +89,11 @@ pub fn markdown(results: &RunResults, svg_name: &str) -> String {
         md.push_str(&targets_table(&index, placement));
         md.push_str("\nRatios are paired within each repetition (both paths measured in the same pass) and summarized as median (min–max).\n\n");
         md.push_str(&iptables_vs_direct_table(&index, placement));
+        let against_ztunnel = ztunnel_table(&index, placement);
+        if !against_ztunnel.is_empty() {
+            let _ = writeln!(md, "\n### shunt vs ztunnel ({})\n", placement.name());
+            md.push_str(&against_ztunnel);
+        }
         let _ = writeln!(md, "\n### Cost ({})\n", placement.name());
         md.push_str(&cost_table(&index, placement));
         md.push_str("\nPath CPU = the cgroup `cpu.stat` usage of the path's processes (both agents of its topology, the load generator, the servers; softirq work done in their context included, as this kernel has no IRQ time accounting) plus the `ksoftirqd` threads. Cores = CPU-seconds per second of the run, of the machine's ");

@@ -27,6 +27,9 @@ pub struct Metrics {
     pub cpu_per_txn: f64,
     /// The agents' CPU per transaction, µs (stream: CPU-seconds per GB).
     pub agent_per_txn: f64,
+    /// The agents' context switches per transaction (per connection for
+    /// `crr`; stream: per MB).
+    pub agent_switches_per_txn: f64,
     /// Cores the path used (CPU-seconds per second).
     pub cores_path: f64,
     pub cores_agent: f64,
@@ -80,6 +83,17 @@ pub fn metrics(record: &Record, kind: WorkloadKind) -> Metrics {
         p999: pct(0.999),
         cpu_per_txn: per(path_s),
         agent_per_txn: per(agent_s),
+        agent_switches_per_txn: if per_unit > 0.0 {
+            r.cost.agents_switches as f64
+                / per_unit
+                / if kind == WorkloadKind::Stream {
+                    1e3
+                } else {
+                    1.0
+                }
+        } else {
+            0.0
+        },
         cores_path: path_s / elapsed,
         cores_agent: agent_s / elapsed,
         cores_user: (m.user + m.nice) as f64 / hz / elapsed,
@@ -171,6 +185,9 @@ pub fn pick_cpu(m: &Metrics) -> Option<f64> {
 }
 pub fn pick_agent(m: &Metrics) -> Option<f64> {
     Some(m.agent_per_txn)
+}
+pub fn pick_agent_switches(m: &Metrics) -> Option<f64> {
+    Some(m.agent_switches_per_txn)
 }
 
 /// The measurements of a run, indexed.

@@ -30,6 +30,7 @@ pub fn path_label(p: &PathSpec) -> String {
                 Mode::Iptables => "iptables+proxy",
                 Mode::EbpfSplice => "eBPF+proxy+splice",
                 Mode::EbpfFastPath => "eBPF+fast path",
+                Mode::Ztunnel => "ztunnel",
                 _ => "eBPF+proxy",
             };
             format!("{mode} · {locality} · {dest}")
@@ -99,7 +100,9 @@ pub fn one_line(record: &Record, workload: &Workload) -> String {
         format!("FAILED: {}", record.problems.join("; "))
     };
     format!(
-        "{what}{lat} | path {:.2} cores (agents {:.2}), machine usr/sys/sirq {:.2}/{:.2}/{:.2}, other {:.2}, steal {:.0}% | {status}",
+        "{what}{lat} | agents {:.1} µs, {:.2} switches per txn | path {:.2} cores (agents {:.2}), machine usr/sys/sirq {:.2}/{:.2}/{:.2}, other {:.2}, steal {:.0}% | {status}",
+        m.agent_per_txn,
+        m.agent_switches_per_txn,
         m.cores_path,
         m.cores_agent,
         m.cores_user,
