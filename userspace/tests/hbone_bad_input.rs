@@ -793,9 +793,17 @@ async fn bad_input_is_refused_cleanly() {
             refused("request"),
         ),
         (
-            "malformed authority",
-            Client::Tls(good.clone(), Req::Connect("not-an-ip:8080".into())),
+            "malformed authority (no port)",
+            Client::Tls(good.clone(), Req::Connect("not-an-ip".into())),
             Expect::Status(StatusCode::BAD_REQUEST),
+            refused("request"),
+        ),
+        // A hostname authority is a service's (waypoints send them), as
+        // ztunnel takes it: one this node serves no service of is a 503.
+        (
+            "hostname of no service",
+            Client::Tls(good.clone(), Req::Connect("no-such.example:8080".into())),
+            Expect::Status(StatusCode::SERVICE_UNAVAILABLE),
             refused("request"),
         ),
         (
