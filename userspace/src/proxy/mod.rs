@@ -329,9 +329,10 @@ impl Proxy {
         self.shared.abort.cancel();
         // Cut streams end promptly (they watch `abort`); bounded anyway.
         let _ = tokio::time::timeout(Duration::from_secs(5), self.shared.tracker.wait()).await;
-        for pod in self.shared.all_pods() {
-            self.shared.identities.unregister(&pod.identity);
-        }
+        // The pods' identities stay registered until the process exits: a
+        // connection accepted in the instant the listeners were cancelled
+        // still gets its certificate (unregistering here failed one such
+        // outbound in a surge handover).
         self.shared
             .pods
             .write()
