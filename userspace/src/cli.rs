@@ -55,6 +55,13 @@ pub struct AgentArgs {
     #[arg(long, value_name = "DOMAIN", default_value = "cluster.local")]
     pub trust_domain: crate::state::TrustDomain,
 
+    /// Without istiod: give every workload a waypoint serves an ALLOW policy
+    /// for the waypoint's identity, as istiod does with
+    /// PILOT_AUTO_ALLOW_WAYPOINT_POLICY=true (off by default there too).
+    /// With istiod, istiod decides and sends the policy.
+    #[arg(long, value_enum, value_name = "on|off", default_value_t = OnOff::Off)]
+    pub auto_allow_waypoint_policy: OnOff,
+
     /// The container runtime's CRI socket, asked for each pod's network
     /// namespace (the sandbox's pinned netns path) when pods come from
     /// Kubernetes. Default: the first that exists of

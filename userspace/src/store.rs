@@ -216,6 +216,45 @@ impl WorkloadStore {
         Some(old)
     }
 
+    /// Applies the workload and service changes of `delta` (policies are
+    /// the caller's: [`WorkloadStore::set_policies`]), touching only the
+    /// ids it names. Returns the workload changes and whether any service
+    /// changed.
+    pub fn apply_delta(
+        &mut self,
+        workloads: impl IntoIterator<Item = (String, Option<Arc<Workload>>)>,
+        services: impl IntoIterator<Item = (WorkloadKey, Option<Arc<Service>>)>,
+    ) -> (WorkloadChanges, bool) {
+        let mut changes = WorkloadChanges::default();
+        for (id, w) in workloads {
+            match w {
+                Some(w) => {
+                    if self.by_id.get(&id).is_some_and(|held| **held == *w) {
+                        continue;
+                    }
+                    let key = w.key();
+                    match self.insert(w) {
+                        Some(_) => changes.updated.push(key),
+                        None => changes.added.push(key),
+                    }
+                }
+                None => {
+                    if let Some(old) = self.remove(&id) {
+                        changes.removed.push(old.key());
+                    }
+                }
+            }
+        }
+        let mut services_changed = false;
+        for (id, s) in services {
+            services_changed |= match s {
+                Some(s) => self.services.upsert(s),
+                None => self.services.remove(&id).is_some(),
+            };
+        }
+        (changes, services_changed)
+    }
+
     /// Makes `services` every service known (a full resync); returns whether
     /// anything changed. Kept apart from [`WorkloadStore::replace_all`]:
     /// sources list services and pods separately, and either may be late.
@@ -239,11 +278,16 @@ impl WorkloadStore {
     /// Makes `policies` every authorization policy known (a full resync);
     /// returns whether anything changed.
     pub fn replace_policies(&mut self, policies: impl IntoIterator<Item = Policy>) -> bool {
-        let next = PolicySet::new(policies);
-        if next == *self.policies {
+        self.set_policies(PolicySet::new(policies))
+    }
+
+    /// Swaps in `policies` (built with [`PolicySet::new`] outside the
+    /// lock); returns whether anything changed.
+    pub fn set_policies(&mut self, policies: PolicySet) -> bool {
+        if policies == *self.policies {
             return false;
         }
-        self.policies = Arc::new(next);
+        self.policies = Arc::new(policies);
         self.policy_generation += 1;
         true
     }

@@ -312,3 +312,97 @@ async fn without_the_gateway_crd_nothing_gets_a_waypoint_until_it_is_installed()
     );
     task.abort();
 }
+
+/// `--auto-allow-waypoint-policy on` (istiod's
+/// PILOT_AUTO_ALLOW_WAYPOINT_POLICY): the pods a waypoint serves get an
+/// ALLOW policy for the waypoint pods' identity, named as istiod names it;
+/// a client that skips the waypoint is refused, the waypoint is allowed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_implicit_allow_from_waypoint_policy_admits_the_waypoint_only() {
+    init_logging();
+    let server = FakeApiServer::start().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    server.apply(
+        Kind::Namespace,
+        namespace(
+            "shop",
+            json!({"istio.io/dataplane-mode": "ambient", "istio.io/use-waypoint": "wp"}),
+        ),
+    );
+    server.apply(
+        Kind::Gateway,
+        gateway(
+            "shop",
+            "wp",
+            "istio-waypoint",
+            json!({"istio.io/waypoint-for": "all"}),
+        ),
+    );
+    server.apply(Kind::Service, service("shop", "web", "198.19.100.1"));
+    server.apply(
+        Kind::Pod,
+        pod("shop", "web-0", "node-a", Some("198.18.1.10"), json!({})),
+    );
+    let mut waypoint_pod = pod(
+        "shop",
+        "wp-0",
+        "node-b",
+        Some("198.18.1.12"),
+        json!({"gateway.istio.io/managed": MANAGED,
+               "gateway.networking.k8s.io/gateway-name": "wp"}),
+    );
+    waypoint_pod["spec"]["serviceAccountName"] = json!("wp");
+    server.apply(Kind::Pod, waypoint_pod);
+
+    let trust_domain = shunt::state::TrustDomain::new("example.org").expect("trust domain");
+    let discovery = ClusterWorkloads::new(server.client(dir.path()).await)
+        .with_waypoint_allow(Some(trust_domain));
+    let (store, sink) = cluster_store();
+    let task = tokio::spawn(discovery.run(sink));
+
+    let policy = "shop/istio_allow_waypoint_shop_wp";
+    wait_for(
+        "the pod bound to the waypoint names its policy",
+        TIMEOUT,
+        || {
+            store
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .by_ip(ip("198.18.1.10"))
+                .is_some_and(|w| w.authorization_policies == vec![policy.to_owned()])
+        },
+    )
+    .await;
+    let store = store.read().unwrap_or_else(|p| p.into_inner());
+    let web = store.by_ip(ip("198.18.1.10")).expect("web-0");
+    let check = |identity: &str| {
+        let connection = shunt::authz::Connection {
+            src_ip: ip("198.18.1.99"),
+            src_identity: Some(identity),
+            dst: "198.18.1.10:8080".parse().expect("addr"),
+        };
+        store
+            .policies()
+            .check(&connection, shunt::authz::Destination::of(web))
+    };
+    assert!(
+        check("spiffe://example.org/ns/shop/sa/wp").is_allowed(),
+        "the waypoint's identity"
+    );
+    let skipped = check("spiffe://example.org/ns/shop/sa/sleep");
+    assert!(
+        !skipped.is_allowed(),
+        "a client skipping the waypoint: {skipped}"
+    );
+    let waypoint_itself = store.by_ip(ip("198.18.1.12")).expect("wp-0");
+    assert!(
+        waypoint_itself.authorization_policies.is_empty(),
+        "the waypoint's own pod is not served by itself"
+    );
+    drop(store);
+    task.abort();
+}
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().expect("test IP")
+}

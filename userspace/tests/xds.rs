@@ -24,7 +24,7 @@ use fake_istiod::{
 };
 use shunt::{
     authz::{Action, PolicyKey, Scope},
-    control::{ClusterView, NodePods, SourceSink},
+    control::{ClusterDelta, ClusterView, NodePods, SourceSink},
     state::{TrustDomain, TunnelProtocol, WorkloadStatus},
     xds::{
         ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL, XdsConfig, XdsSource, XdsStatus, XdsStatusHandle,
@@ -46,6 +46,17 @@ impl SourceSink for Recorder {
 
     fn cluster(&self, view: ClusterView) {
         self.views.lock().expect("lock").push(view);
+    }
+
+    /// The view the store would hold after it: the last one with the
+    /// delta applied.
+    fn cluster_delta(&self, delta: ClusterDelta) {
+        let mut views = self.views.lock().expect("lock");
+        let last = views
+            .last()
+            .cloned()
+            .expect("a delta only after a complete view");
+        views.push(last.with_delta(delta));
     }
 
     fn synced(&self, source: &'static str) {

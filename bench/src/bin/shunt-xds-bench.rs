@@ -14,8 +14,9 @@
 //! Then, on that full state, the steady-state costs (issue 34, item 11):
 //! - `--deltas` one-workload deltas (one pod's revision changes), each
 //!   timed from the bytes to the agent's store holding it (decode, apply,
-//!   hand-over, the store's update under its write lock), p50/p99/max,
-//!   and the longest the write lock was held;
+//!   the delta the source hands over, the store's update under its write
+//!   lock), p50/p99/max, and the longest the write lock was held; then the
+//!   revision checked in the store;
 //! - the proxy's per-connection lookup (the workload at a peer IP, as
 //!   `proxy/lookup.rs` does it), timed and with its heap allocations
 //!   counted by a counting global allocator.
@@ -34,6 +35,8 @@ use anyhow::{Context as _, ensure};
 use clap::Parser;
 use prost::Message as _;
 use shunt::{
+    authz::PolicySet,
+    control::ClusterDelta,
     store::WorkloadStore,
     xds::{ADDRESS_TYPE_URL, XdsState},
 };
@@ -206,7 +209,7 @@ fn workload_resource(w: u32, services: u32, revision: &str, version: &str) -> Re
 /// A response carrying one changed workload, as istiod sends after a pod
 /// update.
 fn one_workload_delta(w: u32, services: u32, round: u32) -> DeltaDiscoveryResponse {
-    let revision = if round.is_multiple_of(2) { "v2" } else { "v1" };
+    let revision = format!("r{round}");
     DeltaDiscoveryResponse {
         system_version_info: "bench".into(),
         type_url: ADDRESS_TYPE_URL.into(),
@@ -214,7 +217,7 @@ fn one_workload_delta(w: u32, services: u32, round: u32) -> DeltaDiscoveryRespon
         resources: vec![workload_resource(
             w,
             services,
-            revision,
+            &revision,
             &format!("{}", round + 2),
         )],
         removed_resources: Vec::new(),
@@ -275,7 +278,28 @@ fn full_to_store(state: &mut XdsState, store: &RwLock<WorkloadStore>) -> anyhow:
     Ok(())
 }
 
-/// One delta from the wire into `store`: (total, write lock held).
+/// What the store's owner does with a delta (`app/store.rs`'s
+/// `apply_delta`): only the ids it names, under the write lock. Returns
+/// how long the write lock was held.
+fn delta_into_store(delta: ClusterDelta, store: &RwLock<WorkloadStore>) -> Duration {
+    let ClusterDelta {
+        workloads,
+        services,
+        policies,
+    } = delta;
+    let policies = policies.map(PolicySet::new);
+    let start = Instant::now();
+    let mut store = store.write().unwrap_or_else(|p| p.into_inner());
+    store.apply_delta(workloads, services);
+    if let Some(policies) = policies {
+        store.set_policies(policies);
+    }
+    drop(store);
+    start.elapsed()
+}
+
+/// One delta from the wire into `store`, as the xDS source hands it over
+/// after the first view: (total, write lock held).
 fn delta_to_store(
     state: &mut XdsState,
     store: &RwLock<WorkloadStore>,
@@ -285,8 +309,13 @@ fn delta_to_store(
     let response = DeltaDiscoveryResponse::decode(wire).context("decode")?;
     let applied = state.apply(&response).map_err(|e| anyhow::anyhow!("{e}"))?;
     ensure!(applied.rejected.is_empty(), "{:?}", applied.nack_reason());
-    let (view, _) = state.view();
-    let lock = view_to_store(view, store);
+    let (delta, _) = state.delta();
+    ensure!(
+        delta.workloads.len() == 1,
+        "a one-workload response made a delta of {} workloads",
+        delta.workloads.len()
+    );
+    let lock = delta_into_store(delta, store);
     Ok((start.elapsed(), lock))
 }
 
@@ -338,6 +367,14 @@ fn main() -> anyhow::Result<()> {
         let (total, lock) = delta_to_store(&mut state, &store, &wire)?;
         totals.push(total);
         locks.push(lock);
+        let expected = format!("r{round}");
+        let held = lookup(&store, IpAddr::from(workload_ip(w)));
+        ensure!(
+            held.as_ref()
+                .is_some_and(|h| h.canonical_revision == expected),
+            "after delta {round} the store holds {:?} for workload {w}, not revision {expected}",
+            held.map(|h| h.canonical_revision.clone())
+        );
     }
     totals.sort();
     locks.sort();
@@ -351,6 +388,23 @@ fn main() -> anyhow::Result<()> {
         percentile(&locks, 50),
         percentile(&locks, 99),
         locks[locks.len() - 1],
+    );
+
+    // What the source also does after each response (`/config_dump`'s
+    // record), off the store's path.
+    let mut status_times = Vec::with_capacity(20);
+    for _ in 0..20 {
+        let start = Instant::now();
+        let status = state.status();
+        status_times.push(start.elapsed());
+        ensure!(status.resources.len() == (args.workloads + args.services) as usize);
+    }
+    status_times.sort();
+    println!(
+        "status record after a response ({} resources): p50 {:.2?}, max {:.2?}",
+        args.workloads + args.services,
+        percentile(&status_times, 50),
+        status_times[status_times.len() - 1],
     );
 
     let ips: Vec<IpAddr> = (0..args.workloads.max(1))

@@ -295,8 +295,12 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             // is, which identity it speaks), not only this node's. With
             // --xds-address istiod tells it instead.
             if proxy.is_some() && args.xds_address.is_none() {
-                let discovery =
-                    kube::ClusterWorkloads::new(client).with_cluster_domain(&args.cluster_domain);
+                let discovery = kube::ClusterWorkloads::new(client)
+                    .with_cluster_domain(&args.cluster_domain)
+                    .with_waypoint_allow(
+                        (args.auto_allow_waypoint_policy == OnOff::On)
+                            .then(|| trust_domain.clone()),
+                    );
                 sources.spawn(
                     discovery
                         .run(sink.clone())
@@ -327,6 +331,8 @@ impl SourceSink for NodePodsOnly {
     }
 
     fn cluster(&self, _view: crate::control::ClusterView) {}
+
+    fn cluster_delta(&self, _delta: crate::control::ClusterDelta) {}
 
     fn synced(&self, source: &'static str) {
         self.0.synced(source);

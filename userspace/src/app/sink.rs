@@ -1,7 +1,7 @@
 //! [`AgentSink`]: the agent's [`SourceSink`]. It hands this node's pods to
 //! the reconciler and the cluster-wide view to the workload store's owner;
-//! both hand-overs only replace a value (the latest wins), so no source ever
-//! waits on the agent.
+//! both hand-overs only replace a value (the latest wins; cluster updates
+//! not taken yet are merged), so no source ever waits on the agent.
 
 use std::sync::{
     Arc,
@@ -14,7 +14,7 @@ use tracing::info;
 use super::store::Latest;
 use crate::{
     agent::PodsUpdate,
-    control::{ClusterView, NodePods, SourceSink},
+    control::{ClusterDelta, ClusterUpdate, ClusterView, NodePods, SourceSink},
 };
 
 /// Where every source of the agent pushes.
@@ -22,19 +22,32 @@ pub struct AgentSink {
     pods: watch::Sender<Option<PodsUpdate>>,
     /// `None` when nothing keeps a workload store (no builtin proxy): the
     /// cluster-wide view has no reader then.
-    cluster: Option<Arc<Latest<(u64, ClusterView)>>>,
+    cluster: Option<Arc<Latest<(u64, ClusterUpdate)>>>,
     cluster_views: AtomicU64,
 }
 
 impl AgentSink {
     pub fn new(
         pods: watch::Sender<Option<PodsUpdate>>,
-        cluster: Option<Arc<Latest<(u64, ClusterView)>>>,
+        cluster: Option<Arc<Latest<(u64, ClusterUpdate)>>>,
     ) -> Self {
         Self {
             pods,
             cluster,
             cluster_views: AtomicU64::new(0),
+        }
+    }
+}
+
+impl AgentSink {
+    /// Hands `update` to the store's owner, folded into the one it has not
+    /// taken yet, if any (a delta must not be lost).
+    fn push(&self, update: ClusterUpdate) {
+        if let Some(cluster) = &self.cluster {
+            let number = self.cluster_views.fetch_add(1, Ordering::SeqCst) + 1;
+            cluster.put_merged((number, update), |(first, untaken), (number, next)| {
+                (number.max(first), untaken.merge(next))
+            });
         }
     }
 }
@@ -49,10 +62,11 @@ impl SourceSink for AgentSink {
     }
 
     fn cluster(&self, view: ClusterView) {
-        if let Some(cluster) = &self.cluster {
-            let number = self.cluster_views.fetch_add(1, Ordering::SeqCst) + 1;
-            cluster.put((number, view));
-        }
+        self.push(ClusterUpdate::Full(view));
+    }
+
+    fn cluster_delta(&self, delta: ClusterDelta) {
+        self.push(ClusterUpdate::Delta(delta));
     }
 
     fn synced(&self, source: &'static str) {

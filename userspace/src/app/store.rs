@@ -1,13 +1,20 @@
 //! The workload store's owner: the one task that writes the
 //! [`WorkloadStore`] the proxy looks peers, services and authorization
-//! policies up in. It applies each [`ClusterView`] a source pushed, whole.
+//! policies up in. It applies each [`ClusterUpdate`] a source pushed: a
+//! complete [`ClusterView`] (diffed against the store), or a
+//! [`ClusterDelta`] (only the ids it names are touched).
 
 use std::sync::{Arc, Mutex, RwLock};
 
 use tokio::sync::{Notify, watch};
 use tracing::info;
 
-use crate::{control::ClusterView, state::ServiceStore, store::WorkloadStore};
+use crate::{
+    authz::PolicySet,
+    control::{ClusterDelta, ClusterUpdate, ClusterView},
+    state::ServiceStore,
+    store::WorkloadStore,
+};
 
 /// A slot holding the latest value: putting replaces what was not taken
 /// yet, and never waits.
@@ -27,7 +34,19 @@ impl<T> Default for Latest<T> {
 
 impl<T> Latest<T> {
     pub fn put(&self, value: T) {
-        *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(value);
+        self.put_merged(value, |_, next| next);
+    }
+
+    /// Puts `value`, folded with `merge(untaken, value)` into what was not
+    /// taken yet (for values that are changes: none may be lost).
+    pub fn put_merged(&self, value: T, merge: impl FnOnce(T, T) -> T) {
+        let mut slot = self.slot.lock().unwrap_or_else(|p| p.into_inner());
+        let next = match slot.take() {
+            Some(untaken) => merge(untaken, value),
+            None => value,
+        };
+        *slot = Some(next);
+        drop(slot);
         self.notify.notify_one();
     }
 
@@ -42,20 +61,24 @@ impl<T> Latest<T> {
     }
 }
 
-/// Applies every cluster view put in `views` to `store`, until the future
-/// is dropped; after each, publishes the view's number on `applied` (the
+/// Applies every cluster update put in `views` to `store`, until the future
+/// is dropped; after each, publishes the update's number on `applied` (the
 /// reconciler waits for it before enrolling pods pushed after that view).
 /// `policies_changed` runs after a view changed the policies (the proxy
 /// re-checks its open connections then).
 pub async fn own_store(
     store: Arc<RwLock<WorkloadStore>>,
-    views: Arc<Latest<(u64, ClusterView)>>,
+    views: Arc<Latest<(u64, ClusterUpdate)>>,
     applied: watch::Sender<u64>,
     policies_changed: impl Fn() + Send + 'static,
 ) {
     loop {
-        let (number, view) = views.take().await;
-        if apply(&store, view) {
+        let (number, update) = views.take().await;
+        let changed = match update {
+            ClusterUpdate::Full(view) => apply(&store, view),
+            ClusterUpdate::Delta(delta) => apply_delta(&store, delta),
+        };
+        if changed {
             policies_changed();
         }
         applied.send_replace(number);
@@ -99,6 +122,40 @@ pub fn apply(store: &RwLock<WorkloadStore>, view: ClusterView) -> bool {
     let policies_changed = store.replace_policies(policies);
     if policies_changed {
         info!(policies = count.2, "authorization policies updated");
+    }
+    policies_changed
+}
+
+/// Applies `delta` to the store: the write lock is held for the entries it
+/// names (and to swap in policies, when they changed, indexed before).
+/// Returns whether the policies changed.
+pub fn apply_delta(store: &RwLock<WorkloadStore>, delta: ClusterDelta) -> bool {
+    let ClusterDelta {
+        workloads,
+        services,
+        policies,
+    } = delta;
+    let policies = policies.map(|p| (p.len(), PolicySet::new(p)));
+    let mut store = store.write().unwrap_or_else(|p| p.into_inner());
+    let (changes, services_changed) = store.apply_delta(workloads, services);
+    let policies_changed = policies.is_some_and(|(count, set)| {
+        let changed = store.set_policies(set);
+        if changed {
+            info!(policies = count, "authorization policies updated");
+        }
+        changed
+    });
+    drop(store);
+    if !changes.is_empty() {
+        info!(
+            added = changes.added.len(),
+            removed = changes.removed.len(),
+            updated = changes.updated.len(),
+            "workload store updated"
+        );
+    }
+    if services_changed {
+        info!("services updated");
     }
     policies_changed
 }

@@ -1,17 +1,22 @@
 //! Sources: where the agent learns which pods exist and what the cluster
-//! looks like — a local workloads file ([`local`]) or the Kubernetes API
-//! ([`kube`]) (istiod's xDS when it lands).
+//! looks like — a local workloads file ([`local`]), the Kubernetes API
+//! ([`kube`]) or istiod (`crate::xds`).
 //!
 //! Every source pushes through one narrow interface, [`SourceSink`]: this
 //! node's pods ([`NodePods`], what enrolment acts on) go to the reconciler,
-//! the cluster-wide view ([`ClusterView`], what the proxy looks peers up in)
-//! goes to the one task that owns the workload store. Sources never see the
+//! the cluster-wide view ([`ClusterView`], what the proxy looks peers up in;
+//! then [`ClusterDelta`]s from a source that keeps its view) goes to the one
+//! task that owns the workload store. Sources never see the
 //! agent, and nothing calls back into them.
+mod delta;
 pub mod file;
 pub mod kube;
 pub mod local;
 /// Waypoints from Istio's labels, for the sources without istiod.
 pub mod waypoint;
+pub mod waypoint_allow;
+
+pub use delta::{ClusterDelta, ClusterUpdate};
 
 /// The cluster-wide view one discovery source knows: every workload of any
 /// node, every service, every authorization policy. Entries are shared and
@@ -39,6 +44,9 @@ pub trait SourceSink: Send + Sync + 'static {
     fn node_pods(&self, pods: NodePods);
     /// The cluster-wide view changed (complete).
     fn cluster(&self, view: ClusterView);
+    /// The cluster-wide view changed by `delta`, after a complete view
+    /// pushed earlier (a source that keeps its view sends only changes).
+    fn cluster_delta(&self, delta: ClusterDelta);
     /// Whether this source has delivered its first complete view (readiness).
     fn synced(&self, source: &'static str) {
         let _ = source;

@@ -8,6 +8,7 @@ mod locality;
 mod owner;
 mod pod_state;
 mod service;
+mod service_store;
 mod weighted;
 
 pub use locality::Place;
@@ -15,8 +16,9 @@ pub use owner::{ApplicationTunnel, ApplicationTunnelProtocol, WorkloadType, pod_
 pub use pod_state::PodState;
 pub use service::{
     Endpoint, HealthPolicy, IpFamilies, LoadBalancing, LoadBalancingMode, LoadBalancingScope,
-    Service, ServicePort, ServiceStore, Visibility,
+    Service, ServicePort, Visibility,
 };
+pub use service_store::ServiceStore;
 pub use weighted::weighted_pick;
 
 use std::{collections::BTreeMap, fmt, net::IpAddr, path::PathBuf, str::FromStr};

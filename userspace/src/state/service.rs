@@ -7,9 +7,8 @@
 //! workloads, not from here.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::BTreeMap,
     net::{IpAddr, SocketAddr},
-    sync::Arc,
 };
 
 use super::{GatewayAddress, Place, WorkloadKey, weighted_pick};
@@ -268,26 +267,6 @@ impl Service {
     }
 }
 
-/// Every known service, by id, by name, by `VIP:port` and by hostname.
-///
-/// Owned by the `WorkloadStore` (`store.rs`): one owner for what discovery knows.
-/// Services are identified as xDS names them, by namespace/hostname (one
-/// ServiceEntry with two hosts is two services of one name), or by
-/// namespace/name when the source gives no hostname ([`Service::id`]).
-/// Services are behind `Arc` so that a lookup per connection is a clone of a
-/// pointer, not of an endpoint list.
-#[derive(Clone, Debug, Default)]
-pub struct ServiceStore {
-    by_id: BTreeMap<WorkloadKey, Arc<Service>>,
-    /// namespace/name → ids (a headless service's pods are published by
-    /// its name).
-    by_name: HashMap<WorkloadKey, Vec<WorkloadKey>>,
-    by_addr: HashMap<SocketAddr, WorkloadKey>,
-    /// hostname → namespace → service, for services that have a hostname
-    /// (how waypoints are named). Nested so a lookup borrows its `&str`s.
-    by_hostname: HashMap<String, HashMap<String, WorkloadKey>>,
-}
-
 impl Service {
     /// The id the store keeps it under: namespace/hostname, or
     /// namespace/name when it has no hostname.
@@ -301,119 +280,10 @@ impl Service {
     }
 }
 
-impl ServiceStore {
-    /// Makes `services` the whole content (a full resync). Returns whether
-    /// anything changed.
-    ///
-    /// As with workload IPs, a `VIP:port` claimed by two services (a brief
-    /// state of a watch) stays with the greater id, with a warning, so a
-    /// lookup is the same whatever the order of a relist.
-    pub fn replace_all<S: Into<Arc<Service>>>(
-        &mut self,
-        services: impl IntoIterator<Item = S>,
-    ) -> bool {
-        let next = Self::from_services(services);
-        if self.same_as(&next) {
-            return false;
-        }
-        *self = next;
-        true
-    }
-
-    /// Whether `other` holds the same services (shared entries compare by
-    /// pointer first).
-    pub fn same_as(&self, other: &ServiceStore) -> bool {
-        self.by_id.len() == other.by_id.len()
-            && self
-                .by_id
-                .iter()
-                .zip(&other.by_id)
-                .all(|((a, x), (b, y))| a == b && (Arc::ptr_eq(x, y) || x == y))
-    }
-
-    /// A store holding `services`, indexed. Built apart from the store it
-    /// replaces, so its owner can build it without holding a lock.
-    pub fn from_services<S: Into<Arc<Service>>>(services: impl IntoIterator<Item = S>) -> Self {
-        let mut next = BTreeMap::new();
-        for s in services {
-            let s: Arc<Service> = s.into();
-            if let Some(old) = next.insert(s.id(), s) {
-                tracing::warn!(service = %old.id(), "service listed twice; keeping the last");
-            }
-        }
-        let mut by_addr = HashMap::new();
-        let mut by_name: HashMap<WorkloadKey, Vec<WorkloadKey>> = HashMap::new();
-        for (id, s) in &next {
-            by_name.entry(s.key()).or_default().push(id.clone());
-            for vip in &s.vips {
-                for port in &s.ports {
-                    let addr = SocketAddr::new(*vip, port.port);
-                    if let Some(other) = by_addr.insert(addr, id.clone()) {
-                        tracing::warn!(%addr, service = %id, other = %other, "VIP and port claimed by two services");
-                    }
-                }
-            }
-        }
-        // One entry per namespace and hostname: that is the id.
-        let mut by_hostname: HashMap<String, HashMap<String, WorkloadKey>> = HashMap::new();
-        for (id, s) in next.iter().filter(|(_, s)| !s.hostname.is_empty()) {
-            by_hostname
-                .entry(s.hostname.clone())
-                .or_default()
-                .insert(s.namespace.clone(), id.clone());
-        }
-        Self {
-            by_id: next,
-            by_name,
-            by_addr,
-            by_hostname,
-        }
-    }
-
-    /// The service named `hostname` in `namespace` (one map lookup).
-    pub fn by_hostname(&self, namespace: &str, hostname: &str) -> Option<&Arc<Service>> {
-        self.by_hostname
-            .get(hostname)
-            .and_then(|in_namespaces| in_namespaces.get(namespace))
-            .and_then(|id| self.by_id.get(id))
-    }
-
-    /// The service whose VIP and port `dst` is.
-    pub fn by_addr(&self, dst: SocketAddr) -> Option<&Arc<Service>> {
-        self.by_addr.get(&dst).and_then(|id| self.by_id.get(id))
-    }
-
-    /// A service named `key` (namespace/name); of several of one name (a
-    /// ServiceEntry's hosts), the one with the greatest id.
-    pub fn get(&self, key: &WorkloadKey) -> Option<&Arc<Service>> {
-        self.by_name
-            .get(key)
-            .and_then(|ids| ids.iter().max())
-            .and_then(|id| self.by_id.get(id))
-    }
-
-    /// The service stored under `id` ([`Service::id`]).
-    pub fn by_id(&self, id: &WorkloadKey) -> Option<&Arc<Service>> {
-        self.by_id.get(id)
-    }
-
-    /// All services, in id order.
-    pub fn iter(&self) -> impl Iterator<Item = &Service> {
-        self.by_id.values().map(Arc::as_ref)
-    }
-
-    pub fn len(&self) -> usize {
-        self.by_id.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.by_id.is_empty()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::state::ServiceStore;
 
     fn addr(s: &str) -> SocketAddr {
         s.parse().expect("test address")

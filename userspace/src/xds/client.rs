@@ -252,12 +252,17 @@ impl XdsSource {
                 // Only complete views (both types received once): a view
                 // of workloads without policies would serve inbound with
                 // no policy (the proxy fails closed until the first one).
-                if state.synced() && (applied.changed || !was_synced) {
+                // The first complete view whole, then only what changed.
+                if state.synced() && !was_synced {
                     let (view, new_warnings) = state.view();
-                    for warning in new_warnings {
-                        warn!(%warning, "xDS resources refer to something istiod has not sent");
-                    }
+                    log_warnings(new_warnings);
                     sink.cluster(view);
+                } else if state.synced() && applied.changed {
+                    let (delta, new_warnings) = state.delta();
+                    log_warnings(new_warnings);
+                    if !delta.is_empty() {
+                        sink.cluster_delta(delta);
+                    }
                 }
                 if !*synced_reported && state.synced() {
                     *synced_reported = true;
@@ -400,6 +405,12 @@ impl Backoff {
             Err(_) => 1.0,
         };
         step.mul_f64(0.5 + fraction / 2.0)
+    }
+}
+
+fn log_warnings(warnings: Vec<String>) {
+    for warning in warnings {
+        warn!(%warning, "xDS resources refer to something istiod has not sent");
     }
 }
 

@@ -41,6 +41,9 @@ pub(super) struct Derived {
     claims: HashMap<(String, IpAddr), BTreeSet<String>>,
     /// Resource name → what is wrong around it.
     warnings: BTreeMap<String, Vec<String>>,
+    /// Service resources whose copy with endpoints was replaced or dropped
+    /// since [`Derived::take_touched`] (what a delta must carry).
+    touched: HashSet<String>,
 }
 
 impl Derived {
@@ -86,6 +89,7 @@ impl Derived {
                         self.services_by_key.remove(&key);
                     }
                     self.attached.remove(&change.name);
+                    self.touched.insert(change.name.clone());
                     services_came_or_went = true;
                     dirty_keys.insert(key);
                 }
@@ -143,6 +147,7 @@ impl Derived {
                 Some(old) if **old == service => {}
                 _ => {
                     self.attached.insert(name.clone(), Arc::new(service));
+                    self.touched.insert(name.clone());
                 }
             }
         }
@@ -250,6 +255,17 @@ impl Derived {
     /// Every service with its endpoints, by resource name.
     pub fn services(&self) -> impl Iterator<Item = &Arc<Service>> {
         self.attached.values()
+    }
+
+    /// The service resource `name` with its endpoints.
+    pub fn service(&self, name: &str) -> Option<&Arc<Service>> {
+        self.attached.get(name)
+    }
+
+    /// The service resources whose copy with endpoints changed since the
+    /// last call.
+    pub fn take_touched(&mut self) -> HashSet<String> {
+        std::mem::take(&mut self.touched)
     }
 
     /// Every warning, by resource name.

@@ -10,7 +10,7 @@
 //! reported as held on reconnect, so istiod sends the resource again).
 
 use std::{
-    collections::{BTreeMap, HashMap, HashSet},
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     sync::Arc,
     time::SystemTime,
 };
@@ -30,7 +30,12 @@ use super::{
 pub use crate::api::{
     AckRecord, NackRecord, ResourceStatus, TypeStatus, XdsStatus, XdsStatusHandle, XdsSummary,
 };
-use crate::{authz::Policy, control::ClusterView};
+use crate::{
+    authz::Policy,
+    control::{ClusterDelta, ClusterView},
+    state::WorkloadKey,
+    store::workload_id,
+};
 
 /// Seconds since the epoch (negative before it).
 fn unix_seconds(t: SystemTime) -> i64 {
@@ -106,6 +111,16 @@ pub struct XdsState {
     entries: BTreeMap<String, Entry>,
     policies: BTreeMap<String, Held<Policy>>,
     derived: Derived,
+    /// Workload id ([`workload_id`]) → the resources holding one by that
+    /// id (normally one), and the same for service ids
+    /// ([`crate::state::Service::id`]):
+    /// which resource a delta's id stands for.
+    workload_names: HashMap<String, BTreeSet<String>>,
+    service_names: HashMap<WorkloadKey, BTreeSet<String>>,
+    /// Changed since the last view or delta was taken.
+    touched_workloads: HashSet<String>,
+    touched_services: HashSet<WorkloadKey>,
+    touched_policies: bool,
     /// Warnings new since the last [`XdsState::view`].
     new_warnings: Vec<String>,
     types: BTreeMap<String, TypeStatus>,
@@ -224,6 +239,9 @@ impl XdsState {
                 }
                 changed = !changes.is_empty();
                 if changed {
+                    for change in &changes {
+                        self.index(&change.name, change.old.as_ref(), change.new.as_ref());
+                    }
                     self.update_derived(changes, false);
                 }
             }
@@ -252,6 +270,7 @@ impl XdsState {
                         },
                     );
                 }
+                self.touched_policies |= changed;
                 let names_moved = removed > 0 || self.policies.len() != known_before;
                 if names_moved {
                     self.update_derived(Vec::new(), true);
@@ -265,6 +284,26 @@ impl XdsState {
             removed,
             rejected,
         })
+    }
+
+    /// Keeps the id → resource indexes current and records the ids a
+    /// delta must carry.
+    fn index(&mut self, name: &str, old: Option<&Entry>, new: Option<&Entry>) {
+        for (entry, present) in [(old, false), (new, true)] {
+            match entry {
+                Some(Entry::Workload(w)) => {
+                    let id = workload_id(w).into_owned();
+                    set_member(&mut self.workload_names, &id, name, present);
+                    self.touched_workloads.insert(id);
+                }
+                Some(Entry::Service(s)) => {
+                    let id = s.id();
+                    set_member(&mut self.service_names, &id, name, present);
+                    self.touched_services.insert(id);
+                }
+                None => {}
+            }
+        }
     }
 
     fn update_derived(&mut self, changes: Vec<Change>, policies_changed: bool) {
@@ -362,7 +401,47 @@ impl XdsState {
             services,
             policies,
         };
+        // The view holds every change so far; deltas start from it.
+        self.touched_workloads.clear();
+        self.touched_services.clear();
+        self.touched_policies = false;
+        self.derived.take_touched();
         (view, std::mem::take(&mut self.new_warnings))
+    }
+
+    /// What changed since the last [`XdsState::view`] or delta, by store
+    /// id: only the entries a response touched (and the services whose
+    /// endpoints moved with them), so handing a one-workload change to the
+    /// store does not walk the mesh. The same held copies as a view.
+    pub fn delta(&mut self) -> (ClusterDelta, Vec<String>) {
+        let mut delta = ClusterDelta::default();
+        for id in std::mem::take(&mut self.touched_workloads) {
+            // Of two resources with one id, the last by name, as a view.
+            let current = self.workload_names.get(&id).and_then(|names| {
+                names.iter().rev().find_map(|n| match self.entries.get(n) {
+                    Some(Entry::Workload(w)) => Some(w.clone()),
+                    _ => None,
+                })
+            });
+            delta.workloads.insert(id, current);
+        }
+        let mut service_ids = std::mem::take(&mut self.touched_services);
+        for name in self.derived.take_touched() {
+            if let Some(Entry::Service(s)) = self.entries.get(&name) {
+                service_ids.insert(s.id());
+            }
+        }
+        for id in service_ids {
+            let current = self
+                .service_names
+                .get(&id)
+                .and_then(|names| names.iter().rev().find_map(|n| self.derived.service(n)));
+            delta.services.insert(id, current.cloned());
+        }
+        if std::mem::take(&mut self.touched_policies) {
+            delta.policies = Some(self.policies.values().map(|h| h.value.clone()).collect());
+        }
+        (delta, std::mem::take(&mut self.new_warnings))
     }
 
     /// The status as `/config_dump` shows it.
@@ -405,6 +484,23 @@ impl XdsState {
             types,
             warnings: self.derived.warnings().cloned().collect(),
             resources,
+        }
+    }
+}
+
+/// Adds `name` to (or removes it from) the set under `id`.
+fn set_member<K: std::hash::Hash + Eq + Clone>(
+    index: &mut HashMap<K, BTreeSet<String>>,
+    id: &K,
+    name: &str,
+    present: bool,
+) {
+    if present {
+        index.entry(id.clone()).or_default().insert(name.to_owned());
+    } else if let Some(names) = index.get_mut(id) {
+        names.remove(name);
+        if names.is_empty() {
+            index.remove(id);
         }
     }
 }
@@ -458,3 +554,7 @@ fn decode(
 #[cfg(test)]
 #[path = "state_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "state_delta_tests.rs"]
+mod delta_tests;

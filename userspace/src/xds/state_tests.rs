@@ -10,7 +10,7 @@ use shunt_proto::envoy::service::discovery::v3::Resource;
 use super::*;
 use crate::store::WorkloadStore;
 
-fn pod(name: &str, ip: [u8; 4]) -> workload_pb::Workload {
+pub(super) fn pod(name: &str, ip: [u8; 4]) -> workload_pb::Workload {
     workload_pb::Workload {
         uid: format!("Kubernetes//Pod/default/{name}"),
         name: name.into(),
@@ -37,12 +37,12 @@ fn address_resource(name: &str, version: &str, address: workload_pb::address::Ty
     }
 }
 
-fn workload_resource(w: workload_pb::Workload, version: &str) -> Resource {
+pub(super) fn workload_resource(w: workload_pb::Workload, version: &str) -> Resource {
     let uid = w.uid.clone();
     address_resource(&uid, version, workload_pb::address::Type::Workload(w))
 }
 
-fn service(ns: &str, name: &str, hostname: &str, vip: [u8; 4]) -> workload_pb::Service {
+pub(super) fn service(ns: &str, name: &str, hostname: &str, vip: [u8; 4]) -> workload_pb::Service {
     workload_pb::Service {
         name: name.into(),
         namespace: ns.into(),
@@ -60,12 +60,12 @@ fn service(ns: &str, name: &str, hostname: &str, vip: [u8; 4]) -> workload_pb::S
     }
 }
 
-fn service_resource(s: workload_pb::Service) -> Resource {
+pub(super) fn service_resource(s: workload_pb::Service) -> Resource {
     let name = format!("{}/{}", s.namespace, s.hostname);
     address_resource(&name, "1", workload_pb::address::Type::Service(s))
 }
 
-fn response(resources: Vec<Resource>, removed: &[&str]) -> DeltaDiscoveryResponse {
+pub(super) fn response(resources: Vec<Resource>, removed: &[&str]) -> DeltaDiscoveryResponse {
     DeltaDiscoveryResponse {
         type_url: ADDRESS_TYPE_URL.into(),
         resources,
@@ -75,7 +75,7 @@ fn response(resources: Vec<Resource>, removed: &[&str]) -> DeltaDiscoveryRespons
     }
 }
 
-fn uid(name: &str) -> String {
+pub(super) fn uid(name: &str) -> String {
     format!("Kubernetes//Pod/default/{name}")
 }
 

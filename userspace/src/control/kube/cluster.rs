@@ -38,8 +38,9 @@ use crate::{
     control::{
         ClusterView, SourceSink,
         waypoint::{DEFAULT_CLUSTER_DOMAIN, UnknownGatewayLog, Waypoints},
+        waypoint_allow,
     },
-    state::Workload,
+    state::{TrustDomain, Workload},
 };
 
 /// Name of this source in readiness and logs.
@@ -57,6 +58,9 @@ pub struct ClusterWorkloads {
     stats: Arc<SourceStats>,
     /// `--cluster-domain`: service and waypoint hostnames end in it.
     cluster_domain: String,
+    /// `--auto-allow-waypoint-policy on`: the mesh's trust domain, for
+    /// istiod's implicit allow-from-waypoint policies.
+    waypoint_allow: Option<TrustDomain>,
 }
 
 impl ClusterWorkloads {
@@ -66,7 +70,16 @@ impl ClusterWorkloads {
             debounce: Duration::from_millis(100),
             stats: Arc::default(),
             cluster_domain: DEFAULT_CLUSTER_DOMAIN.into(),
+            waypoint_allow: None,
         }
+    }
+
+    /// Adds istiod's implicit allow-from-waypoint policies
+    /// ([`crate::control::waypoint_allow`]), naming identities in
+    /// `trust_domain`; `None`: not (istiod's default).
+    pub fn with_waypoint_allow(mut self, trust_domain: Option<TrustDomain>) -> Self {
+        self.waypoint_allow = trust_domain;
+        self
     }
 
     /// The cluster's DNS domain (`--cluster-domain`): services are named
@@ -150,10 +163,14 @@ impl ClusterWorkloads {
                         service_labels: &services.waypoint_labels(),
                     };
                     waypoints::assign(&inputs, &mut workloads, &mut listed_services, &mut unknown_gateways);
+                    let mut all_policies = policies.policies();
+                    if let Some(trust_domain) = &self.waypoint_allow {
+                        all_policies.extend(waypoint_allow::allow_from_waypoints(&mut workloads, &listed_services, trust_domain));
+                    }
                     let next = ClusterView {
                         workloads: workloads.into_iter().map(Into::into).collect(),
                         services: listed_services.into_iter().map(Into::into).collect(),
-                        policies: policies.policies(),
+                        policies: all_policies,
                     };
                     if last.as_ref() == Some(&next) {
                         continue;
