@@ -109,12 +109,15 @@ struct ProxyParts {
 pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     raise_open_files_limit(&args);
     let source = match &args.workloads {
-        Some(path) => PodSource::File(FileSource::load(
-            path,
-            &args.node_name,
-            &args.cluster_domain,
-            Duration::from_secs(args.reload_interval.max(1)),
-        )?),
+        Some(path) => PodSource::File(
+            FileSource::load(
+                path,
+                &args.node_name,
+                &args.cluster_domain,
+                Duration::from_secs(args.reload_interval.max(1)),
+            )?
+            .with_waypoint_allow(args.auto_allow_waypoint_policy == OnOff::On),
+        ),
         // Configured before anything is loaded, so that a missing
         // configuration fails fast.
         None => PodSource::Kube(kube::client().await?),

@@ -16,7 +16,7 @@ use std::{
 
 use tracing::{error, info};
 
-use super::{ClusterView, NodePods, SourceSink, local};
+use super::{ClusterView, NodePods, SourceSink, local, waypoint_allow};
 
 /// Name of this source in readiness and logs.
 pub const SOURCE: &str = "workloads-file";
@@ -30,6 +30,8 @@ pub struct FileSource {
     reload_interval: Duration,
     /// What was loaded last (pushed first by [`FileSource::run`]).
     current: local::LocalWorkloads,
+    /// `--auto-allow-waypoint-policy on` ([`super::waypoint_allow`]).
+    waypoint_allow: bool,
 }
 
 impl FileSource {
@@ -55,7 +57,15 @@ impl FileSource {
             cluster_domain: cluster_domain.to_string(),
             reload_interval: reload_interval.max(Duration::from_millis(100)),
             current,
+            waypoint_allow: false,
         })
+    }
+
+    /// Adds istiod's implicit allow-from-waypoint policies
+    /// ([`super::waypoint_allow`]) to what the file says.
+    pub fn with_waypoint_allow(mut self, on: bool) -> Self {
+        self.waypoint_allow = on;
+        self
     }
 
     /// The trust domain the file names.
@@ -96,10 +106,19 @@ impl FileSource {
     /// a service of it at once.
     fn push(&self, sink: &dyn SourceSink) {
         let current = &self.current;
+        let mut workloads = current.workloads.clone();
+        let mut policies = current.policies.clone();
+        if self.waypoint_allow {
+            policies.extend(waypoint_allow::allow_from_waypoints(
+                &mut workloads,
+                &current.services,
+                &current.trust_domain,
+            ));
+        }
         sink.cluster(ClusterView {
-            workloads: current.workloads.iter().cloned().map(Into::into).collect(),
+            workloads: workloads.into_iter().map(Into::into).collect(),
             services: current.services.iter().cloned().map(Into::into).collect(),
-            policies: current.policies.clone(),
+            policies,
         });
         sink.node_pods(NodePods {
             trust_domain: current.trust_domain.clone(),
