@@ -68,8 +68,11 @@ impl Drop for Mount {
 /// connect from the test process, outside the pods' cgroup: not
 /// redirected).
 fn listening(pod: &Pod, port: u16) -> bool {
-    pod.connect_tcp(SocketAddr::from(([127, 0, 0, 1], port)), Duration::from_secs(2))
-        .is_ok()
+    pod.connect_tcp(
+        SocketAddr::from(([127, 0, 0, 1], port)),
+        Duration::from_secs(2),
+    )
+    .is_ok()
 }
 
 fn istiod_in(pod: &Pod, pki: &Pki) -> Istiod {
@@ -101,8 +104,8 @@ async fn a_stock_ztunnel_is_retried_after_a_refusal_and_a_surge_keeps_the_first(
         }
     };
     require_root().expect("kernel tests need root");
-    let (topo, pods) = Topology::single_node("zds-stock", &["zt1", "zt2", "client", "other"])
-        .expect("topology");
+    let (topo, pods) =
+        Topology::single_node("zds-stock", &["zt1", "zt2", "client", "other"]).expect("topology");
     let [zt1_pod, zt2_pod, client, other] = [&pods[0], &pods[1], &pods[2], &pods[3]];
     let pin = PinDir::new(&topo, "zds-stock");
     let pki = Pki::new().expect("pki");
@@ -169,9 +172,10 @@ async fn a_stock_ztunnel_is_retried_after_a_refusal_and_a_surge_keeps_the_first(
     drop(mount);
     let _replaced = Mount::bind(&other.netns_path(), &path);
     let zt2 = tokio::task::block_in_place(|| {
-        let mut zt2 = ZtunnelNode::start(&binary, zt2_pod, &istiod2, &pki, &agent.socket)
-            .expect("ztunnel 2");
-        zt2.wait_ready(READY).expect("ztunnel 2 ready (its snapshot acked)");
+        let mut zt2 =
+            ZtunnelNode::start(&binary, zt2_pod, &istiod2, &pki, &agent.socket).expect("ztunnel 2");
+        zt2.wait_ready(READY)
+            .expect("ztunnel 2 ready (its snapshot acked)");
         zt2
     });
     assert_eq!(agent.metric("shunt_ztunnel_connections"), Some(2.0));

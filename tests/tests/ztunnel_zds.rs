@@ -365,7 +365,11 @@ async fn the_netns_sent_is_the_one_captured_even_after_another_is_mounted_at_its
     drop(mount);
     let _replaced = Mount::bind(&other.netns_path(), &path);
     let replacement = identity_of_path(&other.netns_path());
-    assert_eq!(identity_of_path(&path), replacement, "the path names other's");
+    assert_eq!(
+        identity_of_path(&path),
+        replacement,
+        "the path names other's"
+    );
     assert_ne!(replacement, captured);
 
     // A new ztunnel's snapshot carries the namespace captured.

@@ -157,7 +157,11 @@ impl Agent {
     }
 
     /// Waits (bounded) for a snapshot that passes `check`; returns it.
-    pub async fn wait_until(&self, what: &str, check: impl Fn(&NodeSnapshot) -> bool) -> NodeSnapshot {
+    pub async fn wait_until(
+        &self,
+        what: &str,
+        check: impl Fn(&NodeSnapshot) -> bool,
+    ) -> NodeSnapshot {
         let mut snapshots = self.reconciler.snapshots();
         let found = tokio::time::timeout(TIMEOUT, async {
             snapshots

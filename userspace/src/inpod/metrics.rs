@@ -43,6 +43,7 @@ impl ZdsMetrics {
     }
 
     pub(super) fn set_connections(&self, open: usize) {
-        self.connections.set(i64::try_from(open).unwrap_or(i64::MAX));
+        self.connections
+            .set(i64::try_from(open).unwrap_or(i64::MAX));
     }
 }

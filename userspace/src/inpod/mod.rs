@@ -87,7 +87,9 @@ impl ZdsConfig {
     /// The wait before retry number `attempt` (1 for the first).
     fn backoff(&self, attempt: u32) -> Duration {
         let factor = 1u32 << attempt.saturating_sub(1).min(16);
-        self.retry_initial.saturating_mul(factor).min(self.retry_max)
+        self.retry_initial
+            .saturating_mul(factor)
+            .min(self.retry_max)
     }
 }
 

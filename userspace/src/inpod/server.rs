@@ -30,9 +30,12 @@ pub struct ZdsServer {
     config: ZdsConfig,
 }
 
+/// A session task's end: its task, its connection and why.
+type SessionEnd = Result<(tokio::task::Id, (u64, SessionError)), tokio::task::JoinError>;
+
 enum Event {
     Accepted(Result<SeqpacketConn, SocketError>),
-    Ended(Option<Result<(tokio::task::Id, (u64, SessionError)), tokio::task::JoinError>>),
+    Ended(Option<SessionEnd>),
     WantedChanged(bool),
 }
 

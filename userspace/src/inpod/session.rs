@@ -292,7 +292,8 @@ impl Session {
         let fd = match held.checked_fd() {
             Ok(fd) => fd,
             Err(text) => {
-                let text = format!("the pod's network namespace cannot be handed to ztunnel: {text}");
+                let text =
+                    format!("the pod's network namespace cannot be handed to ztunnel: {text}");
                 warn!(pod = %key, "{text}");
                 self.set_answer(key, pod, Answer::Failed(text));
                 return Ok(());
