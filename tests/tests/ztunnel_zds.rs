@@ -4,8 +4,9 @@
 //!
 //! - a pod whose `AddWorkload` ztunnel refuses stays pending (status says
 //!   so, with the attempt), is redirected meanwhile so that its traffic
-//!   fails closed (the eBPF connect hook finds no listener on 15001 and
-//!   refuses the connect with EPERM; nothing reaches the server), and is sent
+//!   fails closed (eBPF: the connect hook finds no listener on 15001 and
+//!   refuses the connect with EPERM; iptables: Istio's REDIRECT meets no
+//!   listener, ECONNREFUSED; nothing reaches the server), and is sent
 //!   again on the same connection with back-off (counted) until ztunnel
 //!   acks it;
 //! - a second ztunnel connection (a surge) gets its snapshot and the new
@@ -30,12 +31,18 @@ use std::{
 
 use nix::sched::{CloneFlags, setns};
 use prost::Message as _;
-use shunt::state::{DataplaneMode, PodState, WorkloadKey};
+use shunt::{
+    redirect::{
+        Redirector,
+        iptables::{InpodRules, IptablesOptions, IptablesRedirector},
+    },
+    state::{DataplaneMode, PodState, WorkloadKey},
+};
 use shunt_proto::istio::zds::{
     Ack, WorkloadResponse, workload_request::Payload, workload_response,
 };
 use shunt_testbed::{
-    Cgroup, Topology,
+    Cgroup, Pod, Topology,
     agent::PinDir,
     apps::{EchoServer, TestApp, ok},
     require_root,
@@ -46,6 +53,9 @@ use ztunnel_harness::{Agent, AgentOptions, TESTAPP, ebpf_redirector, workload};
 /// connect() failing with EPERM: the eBPF connect hook found no listener
 /// on 15001 in the pod and refused it (fail closed, counted).
 const EPERM: i64 = 1;
+/// connect() failing with ECONNREFUSED: Istio's REDIRECT to 15001 met no
+/// listener (iptables mode).
+const ECONNREFUSED: i64 = 111;
 
 /// Known to the agent, not handed to ztunnel yet (connecting before would
 /// get an empty snapshot and the pod after it).
@@ -129,16 +139,39 @@ async fn wait_metric(agent: &Agent, name: &str, value: f64) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_refused_pod_fails_closed_and_is_sent_again_until_ztunnel_acks() {
+async fn a_refused_pod_fails_closed_and_is_sent_again_until_ztunnel_acks_ebpf() {
     require_root().expect("kernel tests need root");
     let (topo, pods) =
         Topology::single_node("zds-refuse", &["client", "server"]).expect("topology");
-    let [client, server] = [&pods[0], &pods[1]];
-    let apps = Cgroup::create(&topo, "apps").expect("cgroup");
     let pin = PinDir::new(&topo, "zds-refuse");
+    let redirector = ebpf_redirector(&topo, &pin);
+    refused_pod_fails_closed(&topo, &pods, redirector, EPERM).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_refused_pod_fails_closed_and_is_sent_again_until_ztunnel_acks_iptables() {
+    require_root().expect("kernel tests need root");
+    let (topo, pods) =
+        Topology::single_node("zds-refuse-ipt", &["client", "server"]).expect("topology");
+    let mut options = IptablesOptions::new(format!("{}-node-a", topo.prefix()));
+    options.rules = InpodRules::Istio;
+    let redirector = IptablesRedirector::new(options).expect("iptables redirector");
+    refused_pod_fails_closed(&topo, &pods, Box::new(redirector), ECONNREFUSED).await;
+}
+
+/// The refusal, with `redirector`; a connect while refused fails with
+/// `errno`.
+async fn refused_pod_fails_closed(
+    topo: &Topology,
+    pods: &[Pod],
+    redirector: Box<dyn Redirector>,
+    errno: i64,
+) {
+    let [client, server] = [&pods[0], &pods[1]];
+    let apps = Cgroup::create(topo, "apps").expect("cgroup");
     let agent = Agent::start_with(
-        &topo,
-        ebpf_redirector(&topo, &pin),
+        topo,
+        redirector,
         vec![
             workload(client, DataplaneMode::Ambient),
             workload(server, DataplaneMode::None),
@@ -189,7 +222,7 @@ async fn a_refused_pod_fails_closed_and_is_sent_again_until_ztunnel_acks() {
     tokio::task::block_in_place(|| {
         let report = app.run(client, &["connect", &to, "--send", "1000"]);
         assert!(!ok(&report), "{report}");
-        assert_eq!(report["errno"], EPERM, "{report}");
+        assert_eq!(report["errno"], errno, "{report}");
         assert!(real.accepted().is_empty(), "nothing reached the server");
         // Sent again on the same connection (no reconnect), refused again.
         expect_add(&zds, "uid-client");
