@@ -12,7 +12,8 @@
 //! - a second ztunnel connection (a surge) gets its snapshot and the new
 //!   pods while the first keeps its own: neither is closed nor sent a new
 //!   snapshot; dels go to both; after the first closes the second is
-//!   still served;
+//!   still served; when the newest closes instead, the older one is served
+//!   again and gets what it missed;
 //! - the netns sent is the one captured: after another namespace is
 //!   mounted over the pod's netns path, the next snapshot's fd is still
 //!   the original namespace (the stand-in checks its inode).
@@ -420,5 +421,56 @@ async fn the_netns_sent_is_the_one_captured_even_after_another_is_mounted_at_its
         second.ack().expect("ack");
     });
     drop(first);
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn when_the_newest_connection_closes_the_older_is_caught_up_and_served() {
+    require_root().expect("kernel tests need root");
+    let (topo, pods) = Topology::single_node("zds-fallback", &["a", "b"]).expect("topology");
+    let [a, b] = [&pods[0], &pods[1]];
+    let pin = PinDir::new(&topo, "zds-fallback");
+    let agent = Agent::start(
+        &topo,
+        ebpf_redirector(&topo, &pin),
+        vec![workload(a, DataplaneMode::Ambient)],
+    );
+    agent.wait_for("a", waiting()).await;
+    let (old, new) = tokio::task::block_in_place(|| {
+        let mut connections = Vec::new();
+        for _ in 0..2 {
+            let zds = ZdsClient::connect(&agent.socket).expect("connect");
+            zds.hello().expect("hello");
+            expect_add(&zds, "uid-a");
+            zds.ack().expect("ack");
+            expect_snapshot_sent(&zds);
+            zds.ack().expect("ack");
+            connections.push(zds);
+        }
+        let new = connections.pop().expect("two");
+        (connections.pop().expect("two"), new)
+    });
+    agent.wait_for("a", PodState::Enrolled).await;
+    // b arrives while the new connection is served: only it gets b.
+    agent.push(vec![
+        workload(a, DataplaneMode::Ambient),
+        workload(b, DataplaneMode::Ambient),
+    ]);
+    tokio::task::block_in_place(|| {
+        expect_add(&new, "uid-b");
+        new.ack().expect("ack");
+    });
+    agent.wait_for("b", PodState::Enrolled).await;
+
+    // The new ztunnel goes: the old one is served again and gets b.
+    drop(new);
+    tokio::task::block_in_place(|| {
+        expect_add(&old, "uid-b");
+        old.ack().expect("ack");
+    });
+    wait_metric(&agent, "shunt_ztunnel_connections", 1.0).await;
+    assert_eq!(agent.snapshot_state("a"), Some(PodState::Enrolled));
+    assert_eq!(agent.snapshot_state("b"), Some(PodState::Enrolled));
+    drop(old);
     agent.stop().await;
 }
