@@ -4,8 +4,9 @@
 //! ([`probe`]), and tables of expected outcomes taken from ztunnel
 //! ([`cases`]). [`bed::Bed`] runs a case against a fresh peer: the shunt
 //! agent, or the ztunnel binary named by `SHUNT_ZTUNNEL_BIN`
-//! ([`ztunnel_peer`]). Not to be confused with the ZDS stand-in
-//! `ztunnel.rs`.
+//! ([`ztunnel_peer`]). [`ztunnel_node`] runs that binary as the node's
+//! in-pod proxy, served over ZDS by the agent. Not to be confused with the
+//! ZDS stand-in `ztunnel.rs`.
 
 pub mod bed;
 pub mod cases;
@@ -14,4 +15,5 @@ pub mod istiod;
 pub mod pki;
 pub mod probe;
 pub mod resources;
+pub mod ztunnel_node;
 pub mod ztunnel_peer;

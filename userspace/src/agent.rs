@@ -34,7 +34,7 @@ use crate::{
         kernel::{KernelVerdict, VerdictKey},
     },
     control::NodePods,
-    inpod::{Answer, Answers, Wanted, ZtunnelLink},
+    inpod::{Answer, Answers, Wanted, ZdsPod, ZtunnelLink},
     proxy::Proxy,
     redirect::{Capture, EnrolledPod, MeshLocalWritten, PodTarget, Redirector, Verification},
     snapshot::{NodeSnapshot, PodSnapshot},
@@ -310,7 +310,8 @@ impl NodeAgent {
         for workload in pods.pods {
             let key = workload.key();
             let _span = info_span!("pod", pod = %key).entered();
-            let state = self.converge(&key, &workload, served.remove(&key));
+            let zds_pod = for_ztunnel.as_ref().and_then(|w| w.get(&key));
+            let state = self.converge(&key, &workload, served.remove(&key), zds_pod);
             let (kernel, kernel_denials) = self
                 .pods
                 .remove(&key)
@@ -355,12 +356,14 @@ impl NodeAgent {
     }
 
     /// Brings one pod in line; `served` is how binding its listeners went
-    /// if `serve_all` already did it.
+    /// if `serve_all` already did it; `zds_pod` is the pod as ztunnel is
+    /// told about it (`--proxy ztunnel`).
     fn converge(
         &mut self,
         key: &WorkloadKey,
         workload: &Workload,
         served: Option<serve::Served>,
+        zds_pod: Option<&ZdsPod>,
     ) -> PodState {
         // A waypoint pod opts in but is never captured (`Workload::captured`).
         if !workload.captured() {
@@ -385,9 +388,15 @@ impl NodeAgent {
             // The enrol below repairs it (and logs what was missing).
             self.metrics.repaired();
         }
+        // A pod ztunnel refused is redirected all the same, so that its
+        // traffic fails closed (at listeners that are not there) rather
+        // than going out unmeshed, while the ZDS server sends it again; it
+        // stays pending (not reported captured) until ztunnel acks it.
+        let mut refused_by_ztunnel = None;
         if let Some(link) = &self.ztunnel {
-            match link.answer(key, &link.describe(key, workload, netns)) {
+            match zds_pod.and_then(|pod| link.answer(key, pod)) {
                 Some(Answer::Acked) => {}
+                Some(Answer::Refused(problem)) => refused_by_ztunnel = Some(problem),
                 Some(Answer::Failed(problem)) => return PodState::Pending(problem),
                 // Redirecting now would send the pod's traffic to listeners
                 // ztunnel has not bound yet.
@@ -412,14 +421,15 @@ impl NodeAgent {
             },
         };
         match self.redirector.enrol(&target) {
-            Ok(()) => match proxy_problem {
-                None => {
+            Ok(()) => match (refused_by_ztunnel, proxy_problem) {
+                (Some(problem), _) => PodState::Pending(problem),
+                (None, None) => {
                     if !was_enrolled {
                         self.metrics.enrolled(served_in + started.elapsed());
                     }
                     PodState::Enrolled
                 }
-                Some(problem) => PodState::Error(format!(
+                (None, Some(problem)) => PodState::Error(format!(
                     "enrolled, but the proxy cannot serve it (traffic fails closed): {problem}"
                 )),
             },

@@ -126,6 +126,12 @@ impl NetNs {
         }
     }
 
+    /// This namespace's identity, checked to be a namespace file (see
+    /// [`NsId::of_path`]).
+    pub fn checked_id(&self) -> Result<NsId, NetNsError> {
+        NsId::of_file(&self.file, &self.path)
+    }
+
     /// This namespace's identity (see [`NsId`]).
     pub fn id(&self) -> Result<NsId, NetNsError> {
         self.file
@@ -165,7 +171,17 @@ impl NsId {
         };
         // One open file for both questions: the path cannot change between.
         let file = File::open(path).map_err(identity)?;
-        let fs = nix::sys::statfs::fstatfs(&file).map_err(|e| identity(e.into()))?;
+        Self::of_file(&file, path)
+    }
+
+    /// The identity of the namespace the open `file` (opened from `path`,
+    /// named in errors) is; anything but a namespace file is an error.
+    pub fn of_file(file: &File, path: &Path) -> Result<Self, NetNsError> {
+        let identity = |source| NetNsError::Identity {
+            path: path.to_path_buf(),
+            source,
+        };
+        let fs = nix::sys::statfs::fstatfs(file).map_err(|e| identity(e.into()))?;
         if fs.filesystem_type() != nix::sys::statfs::NSFS_MAGIC {
             return Err(identity(std::io::Error::other(
                 "not a namespace file (its file system is not nsfs)",

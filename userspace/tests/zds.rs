@@ -330,7 +330,13 @@ impl Harness {
         let redirector = EbpfRedirector::load(&options).expect("load eBPF");
         let dir = tempfile::tempdir().expect("socket dir");
         let socket = dir.path().join("ztunnel.sock");
-        let (server, link) = shunt::inpod::bind(&socket, ACK_TIMEOUT).expect("ZDS socket");
+        let config = shunt::inpod::ZdsConfig {
+            ack_timeout: ACK_TIMEOUT,
+            retry_initial: Duration::from_millis(200),
+            retry_max: Duration::from_secs(1),
+            ..Default::default()
+        };
+        let (server, link) = shunt::inpod::bind(&socket, config).expect("ZDS socket");
         tokio::spawn(server.run());
         let agent = NodeAgent::new(
             NODE.into(),
@@ -508,16 +514,17 @@ async fn snapshot_add_del_and_a_fresh_snapshot_after_reconnect() {
         h.wait_state("d", PodState::Enrolled);
         assert_eq!(h.state("a"), Some(PodState::Enrolled), "a stayed enrolled");
 
-        // A second ztunnel connection replaces the first, with a snapshot.
-        let replacement = Ztunnel::connect(&h.socket);
-        replacement.hello();
-        replacement.expect_add(h.pod("a"));
-        replacement.ack();
-        z.expect_closed();
-        replacement.expect_add(h.pod("d"));
-        replacement.ack();
-        replacement.expect_snapshot_sent();
-        replacement.ack();
+        // A second ztunnel connection gets a snapshot of its own; the
+        // first stays open (a surge: `tests/tests/ztunnel_zds.rs`).
+        let surge = Ztunnel::connect(&h.socket);
+        surge.hello();
+        surge.expect_add(h.pod("a"));
+        surge.ack();
+        surge.expect_add(h.pod("d"));
+        surge.ack();
+        surge.expect_snapshot_sent();
+        surge.ack();
+        drop(z);
     });
     h.reconciler.stop(true).await;
 }
@@ -608,7 +615,7 @@ async fn malformed_messages_reset_the_connection_and_enrol_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn refused_pods_stay_pending_and_gone_netns_are_kept() {
+async fn refused_pods_are_sent_again_and_a_gone_netns_path_still_sends_the_captured_one() {
     let mut h = Harness::start("zds-keep", &["k", "r"]);
     // k's netns is reached through a bind mount the test can take away,
     // as when a pod's sandbox is torn down while ztunnel still serves it.
@@ -622,6 +629,7 @@ async fn refused_pods_stay_pending_and_gone_netns_are_kept() {
         None::<&str>,
     )
     .expect("bind-mount k's netns");
+    let captured = std::fs::metadata(&mount).expect("k's netns");
     let k = h.pods.iter_mut().find(|p| p.name == "k").expect("k");
     k.netns = mount.clone();
     k.workload.netns = Some(mount.clone());
@@ -633,44 +641,59 @@ async fn refused_pods_stay_pending_and_gone_netns_are_kept() {
         z.expect_add(h.pod("k"));
         z.ack();
         z.expect_add(h.pod("r"));
-        // ztunnel refuses r (e.g. istiod does not know it yet).
-        z.send(
-            &WorkloadResponse {
-                payload: Some(workload_response::Payload::Ack(Ack {
-                    error: "unknown workload".into(),
-                })),
-            }
-            .encode_to_vec(),
-        );
+        // ztunnel refuses r (e.g. a port in its netns is taken).
+        let refuse = || {
+            z.send(
+                &WorkloadResponse {
+                    payload: Some(workload_response::Payload::Ack(Ack {
+                        error: "failure to start proxy".into(),
+                    })),
+                }
+                .encode_to_vec(),
+            )
+        };
+        refuse();
         z.expect_snapshot_sent();
         z.ack();
         h.wait_state("k", PodState::Enrolled);
         h.wait_state(
             "r",
-            PodState::Pending("ztunnel refused the pod: unknown workload".into()),
+            PodState::Pending(
+                "ztunnel refused the pod: failure to start proxy (attempt 1; sent again in 200ms; its traffic fails closed meanwhile)".into(),
+            ),
         );
-        wait_for_log(&["ztunnel refused AddWorkload", "unknown workload"]);
+        wait_for_log(&["ztunnel refused the pod", "failure to start proxy"]);
+        // Sent again on the same connection; acked this time.
+        z.expect_add(h.pod("r"));
+        z.ack();
+        h.wait_state("r", PodState::Enrolled);
 
-        // k's netns can no longer be opened; ztunnel reconnects: k, acked
-        // before, is kept (no fd to send), r is added again.
+        // k's netns path goes away; ztunnel reconnects: k is still added,
+        // with the namespace held since its capture.
         // Lazily: the redirector may hold the netns open meanwhile.
         nix::mount::umount2(&mount, nix::mount::MntFlags::MNT_DETACH).expect("unmount k's netns");
         std::fs::remove_file(&mount).expect("remove the mount point");
         drop(z);
         let z = Ztunnel::connect(&h.socket);
         z.hello();
-        let keep = z.expect();
-        match keep.payload {
-            Payload::Keep(keep) => assert_eq!(keep.uid, h.pod("k").uid),
-            other => panic!("expected KeepWorkload for k, got {other:?}"),
+        let add = z.expect();
+        match add.payload {
+            Payload::Add(ref add) => assert_eq!(add.uid, h.pod("k").uid),
+            ref other => panic!("expected AddWorkload for k, got {other:?}"),
         }
-        assert!(keep.fds.is_empty(), "KeepWorkload carries no fd");
+        assert_eq!(add.fds.len(), 1, "one fd with AddWorkload");
+        let st = fstat(add.fds[0].as_raw_fd()).expect("fstat the fd");
+        assert_eq!(
+            (st.st_dev, st.st_ino),
+            ns_identity(&captured),
+            "k's namespace, captured"
+        );
         z.ack();
         z.expect_add(h.pod("r"));
         z.ack();
         z.expect_snapshot_sent();
         z.ack();
-        h.wait_state("r", PodState::Enrolled);
+        assert_eq!(h.state("k"), Some(PodState::Enrolled));
     });
     h.reconciler.stop(true).await;
 }

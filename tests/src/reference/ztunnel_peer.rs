@@ -172,7 +172,7 @@ impl Ztunnel {
 }
 
 /// GET /healthz/ready on `addr` from the current thread's netns.
-fn ready_in_netns(addr: SocketAddr) -> std::result::Result<u16, String> {
+pub(super) fn ready_in_netns(addr: SocketAddr) -> std::result::Result<u16, String> {
     use std::io::{Read as _, Write as _};
     let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))
         .map_err(|e| format!("connecting {addr}: {e}"))?;

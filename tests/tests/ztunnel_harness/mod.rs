@@ -11,6 +11,8 @@ use shunt::{
     agent::{NodeAgent, Reconciler, ReconcilerInputs},
     app::AgentSink,
     control::{NodePods, SourceSink},
+    inpod::ZdsConfig,
+    metrics::Metrics,
     redirect::{
         Capture, Redirector,
         ebpf::{EbpfOptions, EbpfRedirector},
@@ -57,19 +59,54 @@ pub struct HboneSetup {
     pub workloads: BTreeMap<IpAddr, SpiffeId>,
 }
 
+/// How the harness's agent runs.
+pub struct AgentOptions {
+    /// How often the reconciler's verify pass runs (and looks at the pods'
+    /// netns paths again).
+    pub verify_every: Duration,
+    /// The ZDS server's wait before sending a refused pod again.
+    pub retry_initial: Duration,
+}
+
+impl Default for AgentOptions {
+    fn default() -> Self {
+        Self {
+            verify_every: Duration::from_secs(1),
+            retry_initial: Duration::from_secs(1),
+        }
+    }
+}
+
 /// The agent's reconciler with a ZDS server on a socket of the test's own.
 pub struct Agent {
     reconciler: Reconciler,
+    sink: AgentSink,
+    metrics: Metrics,
     pub socket: PathBuf,
     socket_dir: PathBuf,
 }
 
 impl Agent {
     pub fn start(topo: &Topology, redirector: Box<dyn Redirector>, pods: Vec<Workload>) -> Agent {
+        Self::start_with(topo, redirector, pods, AgentOptions::default())
+    }
+
+    pub fn start_with(
+        topo: &Topology,
+        redirector: Box<dyn Redirector>,
+        pods: Vec<Workload>,
+        options: AgentOptions,
+    ) -> Agent {
         let socket_dir = PathBuf::from(format!("/tmp/{}-zds", topo.prefix()));
         let socket = socket_dir.join("ztunnel.sock");
-        let (server_task, link) =
-            shunt::inpod::bind(&socket, Duration::from_secs(5)).expect("ZDS socket");
+        let metrics = Metrics::new();
+        let config = ZdsConfig {
+            ack_timeout: Duration::from_secs(5),
+            retry_initial: options.retry_initial,
+            retry_max: options.retry_initial * 4,
+            metrics: metrics.zds().clone(),
+        };
+        let (server_task, link) = shunt::inpod::bind(&socket, config).expect("ZDS socket");
         tokio::spawn(server_task.run());
         let agent = NodeAgent::new(
             "node-a".into(),
@@ -77,6 +114,7 @@ impl Agent {
             redirector,
             Capture::all(),
         )
+        .with_metrics(metrics.clone())
         .with_ztunnel(link);
         let (pods_tx, pods_rx) = tokio::sync::watch::channel(None);
         let reconciler = Reconciler::spawn(
@@ -84,20 +122,72 @@ impl Agent {
             ReconcilerInputs {
                 pods: pods_rx,
                 store_applied: None,
-                verify_every: Duration::from_secs(1),
+                verify_every: options.verify_every,
             },
             tokio::runtime::Handle::current(),
         )
         .expect("reconcile thread");
-        AgentSink::new(pods_tx, None).node_pods(NodePods {
+        let sink = AgentSink::new(pods_tx, None);
+        let agent = Agent {
+            reconciler,
+            sink,
+            metrics,
+            socket,
+            socket_dir,
+        };
+        agent.push(pods);
+        agent
+    }
+
+    /// The source lists these pods as the node's, from now on.
+    pub fn push(&self, pods: Vec<Workload>) {
+        self.sink.node_pods(NodePods {
             trust_domain: TrustDomain::default(),
             pods,
         });
-        Agent {
-            reconciler,
-            socket,
-            socket_dir,
+    }
+
+    /// The value of metric `name` (no labels) on a scrape now.
+    pub fn metric(&self, name: &str) -> Option<f64> {
+        let text = self.metrics.encode(None);
+        text.lines().find_map(|line| {
+            let (key, value) = line.split_once(' ')?;
+            (key == name).then(|| value.parse().ok())?
+        })
+    }
+
+    /// Waits (bounded) for a snapshot that passes `check`; returns it.
+    pub async fn wait_until(
+        &self,
+        what: &str,
+        check: impl Fn(&NodeSnapshot) -> bool,
+    ) -> NodeSnapshot {
+        let mut snapshots = self.reconciler.snapshots();
+        let found = tokio::time::timeout(TIMEOUT, async {
+            snapshots
+                .wait_for(|s| check(s))
+                .await
+                .map(|s| (**s).clone())
+        })
+        .await;
+        match found {
+            Ok(Ok(snapshot)) => snapshot,
+            _ => panic!(
+                "{what}: not within {TIMEOUT:?}: {:?}",
+                self.reconciler.snapshots().borrow().pods
+            ),
         }
+    }
+
+    /// `pod`'s state in the last snapshot published.
+    pub fn snapshot_state(&self, pod: &str) -> Option<PodState> {
+        let key = WorkloadKey::new("default", pod);
+        let snapshot = self.reconciler.snapshots().borrow().clone();
+        snapshot
+            .pods
+            .iter()
+            .find(|p| p.workload.key() == key)
+            .map(|p| p.state.clone())
     }
 
     /// Waits (bounded) for a snapshot where `pod` is in `state`.

@@ -163,7 +163,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     .with_metrics(metrics.clone())
     .with_dns_capture(dns_capture_default(&args));
     if (args.capture, args.proxy) == (OnOff::On, ProxyKind::Ztunnel) {
-        node_agent = node_agent.with_ztunnel(serve_zds(&args.zds_socket)?);
+        node_agent = node_agent.with_ztunnel(serve_zds(&args.zds_socket, &metrics)?);
     }
 
     // The workload store and its one writer (only the builtin proxy reads it).

@@ -164,8 +164,15 @@ pub(super) fn xds_source(args: &AgentArgs) -> Result<Option<crate::xds::XdsSourc
 /// The ZDS server ztunnel connects to, running; returns the reconciler's
 /// end of the link (the reconciler tells it the pods, it tells the
 /// reconciler ztunnel's acks).
-pub(super) fn serve_zds(socket: &Path) -> Result<crate::inpod::ZtunnelLink, AgentError> {
-    let (server, link) = crate::inpod::bind(socket, crate::inpod::DEFAULT_ACK_TIMEOUT)?;
+pub(super) fn serve_zds(
+    socket: &Path,
+    metrics: &crate::metrics::Metrics,
+) -> Result<crate::inpod::ZtunnelLink, AgentError> {
+    let config = crate::inpod::ZdsConfig {
+        metrics: metrics.zds().clone(),
+        ..Default::default()
+    };
+    let (server, link) = crate::inpod::bind(socket, config)?;
     tokio::spawn(server.run().instrument(info_span!("zds")));
     Ok(link)
 }

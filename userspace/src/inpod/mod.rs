@@ -15,12 +15,19 @@
 //! left, so a `DelWorkload` never precedes the unenrolment); the
 //! [`ZdsServer`] alone writes ztunnel's [`Answers`], which the reconciler
 //! reads to gate enrolment: a pod is redirected only once ztunnel has
-//! acked its `AddWorkload` (its listeners are bound). Pods wanted while no
-//! ztunnel is connected wait in the wanted set and go out in the next
-//! connection's snapshot.
+//! acked its `AddWorkload` (its listeners are bound), or refused it (then
+//! its traffic fails closed while the add is sent again with back-off).
+//! Pods wanted while no ztunnel is connected wait in the wanted set and go
+//! out in the next connection's snapshot. Every ztunnel connection is kept
+//! (`server.rs`): the newest gets the snapshot, the adds, and alone writes
+//! the answers; older ones keep what they have until they close.
+//! Each pod's namespace is held open from its capture (`held.rs`).
 
+mod held;
+mod metrics;
 pub(crate) mod protocol;
 mod server;
+mod session;
 mod socket;
 
 use std::{
@@ -32,6 +39,8 @@ use std::{
 
 use tokio::sync::watch;
 
+pub use held::HeldNetns;
+pub use metrics::ZdsMetrics;
 pub use protocol::ProtocolError;
 pub use server::ZdsServer;
 pub use socket::SocketError;
@@ -48,8 +57,44 @@ pub const DEFAULT_SOCKET: &str = "/var/run/ztunnel/ztunnel.sock";
 /// its listeners are bound in the pod's netns: milliseconds).
 pub const DEFAULT_ACK_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How the server runs.
+#[derive(Clone, Debug)]
+pub struct ZdsConfig {
+    /// How long ztunnel may take to answer one request.
+    pub ack_timeout: Duration,
+    /// A refused pod is sent again after this, then after twice as long
+    /// each time, up to `retry_max` (istio-cni retries a failed add through
+    /// its rate-limited queue; ztunnel itself retries a proxy that failed to
+    /// start every 5 s, and answers a repeated add for a pod it serves with
+    /// a plain ack).
+    pub retry_initial: Duration,
+    pub retry_max: Duration,
+    pub metrics: ZdsMetrics,
+}
+
+impl Default for ZdsConfig {
+    fn default() -> Self {
+        Self {
+            ack_timeout: DEFAULT_ACK_TIMEOUT,
+            retry_initial: Duration::from_secs(1),
+            retry_max: Duration::from_secs(60),
+            metrics: ZdsMetrics::default(),
+        }
+    }
+}
+
+impl ZdsConfig {
+    /// The wait before retry number `attempt` (1 for the first).
+    fn backoff(&self, attempt: u32) -> Duration {
+        let factor = 1u32 << attempt.saturating_sub(1).min(16);
+        self.retry_initial
+            .saturating_mul(factor)
+            .min(self.retry_max)
+    }
+}
+
 /// A pod as ztunnel is told about it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct ZdsPod {
     /// The key of add/keep/del: the pod's UID, else `namespace/name`.
     pub uid: String,
@@ -57,19 +102,46 @@ pub struct ZdsPod {
     pub name: String,
     pub namespace: String,
     pub service_account: String,
-    /// Opened when the pod is sent; the fd travels with the `AddWorkload`.
+    /// Where the pod's netns was found (logs; the fd sent is `held`).
     pub netns: PathBuf,
-    /// Which namespace `netns` named when the reconciler looked (`None`:
-    /// it could not be read). A new namespace under the same path (the
-    /// pod's sandbox recreated) makes the pod differ from what ztunnel was
-    /// sent, so it is sent again (`DelWorkload`, then `AddWorkload` with
-    /// the new namespace): ztunnel would otherwise keep serving the dead
-    /// one, and enrolment waits for the new ack.
+    /// Which namespace was captured (`None`: it could not be opened). A
+    /// new namespace under the same path (the pod's sandbox recreated)
+    /// makes the pod differ from what ztunnel was sent, so it is sent
+    /// again (`DelWorkload`, then `AddWorkload` with the new namespace):
+    /// ztunnel would otherwise keep serving the dead one, and enrolment
+    /// waits for the new ack.
     pub netns_id: Option<NsId>,
+    /// The namespace itself, held open since it was captured: what every
+    /// `AddWorkload` for this pod carries.
+    pub held: Option<Arc<HeldNetns>>,
 }
 
+/// Two descriptions are the same pod if all but the handle agree (the
+/// handle is the namespace `netns_id` names).
+impl PartialEq for ZdsPod {
+    fn eq(&self, other: &Self) -> bool {
+        (
+            &self.uid,
+            &self.name,
+            &self.namespace,
+            &self.service_account,
+            &self.netns,
+            self.netns_id,
+        ) == (
+            &other.uid,
+            &other.name,
+            &other.namespace,
+            &other.service_account,
+            &other.netns,
+            other.netns_id,
+        )
+    }
+}
+
+impl Eq for ZdsPod {}
+
 impl ZdsPod {
-    pub fn new(workload: &Workload, netns: &Path, netns_id: Option<NsId>) -> Self {
+    pub fn new(workload: &Workload, netns: &Path, held: Option<Arc<HeldNetns>>) -> Self {
         let uid = if workload.uid.is_empty() {
             format!("{}/{}", workload.namespace, workload.name)
         } else {
@@ -81,7 +153,8 @@ impl ZdsPod {
             namespace: workload.namespace.clone(),
             service_account: workload.service_account.clone(),
             netns: netns.to_path_buf(),
-            netns_id,
+            netns_id: held.as_ref().map(|h| h.id()),
+            held,
         }
     }
 }
@@ -95,11 +168,15 @@ pub enum Answer {
     /// ztunnel acked the `AddWorkload` (or, in a later snapshot, the
     /// `KeepWorkload`): its listeners are bound in the pod's netns.
     Acked,
-    /// The pod could not be handed over; the text says why (ztunnel's
-    /// error, or the netns that could not be opened).
+    /// ztunnel answered the `AddWorkload` with an error: the pod is
+    /// redirected all the same (its traffic fails closed at listeners that
+    /// are not there, as with istio-cni, whose rules precede the add) and
+    /// sent again with back-off; the text says why and when.
+    Refused(String),
+    /// The pod could not be handed over (no network namespace to send);
+    /// the text says why.
     Failed(String),
 }
-
 /// The answer for each pod, with the pod as it was sent (a pod whose
 /// netns changed since must be sent again).
 pub type Answers = BTreeMap<WorkloadKey, (ZdsPod, Answer)>;
@@ -123,20 +200,35 @@ impl ZtunnelLink {
         });
     }
 
-    /// `workload` (its netns at `netns`) as ztunnel is to be told about it,
-    /// with the identity of the namespace `netns` names now. A namespace
-    /// that cannot be read now (its sandbox going away) keeps the identity
-    /// ztunnel last answered for at that path: only a namespace known to be
-    /// new is sent again (an unreadable one is kept, or fails to open when
-    /// sent, as before).
+    /// `workload` (its netns at `netns`) as ztunnel is to be told about it.
+    /// The namespace is held from the first time the pod is described (its
+    /// capture): while `netns` names the same namespace, or cannot be read
+    /// (its sandbox going away), the held one is kept; a namespace known
+    /// to be new under that path (the sandbox recreated) is opened and
+    /// held instead, which sends the pod again.
     pub fn describe(&self, key: &WorkloadKey, workload: &Workload, netns: &Path) -> ZdsPod {
-        let netns_id = NsId::of_path(netns)
-            .ok()
-            .or_else(|| match self.answers.borrow().get(key) {
-                Some((sent, _)) if sent.netns == netns => sent.netns_id,
-                _ => None,
-            });
-        ZdsPod::new(workload, netns, netns_id)
+        let held = self.held(key, netns);
+        let held = match HeldNetns::open(netns) {
+            Ok(now) => match held {
+                Some(before) if before.id() == now.id() => Some(before),
+                _ => Some(Arc::new(now)),
+            },
+            Err(_) => held,
+        };
+        ZdsPod::new(workload, netns, held)
+    }
+
+    /// The namespace held for `key` at `netns`: in the set published, else
+    /// in what ztunnel last answered for.
+    fn held(&self, key: &WorkloadKey, netns: &Path) -> Option<Arc<HeldNetns>> {
+        let at_path = |pod: &ZdsPod| pod.held.clone().filter(|_| pod.netns == netns);
+        if let Some(held) = self.wanted.borrow().get(key).and_then(at_path) {
+            return Some(held);
+        }
+        self.answers
+            .borrow()
+            .get(key)
+            .and_then(|(sent, _)| at_path(sent))
     }
 
     /// ztunnel's answer for `pod` as it is now (`None`: not answered yet,
@@ -162,11 +254,11 @@ pub enum ZdsError {
 
 /// Listens on `path`; returns the server (run it with [`ZdsServer::run`])
 /// and the reconciler's end of the link.
-pub fn bind(path: &Path, ack_timeout: Duration) -> Result<(ZdsServer, ZtunnelLink), ZdsError> {
+pub fn bind(path: &Path, config: ZdsConfig) -> Result<(ZdsServer, ZtunnelLink), ZdsError> {
     let listener = socket::SeqpacketListener::bind(path)?;
     let (wanted, wanted_rx) = watch::channel(Wanted::new());
     let (answers, answers_rx) = watch::channel(Answers::new());
-    let server = ZdsServer::new(listener, wanted_rx, Arc::new(answers), ack_timeout);
+    let server = ZdsServer::new(listener, wanted_rx, Arc::new(answers), config);
     Ok((
         server,
         ZtunnelLink {
@@ -174,4 +266,21 @@ pub fn bind(path: &Path, ack_timeout: Duration) -> Result<(ZdsServer, ZtunnelLin
             answers: answers_rx,
         },
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_its_bound() {
+        let config = ZdsConfig {
+            retry_initial: Duration::from_millis(500),
+            retry_max: Duration::from_secs(4),
+            ..ZdsConfig::default()
+        };
+        let waits: Vec<u128> = (1..=6).map(|n| config.backoff(n).as_millis()).collect();
+        assert_eq!(waits, [500, 1000, 2000, 4000, 4000, 4000]);
+        assert_eq!(config.backoff(u32::MAX), Duration::from_secs(4));
+    }
 }

@@ -71,6 +71,8 @@ struct Inner {
     fast_path: FastPathMetrics,
     /// The DNS proxy's (`crate::dns` records them, ztunnel's names).
     dns: Arc<crate::dns::DnsMetrics>,
+    /// The ZDS server's (`--proxy ztunnel`; `crate::inpod` records them).
+    zds: crate::inpod::ZdsMetrics,
     /// The Kubernetes source's counters, once it runs.
     kube: OnceLock<Arc<SourceStats>>,
 }
@@ -131,6 +133,8 @@ impl Metrics {
         );
         let fast_path = FastPathMetrics::default();
         fast_path.register(shunt);
+        let zds = crate::inpod::ZdsMetrics::default();
+        zds.register(shunt);
         Self {
             inner: Arc::new(Inner {
                 registry,
@@ -139,6 +143,7 @@ impl Metrics {
                 repairs,
                 fast_path,
                 dns,
+                zds,
                 kube: OnceLock::new(),
             }),
         }
@@ -157,6 +162,11 @@ impl Metrics {
     /// The passthrough fast path's metrics (`fastpath/` records them).
     pub fn fast_path(&self) -> &FastPathMetrics {
         &self.inner.fast_path
+    }
+
+    /// The ZDS server's metrics (`--proxy ztunnel`).
+    pub fn zds(&self) -> &crate::inpod::ZdsMetrics {
+        &self.inner.zds
     }
 
     /// The DNS proxy's metrics, shared by every pod's DNS server.
