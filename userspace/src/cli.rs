@@ -55,6 +55,31 @@ pub struct AgentArgs {
     #[arg(long, value_name = "DOMAIN", default_value = "cluster.local")]
     pub trust_domain: crate::state::TrustDomain,
 
+    /// Namespaces whose pods are never enrolled, whatever their labels
+    /// (istio-cni's `excludeNamespaces`; its default keeps kube-system out),
+    /// comma-separated; empty: none. Pods from Kubernetes only.
+    #[arg(
+        long,
+        value_name = "NS,...",
+        value_delimiter = ',',
+        default_value = crate::control::kube::enablement::DEFAULT_EXCLUDED_NAMESPACES
+    )]
+    pub exclude_namespaces: Vec<String>,
+
+    /// Which pods join the mesh, as istio-cni's
+    /// `ambient.enablementSelectors`: a YAML or JSON list of
+    /// `{podSelector, namespaceSelector}` label selectors, any of which
+    /// enrols a pod (podSelector on the pod's labels, namespaceSelector on
+    /// its namespace's; an empty one matches all). The default is Istio's:
+    /// the pod labelled `istio.io/dataplane-mode=ambient`, or its namespace
+    /// labelled so and the pod not `none`. Pods from Kubernetes only.
+    #[arg(
+        long,
+        value_name = "YAML",
+        default_value = crate::control::kube::enablement::ISTIO_DEFAULT_SELECTORS
+    )]
+    pub enablement_selectors: String,
+
     /// The container runtime's CRI socket, asked for each pod's network
     /// namespace (the sandbox's pinned netns path) when pods come from
     /// Kubernetes. Default: the first that exists of

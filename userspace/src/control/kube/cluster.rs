@@ -31,7 +31,7 @@ use tokio::time::Instant;
 use tracing::{debug, info};
 
 use super::{
-    SourceStats, Step, Watches, gateway::GatewayWatch, policy::PolicyWatch,
+    Enablement, SourceStats, Step, Watches, gateway::GatewayWatch, policy::PolicyWatch,
     service::ServiceWatches, sleep_until, waypoints,
 };
 use crate::{
@@ -57,6 +57,9 @@ pub struct ClusterWorkloads {
     stats: Arc<SourceStats>,
     /// `--cluster-domain`: service and waypoint hostnames end in it.
     cluster_domain: String,
+    /// Which pods are in the mesh (the same rule every node's agent
+    /// enrols by).
+    enablement: Arc<Enablement>,
 }
 
 impl ClusterWorkloads {
@@ -66,7 +69,15 @@ impl ClusterWorkloads {
             debounce: Duration::from_millis(100),
             stats: Arc::default(),
             cluster_domain: DEFAULT_CLUSTER_DOMAIN.into(),
+            enablement: Arc::default(),
         }
+    }
+
+    /// `--enablement-selectors` and `--exclude-namespaces`: a pod they leave
+    /// out is no mesh workload for the proxy either.
+    pub fn with_enablement(mut self, enablement: Arc<Enablement>) -> Self {
+        self.enablement = enablement;
+        self
     }
 
     /// The cluster's DNS domain (`--cluster-domain`): services are named
@@ -137,7 +148,7 @@ impl ClusterWorkloads {
                         view.pods
                             .values()
                             .filter(|facts| !facts.ips.is_empty())
-                            .map(|facts| facts.to_workload(view.namespaces.get(&facts.key.namespace)))
+                            .map(|facts| facts.to_workload(view.namespaces.get(&facts.key.namespace), &self.enablement))
                             .collect()
                     } else {
                         Vec::new()
