@@ -51,7 +51,9 @@ pub struct AgentArgs {
     pub workloads: Option<PathBuf>,
 
     /// The SPIFFE trust domain of the mesh's identities, when pods come from
-    /// Kubernetes (a workloads file names its own `trustDomain`).
+    /// Kubernetes (a workloads file names its own `trustDomain`). With
+    /// --xds-address, the trust domain istiod gives each workload wins, as
+    /// in ztunnel; this is the fallback where istiod names none.
     #[arg(long, value_name = "DOMAIN", default_value = "cluster.local")]
     pub trust_domain: crate::state::TrustDomain,
 
