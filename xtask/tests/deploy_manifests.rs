@@ -23,6 +23,8 @@ mod chart;
 mod helm;
 #[path = "deploy_manifests/istio.rs"]
 mod istio;
+#[path = "deploy_manifests/istio_charts.rs"]
+mod istio_charts;
 #[path = "deploy_manifests/kustomize.rs"]
 mod kustomize;
 #[path = "deploy_manifests/schemas.rs"]
