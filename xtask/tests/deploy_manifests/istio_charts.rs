@@ -83,6 +83,7 @@ fn shunt_istio(sets: &[&str]) -> Vec<Object> {
     let rendered = helm::template(&chart_dir(), "shunt", ISTIO_NAMESPACE, &[&istio], sets)
         .unwrap_or_else(|e| panic!("helm template shunt: {e}"));
     let text: String = rendered.iter().map(|r| r.text.as_str()).collect();
+    schemas::assert_valid(&text, "shunt's chart with values-istio.yaml");
     kustomize::parse_stream(&text, "shunt's chart with values-istio.yaml")
 }
 
@@ -211,6 +212,7 @@ fn shunt_beside_ztunnel() -> Vec<Object> {
     )
     .unwrap_or_else(|e| panic!("helm template shunt: {e}"));
     let text: String = rendered.iter().map(|r| r.text.as_str()).collect();
+    schemas::assert_valid(&text, "shunt's chart with proxy=ztunnel");
     kustomize::parse_stream(&text, "shunt's chart with proxy=ztunnel")
 }
 
@@ -301,10 +303,6 @@ fn istio_md_commands_are_the_ones_tested() {
     assert_eq!(shunt_labels.get(key).map(String::as_str), Some(value));
 }
 
-/// One rendered object of Istio's charts, as generic YAML.
-#[derive(Deserialize)]
-struct Rendered(Value);
-
 fn render_istio(chart: &str, release: &str, sets: &[&str]) -> Option<Vec<Value>> {
     let Some(dir) = std::env::var_os("ISTIO_CHARTS_DIR").map(PathBuf::from) else {
         eprintln!(
@@ -326,8 +324,7 @@ fn render_istio(chart: &str, release: &str, sets: &[&str]) -> Option<Vec<Value>>
     let text: String = rendered.iter().map(|r| r.text.as_str()).collect();
     Some(
         serde_yaml::Deserializer::from_str(&text)
-            .filter_map(|d| Rendered::deserialize(d).ok())
-            .map(|r| r.0)
+            .filter_map(|d| Value::deserialize(d).ok())
             .filter(|v| !v.is_null())
             .collect(),
     )
