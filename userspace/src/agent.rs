@@ -144,6 +144,13 @@ impl NodeAgent {
         self.kernel_authz.is_some()
     }
 
+    /// Whether a cluster view applied to the store concerns this agent:
+    /// the kernel's verdicts are compiled from it, or its pods' identities
+    /// take their trust domain from it (see [`NodeAgent::store_changed`]).
+    pub fn follows_store(&self) -> bool {
+        self.kernel_authz.is_some() || self.proxy.is_some()
+    }
+
     /// Records enrolment latency and repairs into `metrics`.
     pub fn with_metrics(mut self, metrics: crate::metrics::Metrics) -> Self {
         self.metrics = metrics;
@@ -248,9 +255,14 @@ impl NodeAgent {
     }
 
     /// The store owner applied a cluster view (policies or workloads may
-    /// have changed): compiles the kernel's verdicts again.
+    /// have changed): compiles the kernel's verdicts again, and serves again
+    /// the pods whose identity the view changed (istiod told their trust
+    /// domain).
     pub fn store_changed(&mut self) {
         self.compile_verdicts();
+        if self.identity_changed() {
+            self.reconverge();
+        }
     }
 
     /// Checks every pod of the last list again: repairs what someone
@@ -465,9 +477,9 @@ impl NodeAgent {
     pub fn snapshot(&self) -> NodeSnapshot {
         let pods: Vec<PodSnapshot> = self
             .pods
-            .values()
-            .map(|e| PodSnapshot {
-                workload: e.workload.clone(),
+            .iter()
+            .map(|(key, e)| PodSnapshot {
+                workload: self.with_trust_domain(key, &e.workload),
                 state: e.state.clone(),
                 kernel: e.kernel.clone(),
                 kernel_denials: e.kernel_denials.clone(),

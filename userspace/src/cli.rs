@@ -51,7 +51,9 @@ pub struct AgentArgs {
     pub workloads: Option<PathBuf>,
 
     /// The SPIFFE trust domain of the mesh's identities, when pods come from
-    /// Kubernetes (a workloads file names its own `trustDomain`).
+    /// Kubernetes (a workloads file names its own `trustDomain`). With
+    /// --xds-address, the trust domain istiod gives each workload wins, as
+    /// in ztunnel; this is the fallback where istiod names none.
     #[arg(long, value_name = "DOMAIN", default_value = "cluster.local")]
     pub trust_domain: crate::state::TrustDomain,
 
@@ -61,6 +63,31 @@ pub struct AgentArgs {
     /// With istiod, istiod decides and sends the policy.
     #[arg(long, value_enum, value_name = "on|off", default_value_t = OnOff::Off)]
     pub auto_allow_waypoint_policy: OnOff,
+
+    /// Namespaces whose pods are never enrolled, whatever their labels
+    /// (istio-cni's `excludeNamespaces`; its default keeps kube-system out),
+    /// comma-separated; empty: none. Pods from Kubernetes only.
+    #[arg(
+        long,
+        value_name = "NS,...",
+        value_delimiter = ',',
+        default_value = crate::control::kube::enablement::DEFAULT_EXCLUDED_NAMESPACES
+    )]
+    pub exclude_namespaces: Vec<String>,
+
+    /// Which pods join the mesh, as istio-cni's
+    /// `ambient.enablementSelectors`: a YAML or JSON list of
+    /// `{podSelector, namespaceSelector}` label selectors, any of which
+    /// enrols a pod (podSelector on the pod's labels, namespaceSelector on
+    /// its namespace's; an empty one matches all). The default is Istio's:
+    /// the pod labelled `istio.io/dataplane-mode=ambient`, or its namespace
+    /// labelled so and the pod not `none`. Pods from Kubernetes only.
+    #[arg(
+        long,
+        value_name = "YAML",
+        default_value = crate::control::kube::enablement::ISTIO_DEFAULT_SELECTORS
+    )]
+    pub enablement_selectors: String,
 
     /// The container runtime's CRI socket, asked for each pod's network
     /// namespace (the sandbox's pinned netns path) when pods come from

@@ -36,8 +36,9 @@ use shunt::{
     control::{
         SourceSink,
         kube::{
-            ChainResolver, ClusterWorkloads, CriOptions, CriResolver, KubeOptions, KubeSource,
-            MapResolver, NetnsResolver, ProcScanResolver, SourceStats, pod::REDIRECTION_ANNOTATION,
+            ChainResolver, ClusterWorkloads, CriOptions, CriResolver, Enablement, KubeOptions,
+            KubeSource, MapResolver, NetnsResolver, ProcScanResolver, SourceStats,
+            pod::REDIRECTION_ANNOTATION,
         },
     },
     redirect::{
@@ -630,6 +631,70 @@ async fn opted_out_host_network_and_other_node_pods_are_never_touched() {
         web_patches,
         "web's annotation never flapped"
     );
+    agent.stop(true).await;
+}
+
+/// istio-cni's `excludeNamespaces` and `ambient.enablementSelectors`: by
+/// default kube-system is never enrolled, whatever its labels; custom
+/// selectors and exclusions decide instead of the dataplane-mode labels.
+/// The annotation goes through `pods/status` (the fake server refuses a
+/// patch of the whole pod, as RBAC would).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn excluded_namespaces_and_enablement_selectors_decide_who_joins() {
+    let h = Harness::new("kube-select", &["web", "sys", "team"]).await;
+    h.server
+        .apply(Kind::Namespace, namespace("shop", ambient()));
+    h.server
+        .apply(Kind::Namespace, namespace("kube-system", ambient()));
+    h.server.apply(Kind::Namespace, namespace("lab", json!({})));
+    h.serve_pod("shop", "web", json!({}));
+    h.serve_pod("kube-system", "sys", ambient());
+    h.serve_pod("lab", "team", json!({"team": "mesh"}));
+
+    // Istio's defaults: the labels decide, kube-system is left out.
+    let agent = h.start_agent(|_| {}).await;
+    wait_for("web enrolled and annotated", TIMEOUT, || {
+        agent.enrolled("web", "shop") && h.annotation("shop", "web").as_deref() == Some("enabled")
+    })
+    .await;
+    for (ns, name) in [("kube-system", "sys"), ("lab", "team")] {
+        assert_eq!(agent.state(name, ns), Some(PodState::NotInMesh), "{name}");
+        assert!(h.tc_detached(name), "{name} untouched in the kernel");
+        assert!(h.patches_for(ns, name).is_empty(), "{name} never annotated");
+    }
+    let patch_paths: Vec<String> = h
+        .server
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == "PATCH")
+        .map(|r| r.path)
+        .collect();
+    assert_eq!(
+        patch_paths,
+        ["/api/v1/namespaces/shop/pods/web/status"],
+        "the annotation through the status subresource only"
+    );
+    agent.stop(true).await;
+
+    // Custom rules: pods labelled team=mesh anywhere, shop excluded.
+    let selectors = Enablement::new(
+        "[{podSelector: {matchLabels: {team: mesh}}}]",
+        ["shop".to_string()],
+    )
+    .expect("selectors parse");
+    let agent = h.start_agent(|o| o.enablement = Arc::new(selectors)).await;
+    wait_for("team enrolled and annotated", TIMEOUT, || {
+        agent.enrolled("team", "lab") && h.annotation("lab", "team").as_deref() == Some("enabled")
+    })
+    .await;
+    wait_for("web out of the mesh, annotation cleared", TIMEOUT, || {
+        agent.state("web", "shop") == Some(PodState::NotInMesh)
+            && h.annotation("shop", "web").is_none()
+    })
+    .await;
+    assert!(h.tc_detached("web"), "web's redirection removed");
+    assert_eq!(agent.state("sys", "kube-system"), Some(PodState::NotInMesh));
+    assert!(h.patches_for("kube-system", "sys").is_empty());
     agent.stop(true).await;
 }
 

@@ -34,7 +34,11 @@ impl NodeAgent {
         // destination is not a mesh peer to the proxy).
         let identities: Vec<String> = enrolled
             .iter()
-            .map(|(_, e, _)| e.workload.identity(&self.trust_domain).to_string())
+            .map(|(key, e, _)| {
+                self.with_trust_domain(key, &e.workload)
+                    .identity(&self.trust_domain)
+                    .to_string()
+            })
             .collect();
         let (policies, slotted) = {
             let store = store.read().unwrap_or_else(|p| p.into_inner());

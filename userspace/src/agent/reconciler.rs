@@ -120,7 +120,7 @@ fn reconcile_loop(
     let mut store_changes = inputs
         .store_applied
         .clone()
-        .filter(|_| agent.has_kernel_authz());
+        .filter(|_| agent.follows_store());
     loop {
         let wake = runtime.block_on(async {
             tokio::select! {

@@ -25,7 +25,7 @@ use super::NodeAgent;
 use crate::{
     netns::NsId,
     proxy::PodNet,
-    state::{Workload, WorkloadKey},
+    state::{SpiffeId, Workload, WorkloadKey},
 };
 
 /// How many pods' listeners are being bound at once: enough to overlap
@@ -53,11 +53,12 @@ impl NodeAgent {
     fn to_serve(&self, key: &WorkloadKey, workload: &Workload, netns: &Path) -> Option<PodNet> {
         let handle = self.proxy.as_ref()?;
         let dns = self.captures_dns(workload);
+        let identity = self.pod_identity(key, workload)?;
         if let Some(served) = handle.proxy.served(key) {
             // A path that cannot be read names no namespace to move to:
             // the listeners stay (the redirector reports the pod).
             let moved = NsId::of_path(netns).is_ok_and(|now| now != served.netns);
-            if !moved && served.dns == dns {
+            if !moved && served.dns == dns && served.identity == identity {
                 return None;
             }
         }
@@ -65,8 +66,46 @@ impl NodeAgent {
             key: key.clone(),
             netns: netns.to_path_buf(),
             ips: workload.ips.clone(),
-            identity: workload.identity(&self.trust_domain),
+            identity,
             dns,
+        })
+    }
+
+    /// The identity a pod of this node is served with: its own trust
+    /// domain when its workload names one, else the one istiod's workload
+    /// for it carries (ztunnel takes each Workload's `trust_domain` from
+    /// xDS), else the agent's (`--trust-domain`, or the workloads file's).
+    pub(super) fn pod_identity(&self, key: &WorkloadKey, workload: &Workload) -> Option<SpiffeId> {
+        self.proxy.as_ref()?;
+        Some(
+            self.with_trust_domain(key, workload)
+                .identity(&self.trust_domain),
+        )
+    }
+
+    /// `workload` with the trust domain the cluster view gives it, when it
+    /// names none itself (what observers and the kernel's verdicts show).
+    pub(super) fn with_trust_domain(&self, key: &WorkloadKey, workload: &Workload) -> Workload {
+        let mut workload = workload.clone();
+        if workload.trust_domain.is_none()
+            && let Some(handle) = self.proxy.as_ref()
+        {
+            workload.trust_domain = handle.proxy.cluster_trust_domain(key, &workload.ips);
+        }
+        workload
+    }
+
+    /// Whether a served pod's identity would change now (the cluster view
+    /// brought its trust domain): it is to be served again.
+    pub(super) fn identity_changed(&self) -> bool {
+        let Some(handle) = self.proxy.as_ref() else {
+            return false;
+        };
+        self.pods.iter().any(|(key, entry)| {
+            handle.proxy.served(key).is_some_and(|served| {
+                self.pod_identity(key, &entry.workload)
+                    .is_some_and(|identity| identity != served.identity)
+            })
         })
     }
 

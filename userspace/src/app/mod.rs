@@ -88,6 +88,8 @@ pub enum AgentError {
     Proxy(crate::proxy::ProxyError),
     #[error("ZDS (--proxy ztunnel): {0}")]
     Zds(#[from] crate::inpod::ZdsError),
+    #[error(transparent)]
+    Enablement(#[from] kube::enablement::EnablementError),
 }
 
 /// Where the agent learns its pods.
@@ -127,6 +129,10 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         PodSource::Kube(_) => args.trust_domain.clone(),
     };
     // Checked before anything is set up, like the pod source.
+    let enablement = Arc::new(kube::Enablement::new(
+        &args.enablement_selectors,
+        args.exclude_namespaces.iter().cloned(),
+    )?);
     let xds = xds_source(&args)?;
     check_cgroup_root(args.cgroup_root.as_deref())?;
     let redirector = redirector(&args)?;
@@ -284,6 +290,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         PodSource::Kube(client) => {
             let mut options = kube::KubeOptions::new(args.node_name.clone());
             options.trust_domain = trust_domain.clone();
+            options.enablement = enablement.clone();
             let pods = kube::KubeSource::new(
                 client.clone(),
                 options,
@@ -300,6 +307,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             if proxy.is_some() && args.xds_address.is_none() {
                 let discovery = kube::ClusterWorkloads::new(client)
                     .with_cluster_domain(&args.cluster_domain)
+                    .with_enablement(enablement)
                     .with_waypoint_allow(
                         (args.auto_allow_waypoint_policy == OnOff::On)
                             .then(|| trust_domain.clone()),

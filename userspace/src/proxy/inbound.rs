@@ -116,8 +116,13 @@ async fn serve_connection(
             return;
         }
     };
-    let config = match crate::tls::server_config(&cert, &shared.roots, &shared.config.trust_domain)
-    {
+    // Clients must be of this pod's own trust domain (ztunnel checks the
+    // trust domain of its own certificate), which istiod may set per
+    // workload; the proxy's is the fallback.
+    let trust_domain = crate::tls::trust_domain_of(pod.identity.as_str())
+        .and_then(|td| crate::state::TrustDomain::new(td).ok())
+        .unwrap_or_else(|| shared.config.trust_domain.clone());
+    let config = match crate::tls::server_config(&cert, &shared.roots, &trust_domain) {
         Ok(c) => c,
         Err(e) => {
             log.outcome = Outcome::Failed;

@@ -14,13 +14,19 @@ use super::{
     accept::{Listener, accept_loop},
     dns_sockets, pool, socket,
 };
-use crate::{netns::NsId, state::WorkloadKey};
+use crate::{
+    netns::NsId,
+    state::{SpiffeId, TrustDomain, WorkloadKey},
+};
 
 /// How the proxy serves a pod ([`Proxy::served`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServedPod {
     /// The namespace its listeners were bound in.
     pub netns: NsId,
+    /// The identity it is served with (its certificate, and the trust
+    /// domain its inbound clients must be of).
+    pub identity: SpiffeId,
     /// Whether its DNS proxy runs.
     pub dns: bool,
 }
@@ -243,8 +249,22 @@ impl Proxy {
             .get(key)
             .map(|pod| ServedPod {
                 netns: pod.netns,
+                identity: pod.identity.clone(),
                 dns: pod.dns,
             })
+    }
+
+    /// The trust domain the cluster view gives the workload at one of
+    /// `ips` named `key` (istiod's per-workload `trust_domain`, as ztunnel
+    /// takes it), if the view has one.
+    pub fn cluster_trust_domain(&self, key: &WorkloadKey, ips: &[IpAddr]) -> Option<TrustDomain> {
+        ips.iter().find_map(|ip| {
+            self.shared
+                .workloads
+                .workload_by_ip(*ip)
+                .filter(|w| w.key() == *key)
+                .and_then(|w| w.trust_domain.clone())
+        })
     }
 
     /// The pods being served, sorted.

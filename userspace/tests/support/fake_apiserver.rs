@@ -21,8 +21,10 @@
 //!   stream ends (what a real API server does). Under a field selector, an
 //!   object that stops (starts) matching is sent as DELETED (ADDED).
 //!   Bookmarks go only to watches that asked (`allowWatchBookmarks=true`).
-//! - `PATCH /api/v1/namespaces/NS/pods/NAME` with a JSON merge patch: applied,
-//!   recorded for the test, and sent to watches as MODIFIED.
+//! - `PATCH /api/v1/namespaces/NS/pods/NAME/status` with a JSON merge patch:
+//!   applied, recorded for the test, and sent to watches as MODIFIED. A
+//!   PATCH of the whole pod (`.../pods/NAME`) answers 403, as kube-apiserver
+//!   does under the agent's ClusterRole (`patch` on `pods/status` only).
 //! - Failure injection: [`FakeApiServer::stop`] closes the listener and every
 //!   connection (the API server is gone), [`FakeApiServer::resume`] listens on
 //!   the same port again; [`FakeApiServer::drop_watches`] cuts open watches

@@ -23,7 +23,7 @@ fn proxy_counter(agent: &str, field: &str) -> anyhow::Result<u64> {
     let status = util::stdout(shunt_in(agent).args(["status", "--json"]))?;
     json_u64(&status, field).with_context(|| {
         format!(
-            "agent {agent}: `shunt status --json` has no proxy counter {field} (is --capture off in deploy/base/configmap.yaml?)"
+            "agent {agent}: `shunt status --json` has no proxy counter {field} (is --capture=off in deploy/base/daemonset.yaml's args?)"
         )
     })
 }
@@ -152,7 +152,7 @@ Look around:
   {k} get --raw /api/v1/namespaces/{AGENT_NAMESPACE}/pods/{agent}:15020/proxy/metrics   # Prometheus metrics
   {k} -n {AGENT_NAMESPACE} port-forward {agent} 15000   # then: curl localhost:15000/status, /config_dump, /debug/bpf
   {k} label namespace default istio.io/dataplane-mode=ambient   # enrol another namespace
-  {k} -n {AGENT_NAMESPACE} edit configmap shunt-config && {k} -n {AGENT_NAMESPACE} rollout restart daemonset/shunt
+  {k} -n {AGENT_NAMESPACE} edit daemonset shunt   # settings are the agent's args; saving rolls the agents
 
 Remove it all: cargo xtask run --delete",
         client = client.name,

@@ -1,8 +1,7 @@
 //! deploy/helm/shunt, rendered by the real Helm (helm.rs): with its default
 //! values it is deploy/ (`kubectl kustomize deploy/`), with its Istio values
-//! it is deploy/istio/, object for object as the typed structs see them
-//! (less the chart's `checksum/config` annotation, which kustomize has no
-//! way to compute); every rendering validates against the Kubernetes schemas
+//! it is deploy/istio/, object for object as the typed structs see them;
+//! every rendering validates against the Kubernetes schemas
 //! (schemas.rs); its values are named like Istio's ztunnel chart's, each
 //! does what it says, and values.schema.json refuses the rest.
 
@@ -15,8 +14,7 @@ use serde_json::Value;
 
 use super::{
     HELM_CHART, Object, agent_container, check_args, check_rbac, check_rolling_update,
-    config_maps_in, daemonset_in, effective_agent_args, helm, istio, kustomize, pod_spec, read,
-    root, schemas,
+    daemonset_in, effective_agent_args, helm, istio, kustomize, pod_spec, read, root, schemas,
 };
 
 fn chart_dir() -> PathBuf {
@@ -44,34 +42,11 @@ fn render(namespace: &str, value_files: &[&str], sets: &[&str]) -> Vec<Object> {
         .collect()
 }
 
-/// The chart's `checksum/config` annotation on the DaemonSet's pods: what
-/// makes a settings change roll it.
-const CONFIG_CHECKSUM: &str = "checksum/config";
-
-fn config_checksum(objects: &[Object]) -> String {
-    daemonset_in(objects)
-        .spec
-        .and_then(|s| s.template.metadata)
-        .and_then(|m| m.annotations)
-        .and_then(|a| a.get(CONFIG_CHECKSUM).cloned())
-        .unwrap_or_else(|| panic!("the DaemonSet's pods carry no {CONFIG_CHECKSUM}"))
-}
-
-/// The chart's objects less the annotation kustomize cannot compute.
-fn without_config_checksum(mut objects: Vec<Object>) -> Vec<Object> {
-    for object in &mut objects {
-        if let Object::DaemonSet(ds) = object {
-            let annotations = ds
-                .spec
-                .as_mut()
-                .and_then(|s| s.template.metadata.as_mut())
-                .and_then(|m| m.annotations.as_mut());
-            if let Some(annotations) = annotations {
-                annotations.remove(CONFIG_CHECKSUM);
-            }
-        }
-    }
-    objects
+/// The DaemonSet's pod template, as the API server compares it: a change
+/// in it is what rolls the DaemonSet.
+fn pod_template(objects: &[Object]) -> Value {
+    let ds = daemonset_in(objects);
+    serde_json::to_value(ds.spec.map(|s| s.template)).expect("json")
 }
 
 /// Where two objects differ, as JSON paths with both values.
@@ -121,7 +96,6 @@ pub fn diff(expected: &Object, found: &Object) -> String {
 /// stores the release there first), so README.md and the chart's README
 /// say how to create and label it.
 fn assert_same_objects(kustomized: Vec<Object>, charted: Vec<Object>, what: &str) {
-    let charted = without_config_checksum(charted);
     let expected: BTreeMap<_, _> = kustomized
         .into_iter()
         .filter(|o| !matches!(o, Object::Namespace(_)))
@@ -303,7 +277,7 @@ fn chart_values_do_what_they_say() {
     let ds = daemonset_in(&objects);
     let spec = pod_spec(&ds);
     let agent = agent_container(&spec);
-    let args = effective_agent_args(&agent, &config_maps_in(&objects));
+    let args = effective_agent_args(&agent);
     for c in spec
         .containers
         .iter()
@@ -422,22 +396,19 @@ fn bare_on_off_in_a_values_file_render_as_the_words_the_agent_takes() {
     let file = values_file("onoff", "capture: off\nsplice: on\n");
     let objects = render("shunt-system", &[file.to_str().expect("utf-8 path")], &[]);
     let _ = std::fs::remove_file(&file);
-    let maps = config_maps_in(&objects);
-    let data = maps
-        .iter()
-        .find(|m| m.metadata.name.as_deref() == Some("shunt-config"))
-        .and_then(|m| m.data.clone())
-        .expect("shunt-config");
-    assert_eq!(data.get("capture").map(String::as_str), Some("off"));
-    assert_eq!(data.get("splice").map(String::as_str), Some("on"));
+    let args = effective_agent_args(&agent_container(&pod_spec(&daemonset_in(&objects))));
+    assert_eq!(args["--capture"], "off");
+    assert_eq!(args["--splice"], "on");
 }
 
 #[test]
 fn a_settings_change_rolls_the_daemonset() {
-    let base = config_checksum(&render("shunt-system", &[], &[]));
+    // Settings are the agent's arguments, in the pod template: a changed
+    // setting is a changed template, which the DaemonSet rolls out.
+    let base = pod_template(&render("shunt-system", &[], &[]));
     assert_eq!(
         base,
-        config_checksum(&render("shunt-system", &[], &[])),
+        pod_template(&render("shunt-system", &[], &[])),
         "the same values, the same pods"
     );
     for set in [
@@ -445,11 +416,72 @@ fn a_settings_change_rolls_the_daemonset() {
         "redirect=iptables",
         "splice=on",
         "capture=off",
+        "probeSource=169.254.7.128",
+        "excludeNamespaces={kube-system,infra}",
+        "ambient.enablementSelectors[0].podSelector.matchLabels.mesh=yes",
     ] {
         assert_ne!(
             base,
-            config_checksum(&render("shunt-system", &[], &[set])),
+            pod_template(&render("shunt-system", &[], &[set])),
             "--set {set} must change the pod template (or nothing rolls)"
+        );
+    }
+}
+
+#[test]
+fn excluded_namespaces_and_enablement_selectors_reach_the_agent() {
+    // Istio's defaults, as istio-cni's chart has them.
+    let args = |sets: &[&str]| {
+        effective_agent_args(&agent_container(&pod_spec(&daemonset_in(&render(
+            "shunt-system",
+            &[],
+            sets,
+        )))))
+    };
+    let defaults = args(&[]);
+    assert_eq!(defaults["--exclude-namespaces"], "kube-system");
+    let selectors: Value =
+        serde_json::from_str(&defaults["--enablement-selectors"]).expect("JSON selectors");
+    assert_eq!(
+        selectors,
+        serde_json::json!([
+            {"podSelector": {"matchLabels": {"istio.io/dataplane-mode": "ambient"}}},
+            {"podSelector": {"matchExpressions": [
+                {"key": "istio.io/dataplane-mode", "operator": "NotIn", "values": ["none"]}]},
+             "namespaceSelector": {"matchLabels": {"istio.io/dataplane-mode": "ambient"}}}
+        ]),
+        "istio-cni's default ambient.enablementSelectors"
+    );
+    // The same words as the agent's own defaults (cli.rs), so a chart
+    // without these arguments would enrol the same pods.
+    let agent_selectors: Value = serde_json::from_str(&super::rust_const_raw(
+        &read("userspace/src/control/kube/enablement.rs"),
+        "ISTIO_DEFAULT_SELECTORS",
+    ))
+    .expect("the agent's default parses");
+    assert_eq!(selectors, agent_selectors);
+
+    let custom = args(&[
+        "excludeNamespaces={kube-system,infra}",
+        "ambient.enablementSelectors[0].podSelector.matchLabels.mesh=yes",
+    ]);
+    assert_eq!(custom["--exclude-namespaces"], "kube-system,infra");
+    let selectors: Value =
+        serde_json::from_str(&custom["--enablement-selectors"]).expect("JSON selectors");
+    assert_eq!(
+        selectors,
+        serde_json::json!([{"podSelector": {"matchLabels": {"mesh": "yes"}}}])
+    );
+    // A selector of the wrong shape fails the install, not the agents.
+    for set in [
+        "ambient.enablementSelectors[0].podSelector.matchLabel.a=b",
+        "ambient.enablementSelectors[0].podSelector.matchExpressions[0].operator=Near",
+        "excludeNamespaces[0]=Kube_System",
+    ] {
+        let err = render_error(&[], &[set]);
+        assert!(
+            err.contains("enablementSelectors") || err.contains("excludeNamespaces"),
+            "--set {set}: {err}"
         );
     }
 }

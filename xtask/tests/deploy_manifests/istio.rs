@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::{Container, EnvVar, PodSpec, Volume};
 
 use super::{
     Object, agent_container, check_agent_needs, check_args, check_rbac, check_rolling_update,
-    config_maps_in, daemonset_in, effective_agent_args, kustomize, pod_spec, read,
+    daemonset_in, effective_agent_args, kustomize, pod_spec, read,
 };
 
 /// Where istiod runs, and the account it trusts as a node proxy by default
@@ -211,7 +211,7 @@ fn istio_overlay_points_the_agent_at_istiod_and_changes_nothing_else() {
     let (agent, base_agent) = (agent_container(&spec), agent_container(&base_spec));
 
     // The flags: istiod as CA and as xDS server; the base's others kept.
-    let args = effective_agent_args(&agent, &config_maps_in(&objects));
+    let args = effective_agent_args(&agent);
     assert_eq!(args["--ca"], "istio");
     assert_eq!(args["--ca-address"], ISTIOD);
     assert_eq!(args["--xds-address"], ISTIOD);
@@ -323,13 +323,13 @@ fn istio_overlay_points_the_agent_at_istiod_and_changes_nothing_else() {
                         | Object::Namespace(_)
                         | Object::ServiceAccount(_)
                         | Object::ClusterRoleBinding(_)
+                        | Object::ClusterRole(_)
                 )
             })
             .map(|o| {
                 let (kind, _, name) = kustomize::key(o);
                 let mut v = match o {
                     Object::ConfigMap(c) => serde_json::to_value(c),
-                    Object::ClusterRole(r) => serde_json::to_value(r),
                     other => panic!("the overlay has {other:?}: say what it is"),
                 }
                 .expect("json");
@@ -343,6 +343,21 @@ fn istio_overlay_points_the_agent_at_istiod_and_changes_nothing_else() {
     assert_eq!(
         others(&objects),
         others(&base),
-        "ConfigMap and ClusterRole as in the base"
+        "nothing else changed from the base"
     );
+    // The ClusterRole: the base's first rules (this node's pods, namespaces,
+    // pods/status), without the builtin proxy's discovery (check_rbac
+    // checks the exact grants).
+    let rules = |objects: &[Object]| {
+        objects
+            .iter()
+            .find_map(|o| match o {
+                Object::ClusterRole(r) => r.rules.clone(),
+                _ => None,
+            })
+            .unwrap_or_default()
+    };
+    let (now, before) = (rules(&objects), rules(&base));
+    assert!(now.len() < before.len(), "fewer grants than the base");
+    assert_eq!(now[..], before[..now.len()], "the base's own first rules");
 }

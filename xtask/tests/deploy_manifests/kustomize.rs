@@ -4,36 +4,41 @@
 //! against the Kubernetes schemas (schemas.rs) and parsed strictly into the
 //! typed objects.
 
-use std::process::Command;
+use std::{path::Path, process::Command};
 
 use serde::Deserialize;
 use serde_json::Value;
 
 use super::{Object, parse_object, root, schemas};
 
-/// The objects `kubectl kustomize deploy/<dir>` builds, in its order,
-/// each valid against every supported Kubernetes release's schema.
-pub fn build(dir: &str) -> Vec<Object> {
-    let path = root().join("deploy").join(dir);
+/// `kubectl kustomize DIR`: its output, or kubectl's error.
+pub fn try_build(dir: &Path) -> Result<String, String> {
     let kubectl = root().join(".tools/kubectl");
     let output = Command::new(&kubectl)
         .arg("kustomize")
-        .arg(&path)
+        .arg(dir)
         .output()
-        .unwrap_or_else(|e| {
-            panic!(
+        .map_err(|e| {
+            format!(
                 "running `{} kustomize {}`: {e} (run `cargo xtask setup`, which installs it)",
                 kubectl.display(),
-                path.display()
+                dir.display()
             )
-        });
-    assert!(
-        output.status.success(),
-        "kubectl kustomize {}: {}",
-        path.display(),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let text = String::from_utf8(output.stdout).expect("kubectl prints UTF-8");
+        })?;
+    if !output.status.success() {
+        return Err(format!(
+            "kubectl kustomize {}: {}",
+            dir.display(),
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    String::from_utf8(output.stdout).map_err(|e| format!("kubectl printed non-UTF-8: {e}"))
+}
+
+/// The objects `kubectl kustomize deploy/<dir>` builds, in its order,
+/// each valid against every supported Kubernetes release's schema.
+pub fn build(dir: &str) -> Vec<Object> {
+    let text = try_build(&root().join("deploy").join(dir)).unwrap_or_else(|e| panic!("{e}"));
     let what = format!("kubectl kustomize deploy/{dir}");
     schemas::assert_valid(&text, &what);
     parse_stream(&text, &what)

@@ -6,7 +6,7 @@
 
 use super::{
     Object, agent_container, check_agent_needs, check_args, check_rbac, check_rolling_update,
-    config_maps_in, daemonset_in, effective_agent_args, host_mount, kustomize, pod_spec,
+    daemonset_in, effective_agent_args, host_mount, kustomize, pod_spec,
 };
 
 /// ztunnel's INPOD_UDS default, and the host directory holding it.
@@ -31,7 +31,7 @@ fn ztunnel_overlay_serves_zds_where_ztunnel_connects() {
     let objects = overlay();
     let spec = pod_spec(&daemonset_in(&objects));
     let agent = agent_container(&spec);
-    let args = effective_agent_args(&agent, &config_maps_in(&objects));
+    let args = effective_agent_args(&agent);
     assert_eq!(args["--proxy"], "ztunnel");
     assert_eq!(args["--zds-socket"], ZDS_SOCKET);
     let mount = host_mount(&spec, &agent, SOCKET_DIR);

@@ -1,6 +1,7 @@
-{{/* The agent's service account: istiod trusts istio-system/ztunnel as a node proxy by default. */}}
+{{/* The agent's service account: istiod trusts istio-system/ztunnel as a node proxy by default.
+     Beside a stock ztunnel (proxy: ztunnel) that account is ztunnel's chart's: shunt keeps its own. */}}
 {{- define "shunt.serviceAccountName" -}}
-{{- if .Values.serviceAccountName }}{{ .Values.serviceAccountName }}{{ else if .Values.istio.enabled }}ztunnel{{ else }}shunt{{ end }}
+{{- if .Values.serviceAccountName }}{{ .Values.serviceAccountName }}{{ else if and .Values.istio.enabled (eq .Values.proxy "builtin") }}ztunnel{{ else }}shunt{{ end }}
 {{- end }}
 
 {{/* istiod's address, as ztunnel's chart computes it. */}}

@@ -4,8 +4,11 @@
 //! annotation the pod carries with what the agent did with it, and patches
 //! only the pods that differ: `enabled` once redirection is in place,
 //! `pending` while the pod wants the mesh but is not redirected yet, removed
-//! when it is not in the mesh. A JSON merge patch touching only that key
-//! (the agent's RBAC needs nothing more than `patch` on pods).
+//! when it is not in the mesh. A JSON merge patch touching only that key,
+//! sent to the pod's `status` subresource as istio-cni sends it: both
+//! `pods` and `pods/status` may change a pod's metadata, but `pods/status`
+//! cannot change its spec, so the agent's RBAC grants `patch` on
+//! `pods/status` only.
 
 use std::collections::HashMap;
 
@@ -38,14 +41,14 @@ pub fn merge_patch(value: Option<&str>) -> Value {
     json!({ "metadata": { "annotations": { REDIRECTION_ANNOTATION: value } } })
 }
 
-/// Sends the patch.
+/// Sends the patch (to `pods/NAME/status`).
 pub async fn patch(
     api: &Api<Lenient<Pod>>,
     pod: &WorkloadKey,
     value: Option<&str>,
 ) -> Result<(), ::kube::Error> {
     let api = Api::<Lenient<Pod>>::namespaced(api.clone().into_client(), &pod.namespace);
-    api.patch(
+    api.patch_status(
         &pod.name,
         &PatchParams::default(),
         &Patch::Merge(merge_patch(value)),

@@ -31,7 +31,7 @@ use tokio::time::Instant;
 use tracing::{debug, info};
 
 use super::{
-    SourceStats, Step, Watches, gateway::GatewayWatch, policy::PolicyWatch,
+    Enablement, SourceStats, Step, Watches, gateway::GatewayWatch, policy::PolicyWatch,
     service::ServiceWatches, sleep_until, waypoints,
 };
 use crate::{
@@ -61,6 +61,9 @@ pub struct ClusterWorkloads {
     /// `--auto-allow-waypoint-policy on`: the mesh's trust domain, for
     /// istiod's implicit allow-from-waypoint policies.
     waypoint_allow: Option<TrustDomain>,
+    /// Which pods are in the mesh (the same rule every node's agent
+    /// enrols by).
+    enablement: Arc<Enablement>,
 }
 
 impl ClusterWorkloads {
@@ -71,6 +74,7 @@ impl ClusterWorkloads {
             stats: Arc::default(),
             cluster_domain: DEFAULT_CLUSTER_DOMAIN.into(),
             waypoint_allow: None,
+            enablement: Arc::default(),
         }
     }
 
@@ -79,6 +83,13 @@ impl ClusterWorkloads {
     /// `trust_domain`; `None`: not (istiod's default).
     pub fn with_waypoint_allow(mut self, trust_domain: Option<TrustDomain>) -> Self {
         self.waypoint_allow = trust_domain;
+        self
+    }
+
+    /// `--enablement-selectors` and `--exclude-namespaces`: a pod they leave
+    /// out is no mesh workload for the proxy either.
+    pub fn with_enablement(mut self, enablement: Arc<Enablement>) -> Self {
+        self.enablement = enablement;
         self
     }
 
@@ -150,7 +161,7 @@ impl ClusterWorkloads {
                         view.pods
                             .values()
                             .filter(|facts| !facts.ips.is_empty())
-                            .map(|facts| facts.to_workload(view.namespaces.get(&facts.key.namespace)))
+                            .map(|facts| facts.to_workload(view.namespaces.get(&facts.key.namespace), &self.enablement))
                             .collect()
                     } else {
                         Vec::new()

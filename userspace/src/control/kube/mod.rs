@@ -53,6 +53,7 @@ pub mod annotate;
 mod cache;
 mod cluster;
 pub mod cri;
+pub mod enablement;
 pub mod gateway;
 pub mod lenient;
 pub mod netns;
@@ -84,6 +85,7 @@ use tracing::{Instrument as _, debug, error, info, info_span, warn};
 
 pub use cluster::ClusterWorkloads;
 pub use cri::{ChainResolver, CriOptions, CriResolver};
+pub use enablement::Enablement;
 pub use lenient::Lenient;
 pub use netns::{MapResolver, NetnsResolver, PodRef, ProcScanResolver};
 
@@ -129,6 +131,9 @@ pub struct KubeOptions {
     pub annotate: bool,
     /// How many annotation patches may be in flight at once.
     pub patch_concurrency: usize,
+    /// Which pods join the mesh (`--enablement-selectors`,
+    /// `--exclude-namespaces`).
+    pub enablement: Arc<Enablement>,
 }
 
 /// Name of this source in readiness and logs.
@@ -143,6 +148,7 @@ impl KubeOptions {
             resync: Duration::from_secs(10),
             annotate: true,
             patch_concurrency: 16,
+            enablement: Arc::default(),
         }
     }
 }
@@ -254,7 +260,10 @@ impl KubeSource {
             if facts.node != self.options.node {
                 continue;
             }
-            let workload = facts.to_workload(watch.namespaces.get(&facts.key.namespace));
+            let workload = facts.to_workload(
+                watch.namespaces.get(&facts.key.namespace),
+                &self.options.enablement,
+            );
             if workload.wants_mesh() && !facts.ips.is_empty() {
                 wanted.push((facts.key.clone(), facts.uid.clone()));
             }

@@ -11,6 +11,8 @@ use std::{collections::BTreeMap, net::IpAddr};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use tracing::warn;
 
+use super::enablement::Enablement;
+
 use crate::state::{
     DNS_CAPTURE_ANNOTATION, DataplaneMode, FAST_PATH_ANNOTATION, SPLICE_ANNOTATION, Workload,
     WorkloadKey,
@@ -34,8 +36,6 @@ pub struct PodFacts {
     /// Finds the pod's processes (cgroup paths contain it) and its netns.
     pub uid: String,
     pub resource_version: String,
-    /// The pod's `istio.io/dataplane-mode` label, if any.
-    pub mode_label: Option<String>,
     pub has_sidecar: bool,
     pub host_network: bool,
     pub service_account: String,
@@ -68,8 +68,8 @@ pub struct PodFacts {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NamespaceFacts {
     pub name: String,
-    /// The namespace's `istio.io/dataplane-mode` label, if any.
-    pub mode_label: Option<String>,
+    /// The namespace's labels (enablement selectors' `namespaceSelector`).
+    pub labels: BTreeMap<String, String>,
     /// The namespace's [`FAST_PATH_ANNOTATION`]: `off` keeps every pod of
     /// the namespace on the proxy path.
     pub fast_path: Option<bool>,
@@ -138,7 +138,6 @@ impl PodFacts {
             pod_subdomain: spec.and_then(|s| s.subdomain.clone()).unwrap_or_default(),
             uid,
             resource_version: meta.resource_version.clone().unwrap_or_default(),
-            mode_label: label(meta.labels.as_ref()),
             labels: meta.labels.clone().unwrap_or_default(),
             has_sidecar: annotations.is_some_and(|a| a.contains_key(SIDECAR_STATUS_ANNOTATION)),
             host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
@@ -169,18 +168,25 @@ impl PodFacts {
         })
     }
 
-    /// Istio's enrolment rule: the pod's or its namespace's label says
-    /// `ambient`, the pod's label does not say `none`, and the pod neither
-    /// shares the node's network nor runs a sidecar. A finished pod has no
-    /// traffic left to capture. `namespace` is `None` when the namespace is
-    /// not (yet) known: only the pod's own label counts then.
-    pub fn dataplane_mode(&self, namespace: Option<&NamespaceFacts>) -> DataplaneMode {
-        let ambient = DataplaneMode::Ambient.as_str();
-        let pod_label = self.mode_label.as_deref();
-        let ns_label = namespace.and_then(|ns| ns.mode_label.as_deref());
-        let opted_in = pod_label == Some(ambient) || ns_label == Some(ambient);
-        let opted_out = pod_label == Some(DataplaneMode::None.as_str());
-        if opted_in && !opted_out && !self.host_network && !self.has_sidecar && !self.finished {
+    /// Istio's enrolment rule, as istio-cni applies it: an enablement
+    /// selector matches the pod and its namespace's labels (by default the
+    /// `istio.io/dataplane-mode` rule), the namespace is not excluded, and
+    /// the pod neither shares the node's network nor runs a sidecar. A
+    /// finished pod has no traffic left to capture. `namespace` is `None`
+    /// when the namespace is not (yet) known: it has no labels then.
+    pub fn dataplane_mode(
+        &self,
+        namespace: Option<&NamespaceFacts>,
+        enablement: &Enablement,
+    ) -> DataplaneMode {
+        let no_labels = BTreeMap::new();
+        let ns_labels = namespace.map_or(&no_labels, |ns| &ns.labels);
+        if enablement.selects(&self.labels, ns_labels)
+            && !enablement.excludes(&self.key.namespace)
+            && !self.host_network
+            && !self.has_sidecar
+            && !self.finished
+        {
             DataplaneMode::Ambient
         } else {
             DataplaneMode::None
@@ -189,7 +195,11 @@ impl PodFacts {
 
     /// The pod as the agent's model sees it; the netns is filled in by
     /// discovery, for this node's mesh pods only.
-    pub fn to_workload(&self, namespace: Option<&NamespaceFacts>) -> Workload {
+    pub fn to_workload(
+        &self,
+        namespace: Option<&NamespaceFacts>,
+        enablement: &Enablement,
+    ) -> Workload {
         Workload {
             name: self.key.name.clone(),
             namespace: self.key.namespace.clone(),
@@ -197,7 +207,7 @@ impl PodFacts {
             ips: self.ips.clone(),
             node: self.node.clone(),
             netns: None,
-            dataplane_mode: self.dataplane_mode(namespace),
+            dataplane_mode: self.dataplane_mode(namespace, enablement),
             splice: self.splice,
             // Off on either the pod or its namespace keeps the pod on the
             // proxy path.
@@ -224,7 +234,7 @@ impl NamespaceFacts {
                 .name
                 .clone()
                 .ok_or(FactsError::Missing("name"))?,
-            mode_label: label(namespace.metadata.labels.as_ref()),
+            labels: namespace.metadata.labels.clone().unwrap_or_default(),
             fast_path: on_off(
                 namespace.metadata.annotations.as_ref(),
                 FAST_PATH_ANNOTATION,
@@ -289,10 +299,6 @@ fn true_false(
     }
 }
 
-fn label(labels: Option<&BTreeMap<String, String>>) -> Option<String> {
-    labels.and_then(|l| l.get(DATAPLANE_MODE_LABEL).cloned())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -317,7 +323,9 @@ mod tests {
     fn ns(label: Option<&str>) -> NamespaceFacts {
         NamespaceFacts {
             name: "prod".into(),
-            mode_label: label.map(str::to_owned),
+            labels: label
+                .map(|l| BTreeMap::from([(DATAPLANE_MODE_LABEL.to_owned(), l.to_owned())]))
+                .unwrap_or_default(),
             fast_path: None,
             waypoint_labels: BTreeMap::new(),
         }
@@ -333,7 +341,7 @@ mod tests {
         ]);
         value["spec"]["hostname"] = json!("db-0");
         value["spec"]["subdomain"] = json!("db");
-        let w = pod(value).to_workload(None);
+        let w = pod(value).to_workload(None, &Enablement::default());
         assert_eq!(
             (w.workload_type.as_str(), w.workload_name.as_str()),
             ("deployment", "ratings-v1")
@@ -342,7 +350,7 @@ mod tests {
             (w.pod_hostname.as_str(), w.pod_subdomain.as_str()),
             ("db-0", "db")
         );
-        let bare = pod(basic(json!({}))).to_workload(None);
+        let bare = pod(basic(json!({}))).to_workload(None, &Enablement::default());
         assert_eq!(bare.owner(), (crate::state::WorkloadType::Pod, "web-0"));
     }
 
@@ -362,7 +370,7 @@ mod tests {
             ]
         );
         assert!(!facts.finished && !facts.terminating && !facts.host_network);
-        let w = facts.to_workload(Some(&ns(None)));
+        let w = facts.to_workload(Some(&ns(None)), &Enablement::default());
         assert_eq!(w.key(), facts.key);
         assert_eq!(w.dataplane_mode, DataplaneMode::None, "opt-in only");
         assert_eq!(w.netns, None);
@@ -371,10 +379,15 @@ mod tests {
     #[test]
     fn labels_reach_the_workload_for_policy_selectors() {
         let facts = pod(basic(json!({"app": "web", "version": "v1"})));
-        let w = facts.to_workload(None);
+        let w = facts.to_workload(None, &Enablement::default());
         assert_eq!(w.labels.get("app").map(String::as_str), Some("web"));
         assert_eq!(w.labels.get("version").map(String::as_str), Some("v1"));
-        assert!(pod(basic(json!({}))).to_workload(None).labels.is_empty());
+        assert!(
+            pod(basic(json!({})))
+                .to_workload(None, &Enablement::default())
+                .labels
+                .is_empty()
+        );
     }
 
     #[test]
@@ -391,7 +404,9 @@ mod tests {
                     Some([(FAST_PATH_ANNOTATION.to_string(), value.to_string())].into());
             }
             let ns = NamespaceFacts::from_namespace(&ns_object).expect("facts");
-            pod(object).to_workload(Some(&ns)).fast_path
+            pod(object)
+                .to_workload(Some(&ns), &Enablement::default())
+                .fast_path
         };
         assert_eq!(annotated(Some("off"), None), Some(false));
         assert_eq!(annotated(None, Some("off")), Some(false));
@@ -410,12 +425,19 @@ mod tests {
         let annotated = |value: &str| {
             let mut object = basic(json!({}));
             object["metadata"]["annotations"] = json!({ DNS_CAPTURE_ANNOTATION: value });
-            pod(object).to_workload(None).dns_capture
+            pod(object)
+                .to_workload(None, &Enablement::default())
+                .dns_capture
         };
         assert_eq!(annotated("false"), Some(false));
         assert_eq!(annotated("true"), Some(true));
         assert_eq!(annotated("off"), None, "unknown: --dns-capture decides");
-        assert_eq!(pod(basic(json!({}))).to_workload(None).dns_capture, None);
+        assert_eq!(
+            pod(basic(json!({})))
+                .to_workload(None, &Enablement::default())
+                .dns_capture,
+            None
+        );
     }
 
     #[test]
@@ -423,7 +445,7 @@ mod tests {
         let annotated = |value: &str| {
             let mut object = basic(json!({}));
             object["metadata"]["annotations"] = json!({ SPLICE_ANNOTATION: value });
-            pod(object).to_workload(None).splice
+            pod(object).to_workload(None, &Enablement::default()).splice
         };
         assert_eq!(annotated("off"), Some(false));
         assert_eq!(annotated("on"), Some(true));
@@ -432,7 +454,12 @@ mod tests {
             None,
             "unknown values leave it to --splice"
         );
-        assert_eq!(pod(basic(json!({}))).to_workload(None).splice, None);
+        assert_eq!(
+            pod(basic(json!({})))
+                .to_workload(None, &Enablement::default())
+                .splice,
+            None
+        );
     }
 
     #[test]
@@ -454,7 +481,8 @@ mod tests {
                 Some(v) => json!({ DATAPLANE_MODE_LABEL: v }),
                 None => json!({}),
             };
-            let got = pod(basic(labels)).dataplane_mode(Some(&ns(ns_label)));
+            let got =
+                pod(basic(labels)).dataplane_mode(Some(&ns(ns_label)), &Enablement::default());
             assert_eq!(
                 got, want,
                 "pod label {pod_label:?}, namespace label {ns_label:?}"
@@ -462,8 +490,38 @@ mod tests {
         }
         // An unknown namespace: only the pod's label counts.
         let labelled = pod(basic(json!({ DATAPLANE_MODE_LABEL: "ambient" })));
-        assert_eq!(labelled.dataplane_mode(None), Ambient);
-        assert_eq!(pod(basic(json!({}))).dataplane_mode(None), Off);
+        assert_eq!(
+            labelled.dataplane_mode(None, &Enablement::default()),
+            Ambient
+        );
+        assert_eq!(
+            pod(basic(json!({}))).dataplane_mode(None, &Enablement::default()),
+            Off
+        );
+    }
+
+    #[test]
+    fn excluded_namespaces_and_selectors_decide_as_in_istio_cni() {
+        let labelled = pod(basic(json!({ DATAPLANE_MODE_LABEL: "ambient" })));
+        let excluding = Enablement::new(
+            crate::control::kube::enablement::ISTIO_DEFAULT_SELECTORS,
+            ["prod".to_string()],
+        )
+        .expect("parses");
+        assert_eq!(
+            labelled.dataplane_mode(Some(&ns(Some("ambient"))), &excluding),
+            DataplaneMode::None,
+            "an excluded namespace is never enrolled"
+        );
+        let by_team =
+            Enablement::new("[{podSelector: {matchLabels: {team: web}}}]", []).expect("parses");
+        assert_eq!(
+            labelled.dataplane_mode(Some(&ns(Some("ambient"))), &by_team),
+            DataplaneMode::None,
+            "the labels count only through the selectors"
+        );
+        let team = pod(basic(json!({"team": "web"})));
+        assert_eq!(team.dataplane_mode(None, &by_team), DataplaneMode::Ambient);
     }
 
     #[test]
@@ -471,14 +529,14 @@ mod tests {
         let mut host = basic(json!({ DATAPLANE_MODE_LABEL: "ambient" }));
         host["spec"]["hostNetwork"] = json!(true);
         assert_eq!(
-            pod(host).dataplane_mode(Some(&ns(Some("ambient")))),
+            pod(host).dataplane_mode(Some(&ns(Some("ambient"))), &Enablement::default()),
             DataplaneMode::None
         );
 
         let mut sidecar = basic(json!({}));
         sidecar["metadata"]["annotations"] = json!({ SIDECAR_STATUS_ANNOTATION: "{}" });
         assert_eq!(
-            pod(sidecar).dataplane_mode(Some(&ns(Some("ambient")))),
+            pod(sidecar).dataplane_mode(Some(&ns(Some("ambient"))), &Enablement::default()),
             DataplaneMode::None
         );
 
@@ -487,7 +545,11 @@ mod tests {
             done["status"]["phase"] = json!(phase);
             let facts = pod(done);
             assert!(facts.finished);
-            assert_eq!(facts.dataplane_mode(None), DataplaneMode::None, "{phase}");
+            assert_eq!(
+                facts.dataplane_mode(None, &Enablement::default()),
+                DataplaneMode::None,
+                "{phase}"
+            );
         }
     }
 

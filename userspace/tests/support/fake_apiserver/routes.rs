@@ -1,5 +1,6 @@
 //! The HTTP side: each request recorded, routed to a list (paginated,
-//! field-selected), a watch, or a pod's JSON merge patch; errors answered
+//! field-selected), a watch, or a JSON merge patch of a pod's status
+//! subresource; errors answered
 //! as kube-apiserver's `Status` objects.
 
 use std::{
@@ -49,7 +50,15 @@ pub(super) async fn handle(inner: &Arc<Mutex<Inner>>, req: Request<Incoming>) ->
         (&Method::GET, ["apis", "gateway.networking.k8s.io", "v1", "gateways"]) => {
             custom_list_or_watch(inner, Kind::Gateway, &query)
         }
-        (&Method::PATCH, ["api", "v1", "namespaces", ns, "pods", name]) => {
+        // The agent's ClusterRole grants `patch` on `pods/status` only (as
+        // istio-cni's): a patch of the whole pod is refused as kube-apiserver
+        // refuses a call RBAC does not allow.
+        (&Method::PATCH, ["api", "v1", "namespaces", _, "pods", name]) => status(
+            StatusCode::FORBIDDEN,
+            "Forbidden",
+            &format!("pods \"{name}\" is forbidden: the agent may patch pods/status, not pods"),
+        ),
+        (&Method::PATCH, ["api", "v1", "namespaces", ns, "pods", name, "status"]) => {
             let body = match req.into_body().collect().await {
                 Ok(body) => body.to_bytes(),
                 Err(e) => return status(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),

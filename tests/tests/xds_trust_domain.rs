@@ -1,0 +1,193 @@
+//! The trust domain comes from istiod, as ztunnel takes it: each xDS
+//! `Workload` carries its `trust_domain`, and ztunnel derives the workload's
+//! identity (the certificate it asks for, the server SAN it expects, the
+//! trust domain its clients must be of) from it. Here istiod says
+//! `example.org` while the agents' own setting (the workloads file's
+//! `trustDomain`) is cluster.local: the client's certificate, the server's,
+//! and the identity checks on both sides are `spiffe://example.org/...`, so
+//! the connection goes over HBONE with those identities.
+//!
+//! Run as root: `cargo build -p shunt --bins && SHUNT_BIN=… cargo test -p
+//! shunt-testbed --test xds_trust_domain`.
+
+#[path = "../../userspace/tests/support/fake_istiod.rs"]
+mod fake_istiod;
+
+use std::time::{Duration, Instant};
+
+use fake_istiod::{FakeIstiod, Pki, pod, response, workload};
+use serde_json::Value;
+use shunt::xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL};
+use shunt_testbed::{
+    Cgroup, Topology,
+    agent::{Agent, WorkloadSpec, http, mesh_pods_enrolled, workloads_yaml},
+    apps::{EchoServer, TestApp},
+    require_root,
+};
+
+const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
+const TIMEOUT: Duration = Duration::from_secs(30);
+const CLIENT_ID: &str = "spiffe://example.org/ns/default/sa/sa-client";
+const SERVER_ID: &str = "spiffe://example.org/ns/default/sa/sa-server";
+
+fn access_lines(logs: &str, direction: &str) -> Vec<Value> {
+    logs.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["target"] == "shunt::access" && l["fields"]["direction"] == direction)
+        .collect()
+}
+
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    tokio::task::block_in_place(f)
+}
+
+/// Polls `probe` until it answers, at most TIMEOUT; panics with `logs()`.
+async fn eventually<T>(
+    what: &str,
+    mut probe: impl FnMut() -> Option<T>,
+    logs: impl Fn() -> String,
+) -> T {
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        if let Some(v) = blocking(&mut probe) {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "{what}: timed out\n{}", logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identities_take_the_trust_domain_istiod_gives_each_workload() {
+    require_root().expect("kernel tests need root");
+    let mut topo = Topology::new("xds-td").expect("topology");
+    topo.add_node("node-a").expect("node");
+    // Both pods on the node whose agent istiod feeds (the in-test istiod
+    // admits node-a's agent only): the client's proxy still reaches the
+    // server's over HBONE (podIP:15008 in the server's netns).
+    let client = topo.add_pod("node-a", "client").expect("pod");
+    let server = topo.add_pod("node-a", "server").expect("pod");
+    let node_a = topo.node("node-a").expect("node").clone();
+    let apps = Cgroup::create(&topo, "apps").expect("cgroup");
+    let apps = TestApp::new(TESTAPP, &apps);
+
+    // istiod on node-a's loopback; the agent's own trust domain (the
+    // workloads file's) is cluster.local.
+    let pki = Pki::new();
+    let listener = node_a
+        .listen_tcp("127.0.0.1:0".parse().expect("addr"))
+        .expect("listener in node-a");
+    let istiod = FakeIstiod::start_on(&pki, listener);
+    let (address, root, token) = (
+        istiod.addr.to_string(),
+        pki.root_file().display().to_string(),
+        pki.token_file().display().to_string(),
+    );
+    let yaml = workloads_yaml(&[
+        WorkloadSpec::for_pod(&client, true),
+        WorkloadSpec::for_pod(&server, true),
+    ]);
+    assert!(yaml.contains("trustDomain: cluster.local"), "{yaml}");
+    let args = [
+        "--redirect",
+        "ebpf",
+        "--log-format",
+        "json",
+        "--xds-address",
+        &address,
+        "--xds-root-cert",
+        &root,
+        "--xds-token",
+        &token,
+        "--instance-ip",
+        "198.18.0.5",
+        "--pod-name",
+        "shunt-x1",
+        "--pod-namespace",
+        "istio-system",
+    ];
+    let mut agent = blocking(|| Agent::start(&topo, &node_a, &yaml, &args)).expect("agent");
+
+    // The workloads istiod sends, in trust domain example.org.
+    istiod.initial_requests(1).await;
+    let mut client_pb = pod("default", client.name(), client.ip().octets(), "node-a");
+    client_pb.service_account = "sa-client".into();
+    client_pb.trust_domain = "example.org".into();
+    let mut server_pb = pod("default", server.name(), server.ip().octets(), "node-a");
+    server_pb.service_account = "sa-server".into();
+    server_pb.trust_domain = "example.org".into();
+    istiod.push(response(
+        ADDRESS_TYPE_URL,
+        "a1",
+        vec![workload(client_pb, "1"), workload(server_pb, "1")],
+        &[],
+    ));
+    // (No policy: the cluster view is complete once both types came.)
+    istiod.push(response(AUTHORIZATION_TYPE_URL, "p1", vec![], &[]));
+    assert_eq!(istiod.answer_to("a1").await.error_detail, None);
+    assert_eq!(istiod.answer_to("p1").await.error_detail, None);
+    blocking(|| agent.wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_enrolled))
+        .expect("enrolled");
+
+    // Each pod's certificate is of istiod's trust domain.
+    let admin = agent.endpoints().admin.port();
+    for id in [CLIENT_ID, SERVER_ID] {
+        eventually(
+            &format!("{id}'s certificate available"),
+            || {
+                let (code, body) = http(&node_a, "GET", admin, "/config_dump").ok()?;
+                let dump: Value = serde_json::from_str(&body).ok().filter(|_| code == 200)?;
+                dump["certificates"]
+                    .as_array()?
+                    .iter()
+                    .any(|c| c["identity"] == id && c["state"] == "Available")
+                    .then_some(())
+            },
+            || agent.logs(),
+        )
+        .await;
+    }
+
+    // Over HBONE: the client's outbound expects the server's example.org
+    // SAN, the server's inbound accepts an example.org client.
+    let _server_app = EchoServer::on(&server, 8080).expect("echo");
+    let to_server = format!("{}:8080", server.ip());
+    let report = blocking(|| apps.run(&client, &["connect", &to_server, "--send", "4096"]));
+    assert_eq!(
+        report["intact"],
+        Value::Bool(true),
+        "{report}\n{}",
+        agent.logs()
+    );
+    eventually(
+        "the inbound side took the client's example.org identity",
+        || {
+            access_lines(&agent.logs(), "inbound")
+                .iter()
+                .any(|l| {
+                    l["fields"]["src.identity"] == CLIENT_ID
+                        && l["fields"]["dst.identity"] == SERVER_ID
+                        && l["fields"]["result"] == "success"
+                })
+                .then_some(())
+        },
+        || agent.logs(),
+    )
+    .await;
+    eventually(
+        "the outbound side named the server's example.org identity",
+        || {
+            access_lines(&agent.logs(), "outbound")
+                .iter()
+                .any(|l| {
+                    l["fields"]["dst.identity"] == SERVER_ID && l["fields"]["result"] == "success"
+                })
+                .then_some(())
+        },
+        || agent.logs(),
+    )
+    .await;
+
+    let exit = blocking(|| agent.stop()).expect("stop");
+    assert!(exit.success(), "{}", agent.logs());
+}
