@@ -266,10 +266,21 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         fs::write(dir.path().join("20-b.conflist"), BRIDGE).unwrap();
         fs::write(dir.path().join("10-a.conflist"), BRIDGE).unwrap();
-        assert_eq!(primary(dir.path()).unwrap(), dir.path().join("10-a.conflist"));
+        assert_eq!(
+            primary(dir.path()).unwrap(),
+            dir.path().join("10-a.conflist")
+        );
         install(dir.path(), &entry()).unwrap();
-        assert!(read(&dir.path().join("10-a.conflist")).unwrap().contains("shunt-cni"));
-        assert!(!read(&dir.path().join("20-b.conflist")).unwrap().contains("shunt-cni"));
+        assert!(
+            read(&dir.path().join("10-a.conflist"))
+                .unwrap()
+                .contains("shunt-cni")
+        );
+        assert!(
+            !read(&dir.path().join("20-b.conflist"))
+                .unwrap()
+                .contains("shunt-cni")
+        );
         assert_eq!(
             uninstall(dir.path()).unwrap(),
             vec![dir.path().join("10-a.conflist")]

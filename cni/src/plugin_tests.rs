@@ -73,7 +73,10 @@ fn add_asks_the_agent_and_passes_prev_result_unchanged() {
     assert_eq!(out.stdout, PREV, "prevResult byte for byte");
     let request = asked.recv().unwrap();
     assert_eq!(request.command, Command::Add);
-    assert_eq!((request.pod_namespace.as_str(), request.pod_name.as_str()), ("shop", "web"));
+    assert_eq!(
+        (request.pod_namespace.as_str(), request.pod_name.as_str()),
+        ("shop", "web")
+    );
     assert_eq!(request.netns, "/var/run/netns/x");
     assert_eq!(request.container_id, "sandbox-1");
     assert_eq!(request.pod_uid.as_deref(), Some("u-1"));

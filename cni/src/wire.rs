@@ -168,8 +168,12 @@ mod tests {
             pod_uid: None,
             ips: vec![],
         };
-        let error = exchange(&dir.path().join("none.sock"), &request, Duration::from_secs(1))
-            .unwrap_err();
+        let error = exchange(
+            &dir.path().join("none.sock"),
+            &request,
+            Duration::from_secs(1),
+        )
+        .unwrap_err();
         assert!(error.is_unreachable(), "{error}");
     }
 }

@@ -7,6 +7,7 @@
 //! the cluster-wide view ([`ClusterView`], what the proxy looks peers up in)
 //! goes to the one task that owns the workload store. Sources never see the
 //! agent, and nothing calls back into them.
+pub mod cni;
 pub mod file;
 pub mod kube;
 pub mod local;

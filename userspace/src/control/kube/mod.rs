@@ -59,6 +59,7 @@ pub mod netns;
 mod optional_crd;
 pub mod pod;
 pub mod policy;
+mod sandboxes;
 pub mod service;
 mod waypoints;
 
@@ -71,7 +72,7 @@ use std::{
     time::Duration,
 };
 
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 use ::kube::{
     Api, Client, Config,
@@ -87,13 +88,15 @@ pub use cri::{ChainResolver, CriOptions, CriResolver};
 pub use lenient::Lenient;
 pub use netns::{MapResolver, NetnsResolver, PodRef, ProcScanResolver};
 
-use super::{NodePods, SourceSink};
+use super::{NodePods, SourceSink, cni::CniCall};
 use crate::{
     snapshot::NodeSnapshot,
     state::{PodState, TrustDomain, Workload, WorkloadKey},
 };
 use cache::ObjectCache;
 use pod::{NamespaceFacts, PodFacts};
+use sandboxes::Sandboxes;
+use shunt_cni::wire::{Command, Reply};
 
 /// Why the Kubernetes source cannot start.
 #[derive(Debug, thiserror::Error)]
@@ -166,6 +169,8 @@ pub struct KubeSource {
     options: KubeOptions,
     resolver: Arc<dyn NetnsResolver>,
     stats: Arc<SourceStats>,
+    /// Requests of the CNI plugin (`--cni-socket`), when it is served.
+    cni: Option<mpsc::Receiver<CniCall>>,
 }
 
 impl KubeSource {
@@ -175,7 +180,16 @@ impl KubeSource {
             options,
             resolver,
             stats: Arc::default(),
+            cni: None,
         }
+    }
+
+    /// Takes the CNI plugin's requests (see `control::cni`): sandboxes
+    /// announced at ADD are listed with their netns at once and answered
+    /// once captured.
+    pub fn with_cni(mut self, calls: mpsc::Receiver<CniCall>) -> Self {
+        self.cni = Some(calls);
+        self
     }
 
     pub fn stats(&self) -> Arc<SourceStats> {
@@ -187,7 +201,7 @@ impl KubeSource {
     /// publishes on `snapshots`. Errors are logged and retried, never
     /// returned: a node agent must outlive API server trouble.
     pub async fn run(
-        self,
+        mut self,
         sink: Arc<dyn SourceSink>,
         mut snapshots: watch::Receiver<Arc<NodeSnapshot>>,
     ) {
@@ -202,7 +216,9 @@ impl KubeSource {
             last: None,
             sent: annotate::Sent::default(),
             pods_api,
+            sandboxes: Sandboxes::default(),
         };
+        let mut cni = self.cni.take();
         let mut reconciler_running = true;
         let mut resync = tokio::time::interval(self.options.resync);
         resync.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -233,9 +249,19 @@ impl KubeSource {
                         reconciler_running = false;
                         continue;
                     }
-                    let states = snapshots.borrow_and_update().pod_states();
-                    self.annotate(&watch.view, &mut state, &states).await;
+                    let snapshot = snapshots.borrow_and_update().clone();
+                    state.sandboxes.answer(&snapshot);
+                    self.annotate(&watch.view, &mut state, &snapshot.pod_states()).await;
                 }
+                call = next_call(&mut cni) => match call {
+                    Some(call) => {
+                        let snapshot = snapshots.borrow().clone();
+                        self.on_cni(call, sink.as_ref(), &watch.view, &mut state, &snapshot).await;
+                        let snapshot = snapshots.borrow().clone();
+                        state.sandboxes.answer(&snapshot);
+                    }
+                    None => cni = None,
+                },
             }
         }
     }
@@ -247,16 +273,43 @@ impl KubeSource {
             debug!("not every watch has listed yet; nothing to reconcile");
             return;
         }
+        state.sandboxes.forget_fetched(
+            |key| watch.pods.get(&key.to_string()).is_some(),
+            |name| watch.namespaces.get(name).is_some(),
+        );
+        let sandboxes = &state.sandboxes;
+        // Pods the watch lists, then those read for a CNI ADD that it does
+        // not list yet.
+        let fetched = sandboxes
+            .fetched
+            .values()
+            .filter(|f| watch.pods.get(&f.key.to_string()).is_none());
         let mut workloads = Vec::with_capacity(watch.pods.len());
         let mut wanted: Vec<(WorkloadKey, String)> = Vec::new();
-        for facts in watch.pods.values() {
+        for facts in watch.pods.values().chain(fetched) {
             // The field selector already keeps other nodes' pods out.
             if facts.node != self.options.node {
                 continue;
             }
-            let workload = facts.to_workload(watch.namespaces.get(&facts.key.namespace));
-            if workload.wants_mesh() && !facts.ips.is_empty() {
-                wanted.push((facts.key.clone(), facts.uid.clone()));
+            let namespace = watch
+                .namespaces
+                .get(&facts.key.namespace)
+                .or_else(|| sandboxes.fetched_namespace(&facts.key.namespace));
+            let mut workload = facts.to_workload(namespace);
+            let sandbox = sandboxes.by_pod.get(&facts.key);
+            if let Some(sandbox) = sandbox
+                && workload.ips.is_empty()
+            {
+                // Before the kubelet reports them, the chain's own result.
+                workload.ips = sandbox.ips.clone();
+            }
+            match sandbox {
+                // The sandbox the runtime is creating: no discovery.
+                Some(sandbox) => workload.netns = Some(sandbox.netns.clone()),
+                None if workload.wants_mesh() && !facts.ips.is_empty() => {
+                    wanted.push((facts.key.clone(), facts.uid.clone()));
+                }
+                None => {}
             }
             workloads.push((facts.uid.clone(), workload));
         }
@@ -264,7 +317,9 @@ impl KubeSource {
         let workloads: Vec<Workload> = workloads
             .into_iter()
             .map(|(uid, mut workload)| {
-                workload.netns = found.get(&uid).cloned();
+                if workload.netns.is_none() {
+                    workload.netns = found.get(&uid).cloned();
+                }
                 workload
             })
             .collect();
@@ -306,6 +361,68 @@ impl KubeSource {
             error!(%error, "netns discovery panicked");
             HashMap::new()
         })
+    }
+
+    /// One request of the CNI plugin: the pod judged as the watch would
+    /// judge it; a mesh pod's sandbox listed at once (its answer comes with
+    /// the snapshot that shows it captured); DEL forgets the sandbox.
+    async fn on_cni(
+        &self,
+        call: CniCall,
+        sink: &dyn SourceSink,
+        watch: &View,
+        state: &mut SyncState,
+        snapshot: &NodeSnapshot,
+    ) {
+        let request = &call.request;
+        let key = WorkloadKey::new(&request.pod_namespace, &request.pod_name);
+        match request.command {
+            Command::Del => {
+                let _ = call.answer.send(Reply::Released);
+                if state.sandboxes.remove(&key, &request.container_id) {
+                    self.sync(sink, watch, state).await;
+                }
+            }
+            Command::Check => {
+                let _ = call.answer.send(sandboxes::check(snapshot, &key));
+            }
+            Command::Add => {
+                let known = watch
+                    .pods
+                    .get(&key.to_string())
+                    .or_else(|| state.sandboxes.fetched.get(&key))
+                    .cloned();
+                let facts = match known {
+                    Some(facts) => facts,
+                    None => {
+                        let namespace_known = watch.namespaces.get(&key.namespace).is_some();
+                        match state
+                            .sandboxes
+                            .fetch(&self.client, &key, namespace_known)
+                            .await
+                        {
+                            Ok(facts) => facts,
+                            Err(error) => {
+                                warn!(pod = %key, %error, "CNI ADD: cannot judge the pod");
+                                let _ = call.answer.send(Reply::Failed(error.to_string()));
+                                return;
+                            }
+                        }
+                    }
+                };
+                let namespace = watch
+                    .namespaces
+                    .get(&key.namespace)
+                    .or_else(|| state.sandboxes.fetched_namespace(&key.namespace));
+                if !facts.to_workload(namespace).wants_mesh() || facts.node != self.options.node {
+                    debug!(pod = %key, "CNI ADD: not a mesh pod of this node; untouched");
+                    let _ = call.answer.send(Reply::NotInMesh);
+                    return;
+                }
+                state.sandboxes.add(key, request, call.answer);
+                self.sync(sink, watch, state).await;
+            }
+        }
     }
 
     async fn annotate(
@@ -389,6 +506,8 @@ struct SyncState {
     last: Option<Vec<Workload>>,
     sent: annotate::Sent,
     pods_api: Api<Lenient<Pod>>,
+    /// What the CNI plugin announced (`control::cni`).
+    sandboxes: Sandboxes,
 }
 
 /// A pod watch (optionally narrowed by a field selector) and a namespace
@@ -497,6 +616,14 @@ where
             error!(watch = what, "the watch ended");
             Step::Ended
         }
+    }
+}
+
+/// The next request of the CNI plugin, or never without one.
+async fn next_call(calls: &mut Option<mpsc::Receiver<CniCall>>) -> Option<CniCall> {
+    match calls {
+        Some(calls) => calls.recv().await,
+        None => std::future::pending().await,
     }
 }
 
