@@ -21,11 +21,16 @@ mod containerd;
 #[path = "support/fake_apiserver.rs"]
 mod fake_apiserver;
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
 
 use cni_bed::{CniBed, MESH_NS, PLAIN_NS, agent_args};
 use serde_json::json;
 use shunt::state::PodState;
+use shunt_proto::istio::zds::workload_request::Payload;
+use shunt_testbed::ztunnel::{InPodProxy, Options, ZdsClient};
 
 /// The sandbox's IP, from the netns containerd made (as CNI's result gave
 /// it): what `shunt status` lists for the pod.
@@ -187,4 +192,94 @@ async fn ebpf_first_connect_of_a_containerd_sandbox_is_captured() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn iptables_first_connect_of_a_containerd_sandbox_is_captured() {
     first_connect_is_captured("cni-ipt", "iptables").await;
+}
+
+/// `--proxy ztunnel`: while no ztunnel acknowledges the pod, its ADD fails
+/// (the capture failed: the runtime retries, and nothing of the sandbox
+/// is left); once a ztunnel serves ZDS, the retried sandbox is handed to
+/// it before RunPodSandbox returns, and the container's first connect
+/// reaches ztunnel's listener in the pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ztunnel_capture_failure_fails_add_and_the_retry_is_handed_to_ztunnel() {
+    let mut args = agent_args("ztunnel");
+    args.extend(["--cni-timeout".to_owned(), "3".to_owned()]);
+    let mut bed = CniBed::start("cni-zt", &args).await;
+    let peer = bed.peer_addr();
+
+    let uid = bed.add_pod(MESH_NS, "web", json!({}));
+    let config = bed.sandbox_config(MESH_NS, "web", &uid);
+    let error = bed
+        .ctd()
+        .run_sandbox(&config)
+        .await
+        .expect_err("no ztunnel: the capture cannot complete, so ADD fails");
+    let message = error.message().to_owned();
+    assert!(
+        message.contains("could not capture pod shop/web")
+            && message.contains("not captured within"),
+        "the plugin's error names the pod and the wait: {message}"
+    );
+
+    // A ztunnel (the stand-in) connects and serves every pod it is given.
+    let proxies: Arc<Mutex<Vec<InPodProxy>>> = Arc::default();
+    let socket = bed.dir.path().join("zds.sock");
+    let cgroup = bed.pods_cgroup().to_owned();
+    let served = proxies.clone();
+    std::thread::spawn(move || {
+        let zds = ZdsClient::connect(&socket).expect("connect to the agent's ZDS socket");
+        zds.hello().expect("hello");
+        // Ends when the agent closes the connection (its exit).
+        while let Ok((payload, mut fds)) = zds.recv() {
+            if let Payload::Add(_) = payload {
+                let proxy =
+                    InPodProxy::start_with(fds.remove(0), Options::new(Some(cgroup.clone())))
+                        .expect("bind in the pod");
+                served.lock().unwrap_or_else(|p| p.into_inner()).push(proxy);
+            }
+            if zds.ack().is_err() {
+                break;
+            }
+        }
+    });
+
+    // The kubelet's retry: a new attempt of the sandbox.
+    let mut config = config;
+    if let Some(meta) = config.metadata.as_mut() {
+        meta.attempt = 1;
+    }
+    let sandbox = match bed.ctd().run_sandbox(&config).await {
+        Ok(id) => id,
+        Err(status) => panic!(
+            "RunPodSandbox with ztunnel: {status}\nagent log:\n{}",
+            bed.log()
+        ),
+    };
+    assert_eq!(
+        bed.pod_status(MESH_NS, "web").map(|p| p.state),
+        Some(PodState::Enrolled),
+        "acknowledged by ztunnel before RunPodSandbox returned"
+    );
+    assert_eq!(proxies.lock().unwrap_or_else(|p| p.into_inner()).len(), 1);
+    let container = bed
+        .ctd()
+        .run_container(&sandbox, &config, &["connect", &peer.to_string(), "hello"])
+        .await;
+    let (exit, output) = bed.ctd().wait_exited(&container, &config).await;
+    assert_eq!(exit, 0, "{output}");
+    let outbound = proxies.lock().unwrap_or_else(|p| p.into_inner())[0].outbound();
+    assert_eq!(
+        outbound.len(),
+        1,
+        "the first connect went to ztunnel: {outbound:?}"
+    );
+    assert_eq!(
+        outbound[0].original,
+        Ok(peer),
+        "with its original destination"
+    );
+    assert!(
+        output.contains("direct:hello"),
+        "relayed by ztunnel: {output}"
+    );
+    bed.shutdown().await;
 }

@@ -137,7 +137,12 @@ impl CniBed {
             .arg(&ctd.bin_dir)
             .arg("--cni-plugin")
             .arg(plugin_binary())
-            .args(["--cni-timeout", "10", "--zds-socket"])
+            .args(if extra.iter().any(|a| a == "--cni-timeout") {
+                &[][..]
+            } else {
+                &["--cni-timeout", "10"][..]
+            })
+            .arg("--zds-socket")
             .arg(dir.path().join("zds.sock"))
             .env("NODE_NAME", NODE)
             .env("KUBECONFIG", &kubeconfig)
@@ -169,11 +174,18 @@ impl CniBed {
             |bed| bed.conflist().contains("\"shunt-cni\""),
         )
         .await;
-        bed.serve_peer(tx).await;
+        // With a stock proxy (`--proxy ztunnel`) the agent keeps no CA:
+        // the peer answers plaintext only.
+        let builtin_proxy = !extra.iter().any(|a| a == "ztunnel");
+        bed.serve_peer(tx, builtin_proxy).await;
         bed
     }
 
     /// The `cgroup_parent` of every sandbox config.
+    pub fn pods_cgroup(&self) -> &Path {
+        self.pods_cgroup.path()
+    }
+
     pub fn cgroup_parent(&self) -> String {
         self.pods_cgroup.hierarchy_path()
     }
@@ -272,7 +284,32 @@ impl CniBed {
     /// `shop/sleep` (a certificate of the agent's CA), answering
     /// `captured:<bytes>` and reporting each CONNECT on `tx`; plaintext on
     /// 9000 answering `direct:<bytes>`.
-    async fn serve_peer(&mut self, tx: mpsc::UnboundedSender<Received>) {
+    async fn serve_peer(&mut self, tx: mpsc::UnboundedSender<Received>, hbone: bool) {
+        if hbone {
+            self.serve_peer_hbone(tx).await;
+        }
+        let plain = self
+            .peer
+            .listen_tcp(SocketAddr::from((self.peer.ip(), PEER_PORT)))
+            .expect("peer plaintext listener");
+        plain.set_nonblocking(true).expect("nonblocking");
+        let plain = tokio::net::TcpListener::from_std(plain).expect("tokio listener");
+        tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+            while let Ok((mut tcp, _)) = plain.accept().await {
+                tokio::spawn(async move {
+                    let mut got = Vec::new();
+                    if tcp.read_to_end(&mut got).await.is_ok() {
+                        let mut answer = b"direct:".to_vec();
+                        answer.extend_from_slice(&got);
+                        let _ = tcp.write_all(&answer).await;
+                    }
+                });
+            }
+        });
+    }
+
+    async fn serve_peer_hbone(&mut self, tx: mpsc::UnboundedSender<Received>) {
         let ca_dir = self.ca_dir.clone();
         // The agent writes its CA at start (bounded wait: 20 s).
         let mut ca = None;
@@ -302,25 +339,6 @@ impl CniBed {
                 tokio::spawn(async move {
                     if let Ok(received) = terminate(tcp, &credentials).await {
                         let _ = tx.send(received);
-                    }
-                });
-            }
-        });
-        let plain = self
-            .peer
-            .listen_tcp(SocketAddr::from((self.peer.ip(), PEER_PORT)))
-            .expect("peer plaintext listener");
-        plain.set_nonblocking(true).expect("nonblocking");
-        let plain = tokio::net::TcpListener::from_std(plain).expect("tokio listener");
-        tokio::spawn(async move {
-            use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-            while let Ok((mut tcp, _)) = plain.accept().await {
-                tokio::spawn(async move {
-                    let mut got = Vec::new();
-                    if tcp.read_to_end(&mut got).await.is_ok() {
-                        let mut answer = b"direct:".to_vec();
-                        answer.extend_from_slice(&got);
-                        let _ = tcp.write_all(&answer).await;
                     }
                 });
             }
