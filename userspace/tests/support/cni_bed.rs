@@ -76,6 +76,12 @@ impl CniBed {
     /// Everything up, the agent started with `extra` arguments; returns once
     /// shunt-cni is in containerd's CNI configuration.
     pub async fn start(test: &str, extra: &[String]) -> CniBed {
+        Self::start_with(test, extra, true).await
+    }
+
+    /// As [`CniBed::start`]; without `cni` the agent neither serves the
+    /// plugin nor chains it (today's watch-driven capture).
+    pub async fn start_with(test: &str, extra: &[String], cni: bool) -> CniBed {
         require_root().expect("these tests create namespaces and run containerd: run as root");
         let mut topo = Topology::new(test).expect("topology");
         let node = topo.add_node(NODE).expect("node");
@@ -114,8 +120,20 @@ impl CniBed {
         let agent_log = dir.path().join("agent.log");
         let log = std::fs::File::create(&agent_log).expect("log file");
         let kubeconfig = api.write_kubeconfig(dir.path());
-        let agent = std::process::Command::new(env!("CARGO_BIN_EXE_shunt"))
-            .arg("agent")
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_shunt"));
+        command.arg("agent");
+        if cni {
+            command
+                .arg("--cni-socket")
+                .arg(&cni_socket)
+                .arg("--cni-conf-dir")
+                .arg(&ctd.conf_dir)
+                .arg("--cni-bin-dir")
+                .arg(&ctd.bin_dir)
+                .arg("--cni-plugin")
+                .arg(plugin_binary());
+        }
+        let agent = command
             .args(extra)
             .args(["--log-level", "info,shunt=debug", "--verify-interval", "1"])
             .arg("--bpf-pin-dir")
@@ -129,14 +147,6 @@ impl CniBed {
             .arg(&ca_dir)
             .arg("--cri-socket")
             .arg(&ctd.socket)
-            .arg("--cni-socket")
-            .arg(&cni_socket)
-            .arg("--cni-conf-dir")
-            .arg(&ctd.conf_dir)
-            .arg("--cni-bin-dir")
-            .arg(&ctd.bin_dir)
-            .arg("--cni-plugin")
-            .arg(plugin_binary())
             .args(if extra.iter().any(|a| a == "--cni-timeout") {
                 &[][..]
             } else {
@@ -169,11 +179,13 @@ impl CniBed {
             pin_dir,
             topo,
         };
-        bed.wait(
-            "shunt-cni chained into containerd's CNI configuration",
-            |bed| bed.conflist().contains("\"shunt-cni\""),
-        )
-        .await;
+        if cni {
+            bed.wait(
+                "shunt-cni chained into containerd's CNI configuration",
+                |bed| bed.conflist().contains("\"shunt-cni\""),
+            )
+            .await;
+        }
         // With a stock proxy (`--proxy ztunnel`) the agent keeps no CA:
         // the peer answers plaintext only.
         let builtin_proxy = !extra.iter().any(|a| a == "ztunnel");

@@ -181,17 +181,17 @@ impl Sandboxes {
 /// What the snapshot says of the pod in `netns`; `None` while undecided.
 fn verdict(snapshot: &NodeSnapshot, key: &WorkloadKey, netns: &std::path::Path) -> Option<Reply> {
     let pod = snapshot.pod(key)?;
-    if pod.state == PodState::NotInMesh {
-        return Some(Reply::NotInMesh);
-    }
     if pod.workload.netns.as_deref() != Some(netns) {
-        // An earlier sandbox's state, or this one not reconciled yet.
+        // A state from before the list that carries this sandbox (an
+        // earlier sandbox's, or the pod before it opted in): not a verdict
+        // on this one.
         return None;
     }
     match &pod.state {
         PodState::Enrolled => Some(Reply::Captured),
+        PodState::NotInMesh => Some(Reply::NotInMesh),
         PodState::Error(reason) => Some(Reply::Failed(reason.clone())),
-        PodState::Pending(_) | PodState::NotInMesh => None,
+        PodState::Pending(_) => None,
     }
 }
 
@@ -225,5 +225,57 @@ where
             what: what.to_owned(),
             source: Box::new(source),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{path::Path, sync::Arc};
+
+    use super::*;
+    use crate::{
+        redirect::RedirectMode,
+        snapshot::PodSnapshot,
+        state::{TrustDomain, Workload},
+    };
+
+    fn snapshot(netns: Option<&str>, state: PodState) -> NodeSnapshot {
+        let mut snapshot =
+            NodeSnapshot::empty("node-a", RedirectMode::Ebpf, TrustDomain::default());
+        let workload = Workload {
+            name: "web".into(),
+            namespace: "shop".into(),
+            netns: netns.map(PathBuf::from),
+            ..Default::default()
+        };
+        snapshot.pods = Arc::from(vec![PodSnapshot {
+            workload,
+            state,
+            kernel: None,
+            kernel_denials: Vec::new(),
+        }]);
+        snapshot
+    }
+
+    #[test]
+    fn only_a_state_of_this_sandboxs_netns_answers() {
+        let key = WorkloadKey::new("shop", "web");
+        let netns = Path::new("/run/netns/cni-1");
+        // The pod as it was before the list with this sandbox (not yet in
+        // the mesh, no netns): no verdict, or its ADD would pass uncaptured.
+        assert_eq!(
+            verdict(&snapshot(None, PodState::NotInMesh), &key, netns),
+            None
+        );
+        let earlier = snapshot(Some("/run/netns/cni-0"), PodState::Enrolled);
+        assert_eq!(verdict(&earlier, &key, netns), None, "an earlier sandbox");
+        let ours = |state| verdict(&snapshot(Some("/run/netns/cni-1"), state), &key, netns);
+        assert_eq!(ours(PodState::Enrolled), Some(Reply::Captured));
+        assert_eq!(ours(PodState::NotInMesh), Some(Reply::NotInMesh));
+        assert_eq!(ours(PodState::Pending("waiting for ztunnel".into())), None);
+        assert_eq!(
+            ours(PodState::Error("no listener".into())),
+            Some(Reply::Failed("no listener".into()))
+        );
     }
 }
