@@ -267,6 +267,7 @@ pub struct AgentArgs {
 
     /// The agent's own pods (this namespace, names with
     /// `--cni-agent-pod-prefix`) pass the plugin while no agent answers.
+    /// Default: the namespace of the agent's service account.
     #[arg(long, env = "POD_NAMESPACE", value_name = "NS")]
     pub cni_agent_namespace: Option<String>,
 

@@ -40,6 +40,12 @@ fn sandbox_ip(bed: &CniBed, ns: &str, name: &str) -> String {
         .expect("the pod's IP in the agent's status")
 }
 
+/// The first line of `log` that has every one of `parts`.
+fn line_of(log: &str, parts: &[&str]) -> Option<usize> {
+    log.lines()
+        .position(|line| parts.iter().all(|p| line.contains(p)))
+}
+
 async fn first_connect_is_captured(test: &str, mode: &str) {
     let mut bed = CniBed::start(test, &agent_args(mode)).await;
     let peer = bed.peer_addr().to_string();
@@ -70,6 +76,15 @@ async fn first_connect_is_captured(test: &str, mode: &str) {
     );
     let info = bed.ctd().sandbox_info(&sandbox).await;
     let netns = web.netns.clone().expect("web's netns");
+    // Causally, in the agent's own log: the pod was enrolled in the
+    // sandbox's netns before the plugin got its answer.
+    let log = bed.log();
+    let enrolled_at = line_of(&log, &["pod enrolled", &netns.display().to_string()]);
+    let answered_at = line_of(&log, &["CNI plugin answered", "shop/web"]);
+    assert!(
+        matches!((enrolled_at, answered_at), (Some(e), Some(a)) if e < a),
+        "enrolled (line {enrolled_at:?}) before the ADD's answer (line {answered_at:?}); log:\n{log}"
+    );
     assert!(
         info.contains(&netns.display().to_string()),
         "the netns enrolled is the sandbox's ({}), containerd says: {info}",

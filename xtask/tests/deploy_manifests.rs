@@ -1520,8 +1520,8 @@ fn check_rolling_update(objects: &[Object]) {
 /// `rbac_rules_cover_exactly_the_agents_api_calls` checks this list against
 /// the code as well as against deploy/rbac.yaml.
 const AGENT_API_CALLS: &[(&str, &str, &[&str])] = &[
-    ("", "pods", &["list", "watch", "patch"]),
-    ("", "namespaces", &["list", "watch"]),
+    ("", "pods", &["get", "list", "watch", "patch"]),
+    ("", "namespaces", &["get", "list", "watch"]),
     ("", "services", &["list", "watch"]),
     ("discovery.k8s.io", "endpointslices", &["list", "watch"]),
     (

@@ -37,7 +37,7 @@ pub(super) fn start(
             agent_socket: socket.to_owned(),
             timeout_seconds: args.cni_timeout.max(1),
             exclude_namespaces: args.cni_exclude_namespaces.clone(),
-            agent_namespace: args.cni_agent_namespace.clone(),
+            agent_namespace: args.cni_agent_namespace.clone().or_else(own_namespace),
             agent_pod_prefix: Some(args.cni_agent_pod_prefix.clone()),
         };
         let binary = args
@@ -47,6 +47,14 @@ pub(super) fn start(
         tokio::spawn(install(conf_dir, entry, binary).instrument(info_span!("cni_install")));
     }
     Ok(requests)
+}
+
+/// The agent pod's namespace, from its service account (in a cluster).
+fn own_namespace() -> Option<String> {
+    std::fs::read_to_string("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+        .ok()
+        .map(|ns| ns.trim().to_owned())
+        .filter(|ns| !ns.is_empty())
 }
 
 /// The plugin binary to copy: `--cni-plugin`, else `shunt-cni` beside the

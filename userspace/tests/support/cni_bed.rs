@@ -402,6 +402,15 @@ impl Drop for CniBed {
                 );
             }
         }
+        // Bounded wait for them to be gone, so that their cgroups can go.
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(5)
+            && [&self._cgroup, &self.pods_cgroup]
+                .iter()
+                .any(|c| !descendants_pids(c.path()).is_empty())
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         if let Some(mut agent) = self.agent.take() {
             let _ = agent.kill();
             let _ = agent.wait();
@@ -417,6 +426,14 @@ impl Drop for CniBed {
                     continue;
                 }
                 let mut dir = base.join(parent.trim_start_matches('/'));
+                // What a sandbox left there (a failed test never removed it).
+                if let Ok(children) = std::fs::read_dir(&dir) {
+                    for child in children.flatten() {
+                        if child.path().is_dir() {
+                            let _ = std::fs::remove_dir(child.path());
+                        }
+                    }
+                }
                 // Up to the `shunt-test` dir, which runc made there too
                 // (removed only once empty: another test may use it).
                 for _ in 0..3 {
