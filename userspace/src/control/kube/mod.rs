@@ -96,7 +96,6 @@ use crate::{
 use cache::ObjectCache;
 use pod::{NamespaceFacts, PodFacts};
 use sandboxes::Sandboxes;
-use shunt_cni::wire::{Command, Reply};
 
 /// Why the Kubernetes source cannot start.
 #[derive(Debug, thiserror::Error)]
@@ -361,68 +360,6 @@ impl KubeSource {
             error!(%error, "netns discovery panicked");
             HashMap::new()
         })
-    }
-
-    /// One request of the CNI plugin: the pod judged as the watch would
-    /// judge it; a mesh pod's sandbox listed at once (its answer comes with
-    /// the snapshot that shows it captured); DEL forgets the sandbox.
-    async fn on_cni(
-        &self,
-        call: CniCall,
-        sink: &dyn SourceSink,
-        watch: &View,
-        state: &mut SyncState,
-        snapshot: &NodeSnapshot,
-    ) {
-        let request = &call.request;
-        let key = WorkloadKey::new(&request.pod_namespace, &request.pod_name);
-        match request.command {
-            Command::Del => {
-                let _ = call.answer.send(Reply::Released);
-                if state.sandboxes.remove(&key, &request.container_id) {
-                    self.sync(sink, watch, state).await;
-                }
-            }
-            Command::Check => {
-                let _ = call.answer.send(sandboxes::check(snapshot, &key));
-            }
-            Command::Add => {
-                let known = watch
-                    .pods
-                    .get(&key.to_string())
-                    .or_else(|| state.sandboxes.fetched.get(&key))
-                    .cloned();
-                let facts = match known {
-                    Some(facts) => facts,
-                    None => {
-                        let namespace_known = watch.namespaces.get(&key.namespace).is_some();
-                        match state
-                            .sandboxes
-                            .fetch(&self.client, &key, namespace_known)
-                            .await
-                        {
-                            Ok(facts) => facts,
-                            Err(error) => {
-                                warn!(pod = %key, %error, "CNI ADD: cannot judge the pod");
-                                let _ = call.answer.send(Reply::Failed(error.to_string()));
-                                return;
-                            }
-                        }
-                    }
-                };
-                let namespace = watch
-                    .namespaces
-                    .get(&key.namespace)
-                    .or_else(|| state.sandboxes.fetched_namespace(&key.namespace));
-                if !facts.to_workload(namespace).wants_mesh() || facts.node != self.options.node {
-                    debug!(pod = %key, "CNI ADD: not a mesh pod of this node; untouched");
-                    let _ = call.answer.send(Reply::NotInMesh);
-                    return;
-                }
-                state.sandboxes.add(key, request, call.answer);
-                self.sync(sink, watch, state).await;
-            }
-        }
     }
 
     async fn annotate(

@@ -16,14 +16,15 @@ use std::{collections::HashMap, net::IpAddr, path::PathBuf};
 
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::Api;
-use shunt_cni::wire::{Reply, Request};
+use shunt_cni::wire::{Command, Reply, Request};
 use tokio::sync::oneshot;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use super::{
-    Lenient,
+    KubeSource, Lenient, SyncState, View,
     pod::{NamespaceFacts, PodFacts},
 };
+use crate::control::{SourceSink, cni::CniCall};
 use crate::{
     snapshot::NodeSnapshot,
     state::{PodState, WorkloadKey},
@@ -173,6 +174,70 @@ impl Sandboxes {
                     let _ = waiter.answer.send(reply);
                 }
                 None => self.waiting.push(waiter),
+            }
+        }
+    }
+}
+
+impl KubeSource {
+    /// One request of the CNI plugin: the pod judged as the watch would
+    /// judge it; a mesh pod's sandbox listed at once (its answer comes with
+    /// the snapshot that shows it captured); DEL forgets the sandbox.
+    pub(super) async fn on_cni(
+        &self,
+        call: CniCall,
+        sink: &dyn SourceSink,
+        watch: &View,
+        state: &mut SyncState,
+        snapshot: &NodeSnapshot,
+    ) {
+        let request = &call.request;
+        let key = WorkloadKey::new(&request.pod_namespace, &request.pod_name);
+        match request.command {
+            Command::Del => {
+                let _ = call.answer.send(Reply::Released);
+                if state.sandboxes.remove(&key, &request.container_id) {
+                    self.sync(sink, watch, state).await;
+                }
+            }
+            Command::Check => {
+                let _ = call.answer.send(check(snapshot, &key));
+            }
+            Command::Add => {
+                let known = watch
+                    .pods
+                    .get(&key.to_string())
+                    .or_else(|| state.sandboxes.fetched.get(&key))
+                    .cloned();
+                let facts = match known {
+                    Some(facts) => facts,
+                    None => {
+                        let namespace_known = watch.namespaces.get(&key.namespace).is_some();
+                        match state
+                            .sandboxes
+                            .fetch(&self.client, &key, namespace_known)
+                            .await
+                        {
+                            Ok(facts) => facts,
+                            Err(error) => {
+                                warn!(pod = %key, %error, "CNI ADD: cannot judge the pod");
+                                let _ = call.answer.send(Reply::Failed(error.to_string()));
+                                return;
+                            }
+                        }
+                    }
+                };
+                let namespace = watch
+                    .namespaces
+                    .get(&key.namespace)
+                    .or_else(|| state.sandboxes.fetched_namespace(&key.namespace));
+                if !facts.to_workload(namespace).wants_mesh() || facts.node != self.options.node {
+                    debug!(pod = %key, "CNI ADD: not a mesh pod of this node; untouched");
+                    let _ = call.answer.send(Reply::NotInMesh);
+                    return;
+                }
+                state.sandboxes.add(key, request, call.answer);
+                self.sync(sink, watch, state).await;
             }
         }
     }
