@@ -189,8 +189,18 @@ async fn first_connect_is_captured(test: &str, mode: &str) {
         "found through the CRI"
     );
 
-    // DEL (StopPodSandbox, RemovePodSandbox) is answered.
+    // DEL (StopPodSandbox, RemovePodSandbox; the second with an empty
+    // netns) is answered, and the agent forgets the sandbox once.
     bed.ctd().remove_sandbox(&sandbox).await;
+    bed.wait("the agent forgot web's sandbox", |bed| {
+        line_of(&bed.log(), &["CNI DEL: the sandbox is gone", &sandbox]).is_some()
+    })
+    .await;
+    assert_eq!(
+        bed.log().matches("CNI DEL: the sandbox is gone").count(),
+        1,
+        "forgotten once, whichever DEL comes"
+    );
     // Exit with --on-exit unenrol: shunt-cni leaves the configuration.
     bed.stop_agent().await;
     let conflist = bed.conflist();
