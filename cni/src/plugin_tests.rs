@@ -140,3 +140,40 @@ fn bad_input_is_a_cni_error_not_a_panic() {
         serde_json::from_str(&run(&env("ADD", POD_ARGS), old).stdout).unwrap();
     assert_eq!(error["code"], code::INCOMPATIBLE_VERSION);
 }
+
+#[test]
+fn check_asks_the_agent_and_fails_for_a_pod_not_captured() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("cni.sock");
+    let asked = agent(&socket, Reply::Captured);
+    let out = run(&env("CHECK", POD_ARGS), &conf(&socket, ""));
+    assert_eq!((out.exit_code, out.stdout.as_str()), (0, ""));
+    assert_eq!(asked.recv().unwrap().command, Command::Check);
+
+    let socket = dir.path().join("cni2.sock");
+    let _asked = agent(
+        &socket,
+        Reply::Failed("pod shop/web is not captured: pending".into()),
+    );
+    let out = run(&env("CHECK", POD_ARGS), &conf(&socket, ""));
+    assert_eq!(out.exit_code, 1);
+    let error: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(error["code"], code::CAPTURE_FAILED);
+}
+
+#[test]
+fn del_tells_the_agent_even_without_a_netns() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("cni.sock");
+    let asked = agent(&socket, Reply::Released);
+    let mut del = env("DEL", POD_ARGS);
+    del.insert("CNI_NETNS".into(), String::new());
+    let out = run(&del, &conf(&socket, ""));
+    assert_eq!((out.exit_code, out.stdout.as_str()), (0, ""));
+    let request = asked.recv().unwrap();
+    assert_eq!(
+        (request.command, request.netns.as_str()),
+        (Command::Del, "")
+    );
+    assert_eq!(request.container_id, "sandbox-1");
+}
