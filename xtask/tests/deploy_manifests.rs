@@ -1436,9 +1436,9 @@ fn check_rolling_update(objects: &[Object]) {
 /// DISCOVERY_API_CALLS (cluster.rs and the watches it runs), so the Istio
 /// and ztunnel modes' roles grant the first list alone.
 const NODE_API_CALLS: &[(&str, &str, &[&str])] = &[
-    ("", "pods", &["list", "watch"]),
+    ("", "pods", &["get", "list", "watch"]),
     ("", "pods/status", &["patch"]),
-    ("", "namespaces", &["list", "watch"]),
+    ("", "namespaces", &["get", "list", "watch"]),
 ];
 const DISCOVERY_API_CALLS: &[(&str, &str, &[&str])] = &[
     ("", "services", &["list", "watch"]),

@@ -11,6 +11,7 @@
 //!                                    └─ cluster ────> store owner ──> WorkloadStore ──> proxy lookups
 //! ```
 
+mod cni;
 mod kernel;
 mod observers;
 mod parts;
@@ -90,6 +91,12 @@ pub enum AgentError {
     Zds(#[from] crate::inpod::ZdsError),
     #[error(transparent)]
     Enablement(#[from] kube::enablement::EnablementError),
+    #[error("CNI plugin: {0}")]
+    Cni(#[from] crate::control::cni::CniSocketError),
+    #[error(
+        "--cni-socket needs the Kubernetes pod source: a workloads file (--workloads) names each pod's netns itself"
+    )]
+    CniWithoutKube,
 }
 
 /// Where the agent learns its pods.
@@ -124,6 +131,9 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         // configuration fails fast.
         None => PodSource::Kube(kube::client().await?),
     };
+    if args.cni_socket.is_some() && matches!(source, PodSource::File(_)) {
+        return Err(AgentError::CniWithoutKube);
+    }
     let trust_domain = match &source {
         PodSource::File(file) => file.trust_domain().clone(),
         PodSource::Kube(_) => args.trust_domain.clone(),
@@ -291,11 +301,14 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             let mut options = kube::KubeOptions::new(args.node_name.clone());
             options.trust_domain = trust_domain.clone();
             options.enablement = enablement.clone();
-            let pods = kube::KubeSource::new(
+            let mut pods = kube::KubeSource::new(
                 client.clone(),
                 options,
                 Arc::new(netns_resolver(args.cri_socket.as_ref())),
             );
+            if let Some(socket) = &args.cni_socket {
+                pods = pods.with_cni(cni::start(&args, socket)?);
+            }
             metrics.watch_kube(pods.stats());
             sources.spawn(
                 pods.run(pod_sink.clone(), reconciler.snapshots())
@@ -360,7 +373,11 @@ async fn shutdown(
     args: &AgentArgs,
 ) -> Result<(), AgentError> {
     let unenrol = match args.on_exit {
-        OnExit::Unenrol => true,
+        OnExit::Unenrol => {
+            // First, so that no new sandbox waits for this agent.
+            cni::uninstall(args);
+            true
+        }
         OnExit::Keep => {
             info!(
                 "leaving every pod enrolled for the next agent (--on-exit keep); pods without a proxy fail closed until it starts"

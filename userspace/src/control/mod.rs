@@ -8,6 +8,7 @@
 //! then [`ClusterDelta`]s from a source that keeps its view) goes to the one
 //! task that owns the workload store. Sources never see the
 //! agent, and nothing calls back into them.
+pub mod cni;
 mod delta;
 pub mod file;
 pub mod kube;

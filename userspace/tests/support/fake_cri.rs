@@ -17,6 +17,7 @@ use std::{
 };
 
 use serde_json::json;
+use shunt_proto::cri;
 use shunt_proto::cri::{
     LinuxPodSandboxStatus, ListPodSandboxRequest, ListPodSandboxResponse, Namespace, NamespaceMode,
     NamespaceOption, PodSandbox, PodSandboxMetadata, PodSandboxState, PodSandboxStatus,
@@ -145,6 +146,44 @@ struct Service(Arc<State>);
 
 #[tonic::async_trait]
 impl RuntimeService for Service {
+    // The kubelet's calls: the fake only answers netns discovery.
+    async fn run_pod_sandbox(
+        &self,
+        _: Request<cri::RunPodSandboxRequest>,
+    ) -> Result<Response<cri::RunPodSandboxResponse>, Status> {
+        Err(Status::unimplemented("fake CRI: RunPodSandbox"))
+    }
+    async fn stop_pod_sandbox(
+        &self,
+        _: Request<cri::StopPodSandboxRequest>,
+    ) -> Result<Response<cri::StopPodSandboxResponse>, Status> {
+        Err(Status::unimplemented("fake CRI: StopPodSandbox"))
+    }
+    async fn remove_pod_sandbox(
+        &self,
+        _: Request<cri::RemovePodSandboxRequest>,
+    ) -> Result<Response<cri::RemovePodSandboxResponse>, Status> {
+        Err(Status::unimplemented("fake CRI: RemovePodSandbox"))
+    }
+    async fn create_container(
+        &self,
+        _: Request<cri::CreateContainerRequest>,
+    ) -> Result<Response<cri::CreateContainerResponse>, Status> {
+        Err(Status::unimplemented("fake CRI: CreateContainer"))
+    }
+    async fn start_container(
+        &self,
+        _: Request<cri::StartContainerRequest>,
+    ) -> Result<Response<cri::StartContainerResponse>, Status> {
+        Err(Status::unimplemented("fake CRI: StartContainer"))
+    }
+    async fn container_status(
+        &self,
+        _: Request<cri::ContainerStatusRequest>,
+    ) -> Result<Response<cri::ContainerStatusResponse>, Status> {
+        Err(Status::unimplemented("fake CRI: ContainerStatus"))
+    }
+
     async fn pod_sandbox_status(
         &self,
         request: Request<PodSandboxStatusRequest>,

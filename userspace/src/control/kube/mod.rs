@@ -60,6 +60,7 @@ pub mod netns;
 mod optional_crd;
 pub mod pod;
 pub mod policy;
+mod sandboxes;
 pub mod service;
 mod waypoints;
 
@@ -72,7 +73,7 @@ use std::{
     time::Duration,
 };
 
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 use ::kube::{
     Api, Client, Config,
@@ -89,13 +90,14 @@ pub use enablement::Enablement;
 pub use lenient::Lenient;
 pub use netns::{MapResolver, NetnsResolver, PodRef, ProcScanResolver};
 
-use super::{NodePods, SourceSink};
+use super::{NodePods, SourceSink, cni::CniCall};
 use crate::{
     snapshot::NodeSnapshot,
     state::{PodState, TrustDomain, Workload, WorkloadKey},
 };
 use cache::ObjectCache;
 use pod::{NamespaceFacts, PodFacts};
+use sandboxes::Sandboxes;
 
 /// Why the Kubernetes source cannot start.
 #[derive(Debug, thiserror::Error)]
@@ -172,6 +174,8 @@ pub struct KubeSource {
     options: KubeOptions,
     resolver: Arc<dyn NetnsResolver>,
     stats: Arc<SourceStats>,
+    /// Requests of the CNI plugin (`--cni-socket`), when it is served.
+    cni: Option<mpsc::Receiver<CniCall>>,
 }
 
 impl KubeSource {
@@ -181,7 +185,16 @@ impl KubeSource {
             options,
             resolver,
             stats: Arc::default(),
+            cni: None,
         }
+    }
+
+    /// Takes the CNI plugin's requests (see `control::cni`): sandboxes
+    /// announced at ADD are listed with their netns at once and answered
+    /// once captured.
+    pub fn with_cni(mut self, calls: mpsc::Receiver<CniCall>) -> Self {
+        self.cni = Some(calls);
+        self
     }
 
     pub fn stats(&self) -> Arc<SourceStats> {
@@ -193,7 +206,7 @@ impl KubeSource {
     /// publishes on `snapshots`. Errors are logged and retried, never
     /// returned: a node agent must outlive API server trouble.
     pub async fn run(
-        self,
+        mut self,
         sink: Arc<dyn SourceSink>,
         mut snapshots: watch::Receiver<Arc<NodeSnapshot>>,
     ) {
@@ -208,7 +221,9 @@ impl KubeSource {
             last: None,
             sent: annotate::Sent::default(),
             pods_api,
+            sandboxes: Sandboxes::default(),
         };
+        let mut cni = self.cni.take();
         let mut reconciler_running = true;
         let mut resync = tokio::time::interval(self.options.resync);
         resync.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -239,9 +254,19 @@ impl KubeSource {
                         reconciler_running = false;
                         continue;
                     }
-                    let states = snapshots.borrow_and_update().pod_states();
-                    self.annotate(&watch.view, &mut state, &states).await;
+                    let snapshot = snapshots.borrow_and_update().clone();
+                    state.sandboxes.answer(&snapshot);
+                    self.annotate(&watch.view, &mut state, &snapshot.pod_states()).await;
                 }
+                call = next_call(&mut cni) => match call {
+                    Some(call) => {
+                        let snapshot = snapshots.borrow().clone();
+                        self.on_cni(call, sink.as_ref(), &watch.view, &mut state, &snapshot).await;
+                        let snapshot = snapshots.borrow().clone();
+                        state.sandboxes.answer(&snapshot);
+                    }
+                    None => cni = None,
+                },
             }
         }
     }
@@ -253,19 +278,43 @@ impl KubeSource {
             debug!("not every watch has listed yet; nothing to reconcile");
             return;
         }
+        state.sandboxes.forget_fetched(
+            |key| watch.pods.get(&key.to_string()).is_some(),
+            |name| watch.namespaces.get(name).is_some(),
+        );
+        let sandboxes = &state.sandboxes;
+        // Pods the watch lists, then those read for a CNI ADD that it does
+        // not list yet.
+        let fetched = sandboxes
+            .fetched
+            .values()
+            .filter(|f| watch.pods.get(&f.key.to_string()).is_none());
         let mut workloads = Vec::with_capacity(watch.pods.len());
         let mut wanted: Vec<(WorkloadKey, String)> = Vec::new();
-        for facts in watch.pods.values() {
+        for facts in watch.pods.values().chain(fetched) {
             // The field selector already keeps other nodes' pods out.
             if facts.node != self.options.node {
                 continue;
             }
-            let workload = facts.to_workload(
-                watch.namespaces.get(&facts.key.namespace),
-                &self.options.enablement,
-            );
-            if workload.wants_mesh() && !facts.ips.is_empty() {
-                wanted.push((facts.key.clone(), facts.uid.clone()));
+            let namespace = watch
+                .namespaces
+                .get(&facts.key.namespace)
+                .or_else(|| sandboxes.fetched_namespace(&facts.key.namespace));
+            let mut workload = facts.to_workload(namespace, &self.options.enablement);
+            let sandbox = sandboxes.by_pod.get(&facts.key);
+            if let Some(sandbox) = sandbox
+                && workload.ips.is_empty()
+            {
+                // Before the kubelet reports them, the chain's own result.
+                workload.ips = sandbox.ips.clone();
+            }
+            match sandbox {
+                // The sandbox the runtime is creating: no discovery.
+                Some(sandbox) => workload.netns = Some(sandbox.netns.clone()),
+                None if workload.wants_mesh() && !facts.ips.is_empty() => {
+                    wanted.push((facts.key.clone(), facts.uid.clone()));
+                }
+                None => {}
             }
             workloads.push((facts.uid.clone(), workload));
         }
@@ -273,7 +322,9 @@ impl KubeSource {
         let workloads: Vec<Workload> = workloads
             .into_iter()
             .map(|(uid, mut workload)| {
-                workload.netns = found.get(&uid).cloned();
+                if workload.netns.is_none() {
+                    workload.netns = found.get(&uid).cloned();
+                }
                 workload
             })
             .collect();
@@ -398,6 +449,8 @@ struct SyncState {
     last: Option<Vec<Workload>>,
     sent: annotate::Sent,
     pods_api: Api<Lenient<Pod>>,
+    /// What the CNI plugin announced (`control::cni`).
+    sandboxes: Sandboxes,
 }
 
 /// A pod watch (optionally narrowed by a field selector) and a namespace
@@ -506,6 +559,14 @@ where
             error!(watch = what, "the watch ended");
             Step::Ended
         }
+    }
+}
+
+/// The next request of the CNI plugin, or never without one.
+async fn next_call(calls: &mut Option<mpsc::Receiver<CniCall>>) -> Option<CniCall> {
+    match calls {
+        Some(calls) => calls.recv().await,
+        None => std::future::pending().await,
     }
 }
 
