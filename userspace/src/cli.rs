@@ -209,11 +209,26 @@ pub struct AgentArgs {
     pub cluster_domain: String,
     // --- end of the DNS server's flags.
     /// What SIGINT/SIGTERM does to the pods: `unenrol` takes every pod out of
-    /// the mesh cleanly (nothing left behind); `keep` leaves redirection in
-    /// place for the next agent (a DaemonSet rolling update: no pod flaps,
-    /// pods fail closed until the new agent's proxy listens).
+    /// the mesh cleanly; `keep` leaves redirection in place for the next
+    /// agent (a DaemonSet rolling update: no pod flaps, pods fail closed
+    /// until the new agent's proxy listens); `uninstall` unenrols every pod
+    /// and removes the node's programs, pins and rules; `auto` (the
+    /// manifests') asks the API server at exit, as istio-cni does: `keep`
+    /// while the agent's DaemonSet (--daemonset-name,
+    /// --daemonset-namespace) is present and still selects this node,
+    /// `uninstall` when it is gone, being deleted or no longer selects the
+    /// node.
     #[arg(long, value_enum, default_value_t = OnExit::Unenrol)]
     pub on_exit: OnExit,
+
+    /// The DaemonSet this agent runs in: `--on-exit auto` reads it at exit.
+    #[arg(long, env = "DAEMONSET_NAME", value_name = "NAME")]
+    pub daemonset_name: Option<String>,
+
+    /// The DaemonSet's namespace (the Downward API's `metadata.namespace`);
+    /// default: --pod-namespace.
+    #[arg(long, env = "DAEMONSET_NAMESPACE", value_name = "NAMESPACE")]
+    pub daemonset_namespace: Option<String>,
 
     /// How often every enrolled pod is checked (programs or rules present,
     /// proxy listening) and repaired, in seconds.
@@ -459,6 +474,8 @@ impl std::str::FromStr for CriSocket {
 pub enum OnExit {
     Unenrol,
     Keep,
+    Uninstall,
+    Auto,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -1516,6 +1516,9 @@ fn check_rolling_update(objects: &[Object]) {
 /// - userspace/src/control/kube/gateway.rs, `GatewayWatch::new`: a kube-rs
 ///   `watcher` on gateway.networking.k8s.io gateways (`Api::all`), the
 ///   waypoint Gateways, a resource of the file's own likewise.
+/// - userspace/src/control/kube/exit.rs, `ask`: at SIGTERM with
+///   `--on-exit auto`, the agent's own apps DaemonSet and its Node
+///   (`Api::get_opt`).
 ///
 /// `rbac_rules_cover_exactly_the_agents_api_calls` checks this list against
 /// the code as well as against deploy/rbac.yaml.
@@ -1530,6 +1533,8 @@ const AGENT_API_CALLS: &[(&str, &str, &[&str])] = &[
         &["list", "watch"],
     ),
     ("gateway.networking.k8s.io", "gateways", &["list", "watch"]),
+    ("apps", "daemonsets", &["get"]),
+    ("", "nodes", &["get"]),
 ];
 
 /// (group, resource) of a k8s-openapi type named in the agent's code.
@@ -1537,7 +1542,7 @@ fn api_resource(module: &str, name: &str) -> (String, String) {
     fn of<T: Resource>() -> (String, String) {
         (T::GROUP.to_string(), T::URL_PATH_SEGMENT.to_string())
     }
-    use k8s_openapi::api::{core::v1 as core, discovery::v1 as discovery};
+    use k8s_openapi::api::{apps::v1 as apps, core::v1 as core, discovery::v1 as discovery};
     match (module, name) {
         ("core::v1", "Pod") => of::<core::Pod>(),
         ("core::v1", "Namespace") => of::<core::Namespace>(),
@@ -1548,6 +1553,7 @@ fn api_resource(module: &str, name: &str) -> (String, String) {
         ("core::v1", "Secret") => of::<core::Secret>(),
         ("core::v1", "Event") => of::<core::Event>(),
         ("discovery::v1", "EndpointSlice") => of::<discovery::EndpointSlice>(),
+        ("apps::v1", "DaemonSet") => of::<apps::DaemonSet>(),
         _ => panic!("k8s_openapi::api::{module}::{name}: teach api_resource about it"),
     }
 }

@@ -11,6 +11,7 @@
 //!                                    └─ cluster ────> store owner ──> WorkloadStore ──> proxy lookups
 //! ```
 
+mod exit;
 mod kernel;
 mod observers;
 mod parts;
@@ -27,7 +28,7 @@ use tokio::{
     signal::unix::{SignalKind, signal},
     sync::watch,
 };
-use tracing::{Instrument as _, error, info, info_span, warn};
+use tracing::{Instrument as _, error, info, info_span};
 
 use kernel::{check_cgroup_root, redirector};
 pub use observers::{ObserverAddrs, Observers};
@@ -40,7 +41,7 @@ pub use store::{Latest, apply as apply_cluster_view, own_store};
 
 use crate::{
     agent::{NodeAgent, ProxyHandle, Reconciler, ReconcilerInputs},
-    cli::{AgentArgs, OnExit, OnOff, ProxyKind},
+    cli::{AgentArgs, OnOff, ProxyKind},
     control::{SourceSink, file::FileSource, kube},
     proxy::Proxy,
     redirect::{RedirectMode, ebpf::LoadError},
@@ -88,6 +89,8 @@ pub enum AgentError {
     Proxy(crate::proxy::ProxyError),
     #[error("ZDS (--proxy ztunnel): {0}")]
     Zds(#[from] crate::inpod::ZdsError),
+    #[error("--on-exit auto: {0}")]
+    OnExit(&'static str),
 }
 
 /// Where the agent learns its pods.
@@ -119,6 +122,8 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         // configuration fails fast.
         None => PodSource::Kube(kube::client().await?),
     };
+    // Checked before anything is set up: how the agent will exit.
+    let exit_plan = exit::ExitPlan::new(&args, &source)?;
     let trust_domain = match &source {
         PodSource::File(file) => file.trust_domain().clone(),
         PodSource::Kube(_) => args.trust_domain.clone(),
@@ -314,7 +319,8 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         _ = sources.join_next() => error!("a pod source stopped; stopping"),
     }
     sources.abort_all();
-    shutdown(reconciler, proxy.map(|p| p.proxy), &args).await
+    let action = exit_plan.decide().await;
+    exit::shutdown(reconciler, action, proxy.map(|p| p.proxy), &args).await
 }
 
 /// A pod source's sink when another source (istiod) owns the cluster view:
@@ -331,36 +337,4 @@ impl SourceSink for NodePodsOnly {
     fn synced(&self, source: &'static str) {
         self.0.synced(source);
     }
-}
-
-/// With `--on-exit unenrol`, unenrols every pod (no new connection is
-/// captured); with `keep`, leaves redirection to the next agent. Then lets
-/// the proxy's connections in flight finish within the grace period, and
-/// reports the agent stopped.
-async fn shutdown(
-    reconciler: Reconciler,
-    proxy: Option<Proxy>,
-    args: &AgentArgs,
-) -> Result<(), AgentError> {
-    let unenrol = match args.on_exit {
-        OnExit::Unenrol => true,
-        OnExit::Keep => {
-            info!(
-                "leaving every pod enrolled for the next agent (--on-exit keep); pods without a proxy fail closed until it starts"
-            );
-            false
-        }
-    };
-    reconciler.stop(unenrol).await;
-    if let Some(proxy) = proxy {
-        let cut = proxy.drain(Duration::from_secs(args.drain_seconds)).await;
-        if cut > 0 {
-            warn!(
-                connections = cut,
-                "connections still open after the drain period were cut"
-            );
-        }
-    }
-    info!("agent stopped");
-    Ok(())
 }

@@ -87,6 +87,10 @@ pub enum Kind {
     AuthorizationPolicy,
     /// `gateway.networking.k8s.io/v1` (a CRD, like `AuthorizationPolicy`).
     Gateway,
+    /// `apps/v1`: the agent reads its own at exit (`--on-exit auto`).
+    DaemonSet,
+    /// Cluster-scoped: its labels decide whether a DaemonSet selects it.
+    Node,
 }
 
 impl Kind {
@@ -98,6 +102,8 @@ impl Kind {
             Kind::EndpointSlice => "EndpointSlice",
             Kind::AuthorizationPolicy => "AuthorizationPolicy",
             Kind::Gateway => "Gateway",
+            Kind::DaemonSet => "DaemonSet",
+            Kind::Node => "Node",
         }
     }
 
@@ -106,6 +112,7 @@ impl Kind {
             Kind::EndpointSlice => "discovery.k8s.io/v1",
             Kind::AuthorizationPolicy => "security.istio.io/v1",
             Kind::Gateway => "gateway.networking.k8s.io/v1",
+            Kind::DaemonSet => "apps/v1",
             _ => "v1",
         }
     }

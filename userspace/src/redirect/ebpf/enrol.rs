@@ -469,6 +469,10 @@ impl Redirector for EbpfRedirector {
         self.pods.contains_key(pod)
     }
 
+    fn remove_node_state(&mut self) -> Result<(), crate::redirect::NodeCleanupError> {
+        uninstall::remove_pins(&self.pin_dir).map(|_| ())
+    }
+
     fn remove_stale(&mut self) -> usize {
         let owned: HashSet<u64> = self.pods.values().map(|e| e.cookie).collect();
         let stale: Vec<(u64, u32)> = self

@@ -45,6 +45,7 @@ mod slots;
 mod splice;
 mod sys;
 mod tc;
+mod uninstall;
 mod upgrade;
 
 use std::{

@@ -49,6 +49,10 @@ pub(super) async fn handle(inner: &Arc<Mutex<Inner>>, req: Request<Incoming>) ->
         (&Method::GET, ["apis", "gateway.networking.k8s.io", "v1", "gateways"]) => {
             custom_list_or_watch(inner, Kind::Gateway, &query)
         }
+        (&Method::GET, ["apis", "apps", "v1", "namespaces", ns, "daemonsets", name]) => {
+            get_one(inner, Kind::DaemonSet, ns, name)
+        }
+        (&Method::GET, ["api", "v1", "nodes", name]) => get_one(inner, Kind::Node, "", name),
         (&Method::PATCH, ["api", "v1", "namespaces", ns, "pods", name]) => {
             let body = match req.into_body().collect().await {
                 Ok(body) => body.to_bytes(),
@@ -60,6 +64,22 @@ pub(super) async fn handle(inner: &Arc<Mutex<Inner>>, req: Request<Incoming>) ->
             StatusCode::NOT_FOUND,
             "NotFound",
             &format!("no route for {method} {path}"),
+        ),
+    }
+}
+
+/// One object by name, or kube-apiserver's 404 `Status`.
+fn get_one(inner: &Arc<Mutex<Inner>>, kind: Kind, namespace: &str, name: &str) -> Response<Body> {
+    let found = lock(inner)
+        .objects
+        .get(&(kind, namespace.to_owned(), name.to_owned()))
+        .cloned();
+    match found {
+        Some(object) => json_response(StatusCode::OK, &object),
+        None => status(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            &format!("{kind:?} \"{name}\" not found"),
         ),
     }
 }
