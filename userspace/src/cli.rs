@@ -300,6 +300,18 @@ pub struct AgentArgs {
     #[arg(long, value_name = "IP", default_value = "169.254.7.127")]
     pub probe_source: std::net::Ipv4Addr,
 
+    /// The node's network namespace, where kubelet runs and its probes
+    /// start (the DaemonSet: `/proc/1/ns/net`, with hostPID): TCP that a
+    /// socket of that namespace opens to an enrolled pod's IPv4 address
+    /// gets --probe-source as its source, as istio-cni's node rule does,
+    /// so probes reach the application whatever the pod's policy (iptables
+    /// mode: a SNAT rule per enrolled pod in the node's nat table; eBPF
+    /// mode: the node's sockets recorded by sockops, the source rewritten by
+    /// the pod's TC programs). Unset: probes are not rewritten and meet the
+    /// pod's policy like any plaintext client.
+    #[arg(long, value_name = "PATH")]
+    pub node_netns: Option<PathBuf>,
+
     /// Admin API address (status, debugging). Keep it on loopback.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:15000")]
     pub admin_addr: SocketAddr,

@@ -20,6 +20,7 @@ pub(super) fn redirector(args: &AgentArgs) -> Result<Box<dyn Redirector>, AgentE
     let iptables = || -> Result<Box<dyn Redirector>, AgentError> {
         let mut options = crate::redirect::iptables::IptablesOptions::new(args.node_name.clone());
         options.probe_source = args.probe_source;
+        options.node_netns = args.node_netns.clone();
         // --proxy ztunnel: Istio's own in-pod rules, as istio-cni installs
         // them, so a stock ztunnel finds what it expects.
         if args.proxy == ProxyKind::Ztunnel {
