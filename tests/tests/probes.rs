@@ -183,6 +183,15 @@ fn probes_pass_a_policy_that_refuses_plaintext(mode: &str) {
     );
 
     // Counted where an operator looks.
+    if mode == "ebpf" {
+        let (connections, packets) =
+            shunt_testbed::inspect::host_probe_stats(agent.pin_dir()).expect("probe counters");
+        assert_eq!(connections, 2, "the node's two connections recorded");
+        assert!(
+            packets >= 4,
+            "both ways of both connections rewritten: {packets}"
+        );
+    }
     if mode == "iptables" {
         let nat = node_nat(&node_netns);
         let rule = nat
@@ -194,12 +203,20 @@ fn probes_pass_a_policy_that_refuses_plaintext(mode: &str) {
         assert!(!rule.starts_with("[0:"), "its counters moved: {rule}");
     }
 
-    // Uninstall: the node's rules go too.
+    // Uninstall: the node's rules (iptables) or the pins (eBPF) go too.
+    let pin_dir = agent.pin_dir().to_path_buf();
     agent.stop().expect("agent stopped");
     if mode == "iptables" {
         let nat = node_nat(&node_netns);
         assert!(!nat.contains("SHUNT_PROBE_SNAT"), "{nat}");
+    } else {
+        assert!(!pin_dir.exists(), "{} removed", pin_dir.display());
     }
+}
+
+#[test]
+fn kubelet_probes_reach_the_app_under_a_refusing_policy_in_ebpf_mode() {
+    probes_pass_a_policy_that_refuses_plaintext("ebpf");
 }
 
 #[test]

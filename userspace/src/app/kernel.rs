@@ -41,6 +41,7 @@ pub(super) fn redirector(args: &AgentArgs) -> Result<Box<dyn Redirector>, AgentE
                 splice_backlog: args.splice_backlog,
                 preserve_source: args.preserve_source == OnOff::On,
                 fast_path: fast_path_wanted(args),
+                node_netns: args.node_netns.clone(),
             };
             match EbpfRedirector::load(&options) {
                 Ok(mut ebpf) => {
