@@ -108,7 +108,8 @@ pub fn on_new_layout(name: &str) -> Option<&'static str> {
         maps::POD_CONFIG | maps::POD_ADDRS => {
             "rewritten from the agent's state as each listed pod is enrolled"
         }
-        maps::CONFIG => "written by the agent at load",
+        maps::CONFIG | maps::HOST_PROBE_NODE => "written by the agent at load",
+        maps::PROBE_TARGETS => "rewritten from the agent's state as each listed pod is enrolled",
         maps::POLICY_VERDICTS
         | maps::FAST_PATH_DESTS
         | maps::FAST_PATH_STATE
@@ -119,7 +120,8 @@ pub fn on_new_layout(name: &str) -> Option<&'static str> {
         maps::POD_COUNTERS
         | maps::POLICY_DENIALS
         | maps::FAST_PATH_STATS
-        | maps::MESH_LOCAL_STATS => "kernel counters: they start again at zero",
+        | maps::MESH_LOCAL_STATS
+        | maps::HOST_PROBE_STATS => "kernel counters: they start again at zero",
         _ => "kernel-written records: lost (connections in flight lose theirs)",
     })
 }
