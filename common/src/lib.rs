@@ -15,6 +15,7 @@
 mod config;
 mod fast_path;
 pub mod globals;
+mod host_probe;
 pub mod maps;
 mod mesh_local;
 mod original_dst;
@@ -26,6 +27,7 @@ mod splice;
 
 pub use config::*;
 pub use fast_path::*;
+pub use host_probe::*;
 pub use maps::LOG_MAP;
 pub use mesh_local::*;
 pub use original_dst::*;
@@ -66,6 +68,10 @@ mod user {
     unsafe impl aya::Pod for super::MeshServiceEndpoint {}
     unsafe impl aya::Pod for super::MeshService {}
     unsafe impl aya::Pod for super::MeshServiceSock {}
+    unsafe impl aya::Pod for super::HostProbeKey {}
+    unsafe impl aya::Pod for super::HostProbe {}
+    unsafe impl aya::Pod for super::HostProbeNode {}
+    unsafe impl aya::Pod for super::HostProbeStats {}
 }
 
 #[cfg(test)]
@@ -106,6 +112,10 @@ mod tests {
             8 + 24 * MAX_MESH_SERVICE_ENDPOINTS
         );
         assert_eq!(core::mem::size_of::<MeshServiceSock>(), 24);
+        assert_eq!(core::mem::size_of::<HostProbeKey>(), 8);
+        assert_eq!(core::mem::size_of::<HostProbe>(), 8);
+        assert_eq!(core::mem::size_of::<HostProbeNode>(), 8);
+        assert_eq!(core::mem::size_of::<HostProbeStats>(), 16);
     }
 
     #[test]

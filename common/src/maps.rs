@@ -93,8 +93,21 @@ pub const MESH_LOCAL_SERVICE_SOCKS: &str = "SHUNT_FP_MESH_VIP_SOCKS";
 /// address. Written and read by the programs only.
 pub const DNS_SERVERS: &str = "SHUNT_DNS_SERVERS";
 
+// Kubelet's probes (`ebpf/src/host_probe.rs`).
+/// `Array<HostProbeNode>` with one entry: the node netns's cookie,
+/// written by the agent at load (`--node-netns`; 0: off).
+pub const HOST_PROBE_NODE: &str = "SHUNT_HOST_PROBE_NODE";
+/// `HashMap<u32 IPv4, u32>`: enrolled pods' addresses; the reconciler
+/// writes them at enrolment (through the redirector).
+pub const PROBE_TARGETS: &str = "SHUNT_PROBE_TARGETS";
+/// `LruHashMap<HostProbeKey, HostProbe>`: the node's connections to
+/// enrolled pods, from connect (sockops) to close (sockops).
+pub const HOST_PROBES: &str = "SHUNT_HOST_PROBES";
+/// `PerCpuArray<HostProbeStats>` with one entry.
+pub const HOST_PROBE_STATS: &str = "SHUNT_HOST_PROBE_STATS";
+
 /// Every map the agent pins (and every pod's program instance shares).
-pub const ALL: [&str; 26] = [
+pub const ALL: [&str; 30] = [
     ENROLLED,
     POD_COUNTERS,
     POD_CONFIG,
@@ -121,6 +134,10 @@ pub const ALL: [&str; 26] = [
     MESH_LOCAL_SERVICES,
     MESH_LOCAL_SERVICE_SOCKS,
     DNS_SERVERS,
+    HOST_PROBE_NODE,
+    PROBE_TARGETS,
+    HOST_PROBES,
+    HOST_PROBE_STATS,
 ];
 
 /// aya-log's ring buffer, pinned so that every pod's instance of the

@@ -8,6 +8,7 @@
 mod connect;
 mod dns;
 mod fixture;
+mod host_probe;
 mod maps;
 mod mesh_local;
 mod mesh_service;

@@ -8,9 +8,10 @@ use aya_ebpf::{
 };
 use shunt_common::{
     FAST_PATH_EVENTS_BYTES, FastPathDest, FastPathSock, FastPathState, FastPathStats, GlobalConfig,
-    MAX_DNS_SOCKETS, MAX_FAST_PATH_DESTINATIONS, MAX_FAST_PATH_SOCKETS, MAX_ORIGINAL_DSTS,
-    MAX_PODS, MAX_SPLICE_SOCKETS, OriginalDst, PodAddrs, PodConfig, PodCounters, PodRecord,
-    PodSlot, SockKey, SpliceFlow, SpliceKey,
+    HostProbe, HostProbeKey, HostProbeNode, HostProbeStats, MAX_DNS_SOCKETS,
+    MAX_FAST_PATH_DESTINATIONS, MAX_FAST_PATH_SOCKETS, MAX_HOST_PROBES, MAX_ORIGINAL_DSTS,
+    MAX_PODS, MAX_PROBE_TARGETS, MAX_SPLICE_SOCKETS, OriginalDst, PodAddrs, PodConfig, PodCounters,
+    PodRecord, PodSlot, SockKey, SpliceFlow, SpliceKey,
 };
 
 /// netns cookie → slot: which namespaces are enrolled.
@@ -101,6 +102,24 @@ pub static FAST_PATH_STATS: PerCpuArray<FastPathStats> = PerCpuArray::with_max_e
 #[map(name = "SHUNT_DNS_SERVERS")]
 pub static DNS_SERVERS: LruHashMap<u64, OriginalDst> =
     LruHashMap::with_max_entries(MAX_DNS_SOCKETS, 0);
+
+/// The node netns's cookie (one entry; 0: kubelet's probes not rewritten).
+#[map(name = "SHUNT_HOST_PROBE_NODE")]
+pub static HOST_PROBE_NODE: Array<HostProbeNode> = Array::with_max_entries(1, 0);
+
+/// Enrolled pods' IPv4 addresses (network order): the node's connects to
+/// them are probes.
+#[map(name = "SHUNT_PROBE_TARGETS")]
+pub static PROBE_TARGETS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_PROBE_TARGETS, 0);
+
+/// The node's connections to enrolled pods (see `host_probe.rs`).
+#[map(name = "SHUNT_HOST_PROBES")]
+pub static HOST_PROBES: LruHashMap<HostProbeKey, HostProbe> =
+    LruHashMap::with_max_entries(MAX_HOST_PROBES, 0);
+
+/// Kubelet's probes' counters.
+#[map(name = "SHUNT_HOST_PROBE_STATS")]
+pub static HOST_PROBE_STATS: PerCpuArray<HostProbeStats> = PerCpuArray::with_max_entries(1, 0);
 
 /// The agent-wide settings.
 #[inline(always)]

@@ -35,7 +35,8 @@
 use aya_ebpf::{
     bindings::{
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB,
-        BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE,
+        BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB,
+        BPF_TCP_CLOSE,
     },
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie},
     macros::sock_ops,
@@ -44,6 +45,7 @@ use aya_ebpf::{
 use shunt_common::{PORT_OUTBOUND, SockKey};
 
 use crate::{
+    host_probe,
     maps::{ORIGINAL_DST, ORIGINAL_DST_BY_COOKIE},
     passthrough, splice,
 };
@@ -64,7 +66,9 @@ const AF_INET6: u32 = 10;
 /// a connection accepted on 15001 whose peer has an original destination
 /// recorded: asks for its state changes; (4) a spliced socket closing:
 /// forgets it; (4b) a socket accepted on 15001 closing: deletes its peer's
-/// `SHUNT_ORIG_DST` entry. Miss path (any other op or socket): nothing,
+/// `SHUNT_ORIG_DST` entry; (5) a socket of the node's netns connecting to
+/// an enrolled pod (before its SYN) and closing: kubelet's probes
+/// (`host_probe.rs`). Miss path (any other op or socket): nothing,
 /// returns 1.
 #[sock_ops]
 pub fn shunt_sockops(ctx: SockOpsContext) -> u32 {
@@ -81,6 +85,11 @@ pub fn shunt_sockops(ctx: SockOpsContext) -> u32 {
         BPF_SOCK_OPS_STATE_CB => {
             splice::leave_on_close(&ctx);
             forget_on_close(&ctx);
+            host_probe::on_state(&ctx);
+            return 1;
+        }
+        BPF_SOCK_OPS_TCP_CONNECT_CB => {
+            host_probe::on_connect(&ctx);
             return 1;
         }
         _ => return 1,

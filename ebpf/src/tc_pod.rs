@@ -77,6 +77,22 @@ pub fn shunt_tc_ingress(ctx: TcContext) -> i32 {
         return TC_ACT_OK;
     }
     match parse_tcp(&ctx) {
+        // Kubelet's probe (a node socket's connection): the probe source,
+        // then straight to the application like any probe.
+        Some(packet)
+            if !packet.v6
+                && crate::host_probe::node_netns() != 0
+                && crate::host_probe::from_node(
+                    &ctx,
+                    packet.saddr[0],
+                    packet.daddr[0],
+                    packet.sport_be,
+                    packet.dport_be,
+                    packet.l4,
+                ) =>
+        {
+            TC_ACT_OK
+        }
         Some(packet) => steer_inbound(&ctx, slot, config, stats, &packet),
         None => TC_ACT_OK,
     }
@@ -126,11 +142,30 @@ pub fn shunt_tc_egress(ctx: TcContext) -> i32 {
     let flags = POD_CONFIG.get(slot).map_or(0, |config| config.flags);
     let reply_to_proxy = flags & PodConfig::REPLY_TO_PROXY != 0;
     let log = LOG_CONNECTIONS.load() != 0;
-    let packet = if reply_to_proxy || log {
+    let probes = crate::host_probe::node_netns() != 0;
+    let packet = if reply_to_proxy || log || probes {
         parse_tcp(&ctx)
     } else {
         None
     };
+    // The application's answer to kubelet's probe: back to the node's
+    // address (`host_probe.rs`).
+    if probes
+        && let Some(packet) = &packet
+        && !packet.v6
+        && crate::host_probe::to_node(
+            &ctx,
+            packet.saddr[0],
+            packet.daddr[0],
+            packet.sport_be,
+            packet.dport_be,
+            packet.l4,
+        )
+    {
+        stats.packets_out += 1;
+        stats.bytes_out += u64::from(ctx.len());
+        return TC_ACT_OK;
+    }
     if let Some(packet) = &packet
         && reply_to_proxy
         && may_reply_to_proxy(&ctx, flags, packet)
@@ -222,6 +257,8 @@ struct TcpPacket {
     /// Host order, for comparisons and logs.
     dport: u16,
     flags: u8,
+    /// Offset of the TCP header.
+    l4: usize,
 }
 
 /// Parses Ethernet + IPv4/IPv6 (no extension headers) + TCP.
@@ -263,6 +300,7 @@ fn parse_tcp(ctx: &TcContext) -> Option<TcpPacket> {
             dport_be,
             dport: u16::from_be(dport_be),
             flags: read_u8(l4 + 13),
+            l4,
         }
     };
     match u16::from_be(read_u16(12)) {
@@ -339,6 +377,7 @@ fn parse_tcp_copied(ctx: &TcContext) -> Option<TcpPacket> {
         dport_be,
         dport: u16::from_be(dport_be),
         flags,
+        l4,
     })
 }
 

@@ -119,6 +119,21 @@ pub fn slot_counters(pin_dir: &Path, slot: u32) -> Result<PodCounters> {
     Ok(total)
 }
 
+/// Kubelet's probes in the eBPF mode, summed over CPUs: (connections the
+/// node opened to enrolled pods, packets rewritten), from the pinned map.
+pub fn host_probe_stats(pin_dir: &Path) -> Result<(u64, u64)> {
+    let map = open_pinned(pin_dir, maps::HOST_PROBE_STATS)?;
+    let map: PerCpuArray<MapData, shunt_common::HostProbeStats> =
+        PerCpuArray::try_from(Map::PerCpuArray(map))
+            .map_err(|e| TestbedError::Invalid(format!("{}: {e}", maps::HOST_PROBE_STATS)))?;
+    let per_cpu = map
+        .get(&0, 0)
+        .map_err(|e| TestbedError::Invalid(format!("{}: {e}", maps::HOST_PROBE_STATS)))?;
+    Ok(per_cpu.iter().fold((0, 0), |(c, p), s| {
+        (c + s.connections, p + s.packets_rewritten)
+    }))
+}
+
 /// The settings the programs read for `slot`, from the pinned map.
 pub fn slot_config(pin_dir: &Path, slot: u32) -> Result<PodConfig> {
     let map = open_pinned(pin_dir, maps::POD_CONFIG)?;

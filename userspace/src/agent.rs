@@ -25,7 +25,7 @@ mod kernel_authz;
 mod reconciler;
 mod serve;
 
-pub use reconciler::{PodsUpdate, Reconciler, ReconcilerInputs};
+pub use reconciler::{PodsUpdate, Reconciler, ReconcilerInputs, StopAction};
 
 use crate::{
     api::KernelAuthzStatus,
@@ -470,6 +470,25 @@ impl NodeAgent {
             if entry.state == PodState::Enrolled {
                 entry.state = PodState::Pending("agent stopped".into());
             }
+        }
+    }
+
+    /// Uninstall: every pod unenrolled (also those a previous agent left
+    /// pinned that this one never adopted), then what the redirector keeps
+    /// for the whole node removed. Errors are logged: the agent is exiting,
+    /// and each part is removed independently of the others.
+    pub fn uninstall(&mut self) {
+        self.unenrol_all();
+        let stale = self.redirector.remove_stale();
+        if stale > 0 {
+            info!(
+                pods = stale,
+                "removed the leftovers of pods a previous agent enrolled"
+            );
+        }
+        match self.redirector.remove_node_state() {
+            Ok(()) => info!("node-wide redirection removed"),
+            Err(e) => error!(error = %e, "uninstall left a node-wide part behind"),
         }
     }
 

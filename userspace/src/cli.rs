@@ -243,9 +243,15 @@ pub struct AgentArgs {
     pub cluster_domain: String,
     // --- end of the DNS server's flags.
     /// What SIGINT/SIGTERM does to the pods: `unenrol` takes every pod out of
-    /// the mesh cleanly (nothing left behind); `keep` leaves redirection in
-    /// place for the next agent (a DaemonSet rolling update: no pod flaps,
-    /// pods fail closed until the new agent's proxy listens).
+    /// the mesh cleanly; `keep` leaves redirection in place for the next
+    /// agent (a DaemonSet rolling update: no pod flaps, pods fail closed
+    /// until the new agent's proxy listens); `uninstall` unenrols every pod
+    /// and removes the node's programs, pins and rules; `auto` (the
+    /// manifests') asks the API server at exit, as istio-cni does: `keep`
+    /// while the agent's DaemonSet (--daemonset-name,
+    /// --daemonset-namespace) is present and still selects this node,
+    /// `uninstall` when it is gone, being deleted or no longer selects the
+    /// node.
     #[arg(long, value_enum, default_value_t = OnExit::Unenrol)]
     pub on_exit: OnExit,
 
@@ -296,6 +302,15 @@ pub struct AgentArgs {
 
     #[arg(long, value_name = "PREFIX", default_value = "shunt-")]
     pub cni_agent_pod_prefix: String,
+
+    /// The DaemonSet this agent runs in: `--on-exit auto` reads it at exit.
+    #[arg(long, env = "DAEMONSET_NAME", value_name = "NAME")]
+    pub daemonset_name: Option<String>,
+
+    /// The DaemonSet's namespace (the Downward API's `metadata.namespace`);
+    /// default: --pod-namespace.
+    #[arg(long, env = "DAEMONSET_NAMESPACE", value_name = "NAMESPACE")]
+    pub daemonset_namespace: Option<String>,
 
     /// How often every enrolled pod is checked (programs or rules present,
     /// proxy listening) and repaired, in seconds.
@@ -366,6 +381,18 @@ pub struct AgentArgs {
     /// 169.254.7.127) whose inbound traffic always reaches the application.
     #[arg(long, value_name = "IP", default_value = "169.254.7.127")]
     pub probe_source: std::net::Ipv4Addr,
+
+    /// The node's network namespace, where kubelet runs and its probes
+    /// start (the DaemonSet: `/proc/1/ns/net`, with hostPID): TCP that a
+    /// socket of that namespace opens to an enrolled pod's IPv4 address
+    /// gets --probe-source as its source, as istio-cni's node rule does,
+    /// so probes reach the application whatever the pod's policy (iptables
+    /// mode: a SNAT rule per enrolled pod in the node's nat table; eBPF
+    /// mode: the node's sockets recorded by sockops, the source rewritten by
+    /// the pod's TC programs). Unset: probes are not rewritten and meet the
+    /// pod's policy like any plaintext client.
+    #[arg(long, value_name = "PATH")]
+    pub node_netns: Option<PathBuf>,
 
     /// Admin API address (status, debugging). Keep it on loopback.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:15000")]
@@ -541,6 +568,8 @@ impl std::str::FromStr for CriSocket {
 pub enum OnExit {
     Unenrol,
     Keep,
+    Uninstall,
+    Auto,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -1427,18 +1427,23 @@ fn check_rolling_update(objects: &[Object]) {
 /// - userspace/src/control/kube/gateway.rs, `GatewayWatch::new`: a kube-rs
 ///   `watcher` on gateway.networking.k8s.io gateways (`Api::all`), the
 ///   waypoint Gateways, a resource of the file's own likewise.
+/// - userspace/src/control/kube/exit.rs, `ask`: at SIGTERM with
+///   `--on-exit auto`, the agent's own apps DaemonSet and its Node
+///   (`Api::get_opt`).
 ///
 /// `rbac_rules_cover_exactly_the_agents_api_calls` checks this list against
 /// the code as well as against deploy/rbac.yaml.
 ///
 /// Every mode makes NODE_API_CALLS (this node's pods, namespaces, the
-/// annotation); only the builtin proxy without istiod adds
+/// annotation, the DaemonSet and Node `--on-exit auto` reads); only the builtin proxy without istiod adds
 /// DISCOVERY_API_CALLS (cluster.rs and the watches it runs), so the Istio
 /// and ztunnel modes' roles grant the first list alone.
 const NODE_API_CALLS: &[(&str, &str, &[&str])] = &[
     ("", "pods", &["get", "list", "watch"]),
     ("", "pods/status", &["patch"]),
     ("", "namespaces", &["get", "list", "watch"]),
+    ("apps", "daemonsets", &["get"]),
+    ("", "nodes", &["get"]),
 ];
 const DISCOVERY_API_CALLS: &[(&str, &str, &[&str])] = &[
     ("", "services", &["list", "watch"]),
@@ -1460,7 +1465,7 @@ fn api_resource(module: &str, name: &str) -> (String, String) {
     fn of<T: Resource>() -> (String, String) {
         (T::GROUP.to_string(), T::URL_PATH_SEGMENT.to_string())
     }
-    use k8s_openapi::api::{core::v1 as core, discovery::v1 as discovery};
+    use k8s_openapi::api::{apps::v1 as apps, core::v1 as core, discovery::v1 as discovery};
     match (module, name) {
         ("core::v1", "Pod") => of::<core::Pod>(),
         ("core::v1", "Namespace") => of::<core::Namespace>(),
@@ -1471,6 +1476,7 @@ fn api_resource(module: &str, name: &str) -> (String, String) {
         ("core::v1", "Secret") => of::<core::Secret>(),
         ("core::v1", "Event") => of::<core::Event>(),
         ("discovery::v1", "EndpointSlice") => of::<discovery::EndpointSlice>(),
+        ("apps::v1", "DaemonSet") => of::<apps::DaemonSet>(),
         _ => panic!("k8s_openapi::api::{module}::{name}: teach api_resource about it"),
     }
 }

@@ -32,10 +32,22 @@ pub struct ReconcilerInputs {
     pub verify_every: Duration,
 }
 
+/// What the reconciler does to the node as it stops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopAction {
+    /// Leaves every pod enrolled for the next agent (an upgrade).
+    Keep,
+    /// Unenrols every pod; the node-wide programs and pins stay.
+    Unenrol,
+    /// Unenrols every pod, then removes every node-wide part
+    /// ([`NodeAgent::uninstall`]).
+    Uninstall,
+}
+
 /// The running reconciler: a thread that owns the [`NodeAgent`].
 pub struct Reconciler {
     snapshots: watch::Receiver<Arc<NodeSnapshot>>,
-    stop: Option<oneshot::Sender<bool>>,
+    stop: Option<oneshot::Sender<StopAction>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -70,9 +82,20 @@ impl Reconciler {
 
     /// Stops the thread once it is done with what it is doing; with
     /// `unenrol`, it unenrols every pod first.
-    pub async fn stop(mut self, unenrol: bool) {
+    pub async fn stop(self, unenrol: bool) {
+        self.stop_with(if unenrol {
+            StopAction::Unenrol
+        } else {
+            StopAction::Keep
+        })
+        .await
+    }
+
+    /// Stops the thread once it is done with what it is doing, after doing
+    /// `action` to the node.
+    pub async fn stop_with(mut self, action: StopAction) {
         if let Some(stop) = self.stop.take() {
-            let _ = stop.send(unenrol);
+            let _ = stop.send(action);
         }
         if let Some(thread) = self.thread.take() {
             let joined = tokio::task::spawn_blocking(move || thread.join()).await;
@@ -88,7 +111,7 @@ impl Drop for Reconciler {
     /// is doing, leaving every pod as it is.
     fn drop(&mut self) {
         if let Some(stop) = self.stop.take() {
-            let _ = stop.send(false);
+            let _ = stop.send(StopAction::Keep);
         }
     }
 }
@@ -101,14 +124,14 @@ enum Wake {
     ZtunnelGone,
     SourcesGone,
     Verify,
-    Stop(bool),
+    Stop(StopAction),
 }
 
 fn reconcile_loop(
     mut agent: NodeAgent,
     mut inputs: ReconcilerInputs,
     publish: watch::Sender<Arc<NodeSnapshot>>,
-    mut stop: oneshot::Receiver<bool>,
+    mut stop: oneshot::Receiver<StopAction>,
     runtime: tokio::runtime::Handle,
 ) {
     let verify_every = inputs.verify_every.max(Duration::from_millis(100));
@@ -125,7 +148,7 @@ fn reconcile_loop(
         let wake = runtime.block_on(async {
             tokio::select! {
                 biased;
-                unenrol = &mut stop => Wake::Stop(unenrol.unwrap_or(false)),
+                action = &mut stop => Wake::Stop(action.unwrap_or(StopAction::Keep)),
                 changed = inputs.pods.changed(), if sources_open => match changed {
                     Ok(()) => Wake::Pods,
                     Err(_) => Wake::SourcesGone,
@@ -192,12 +215,21 @@ fn reconcile_loop(
                 agent.verify();
                 next_verify = tokio::time::Instant::now() + verify_every;
             }
-            Wake::Stop(unenrol) => {
-                if unenrol {
-                    info!("unenrolling every pod");
-                    agent.unenrol_all();
-                    publish.send_replace(Arc::new(agent.snapshot()));
+            Wake::Stop(action) => {
+                match action {
+                    StopAction::Keep => return,
+                    StopAction::Unenrol => {
+                        info!("unenrolling every pod");
+                        agent.unenrol_all();
+                    }
+                    StopAction::Uninstall => {
+                        info!(
+                            "uninstalling: unenrolling every pod, removing the node's programs, pins and rules"
+                        );
+                        agent.uninstall();
+                    }
                 }
+                publish.send_replace(Arc::new(agent.snapshot()));
                 return;
             }
         }

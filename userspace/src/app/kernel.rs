@@ -20,6 +20,7 @@ pub(super) fn redirector(args: &AgentArgs) -> Result<Box<dyn Redirector>, AgentE
     let iptables = || -> Result<Box<dyn Redirector>, AgentError> {
         let mut options = crate::redirect::iptables::IptablesOptions::new(args.node_name.clone());
         options.probe_source = args.probe_source;
+        options.node_netns = args.node_netns.clone();
         // --proxy ztunnel: Istio's own in-pod rules, as istio-cni installs
         // them, so a stock ztunnel finds what it expects.
         if args.proxy == ProxyKind::Ztunnel {
@@ -40,6 +41,7 @@ pub(super) fn redirector(args: &AgentArgs) -> Result<Box<dyn Redirector>, AgentE
                 splice_backlog: args.splice_backlog,
                 preserve_source: args.preserve_source == OnOff::On,
                 fast_path: fast_path_wanted(args),
+                node_netns: args.node_netns.clone(),
             };
             match EbpfRedirector::load(&options) {
                 Ok(mut ebpf) => {

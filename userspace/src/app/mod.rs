@@ -12,6 +12,7 @@
 //! ```
 
 mod cni;
+mod exit;
 mod kernel;
 mod observers;
 mod parts;
@@ -28,7 +29,7 @@ use tokio::{
     signal::unix::{SignalKind, signal},
     sync::watch,
 };
-use tracing::{Instrument as _, error, info, info_span, warn};
+use tracing::{Instrument as _, error, info, info_span};
 
 use kernel::{check_cgroup_root, redirector};
 pub use observers::{ObserverAddrs, Observers};
@@ -41,7 +42,7 @@ pub use store::{Latest, apply as apply_cluster_view, own_store};
 
 use crate::{
     agent::{NodeAgent, ProxyHandle, Reconciler, ReconcilerInputs},
-    cli::{AgentArgs, OnExit, OnOff, ProxyKind},
+    cli::{AgentArgs, OnOff, ProxyKind},
     control::{SourceSink, file::FileSource, kube},
     proxy::Proxy,
     redirect::{RedirectMode, ebpf::LoadError},
@@ -97,6 +98,8 @@ pub enum AgentError {
         "--cni-socket needs the Kubernetes pod source: a workloads file (--workloads) names each pod's netns itself"
     )]
     CniWithoutKube,
+    #[error("--on-exit auto: {0}")]
+    OnExit(&'static str),
 }
 
 /// Where the agent learns its pods.
@@ -134,6 +137,8 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     if args.cni_socket.is_some() && matches!(source, PodSource::File(_)) {
         return Err(AgentError::CniWithoutKube);
     }
+    // Checked before anything is set up: how the agent will exit.
+    let exit_plan = exit::ExitPlan::new(&args, &source)?;
     let trust_domain = match &source {
         PodSource::File(file) => file.trust_domain().clone(),
         PodSource::Kube(_) => args.trust_domain.clone(),
@@ -342,7 +347,8 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         _ = sources.join_next() => error!("a pod source stopped; stopping"),
     }
     sources.abort_all();
-    shutdown(reconciler, proxy.map(|p| p.proxy), &args).await
+    let action = exit_plan.decide().await;
+    exit::shutdown(reconciler, action, proxy.map(|p| p.proxy), &args).await
 }
 
 /// A pod source's sink when another source (istiod) owns the cluster view:
@@ -361,40 +367,4 @@ impl SourceSink for NodePodsOnly {
     fn synced(&self, source: &'static str) {
         self.0.synced(source);
     }
-}
-
-/// With `--on-exit unenrol`, unenrols every pod (no new connection is
-/// captured); with `keep`, leaves redirection to the next agent. Then lets
-/// the proxy's connections in flight finish within the grace period, and
-/// reports the agent stopped.
-async fn shutdown(
-    reconciler: Reconciler,
-    proxy: Option<Proxy>,
-    args: &AgentArgs,
-) -> Result<(), AgentError> {
-    let unenrol = match args.on_exit {
-        OnExit::Unenrol => {
-            // First, so that no new sandbox waits for this agent.
-            cni::uninstall(args);
-            true
-        }
-        OnExit::Keep => {
-            info!(
-                "leaving every pod enrolled for the next agent (--on-exit keep); pods without a proxy fail closed until it starts"
-            );
-            false
-        }
-    };
-    reconciler.stop(unenrol).await;
-    if let Some(proxy) = proxy {
-        let cut = proxy.drain(Duration::from_secs(args.drain_seconds)).await;
-        if cut > 0 {
-            warn!(
-                connections = cut,
-                "connections still open after the drain period were cut"
-            );
-        }
-    }
-    info!("agent stopped");
-    Ok(())
 }

@@ -163,6 +163,20 @@ pub enum RedirectError {
     },
 }
 
+/// Why a node-wide part could not be removed at uninstall.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeCleanupError {
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{what}: {detail}")]
+    Command { what: &'static str, detail: String },
+}
+
 /// Puts pods' traffic into the mesh and takes it out again.
 ///
 /// Implementations own every kernel object they create; callers only hand
@@ -205,6 +219,12 @@ pub trait Redirector: Send {
     /// was not handed (call once the pod source has listed every pod).
     /// Returns how many pods' leftovers were removed.
     fn remove_stale(&mut self) -> usize;
+    /// Uninstall, after every pod was unenrolled: removes what the mode
+    /// keeps for the whole node (eBPF: the socket programs on the cgroup
+    /// root and every pin). Default: nothing node-wide.
+    fn remove_node_state(&mut self) -> Result<(), NodeCleanupError> {
+        Ok(())
+    }
     /// A handle the proxy uses to recover where a redirected connection was
     /// going (what `SO_ORIGINAL_DST` answers in the iptables mode).
     fn original_dst_resolver(&self) -> std::sync::Arc<dyn OriginalDst>;

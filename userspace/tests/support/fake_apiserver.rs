@@ -89,6 +89,10 @@ pub enum Kind {
     AuthorizationPolicy,
     /// `gateway.networking.k8s.io/v1` (a CRD, like `AuthorizationPolicy`).
     Gateway,
+    /// `apps/v1`: the agent reads its own at exit (`--on-exit auto`).
+    DaemonSet,
+    /// Cluster-scoped: its labels decide whether a DaemonSet selects it.
+    Node,
 }
 
 impl Kind {
@@ -100,6 +104,8 @@ impl Kind {
             Kind::EndpointSlice => "EndpointSlice",
             Kind::AuthorizationPolicy => "AuthorizationPolicy",
             Kind::Gateway => "Gateway",
+            Kind::DaemonSet => "DaemonSet",
+            Kind::Node => "Node",
         }
     }
 
@@ -108,6 +114,7 @@ impl Kind {
             Kind::EndpointSlice => "discovery.k8s.io/v1",
             Kind::AuthorizationPolicy => "security.istio.io/v1",
             Kind::Gateway => "gateway.networking.k8s.io/v1",
+            Kind::DaemonSet => "apps/v1",
             _ => "v1",
         }
     }

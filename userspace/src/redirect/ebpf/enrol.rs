@@ -187,9 +187,12 @@ impl EbpfRedirector {
         self.config_map
             .set(slot, config, 0)
             .map_err(|e| kernel(pod, "writing the pod's settings", e))?;
+        let old = self.addrs_map.get(&slot, 0).map_or(0, |a| a.ipv4);
         self.addrs_map
             .set(slot, addrs, 0)
-            .map_err(|e| kernel(pod, "writing the pod's addresses", e))
+            .map_err(|e| kernel(pod, "writing the pod's addresses", e))?;
+        self.host_probes.pod_addr_changed(slot, old, addrs.ipv4);
+        Ok(())
     }
 
     /// Forgets a pod whose network namespace was replaced (its sandbox
@@ -228,6 +231,8 @@ impl EbpfRedirector {
     fn forget(&mut self, cookie: u64, slot: u32) {
         let _ = self.enrolled_map.remove(&cookie);
         let _ = self.config_map.set(slot, PodConfig::default(), 0);
+        let old = self.addrs_map.get(&slot, 0).map_or(0, |a| a.ipv4);
+        self.host_probes.pod_addr_changed(slot, old, 0);
         let _ = self.addrs_map.set(slot, PodAddrs::default(), 0);
         let _ = self.records_map.remove(&cookie);
         self.slots.free(slot);
@@ -467,6 +472,10 @@ impl Redirector for EbpfRedirector {
 
     fn is_enrolled(&self, pod: &WorkloadKey) -> bool {
         self.pods.contains_key(pod)
+    }
+
+    fn remove_node_state(&mut self) -> Result<(), crate::redirect::NodeCleanupError> {
+        uninstall::remove_pins(&self.pin_dir).map(|_| ())
     }
 
     fn remove_stale(&mut self) -> usize {

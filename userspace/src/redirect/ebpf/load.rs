@@ -58,6 +58,10 @@ pub struct EbpfOptions {
     /// fast-path table go direct (`--fast-path on`, with the builtin proxy;
     /// each pod's `PodConfig::FAST_PATH`).
     pub fast_path: bool,
+    /// The node's network namespace (`--node-netns`): its sockets'
+    /// connections to enrolled pods are kubelet's probes and get the probe
+    /// source (`ebpf/src/host_probe.rs`). `None`: not rewritten.
+    pub node_netns: Option<PathBuf>,
 }
 
 impl EbpfOptions {
@@ -70,6 +74,7 @@ impl EbpfOptions {
             splice_backlog: DEFAULT_SPLICE_BACKLOG,
             preserve_source: true,
             fast_path: false,
+            node_netns: None,
         }
     }
 }
@@ -115,6 +120,8 @@ impl EbpfRedirector {
             take_map(&mut ebpf, maps::POD_RECORDS)?;
         let policy = policy::PolicyMaps::open(&mut ebpf)?;
         let mesh_local = mesh_local::MeshLocalMaps::open(&mut ebpf, options.fast_path)?;
+        let host_probes =
+            super::host_probe::HostProbeMaps::open(&mut ebpf, options.node_netns.as_deref())?;
         cgroup::attach_or_adopt(&mut ebpf, &cgroup_root, pin_dir, &mut upgrade)?;
         let splice = options.splice;
         if splice != SpliceMode::Off {
@@ -173,6 +180,7 @@ impl EbpfRedirector {
             preserve_source: options.preserve_source,
             fwmark_before_serving: Default::default(),
             fast_path: options.fast_path,
+            host_probes,
         })
     }
 

@@ -33,6 +33,7 @@
 mod cgroup;
 mod enrol;
 mod fastpath;
+mod host_probe;
 mod load;
 mod mesh_local;
 mod original_dst;
@@ -45,6 +46,7 @@ mod slots;
 mod splice;
 mod sys;
 mod tc;
+mod uninstall;
 mod upgrade;
 
 use std::{
@@ -129,6 +131,8 @@ pub struct EbpfRedirector {
     /// `--fast-path`: whether pods (but those that opt out) get
     /// [`PodConfig::FAST_PATH`].
     fast_path: bool,
+    /// Kubelet's probes: the node netns and the enrolled pods' addresses.
+    host_probes: host_probe::HostProbeMaps,
 }
 
 pub(crate) fn kernel(

@@ -108,7 +108,8 @@ pub fn on_new_layout(name: &str) -> Option<&'static str> {
         maps::POD_CONFIG | maps::POD_ADDRS => {
             "rewritten from the agent's state as each listed pod is enrolled"
         }
-        maps::CONFIG => "written by the agent at load",
+        maps::CONFIG | maps::HOST_PROBE_NODE => "written by the agent at load",
+        maps::PROBE_TARGETS => "rewritten from the agent's state as each listed pod is enrolled",
         maps::POLICY_VERDICTS
         | maps::FAST_PATH_DESTS
         | maps::FAST_PATH_STATE
@@ -119,7 +120,8 @@ pub fn on_new_layout(name: &str) -> Option<&'static str> {
         maps::POD_COUNTERS
         | maps::POLICY_DENIALS
         | maps::FAST_PATH_STATS
-        | maps::MESH_LOCAL_STATS => "kernel counters: they start again at zero",
+        | maps::MESH_LOCAL_STATS
+        | maps::HOST_PROBE_STATS => "kernel counters: they start again at zero",
         _ => "kernel-written records: lost (connections in flight lose theirs)",
     })
 }
@@ -381,10 +383,11 @@ fn layout(name: &str) -> Option<(usize, usize)> {
     use core::mem::size_of;
 
     use shunt_common::{
-        FastPathDest, FastPathSock, FastPathState, FastPathStats, GlobalConfig, MeshFlow,
-        MeshFlowKey, MeshLocalDest, MeshLocalStats, MeshService, MeshServiceKey, MeshServiceSock,
-        OriginalDst, PodAddrs, PodConfig, PodCounters, PodRecord, PodSlot, PolicyDenialKey,
-        PolicyVerdict, PolicyVerdictKey, SockKey, SpliceFlow, SpliceKey,
+        FastPathDest, FastPathSock, FastPathState, FastPathStats, GlobalConfig, HostProbe,
+        HostProbeKey, HostProbeNode, HostProbeStats, MeshFlow, MeshFlowKey, MeshLocalDest,
+        MeshLocalStats, MeshService, MeshServiceKey, MeshServiceSock, OriginalDst, PodAddrs,
+        PodConfig, PodCounters, PodRecord, PodSlot, PolicyDenialKey, PolicyVerdict,
+        PolicyVerdictKey, SockKey, SpliceFlow, SpliceKey,
     };
     Some(match name {
         maps::ENROLLED => (size_of::<u64>(), size_of::<PodSlot>()),
@@ -415,6 +418,10 @@ fn layout(name: &str) -> Option<(usize, usize)> {
         maps::MESH_LOCAL_SERVICES => (size_of::<MeshServiceKey>(), size_of::<MeshService>()),
         maps::MESH_LOCAL_SERVICE_SOCKS => (size_of::<u64>(), size_of::<MeshServiceSock>()),
         maps::DNS_SERVERS => (size_of::<u64>(), size_of::<OriginalDst>()),
+        maps::HOST_PROBE_NODE => (size_of::<u32>(), size_of::<HostProbeNode>()),
+        maps::PROBE_TARGETS => (size_of::<u32>(), size_of::<u32>()),
+        maps::HOST_PROBES => (size_of::<HostProbeKey>(), size_of::<HostProbe>()),
+        maps::HOST_PROBE_STATS => (size_of::<u32>(), size_of::<HostProbeStats>()),
         _ => return None,
     })
 }

@@ -13,6 +13,7 @@ const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
 const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
 const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_LINK_UPDATE: libc::c_long = 29;
+const BPF_LINK_DETACH: libc::c_long = 34;
 /// `BPF_F_REPLACE`: the link is switched only while it still runs
 /// `old_prog_fd`'s program (another agent cannot be overwritten unseen).
 const BPF_F_REPLACE: u32 = 1 << 2;
@@ -26,6 +27,14 @@ struct ElemAttr {
     /// `value` or `next_key`.
     value: u64,
     flags: u64,
+    rest: [u64; 4],
+}
+
+/// `union bpf_attr` for `BPF_LINK_DETACH`.
+#[repr(C)]
+struct LinkDetachAttr {
+    link_fd: u32,
+    _pad: u32,
     rest: [u64; 4],
 }
 
@@ -56,6 +65,20 @@ fn bpf<T>(cmd: libc::c_long, attr: &T) -> io::Result<()> {
     } else {
         Ok(())
     }
+}
+
+/// Detaches the BPF link `link` from its hook now (`BPF_LINK_DETACH`),
+/// whoever else holds it (its pin, another agent's descriptor): the
+/// uninstall must not wait for the last reference to go.
+pub fn link_detach(link: BorrowedFd<'_>) -> io::Result<()> {
+    bpf(
+        BPF_LINK_DETACH,
+        &LinkDetachAttr {
+            link_fd: link.as_raw_fd() as u32,
+            _pad: 0,
+            rest: [0; 4],
+        },
+    )
 }
 
 /// Switches the program of the BPF link `link` to `new` atomically

@@ -48,6 +48,7 @@
 //! address of inbound connections (to `podIP:15006`).
 
 mod backend;
+mod host_probes;
 mod istio;
 mod original_dst;
 mod redirector;
@@ -64,6 +65,7 @@ use std::{
 use crate::redirect::route;
 pub use crate::redirect::route::{ROUTE_TABLE, RULE_PRIORITY};
 pub use backend::Backend;
+pub use host_probes::CHAIN_PROBE_SNAT;
 pub use istio::{CHAIN_ISTIO_OUTPUT, CHAIN_ISTIO_PRERT};
 pub use original_dst::{SoOriginalDst, original_dst};
 pub use rules::{CHAIN_OUTPUT, CHAIN_PREROUTING, CONN_MARK, MARK_MASK, PROBE_SOURCE_V6};
@@ -118,6 +120,8 @@ pub enum IptablesError {
     },
     #[error("cannot parse the output of `{command}`: {detail}")]
     Unparsable { command: String, detail: String },
+    #[error("--node-netns {}: {detail}", path.display())]
+    NodeNetns { path: PathBuf, detail: String },
 }
 
 /// A pod this redirector enrolled. The open netns keeps the namespace
@@ -126,6 +130,8 @@ struct Enrolment {
     netns: NetNs,
     cookie: u64,
     capture: Capture,
+    /// The pod's IPv4 addresses (the node's probe rules name them).
+    ipv4: Vec<Ipv4Addr>,
     /// How many times drift was found and repaired.
     repairs: u64,
 }
@@ -156,6 +162,10 @@ pub struct IptablesOptions {
     pub probe_source: Ipv4Addr,
     /// shunt's rules or Istio's.
     pub rules: InpodRules,
+    /// The node's network namespace, where kubelet's probes to enrolled
+    /// pods are SNATed to `probe_source` (`host_probes.rs`); `None`: not
+    /// rewritten.
+    pub node_netns: Option<PathBuf>,
 }
 
 impl IptablesOptions {
@@ -165,6 +175,7 @@ impl IptablesOptions {
             backend: None,
             probe_source: shunt_common::DEFAULT_PROBE_SOURCE_V4.into(),
             rules: InpodRules::Shunt,
+            node_netns: None,
         }
     }
 }
@@ -179,6 +190,8 @@ pub struct IptablesRedirector {
     tools: Tools,
     pods: BTreeMap<WorkloadKey, Enrolment>,
     resolver: Arc<SoOriginalDst>,
+    /// The node side of kubelet's probes (`--node-netns`).
+    host_probes: Option<host_probes::HostProbeSnat>,
 }
 
 impl IptablesRedirector {
@@ -198,7 +211,19 @@ impl IptablesRedirector {
         let netns_inode = std::fs::metadata("/proc/thread-self/ns/net")
             .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
             .unwrap_or(0);
+        let host_probes = match &options.node_netns {
+            Some(path) => Some(
+                host_probes::HostProbeSnat::open(path, options.probe_source).map_err(|e| {
+                    IptablesError::NodeNetns {
+                        path: path.clone(),
+                        detail: e.to_string(),
+                    }
+                })?,
+            ),
+            None => None,
+        };
         Ok(Self {
+            host_probes,
             owner_comment: rules::owner_comment(&format!("{}@{netns_inode}", options.owner)),
             probe_source: options.probe_source,
             rules: options.rules,
@@ -221,6 +246,23 @@ impl IptablesRedirector {
     /// The backend whose binaries this redirector runs.
     pub fn backend(&self) -> Backend {
         self.tools.backend
+    }
+
+    /// Brings the node's probe rules to the enrolled pods' addresses;
+    /// a failure is logged (the pods stay enrolled; their probes meet the
+    /// proxy's policy until the next change retries).
+    fn sync_host_probes(&mut self) {
+        let Some(host) = self.host_probes.as_mut() else {
+            return;
+        };
+        let pods: std::collections::BTreeSet<Ipv4Addr> = self
+            .pods
+            .values()
+            .flat_map(|e| e.ipv4.iter().copied())
+            .collect();
+        if let Err(e) = host.sync(&self.tools, &pods) {
+            warn!(error = %e, "cannot write the node's probe rules; kubelet's probes meet the pods' policy");
+        }
     }
 
     /// How many times `enrol` found the pod's redirection drifted and

@@ -52,9 +52,18 @@ impl Redirector for IptablesRedirector {
                 netns,
                 cookie,
                 capture: target.capture.clone(),
+                ipv4: target
+                    .ips
+                    .iter()
+                    .filter_map(|ip| match ip {
+                        std::net::IpAddr::V4(v4) => Some(*v4),
+                        std::net::IpAddr::V6(_) => None,
+                    })
+                    .collect(),
                 repairs: 0,
             },
         );
+        self.sync_host_probes();
         Ok(())
     }
 
@@ -66,6 +75,7 @@ impl Redirector for IptablesRedirector {
             .ok_or_else(|| RedirectError::NotEnrolled(pod.clone()))?;
         self.remove(pod, &enrolment.netns)?;
         info!("pod unenrolled: iptables rules, chains and policy route removed");
+        self.sync_host_probes();
         Ok(())
     }
 
@@ -105,6 +115,19 @@ impl Redirector for IptablesRedirector {
     /// removes everything of ours there. Only our own owner's: agents of
     /// other nodes on the same kernel (tests, the demo) are left alone (see
     /// [`IptablesRedirector::owner_comment`]).
+    fn remove_node_state(&mut self) -> Result<(), crate::redirect::NodeCleanupError> {
+        match self.host_probes.as_mut() {
+            Some(host) => {
+                host.remove(&self.tools)
+                    .map_err(|e| crate::redirect::NodeCleanupError::Command {
+                        what: "removing the node's probe rules",
+                        detail: e.to_string(),
+                    })
+            }
+            None => Ok(()),
+        }
+    }
+
     fn remove_stale(&mut self) -> usize {
         let comment = self.owner_comment.clone();
         let entries = match std::fs::read_dir(NETNS_DIR) {

@@ -50,6 +50,10 @@ pub(super) async fn handle(inner: &Arc<Mutex<Inner>>, req: Request<Incoming>) ->
         (&Method::GET, ["apis", "gateway.networking.k8s.io", "v1", "gateways"]) => {
             custom_list_or_watch(inner, Kind::Gateway, &query)
         }
+        (&Method::GET, ["apis", "apps", "v1", "namespaces", ns, "daemonsets", name]) => {
+            get_one(inner, Kind::DaemonSet, ns, name)
+        }
+        (&Method::GET, ["api", "v1", "nodes", name]) => get_one(inner, Kind::Node, "", name),
         // The agent's ClusterRole grants `patch` on `pods/status` only (as
         // istio-cni's): a patch of the whole pod is refused as kube-apiserver
         // refuses a call RBAC does not allow.
@@ -69,6 +73,22 @@ pub(super) async fn handle(inner: &Arc<Mutex<Inner>>, req: Request<Incoming>) ->
             StatusCode::NOT_FOUND,
             "NotFound",
             &format!("no route for {method} {path}"),
+        ),
+    }
+}
+
+/// One object by name, or kube-apiserver's 404 `Status`.
+fn get_one(inner: &Arc<Mutex<Inner>>, kind: Kind, namespace: &str, name: &str) -> Response<Body> {
+    let found = lock(inner)
+        .objects
+        .get(&(kind, namespace.to_owned(), name.to_owned()))
+        .cloned();
+    match found {
+        Some(object) => json_response(StatusCode::OK, &object),
+        None => status(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            &format!("{kind:?} \"{name}\" not found"),
         ),
     }
 }
