@@ -4,10 +4,12 @@
 //! Entering a namespace is per thread (`setns(CLONE_NEWNET)`), so work that
 //! must happen inside a pod's netns runs on a worker thread that enters it
 //! for that job and returns to the agent's own namespace afterwards
-//! (`worker.rs`). A socket keeps the namespace it was created in, so the
-//! usual pattern is to create (bind, connect, open netlink) inside and use
-//! the result anywhere.
+//! (`worker.rs`), or, for a short job such as creating a socket, the
+//! calling thread enters it and comes back (`here.rs`). A socket keeps the
+//! namespace it was created in, so the usual pattern is to create (bind,
+//! connect, open netlink) inside and use the result anywhere.
 
+mod here;
 mod worker;
 
 use std::{
@@ -95,6 +97,14 @@ impl NetNs {
     {
         ENTERED.fetch_add(1, Ordering::Relaxed);
         worker::run_in(&self.file, &self.path, f)
+    }
+
+    /// Runs `f` inside this namespace on the calling thread, which returns
+    /// to its own namespace afterwards (`here.rs`). Only for short jobs
+    /// that neither block nor yield, such as creating a socket; not counted
+    /// in [`entries`].
+    pub fn run_here<T>(&self, f: impl FnOnce() -> T) -> Result<T, NetNsError> {
+        here::run_here(&self.file, &self.path, f)
     }
 
     /// The kernel's cookie for this namespace (`SO_NETNS_COOKIE`): a stable

@@ -5,8 +5,9 @@
 
 use std::{
     collections::HashSet,
+    hash::{BuildHasher, Hash, Hasher},
     sync::{
-        Arc, Mutex, RwLock,
+        Arc, Mutex, OnceLock, RwLock,
         atomic::{AtomicBool, Ordering},
     },
 };
@@ -87,7 +88,7 @@ impl DerivedSources {
 
 /// Istio's standard labels of its TCP metrics (as ztunnel writes them,
 /// without locality).
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+#[derive(Clone, Debug, PartialEq, Eq, EncodeLabelSet)]
 pub struct TcpLabels {
     pub reporter: String,
     pub source_workload: String,
@@ -112,6 +113,44 @@ pub struct TcpLabels {
     pub request_protocol: String,
     pub response_flags: String,
     pub connection_security_policy: String,
+}
+
+/// The 23 labels go through foldhash, and the metric family's map (std's
+/// SipHash, not configurable in `prometheus_client`) hashes the one word
+/// that gives: SipHash over every label, four lookups a connection, was
+/// ≈ 6 % of a connection's instructions (issue 35, docs/BENCHMARKS.md).
+/// Equal label sets give equal words, as `Hash` must. foldhash's seed is
+/// random per process, as SipHash's key: label values a peer sends
+/// (`baggage`) cannot be chosen to collide.
+impl Hash for TcpLabels {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        static SEED: OnceLock<foldhash::fast::RandomState> = OnceLock::new();
+        let mut fast = SEED.get_or_init(Default::default).build_hasher();
+        self.reporter.hash(&mut fast);
+        self.source_workload.hash(&mut fast);
+        self.source_canonical_service.hash(&mut fast);
+        self.source_canonical_revision.hash(&mut fast);
+        self.source_workload_namespace.hash(&mut fast);
+        self.source_principal.hash(&mut fast);
+        self.source_app.hash(&mut fast);
+        self.source_version.hash(&mut fast);
+        self.source_cluster.hash(&mut fast);
+        self.destination_service.hash(&mut fast);
+        self.destination_service_namespace.hash(&mut fast);
+        self.destination_service_name.hash(&mut fast);
+        self.destination_workload.hash(&mut fast);
+        self.destination_canonical_service.hash(&mut fast);
+        self.destination_canonical_revision.hash(&mut fast);
+        self.destination_workload_namespace.hash(&mut fast);
+        self.destination_principal.hash(&mut fast);
+        self.destination_app.hash(&mut fast);
+        self.destination_version.hash(&mut fast);
+        self.destination_cluster.hash(&mut fast);
+        self.request_protocol.hash(&mut fast);
+        self.response_flags.hash(&mut fast);
+        self.connection_security_policy.hash(&mut fast);
+        state.write_u64(fast.finish());
+    }
 }
 
 /// Feeds Istio's TCP metrics from the proxy's connections.

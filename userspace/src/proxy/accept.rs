@@ -120,8 +120,10 @@ where
     C: FnOnce() -> F,
     F: Future<Output = ()>,
 {
+    // Polled only when it woke, not per wake-up of the connection.
+    let aborted = super::on_wake::OnWake::new(abort.cancelled());
     tokio::select! {
-        _ = abort.cancelled() => {}
+        _ = aborted => {}
         () = make() => {}
     }
 }

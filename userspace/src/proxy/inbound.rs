@@ -54,6 +54,8 @@ use http::{Method, Request, Response, StatusCode};
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
+use super::on_wake::OnWake;
+
 use super::{
     AccessLog, Decision, Outcome, PROXY_PORTS, PodState, RefusalReason, Shared,
     h2::H2Stream,
@@ -206,13 +208,16 @@ async fn serve_connection(
             return;
         }
     };
-    let keepalive = match conn.ping_pong() {
+    // Polled only when they woke (`on_wake.rs`), not per frame.
+    let keepalive = OnWake::new(match conn.ping_pong() {
         Some(pp) => {
             futures::future::Either::Left(super::h2::keepalive(pp, shared.config.h2.clone()))
         }
         None => futures::future::Either::Right(std::future::pending()),
-    };
+    });
     tokio::pin!(keepalive);
+    let draining = OnWake::new(shared.draining.clone().cancelled_owned());
+    tokio::pin!(draining);
     let mut going_away = false;
     let first_request = tokio::time::sleep_until(first_request_by);
     tokio::pin!(first_request);
@@ -252,7 +257,7 @@ async fn serve_connection(
                 tracing::info!(error = %e, "HBONE connection dropped: keepalive failed");
                 break;
             }
-            _ = shared.draining.cancelled(), if !going_away => {
+            () = &mut draining, if !going_away => {
                 // GOAWAY: no new streams; those in flight continue.
                 conn.graceful_shutdown();
                 going_away = true;
@@ -341,10 +346,17 @@ pub(super) async fn serve_stream(
     };
     let mut h2s = H2Stream::new(send, request.into_body());
     log.open(&shared);
+    // Polled only when the policies changed, not per relayed read.
+    let revoked = OnWake::new(super::revoked(
+        &shared,
+        changes,
+        &target_pod.key,
+        connection,
+    ));
     let copied = tokio::select! {
         // (application → peer, peer → application)
         copied = super::relay::relay(&mut upstream, &mut h2s) => copied,
-        decision = super::revoked(&shared, changes, &target_pod.key, connection) => {
+        decision = revoked => {
             // A policy change denies it now: cut both sides.
             h2s.reset(h2::Reason::CANCEL);
             super::reset(&upstream);

@@ -24,6 +24,7 @@ mod inbound_plaintext;
 mod limits;
 mod lookup;
 mod observe;
+mod on_wake;
 mod outbound;
 mod pods;
 mod policy;

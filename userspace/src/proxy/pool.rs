@@ -31,7 +31,10 @@ use h2::client::SendRequest;
 use tokio::{sync::Notify, time::Instant};
 use tokio_util::sync::CancellationToken;
 
-use super::h2::{H2Settings, keepalive};
+use super::{
+    h2::{H2Settings, keepalive},
+    on_wake::OnWake,
+};
 use crate::state::SpiffeId;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -188,14 +191,21 @@ impl Pool {
                 }
             };
             let idle = idle_out(&driven, idle_timeout, &draining);
+            // The connection is woken per frame, the rest seldom: polled
+            // only when they woke (`on_wake.rs`).
+            let rare = OnWake::new(async {
+                tokio::select! {
+                    e = ping => format!("keepalive: {e}"),
+                    () = idle => "idle".to_string(),
+                    _ = abort.cancelled() => "proxy stopped".to_string(),
+                }
+            });
             let why = tokio::select! {
                 r = connection => match r {
                     Ok(()) => "closed by peer".to_string(),
                     Err(e) => format!("error: {e}"),
                 },
-                e = ping => format!("keepalive: {e}"),
-                () = idle => "idle".to_string(),
-                _ = abort.cancelled() => "proxy stopped".to_string(),
+                why = rare => why,
             };
             driven.mark_closed();
             tracing::debug!(conn = driven.id, dst = %key.dst, dst_ip = %key.dst_ip, why, "pooled HBONE connection closed");

@@ -1,17 +1,21 @@
 //! Sockets inside a pod's network namespace.
 //!
 //! A socket belongs to the netns it was created in, whichever thread uses it
-//! later. Each pod gets one long-lived thread that has entered its netns and
-//! creates sockets on request (`socket()` + options, and `bind`/`listen` for
-//! listeners); connecting and I/O then happen on the runtime like any other
-//! socket. One thread per pod instead of one per connection: `setns` and a
-//! thread spawn per connection would cost far more than the socket call.
+//! later. A connection's socket (`socket()` + options) is created by the
+//! runtime thread that needs it, which enters the pod's netns for that call
+//! and comes back (`NetNs::run_here`: two `setns`, as ztunnel does); asking
+//! another thread cost a wake-up and two context switches each way per
+//! connection. Connecting and I/O then happen on the runtime like any other
+//! socket. The rarer jobs — listeners, the DNS proxy's sockets, enabling
+//! `tcp_migrate_req` — run on one long-lived thread per pod that has entered
+//! its netns (blocking file I/O and `bind` stay off the runtime).
 
 use std::{
     io,
     net::{IpAddr, SocketAddr},
-    path::{Path, PathBuf},
+    path::Path,
     sync::{
+        Arc,
         atomic::{AtomicBool, Ordering},
         mpsc,
     },
@@ -53,7 +57,6 @@ enum Request {
         ListenSpec,
         oneshot::Sender<io::Result<std::net::TcpListener>>,
     ),
-    Socket(Domain, oneshot::Sender<io::Result<Socket>>),
     /// A marked, non-blocking UDP socket (the DNS proxy's upstream queries).
     Udp(Domain, oneshot::Sender<io::Result<Socket>>),
     /// The DNS proxy's UDP socket and TCP listener on one address.
@@ -68,14 +71,14 @@ pub(crate) type DnsPair = (std::net::UdpSocket, std::net::TcpListener);
 /// every clone are dropped.
 #[derive(Clone)]
 pub(crate) struct PodSockets {
-    netns: PathBuf,
+    netns: Arc<NetNs>,
     tx: mpsc::Sender<Request>,
 }
 
 impl std::fmt::Debug for PodSockets {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PodSockets")
-            .field("netns", &self.netns)
+            .field("netns", &self.netns.path())
             .finish()
     }
 }
@@ -86,7 +89,8 @@ impl PodSockets {
     /// Awaits the thread's start without blocking the caller's thread, so
     /// that many pods are started at once (`agent/serve.rs`).
     pub async fn start(path: &Path) -> io::Result<Self> {
-        let netns = NetNs::open(path).map_err(io::Error::other)?;
+        let netns = Arc::new(NetNs::open(path).map_err(io::Error::other)?);
+        let thread_netns = Arc::clone(&netns);
         let (tx, rx) = mpsc::channel::<Request>();
         let (ready_tx, ready_rx) = oneshot::channel::<io::Result<io::Result<()>>>();
         let name = format!(
@@ -96,7 +100,7 @@ impl PodSockets {
                 .unwrap_or_default()
         );
         std::thread::Builder::new().name(name).spawn(move || {
-            let entered = nix::sched::setns(&netns, nix::sched::CloneFlags::CLONE_NEWNET)
+            let entered = nix::sched::setns(&*thread_netns, nix::sched::CloneFlags::CLONE_NEWNET)
                 .map_err(io::Error::from);
             let ok = entered.is_ok();
             // Before any listener exists, so that none of this agent's
@@ -112,9 +116,6 @@ impl PodSockets {
                 match request {
                     Request::Listen(spec, reply) => {
                         let _ = reply.send(listen(spec));
-                    }
-                    Request::Socket(domain, reply) => {
-                        let _ = reply.send(stream_socket(domain));
                     }
                     Request::Udp(domain, reply) => {
                         let _ = reply.send(datagram_socket(domain));
@@ -141,10 +142,7 @@ impl PodSockets {
                 tracing::debug!(netns = %path.display(), error = %e, "cannot enable net.ipv4.tcp_migrate_req")
             }
         }
-        Ok(Self {
-            netns: path.to_path_buf(),
-            tx,
-        })
+        Ok(Self { netns, tx })
     }
 
     /// A marked, non-blocking listener bound inside the pod's netns.
@@ -176,7 +174,7 @@ impl PodSockets {
         addr: SocketAddr,
         timeout: std::time::Duration,
     ) -> io::Result<tokio::net::TcpStream> {
-        let socket = self.socket(Domain::for_address(addr)).await?;
+        let socket = self.socket(Domain::for_address(addr))?;
         finish_connect(socket, addr, timeout).await
     }
 
@@ -207,7 +205,7 @@ impl PodSockets {
         let mut bound = None;
         // Twice at most: a second ephemeral port cannot be the avoided one.
         for _ in 0..2 {
-            let socket = self.socket(domain).await.map_err(SourceError::Connect)?;
+            let socket = self.socket(domain).map_err(SourceError::Connect)?;
             bind_transparent(&socket, source).map_err(SourceError::Bind)?;
             let port = socket
                 .local_addr()
@@ -230,13 +228,12 @@ impl PodSockets {
             .map_err(SourceError::Connect)
     }
 
-    /// A marked, non-blocking TCP socket of the pod's netns.
-    async fn socket(&self, domain: Domain) -> io::Result<Socket> {
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Request::Socket(domain, reply))
-            .map_err(|_| gone())?;
-        rx.await.map_err(|_| gone())?
+    /// A marked, non-blocking TCP socket of the pod's netns, created on
+    /// the calling thread (see the module's comment).
+    fn socket(&self, domain: Domain) -> io::Result<Socket> {
+        self.netns
+            .run_here(|| stream_socket(domain))
+            .map_err(io::Error::other)?
     }
 }
 
@@ -254,7 +251,7 @@ impl crate::dns::UpstreamSockets for PodSockets {
     }
 
     fn tcp(&self, domain: Domain) -> futures::future::BoxFuture<'_, io::Result<Socket>> {
-        Box::pin(self.socket(domain))
+        Box::pin(std::future::ready(self.socket(domain)))
     }
 }
 

@@ -488,8 +488,54 @@ pub fn traceparent(random: [u8; 24]) -> String {
     if span.iter().all(|b| *b == 0) {
         span[7] = 1;
     }
-    let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
-    format!("00-{}-{}-01", hex(&trace), hex(&span))
+    let mut out = String::with_capacity(55);
+    out.push_str("00-");
+    push_hex(&mut out, &trace);
+    out.push('-');
+    push_hex(&mut out, &span);
+    out.push_str("-01");
+    out
+}
+
+/// Appends `bytes` in lowercase hex (no allocation per byte).
+fn push_hex(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
+    }
+}
+
+/// Bytes of randomness per `traceparent`.
+const TRACE_RANDOM: usize = 24;
+
+/// A block of the system's randomness, taken [`TRACE_RANDOM`] bytes at a
+/// time: one `getrandom` call per 42 connections rather than per
+/// connection (ztunnel draws its ids from a userspace generator).
+const TRACE_RANDOM_BLOCK: usize = 42 * TRACE_RANDOM;
+
+thread_local! {
+    /// This thread's block and how much of it is used (all, at first).
+    static TRACE_RANDOMNESS: std::cell::RefCell<([u8; TRACE_RANDOM_BLOCK], usize)> =
+        const { std::cell::RefCell::new(([0; TRACE_RANDOM_BLOCK], TRACE_RANDOM_BLOCK)) };
+}
+
+/// Fresh random bytes for one `traceparent`, never handed out twice;
+/// `None` when the system's generator fails.
+fn trace_random() -> Option<[u8; TRACE_RANDOM]> {
+    use ring::rand::SecureRandom;
+    TRACE_RANDOMNESS.with(|cell| {
+        let mut guard = cell.borrow_mut();
+        let (block, used) = &mut *guard;
+        if *used + TRACE_RANDOM > block.len() {
+            ring::rand::SystemRandom::new().fill(block).ok()?;
+            *used = 0;
+        }
+        let mut out = [0u8; TRACE_RANDOM];
+        out.copy_from_slice(&block[*used..*used + TRACE_RANDOM]);
+        *used += TRACE_RANDOM;
+        Some(out)
+    })
 }
 
 /// The headers of one outbound CONNECT: `baggage` (when the source is
@@ -497,7 +543,6 @@ pub fn traceparent(random: [u8; 24]) -> String {
 /// is not a valid header (never expected from validated names) is left
 /// out, never a panic.
 pub fn connect_headers(baggage: Option<&str>, client: IpAddr) -> HeaderMap {
-    use ring::rand::SecureRandom;
     let mut headers = HeaderMap::new();
     if let Some(value) = baggage.and_then(|b| HeaderValue::from_str(b).ok()) {
         headers.insert("baggage", value);
@@ -505,8 +550,7 @@ pub fn connect_headers(baggage: Option<&str>, client: IpAddr) -> HeaderMap {
     if let Ok(value) = HeaderValue::from_str(&forwarded(client)) {
         headers.insert("forwarded", value);
     }
-    let mut random = [0u8; 24];
-    if ring::rand::SystemRandom::new().fill(&mut random).is_ok()
+    if let Some(random) = trace_random()
         && let Ok(value) = HeaderValue::from_str(&traceparent(random))
     {
         headers.insert("traceparent", value);
