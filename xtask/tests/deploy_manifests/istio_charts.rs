@@ -303,6 +303,109 @@ fn istio_md_commands_are_the_ones_tested() {
     assert_eq!(shunt_labels.get(key).map(String::as_str), Some(value));
 }
 
+#[test]
+fn istio_md_reinstalls_istios_charts_as_they_install() {
+    // The way back: docs/ISTIO.md's `helm install` of istio-cni and ztunnel
+    // names Istio's charts, release names and namespace; rendered with
+    // Istio's charts (ISTIO_CHARTS_DIR), the values files `helm get values`
+    // saved standing empty, and holding the DaemonSets the swap removed.
+    let doc = read("docs/ISTIO.md");
+    let mut reinstalls = BTreeMap::new();
+    for line in doc.lines() {
+        let Some(at) = line.find("helm install ") else {
+            continue;
+        };
+        let words: Vec<&str> = line[at..].split_whitespace().collect();
+        let Some(chart) = words.get(3).and_then(|c| c.strip_prefix("istio/")) else {
+            continue;
+        };
+        let flag = |name: &str| {
+            words
+                .iter()
+                .position(|w| *w == name)
+                .and_then(|i| words.get(i + 1).copied())
+        };
+        assert_eq!(flag("-n"), Some(ISTIO_NAMESPACE), "`{line}`");
+        assert!(flag("-f").is_some(), "`{line}` restores the saved values");
+        reinstalls.insert(words[2].to_string(), chart.to_string());
+    }
+    assert_eq!(
+        reinstalls,
+        BTreeMap::from([
+            ("istio-cni".to_string(), "cni".to_string()),
+            ("ztunnel".to_string(), "ztunnel".to_string()),
+        ]),
+        "docs/ISTIO.md reinstalls istio-cni and ztunnel under their own release names"
+    );
+    // The Helm repository's chart `cni` is manifests/charts/istio-cni.
+    for (release, chart_dir, daemonset) in [
+        ("istio-cni", "istio-cni", CNI_DAEMONSET),
+        ("ztunnel", "ztunnel", ZTUNNEL_DAEMONSET),
+    ] {
+        let Some(objects) = render_istio(chart_dir, release, &[]) else {
+            return;
+        };
+        the_kind(&objects, "DaemonSet", daemonset);
+    }
+}
+
+#[test]
+fn istio_md_kustomize_overlay_names_the_image() {
+    // docs/ISTIO.md's kustomize install, as written: the overlay file its
+    // heredoc writes beside deploy/, then `kubectl kustomize` of it.
+    let doc = read("docs/ISTIO.md");
+    let opening = "cat > shunt-overlay/kustomization.yaml <<'EOF'";
+    let start = doc
+        .find(opening)
+        .expect("docs/ISTIO.md writes shunt-overlay/kustomization.yaml")
+        + opening.len();
+    let end = start
+        + doc[start..]
+            .find("\n   EOF")
+            .expect("the heredoc ends with EOF");
+    let overlay: String = doc[start..end]
+        .lines()
+        .map(|line| line.trim_start())
+        .filter(|line| !line.is_empty())
+        .map(|line| format!("{line}\n"))
+        .collect::<String>()
+        .replace("REGISTRY", "registry.example")
+        .replace("TAG", "1.2.3");
+    assert!(
+        doc[end..].contains("kubectl apply -k shunt-overlay/"),
+        "docs/ISTIO.md applies the overlay it wrote"
+    );
+
+    // A scratch directory standing for the operator's checkout: deploy/
+    // (a link to this one) and the overlay beside it.
+    let scratch = std::env::temp_dir().join(format!("shunt-overlay-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(scratch.join("shunt-overlay")).expect("scratch dir");
+    std::os::unix::fs::symlink(root().join("deploy"), scratch.join("deploy")).expect("link");
+    std::fs::write(scratch.join("shunt-overlay/kustomization.yaml"), &overlay).expect("write");
+    let built = kustomize::try_build(&scratch.join("shunt-overlay"));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let text = built.unwrap_or_else(|e| panic!("docs/ISTIO.md's overlay:\n{overlay}\n{e}"));
+    schemas::assert_valid(&text, "docs/ISTIO.md's kustomize overlay");
+
+    let objects = kustomize::parse_stream(&text, "docs/ISTIO.md's kustomize overlay");
+    let spec = pod_spec(&daemonset_in(&objects));
+    let images: BTreeSet<String> = spec
+        .containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+        .filter_map(|c| c.image.clone())
+        .collect();
+    assert_eq!(
+        images,
+        BTreeSet::from(["registry.example/shunt:1.2.3".to_string()]),
+        "every container of the overlay runs the operator's image"
+    );
+    // The rest is the Istio overlay's.
+    let args = effective_agent_args(&agent_container(&spec));
+    assert_eq!(args.get("--ca").map(String::as_str), Some("istio"));
+}
+
 fn render_istio(chart: &str, release: &str, sets: &[&str]) -> Option<Vec<Value>> {
     let Some(dir) = std::env::var_os("ISTIO_CHARTS_DIR").map(PathBuf::from) else {
         eprintln!(
