@@ -258,37 +258,38 @@ fn check_beside_ztunnel(objects: &[Object]) {
 }
 
 #[test]
-fn istio_md_commands_are_the_ones_tested() {
-    // Every `helm install` of shunt's chart in docs/ISTIO.md renders (as
-    // `helm template`, placeholders filled), and every `kubectl wait -l`
-    // selects the pods of the chart it waits on.
-    let doc = read("docs/ISTIO.md");
-    let joined = doc.replace("\\\n", " ");
-    let mut installs = 0;
-    for line in joined.lines() {
-        let Some(at) = line.find("helm install shunt ") else {
-            continue;
-        };
-        let command = line[at..]
-            .split('`')
-            .next()
-            .unwrap_or_default()
-            .replace("REGISTRY", "registry.example")
-            .replace("TAG", "1.2.3");
-        let words: Vec<&str> = command.split_whitespace().collect();
-        let mut cmd = helm::helm();
-        cmd.current_dir(root()).arg("template").args(&words[2..]);
-        let output = cmd.output().expect("helm");
+fn documented_helm_installs_and_waits_are_the_ones_tested() {
+    // Every `helm install` of shunt's chart in the docs renders (as
+    // `helm template`, placeholders filled) and validates, and every
+    // `kubectl wait -l` selects the pods of the chart it waits on.
+    for (file, at_least) in [
+        ("docs/ISTIO.md", 2),
+        ("docs/ZTUNNEL.md", 1),
+        ("deploy/helm/shunt/README.md", 2),
+    ] {
+        let commands = shunt_installs(&read(file));
         assert!(
-            output.status.success(),
-            "docs/ISTIO.md: `{command}`: {}",
-            String::from_utf8_lossy(&output.stderr)
+            commands.len() >= at_least,
+            "{file} installs shunt with Helm: {commands:?}"
         );
-        let text = String::from_utf8_lossy(&output.stdout);
-        schemas::assert_valid(&text, &command);
-        installs += 1;
+        for command in commands {
+            let command = command
+                .replace("REGISTRY", "registry.example")
+                .replace("TAG", "1.2.3");
+            let words: Vec<&str> = command.split_whitespace().collect();
+            let mut cmd = helm::helm();
+            cmd.current_dir(root()).arg("template").args(&words[2..]);
+            let output = cmd.output().expect("helm");
+            assert!(
+                output.status.success(),
+                "{file}: `{command}`: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+            let text = String::from_utf8_lossy(&output.stdout);
+            schemas::assert_valid(&text, &command);
+        }
     }
-    assert!(installs >= 2, "docs/ISTIO.md installs shunt with Helm");
+    let doc = read("docs/ISTIO.md");
 
     let shunt_labels = pod_labels(&shunt_istio(&[]));
     for (key, value) in [ZTUNNEL_POD_LABEL, CNI_POD_LABEL] {
@@ -404,6 +405,37 @@ fn istio_md_kustomize_overlay_names_the_image() {
     // The rest is the Istio overlay's.
     let args = effective_agent_args(&agent_container(&spec));
     assert_eq!(args.get("--ca").map(String::as_str), Some("istio"));
+}
+
+/// The `helm install shunt ...` commands of a Markdown file: a line of a
+/// fenced block (with its `\` continuations), or an inline code span, which
+/// prose may wrap over lines.
+fn shunt_installs(doc: &str) -> Vec<String> {
+    const INSTALL: &str = "helm install shunt ";
+    let mut found = Vec::new();
+    let mut prose = String::new();
+    let mut fenced = false;
+    for line in doc.replace("\\\n", " ").lines() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            prose.push(' ');
+            continue;
+        }
+        if fenced {
+            if let Some(at) = line.find(INSTALL) {
+                found.push(line[at..].trim().to_string());
+            }
+        } else {
+            prose.push_str(line.trim());
+            prose.push(' ');
+        }
+    }
+    for span in prose.split('`').skip(1).step_by(2) {
+        if let Some(at) = span.find(INSTALL) {
+            found.push(span[at..].trim().to_string());
+        }
+    }
+    found
 }
 
 fn render_istio(chart: &str, release: &str, sets: &[&str]) -> Option<Vec<Value>> {
