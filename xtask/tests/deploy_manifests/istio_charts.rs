@@ -351,7 +351,7 @@ fn istio_md_reinstalls_istios_charts_as_they_install() {
 }
 
 #[test]
-fn istio_md_kustomize_overlay_names_the_image() {
+fn documented_kustomize_overlays_name_the_image() {
     // docs/ISTIO.md's kustomize install, as written: the overlay file its
     // heredoc writes beside deploy/, then `kubectl kustomize` of it.
     let doc = read("docs/ISTIO.md");
@@ -377,34 +377,69 @@ fn istio_md_kustomize_overlay_names_the_image() {
         "docs/ISTIO.md applies the overlay it wrote"
     );
 
-    // A scratch directory standing for the operator's checkout: deploy/
-    // (a link to this one) and the overlay beside it.
-    let scratch = std::env::temp_dir().join(format!("shunt-overlay-test-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&scratch);
-    std::fs::create_dir_all(scratch.join("shunt-overlay")).expect("scratch dir");
-    std::os::unix::fs::symlink(root().join("deploy"), scratch.join("deploy")).expect("link");
-    std::fs::write(scratch.join("shunt-overlay/kustomization.yaml"), &overlay).expect("write");
-    let built = kustomize::try_build(&scratch.join("shunt-overlay"));
-    let _ = std::fs::remove_dir_all(&scratch);
-    let text = built.unwrap_or_else(|e| panic!("docs/ISTIO.md's overlay:\n{overlay}\n{e}"));
-    schemas::assert_valid(&text, "docs/ISTIO.md's kustomize overlay");
-
-    let objects = kustomize::parse_stream(&text, "docs/ISTIO.md's kustomize overlay");
-    let spec = pod_spec(&daemonset_in(&objects));
-    let images: BTreeSet<String> = spec
-        .containers
-        .iter()
-        .chain(spec.init_containers.iter().flatten())
-        .filter_map(|c| c.image.clone())
-        .collect();
+    let spec = pod_spec(&daemonset_in(&build_overlay(&overlay, "docs/ISTIO.md")));
     assert_eq!(
-        images,
+        images(&spec),
         BTreeSet::from(["registry.example/shunt:1.2.3".to_string()]),
         "every container of the overlay runs the operator's image"
     );
     // The rest is the Istio overlay's.
     let args = effective_agent_args(&agent_container(&spec));
     assert_eq!(args.get("--ca").map(String::as_str), Some("istio"));
+
+    // deploy/README.md's standalone install: the same overlay over deploy/.
+    let readme = read("deploy/README.md");
+    for line in [
+        "`resources: [../deploy]`",
+        "`images: [{name: shunt, newName: REGISTRY/shunt, newTag: TAG}]`",
+    ] {
+        assert!(readme.contains(line), "deploy/README.md: {line}");
+    }
+    let standalone = overlay.replace("[../deploy/istio]", "[../deploy]");
+    let spec = pod_spec(&daemonset_in(&build_overlay(
+        &standalone,
+        "deploy/README.md",
+    )));
+    assert_eq!(
+        images(&spec),
+        BTreeSet::from(["registry.example/shunt:1.2.3".to_string()])
+    );
+    let args = effective_agent_args(&agent_container(&spec));
+    assert_eq!(args.get("--ca").map(String::as_str), Some("builtin"));
+}
+
+/// `kubectl kustomize` of an operator's overlay (`kustomization`) written
+/// beside deploy/, in a scratch directory standing for their checkout:
+/// its objects, each valid against the schemas.
+fn build_overlay(kustomization: &str, what: &str) -> Vec<Object> {
+    let scratch = std::env::temp_dir().join(format!(
+        "shunt-overlay-test-{}-{}",
+        std::process::id(),
+        what.replace('/', "_")
+    ));
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(scratch.join("shunt-overlay")).expect("scratch dir");
+    std::os::unix::fs::symlink(root().join("deploy"), scratch.join("deploy")).expect("link");
+    std::fs::write(
+        scratch.join("shunt-overlay/kustomization.yaml"),
+        kustomization,
+    )
+    .expect("write");
+    let built = kustomize::try_build(&scratch.join("shunt-overlay"));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let text = built.unwrap_or_else(|e| panic!("{what}'s overlay:\n{kustomization}\n{e}"));
+    let what = format!("{what}'s kustomize overlay");
+    schemas::assert_valid(&text, &what);
+    kustomize::parse_stream(&text, &what)
+}
+
+/// Every image a pod spec runs.
+fn images(spec: &k8s_openapi::api::core::v1::PodSpec) -> BTreeSet<String> {
+    spec.containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+        .filter_map(|c| c.image.clone())
+        .collect()
 }
 
 /// The `helm install shunt ...` commands of a Markdown file: a line of a
