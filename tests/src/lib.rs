@@ -54,6 +54,7 @@ pub mod fast_path;
 pub mod hbone;
 pub mod inspect;
 mod names;
+pub mod poll;
 pub mod reference;
 pub mod scrape;
 mod sweep;

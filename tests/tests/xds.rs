@@ -17,10 +17,7 @@
 #[path = "../../userspace/tests/support/fake_istiod.rs"]
 mod fake_istiod;
 
-use std::{
-    net::Ipv4Addr,
-    time::{Duration, Instant},
-};
+use std::{net::Ipv4Addr, time::Duration};
 
 use fake_istiod::{
     FakeIstiod, Pki, WEB, pod, policy, principal_policy, response, service, web_backend,
@@ -31,45 +28,19 @@ use shunt::xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL};
 use shunt_proto::istio::security as security_pb;
 use shunt_testbed::{
     Cgroup, Pod, Topology,
+    access_log::access_lines,
     agent::{Agent, WorkloadSpec, http, mesh_pods_enrolled, workloads_yaml},
     apps::{EchoServer, TestApp},
+    poll::eventually,
     require_root,
 };
+use tokio::task::block_in_place as blocking;
 
 const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
 const TIMEOUT: Duration = Duration::from_secs(30);
 /// In the test range; no interface, route or pod holds it.
 const VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 100, 1);
 const CLIENT_ID: &str = "spiffe://cluster.local/ns/default/sa/sa-client";
-
-/// The access-log lines (JSON logs) of `direction`.
-fn access_lines(logs: &str, direction: &str) -> Vec<Value> {
-    logs.lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|l| l["target"] == "shunt::access" && l["fields"]["direction"] == direction)
-        .collect()
-}
-
-fn blocking<T>(f: impl FnOnce() -> T) -> T {
-    tokio::task::block_in_place(f)
-}
-
-/// Polls `check` (bounded by [`TIMEOUT`]) until it yields; panics with
-/// `what` and `context()`.
-async fn eventually<T>(
-    what: &str,
-    mut check: impl FnMut() -> Option<T>,
-    context: impl Fn() -> String,
-) -> T {
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
-        if let Some(value) = blocking(&mut check) {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "{what}:\n{}", context());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone_in_ebpf_mode() {
@@ -175,6 +146,7 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone_in_ebp
     }
     eventually(
         "agent a ready once istiod sent both types",
+        TIMEOUT,
         || {
             let (code, body) = agent_a.readiness().ok()?;
             (code == 200).then_some(body)
@@ -209,6 +181,7 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone_in_ebp
     let to_server = format!("{}:8080", server.ip());
     eventually(
         "node-b's proxy saw the client's HBONE streams",
+        TIMEOUT,
         || {
             let lines = access_lines(&agent_b.logs(), "inbound");
             let hbone = lines.iter().filter(|l| {
@@ -223,6 +196,7 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone_in_ebp
     .await;
     eventually(
         "node-a's access log names the xDS service",
+        TIMEOUT,
         || {
             access_lines(&agent_a.logs(), "outbound")
                 .iter()
@@ -240,6 +214,7 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone_in_ebp
     let admin = agent_a.endpoints().admin.port();
     let dump: Value = eventually(
         "the client's certificate in /config_dump",
+        TIMEOUT,
         || {
             let (code, body) = http(&node_a, "GET", admin, "/config_dump").ok()?;
             let dump: Value = serde_json::from_str(&body).ok().filter(|_| code == 200)?;
@@ -264,6 +239,7 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone_in_ebp
     assert_eq!(istiod.answer_to("rm1").await.error_detail, None);
     eventually(
         "the VIP refuses once its endpoint is removed",
+        TIMEOUT,
         || {
             let report = apps.run(&client, &["connect", &to_vip, "--timeout-ms", "3000"]);
             (report["intact"] != Value::Bool(true)).then_some(())

@@ -13,49 +13,25 @@
 #[path = "../../userspace/tests/support/fake_istiod.rs"]
 mod fake_istiod;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use fake_istiod::{FakeIstiod, Pki, pod, response, workload};
 use serde_json::Value;
 use shunt::xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL};
 use shunt_testbed::{
     Cgroup, Topology,
+    access_log::access_lines,
     agent::{Agent, WorkloadSpec, http, mesh_pods_enrolled, workloads_yaml},
     apps::{EchoServer, TestApp},
+    poll::eventually,
     require_root,
 };
+use tokio::task::block_in_place as blocking;
 
 const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
 const TIMEOUT: Duration = Duration::from_secs(30);
 const CLIENT_ID: &str = "spiffe://example.org/ns/default/sa/sa-client";
 const SERVER_ID: &str = "spiffe://example.org/ns/default/sa/sa-server";
-
-fn access_lines(logs: &str, direction: &str) -> Vec<Value> {
-    logs.lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|l| l["target"] == "shunt::access" && l["fields"]["direction"] == direction)
-        .collect()
-}
-
-fn blocking<T>(f: impl FnOnce() -> T) -> T {
-    tokio::task::block_in_place(f)
-}
-
-/// Polls `probe` until it answers, at most TIMEOUT; panics with `logs()`.
-async fn eventually<T>(
-    what: &str,
-    mut probe: impl FnMut() -> Option<T>,
-    logs: impl Fn() -> String,
-) -> T {
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
-        if let Some(v) = blocking(&mut probe) {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "{what}: timed out\n{}", logs());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn identities_take_the_trust_domain_istiod_gives_each_workload() {
@@ -134,6 +110,7 @@ async fn identities_take_the_trust_domain_istiod_gives_each_workload() {
     for id in [CLIENT_ID, SERVER_ID] {
         eventually(
             &format!("{id}'s certificate available"),
+            TIMEOUT,
             || {
                 let (code, body) = http(&node_a, "GET", admin, "/config_dump").ok()?;
                 let dump: Value = serde_json::from_str(&body).ok().filter(|_| code == 200)?;
@@ -161,6 +138,7 @@ async fn identities_take_the_trust_domain_istiod_gives_each_workload() {
     );
     eventually(
         "the inbound side took the client's example.org identity",
+        TIMEOUT,
         || {
             access_lines(&agent.logs(), "inbound")
                 .iter()
@@ -176,6 +154,7 @@ async fn identities_take_the_trust_domain_istiod_gives_each_workload() {
     .await;
     eventually(
         "the outbound side named the server's example.org identity",
+        TIMEOUT,
         || {
             access_lines(&agent.logs(), "outbound")
                 .iter()
