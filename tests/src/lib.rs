@@ -53,6 +53,7 @@ mod error;
 pub mod fast_path;
 pub mod hbone;
 pub mod inspect;
+pub mod mount;
 mod names;
 pub mod poll;
 pub mod reference;

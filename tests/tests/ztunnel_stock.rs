@@ -20,12 +20,13 @@
 
 mod ztunnel_harness;
 
-use std::{net::SocketAddr, path::Path, time::Duration};
+use std::{net::SocketAddr, time::Duration};
 
 use shunt::state::{DataplaneMode, PodState, WorkloadKey};
 use shunt_testbed::{
     Pod, Topology,
     agent::PinDir,
+    mount::BindMount,
     reference::{
         istiod::{Istiod, Snapshot},
         pki::Pki,
@@ -37,32 +38,6 @@ use shunt_testbed::{
 use ztunnel_harness::{Agent, AgentOptions, ebpf_redirector, workload};
 
 const READY: Duration = Duration::from_secs(30);
-
-/// A bind mount the test made; unmounted when dropped.
-struct Mount(std::path::PathBuf);
-
-impl Mount {
-    fn bind(from: &Path, at: &Path) -> Mount {
-        if !at.exists() {
-            std::fs::File::create(at).expect("mount point");
-        }
-        nix::mount::mount(
-            Some(from),
-            at,
-            None::<&str>,
-            nix::mount::MsFlags::MS_BIND,
-            None::<&str>,
-        )
-        .expect("bind mount");
-        Mount(at.to_path_buf())
-    }
-}
-
-impl Drop for Mount {
-    fn drop(&mut self) {
-        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
-    }
-}
 
 /// Whether something listens on `127.0.0.1:port` in `pod`'s netns (a
 /// connect from the test process, outside the pods' cgroup: not
@@ -113,7 +88,7 @@ async fn a_stock_ztunnel_is_retried_after_a_refusal_and_a_surge_keeps_the_first(
     let dir = tempfile::tempdir().expect("temp dir");
     // The pod's netns path is a mount the test can point elsewhere.
     let path = dir.path().join("client-netns");
-    let mount = Mount::bind(&client.netns_path(), &path);
+    let mount = BindMount::new(&client.netns_path(), &path);
     let mut wl = workload(client, DataplaneMode::Ambient);
     wl.netns = Some(path.clone());
     // A port ztunnel binds in the pod is taken: it cannot start the pod's
@@ -170,7 +145,7 @@ async fn a_stock_ztunnel_is_retried_after_a_refusal_and_a_surge_keeps_the_first(
 
     // Another namespace at the pod's path, then the surge.
     drop(mount);
-    let _replaced = Mount::bind(&other.netns_path(), &path);
+    let _replaced = BindMount::new(&other.netns_path(), &path);
     let zt2 = tokio::task::block_in_place(|| {
         let mut zt2 =
             ZtunnelNode::start(&binary, zt2_pod, &istiod2, &pki, &agent.socket).expect("ztunnel 2");

@@ -46,6 +46,7 @@ use shunt_testbed::{
     Cgroup, Pod, Topology,
     agent::PinDir,
     apps::{EchoServer, TestApp, ok},
+    mount::BindMount,
     require_root,
     ztunnel::ZdsClient,
 };
@@ -332,32 +333,6 @@ async fn a_second_ztunnel_connection_is_served_and_the_first_keeps_its_pods() {
     agent.stop().await;
 }
 
-/// A bind mount the test made; unmounted when dropped.
-struct Mount(std::path::PathBuf);
-
-impl Mount {
-    fn bind(from: &Path, at: &Path) -> Mount {
-        if !at.exists() {
-            std::fs::File::create(at).expect("mount point");
-        }
-        nix::mount::mount(
-            Some(from),
-            at,
-            None::<&str>,
-            nix::mount::MsFlags::MS_BIND,
-            None::<&str>,
-        )
-        .expect("bind mount");
-        Mount(at.to_path_buf())
-    }
-}
-
-impl Drop for Mount {
-    fn drop(&mut self) {
-        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_netns_sent_is_the_one_captured_even_after_another_is_mounted_at_its_path() {
     require_root().expect("kernel tests need root");
@@ -367,7 +342,7 @@ async fn the_netns_sent_is_the_one_captured_even_after_another_is_mounted_at_its
     let dir = tempfile::tempdir().expect("temp dir");
     // The pod's netns path is a mount the test can point elsewhere.
     let path = dir.path().join("p-netns");
-    let mount = Mount::bind(&p.netns_path(), &path);
+    let mount = BindMount::new(&p.netns_path(), &path);
     let captured = identity_of_path(&p.netns_path());
     let mut wl = workload(p, DataplaneMode::Ambient);
     wl.netns = Some(path.clone());
@@ -397,7 +372,7 @@ async fn the_netns_sent_is_the_one_captured_even_after_another_is_mounted_at_its
 
     // Another namespace at the same path.
     drop(mount);
-    let _replaced = Mount::bind(&other.netns_path(), &path);
+    let _replaced = BindMount::new(&other.netns_path(), &path);
     let replacement = identity_of_path(&other.netns_path());
     assert_eq!(
         identity_of_path(&path),
