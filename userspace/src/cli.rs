@@ -269,8 +269,9 @@ pub struct AgentArgs {
 
     /// Add shunt-cni to the primary CNI configuration list in this
     /// directory (the node's /etc/cni/net.d, mounted) once the agent serves
-    /// `--cni-socket`; removed again when the agent exits with
-    /// `--on-exit unenrol`.
+    /// `--cni-socket`; removed again when the agent's exit
+    /// takes the pods out of the mesh (`--on-exit unenrol|uninstall`, or
+    /// `auto` deciding an uninstall).
     #[arg(
         long,
         env = "SHUNT_CNI_CONF_DIR",
