@@ -3,6 +3,12 @@
 //! The filter can be replaced while the agent runs ([`set_filter`], the
 //! admin API's `/logging?level=`).
 //!
+//! The filter is `target=level` directives (`info,shunt::proxy=debug`), as
+//! ztunnel's: [`Targets`] decides once per call site and does nothing when
+//! a span is entered or left. `EnvFilter`'s span-scoped directives would
+//! cost a lock and a thread-local lookup on every enter and exit, that is
+//! on every poll of every instrumented connection task.
+//!
 //! Lines reach stderr through a batching writer ([`writer`]): no proxy
 //! task writes to stderr itself. Keep the [`Guard`] from [`init`] until
 //! exit: dropping it writes what is still buffered.
@@ -11,13 +17,15 @@ mod writer;
 
 use std::sync::{Mutex, OnceLock};
 
-use tracing_subscriber::{EnvFilter, Registry, fmt, prelude::*, reload};
+use std::str::FromStr;
+
+use tracing_subscriber::{Registry, filter::Targets, fmt, prelude::*, reload};
 
 use crate::cli::{LogArgs, LogFormat};
 
 /// The installed filter's reload handle and its text (now and at start).
 struct Control {
-    handle: reload::Handle<EnvFilter, Registry>,
+    handle: reload::Handle<Targets, Registry>,
     current: Mutex<String>,
     initial: String,
 }
@@ -36,12 +44,12 @@ pub struct Guard(#[allow(dead_code)] writer::Guard<std::io::Stderr>);
 pub fn init(args: &LogArgs) -> Result<Guard, String> {
     let (text, filter) = match std::env::var("RUST_LOG") {
         Ok(value) if !value.is_empty() => {
-            let filter = EnvFilter::try_new(&value)
+            let filter = parse(&value)
                 .map_err(|e| format!("RUST_LOG={value:?} is not a valid log filter: {e}"))?;
             (value, filter)
         }
         _ => {
-            let filter = EnvFilter::try_new(&args.log_level).map_err(|e| {
+            let filter = parse(&args.log_level).map_err(|e| {
                 format!(
                     "--log-level {:?} is not a valid log filter: {e}",
                     args.log_level
@@ -124,9 +132,9 @@ pub enum SetFilterError {
 pub fn set_filter(filter: Option<&str>) -> Result<String, SetFilterError> {
     let control = CONTROL.get().ok_or(SetFilterError::NotInstalled)?;
     let text = filter.unwrap_or(&control.initial).trim().to_string();
-    let parsed = EnvFilter::try_new(&text).map_err(|e| SetFilterError::Invalid {
+    let parsed = parse(&text).map_err(|reason| SetFilterError::Invalid {
         filter: text.clone(),
-        reason: e.to_string(),
+        reason,
     })?;
     let max = log_max_level(&parsed);
     let mut current = control.current.lock().unwrap_or_else(|p| p.into_inner());
@@ -139,10 +147,17 @@ pub fn set_filter(filter: Option<&str>) -> Result<String, SetFilterError> {
     Ok(text)
 }
 
+/// A filter's text: comma-separated `level` or `target=level` directives.
+fn parse(text: &str) -> Result<Targets, String> {
+    Targets::from_str(text.trim()).map_err(|e| {
+        format!("{e} (the filter is `level` and `target=level` directives, comma-separated, as ztunnel's)")
+    })
+}
+
 /// The most verbose level `filter` lets through, for the `log` crate.
-fn log_max_level(filter: &EnvFilter) -> log::LevelFilter {
+fn log_max_level(filter: &Targets) -> log::LevelFilter {
     use tracing_subscriber::{Layer, filter::LevelFilter};
-    match <EnvFilter as Layer<Registry>>::max_level_hint(filter) {
+    match <Targets as Layer<Registry>>::max_level_hint(filter) {
         Some(LevelFilter::OFF) => log::LevelFilter::Off,
         Some(LevelFilter::ERROR) => log::LevelFilter::Error,
         Some(LevelFilter::WARN) => log::LevelFilter::Warn,
