@@ -76,8 +76,9 @@ impl ExitPlan {
     }
 }
 
-/// Does `action` to the node (unenrol: no new connection is captured;
-/// keep: redirection left to the next agent), then lets the proxy's
+/// Does `action` to the node (unenrol or uninstall: shunt-cni's entry
+/// removed, no new connection captured; keep: redirection left to the
+/// next agent), then lets the proxy's
 /// connections in flight finish within the grace period, and reports the
 /// agent stopped.
 pub(super) async fn shutdown(
@@ -90,8 +91,7 @@ pub(super) async fn shutdown(
         info!(
             "leaving every pod enrolled for the next agent; pods without a proxy fail closed until it starts"
         );
-    }
-    if action != StopAction::Keep {
+    } else {
         // Every path that takes the pods out of the mesh (unenrol,
         // uninstall) passes here. The CNI plugin's conflist entry goes
         // first, so that no new sandbox waits for this agent.
