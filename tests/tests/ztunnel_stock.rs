@@ -57,18 +57,6 @@ fn istiod_in(pod: &Pod, pki: &Pki) -> Istiod {
     Istiod::serve(pki, listener, Snapshot::default()).expect("in-test istiod")
 }
 
-async fn wait_metric(agent: &Agent, name: &str, value: f64) {
-    let deadline = tokio::time::Instant::now() + READY;
-    while agent.metric(name) != Some(value) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{name} is {:?}, not {value}",
-            agent.metric(name)
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_stock_ztunnel_is_retried_after_a_refusal_and_a_surge_keeps_the_first() {
     let binary = match ztunnel_binary() {
@@ -169,7 +157,7 @@ async fn a_stock_ztunnel_is_retried_after_a_refusal_and_a_surge_keeps_the_first(
     // The old ztunnel goes; the new one serves the pod, in the namespace
     // captured.
     drop(zt1);
-    wait_metric(&agent, "shunt_ztunnel_connections", 1.0).await;
+    agent.wait_metric("shunt_ztunnel_connections", 1.0).await;
     tokio::task::block_in_place(|| {
         assert!(
             listening(client, 15001),

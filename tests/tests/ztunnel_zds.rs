@@ -127,19 +127,6 @@ fn bind_outbound_in(netns: OwnedFd) -> TcpListener {
     .expect("listener thread")
 }
 
-/// Waits (bounded) until metric `name` reads `value`.
-async fn wait_metric(agent: &Agent, name: &str, value: f64) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while agent.metric(name) != Some(value) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{name} is {:?}, not {value}",
-            agent.metric(name)
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_refused_pod_fails_closed_and_is_sent_again_until_ztunnel_acks_ebpf() {
     require_root().expect("kernel tests need root");
@@ -314,7 +301,7 @@ async fn a_second_ztunnel_connection_is_served_and_the_first_keeps_its_pods() {
 
     // The old ztunnel goes; the second is still served.
     drop(first);
-    wait_metric(&agent, "shunt_ztunnel_connections", 1.0).await;
+    agent.wait_metric("shunt_ztunnel_connections", 1.0).await;
     agent.push(vec![
         workload(a, DataplaneMode::Ambient),
         workload(b, DataplaneMode::Ambient),
@@ -443,7 +430,7 @@ async fn when_the_newest_connection_closes_the_older_is_caught_up_and_served() {
         expect_add(&old, "uid-b");
         old.ack().expect("ack");
     });
-    wait_metric(&agent, "shunt_ztunnel_connections", 1.0).await;
+    agent.wait_metric("shunt_ztunnel_connections", 1.0).await;
     assert_eq!(agent.snapshot_state("a"), Some(PodState::Enrolled));
     assert_eq!(agent.snapshot_state("b"), Some(PodState::Enrolled));
     drop(old);
