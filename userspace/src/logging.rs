@@ -13,6 +13,7 @@
 //! task writes to stderr itself. Keep the [`Guard`] from [`init`] until
 //! exit: dropping it writes what is still buffered.
 
+mod fields;
 mod writer;
 
 use std::sync::{Mutex, OnceLock};
@@ -67,8 +68,17 @@ pub fn init(args: &LogArgs) -> Result<Guard, String> {
     let (out, guard) = writer::Batched::start(std::io::stderr(), writer::CAPACITY, interval)
         .map_err(|e| format!("cannot start the log writer thread: {e}"))?;
     let result = match args.log_format {
+        LogFormat::Text if ansi => registry
+            .with(fmt::layer().with_ansi(true).with_writer(out.clone()))
+            .try_init(),
+        // The default's lines, without its per-field styling (fields.rs).
         LogFormat::Text => registry
-            .with(fmt::layer().with_ansi(ansi).with_writer(out.clone()))
+            .with(
+                fmt::layer()
+                    .with_ansi(false)
+                    .fmt_fields(fields::PlainFields)
+                    .with_writer(out.clone()),
+            )
             .try_init(),
         LogFormat::Json => registry
             .with(fmt::layer().json().with_writer(out.clone()))

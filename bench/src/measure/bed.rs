@@ -38,10 +38,21 @@ fn redirect_mode(mode: Mode) -> &'static str {
     }
 }
 
+/// The agent's own periodic work at its defaults (`cli.rs`), not the test
+/// harness's every second: a verify pass and a workloads-file check each
+/// second on the measured CPU are not what users run (`agent_defaults`
+/// below holds them to the agent's).
+const AGENT_DEFAULT_INTERVALS: [&str; 4] = ["--verify-interval", "10", "--reload-interval", "2"];
+
 fn agent_args(mode: Mode) -> Vec<&'static str> {
     let mut args = vec!["--redirect", redirect_mode(mode), "--drain-seconds", "1"];
     if mode == Mode::EbpfSplice {
-        args.extend(["--splice", "on"]);
+        // Its check reads the kernel's splice counter, which a verify pass
+        // refreshes (`client_spliced_bytes`): every second, as the harness.
+        args.extend(["--splice", "on", "--verify-interval", "1"]);
+        args.extend(&AGENT_DEFAULT_INTERVALS[2..]);
+    } else {
+        args.extend(AGENT_DEFAULT_INTERVALS);
     }
     // Only the fast-path mode takes passthrough flows around the proxy;
     // the others measure the proxy path.
@@ -429,4 +440,31 @@ fn tune_pod(pod: &Pod) -> anyhow::Result<()> {
         r.map_err(|e| anyhow!("tuning pod {}: {e}", pod.name()))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+    use shunt::cli::{Cli, Command};
+
+    use super::AGENT_DEFAULT_INTERVALS;
+
+    #[test]
+    fn agent_intervals_are_the_agents_defaults() {
+        let cli = Cli::try_parse_from(["shunt", "agent", "--node-name", "n"]).expect("parses");
+        let Command::Agent(agent) = cli.command else {
+            panic!("not the agent command");
+        };
+        let given = AGENT_DEFAULT_INTERVALS;
+        assert_eq!(
+            given[1],
+            agent.verify_interval.to_string(),
+            "--verify-interval"
+        );
+        assert_eq!(
+            given[3],
+            agent.reload_interval.to_string(),
+            "--reload-interval"
+        );
+    }
 }

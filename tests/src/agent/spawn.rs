@@ -47,7 +47,14 @@ impl Agent {
             // One CA per topology: its agents trust each other.
             .arg("--ca-dir")
             .arg(&self.ca_dir)
-            .args(["--reload-interval", "1"])
+            // Every second here (unless the caller chooses): file edits
+            // reach the agent without waiting.
+            .args(
+                (!extra_args.contains(&"--reload-interval"))
+                    .then_some(["--reload-interval", "1"])
+                    .into_iter()
+                    .flatten(),
+            )
             // Hooks and counters in the agent's status are as its last
             // verify pass read them: every second here (unless the test
             // chooses), so that `status_after_verify` waits little.

@@ -4,6 +4,7 @@
 //! them, fed by the proxy through [`ConnectionObserver`].
 
 use std::{
+    borrow::Cow,
     collections::HashSet,
     hash::{BuildHasher, Hash, Hasher},
     sync::{
@@ -25,6 +26,10 @@ use crate::{
 
 /// Istio's value for a label it cannot fill.
 const UNKNOWN: &str = "unknown";
+
+/// A label value: most are constants (`unknown`, the reporter, the
+/// protocol), borrowed rather than allocated twice per connection.
+pub type Label = Cow<'static, str>;
 /// Istio's cluster name when none is configured.
 const CLUSTER: &str = "Kubernetes";
 /// Istio's canonical revision when a workload has no revision label.
@@ -90,29 +95,29 @@ impl DerivedSources {
 /// without locality).
 #[derive(Clone, Debug, PartialEq, Eq, EncodeLabelSet)]
 pub struct TcpLabels {
-    pub reporter: String,
-    pub source_workload: String,
-    pub source_canonical_service: String,
-    pub source_canonical_revision: String,
-    pub source_workload_namespace: String,
-    pub source_principal: String,
-    pub source_app: String,
-    pub source_version: String,
-    pub source_cluster: String,
-    pub destination_service: String,
-    pub destination_service_namespace: String,
-    pub destination_service_name: String,
-    pub destination_workload: String,
-    pub destination_canonical_service: String,
-    pub destination_canonical_revision: String,
-    pub destination_workload_namespace: String,
-    pub destination_principal: String,
-    pub destination_app: String,
-    pub destination_version: String,
-    pub destination_cluster: String,
-    pub request_protocol: String,
-    pub response_flags: String,
-    pub connection_security_policy: String,
+    pub reporter: Label,
+    pub source_workload: Label,
+    pub source_canonical_service: Label,
+    pub source_canonical_revision: Label,
+    pub source_workload_namespace: Label,
+    pub source_principal: Label,
+    pub source_app: Label,
+    pub source_version: Label,
+    pub source_cluster: Label,
+    pub destination_service: Label,
+    pub destination_service_namespace: Label,
+    pub destination_service_name: Label,
+    pub destination_workload: Label,
+    pub destination_canonical_service: Label,
+    pub destination_canonical_revision: Label,
+    pub destination_workload_namespace: Label,
+    pub destination_principal: Label,
+    pub destination_app: Label,
+    pub destination_version: Label,
+    pub destination_cluster: Label,
+    pub request_protocol: Label,
+    pub response_flags: Label,
+    pub connection_security_policy: Label,
 }
 
 /// The 23 labels go through foldhash, and the metric family's map (std's
@@ -160,7 +165,7 @@ pub(super) struct TcpObserver {
 }
 
 impl TcpObserver {
-    pub(super) fn labels(&self, c: &ConnectionInfo<'_>, flags: &str) -> TcpLabels {
+    pub(super) fn labels(&self, c: &ConnectionInfo<'_>, flags: &'static str) -> TcpLabels {
         let store = self.workloads.read().unwrap_or_else(|p| p.into_inner());
         let local = c.pod.and_then(|key| store.get(key));
         let (src, dst) = if c.direction.local_is_source() {
@@ -190,7 +195,9 @@ impl TcpObserver {
                 .filter(|h| !h.is_empty())
                 .unwrap_or_else(|| service_hostname(key))
         });
-        let principal = |id: Option<&str>| id.unwrap_or(UNKNOWN).to_string();
+        let principal = |id: Option<&str>| -> Label {
+            id.map_or(Cow::Borrowed(UNKNOWN), |id| Cow::Owned(id.to_owned()))
+        };
         TcpLabels {
             reporter: if c.direction.local_is_source() {
                 "source"
@@ -206,13 +213,13 @@ impl TcpObserver {
             source_app: src.workload,
             source_version: src.revision,
             source_cluster: src.cluster,
-            destination_service: destination_service.unwrap_or_else(|| UNKNOWN.into()),
+            destination_service: destination_service.map_or(UNKNOWN.into(), Cow::Owned),
             destination_service_namespace: c
                 .dst_service
-                .map_or_else(|| UNKNOWN.into(), |s| s.namespace.clone()),
+                .map_or(UNKNOWN.into(), |s| s.namespace.clone().into()),
             destination_service_name: c
                 .dst_service
-                .map_or_else(|| UNKNOWN.into(), |s| s.name.clone()),
+                .map_or(UNKNOWN.into(), |s| s.name.clone().into()),
             destination_workload: dst.workload.clone(),
             destination_canonical_service: dst.canonical_service,
             destination_canonical_revision: dst.revision.clone(),
@@ -241,11 +248,11 @@ fn service_hostname(service: &WorkloadKey) -> String {
 /// A workload's label values (`unknown` when not known).
 #[derive(Clone, Hash, PartialEq, Eq)]
 struct Named {
-    workload: String,
-    canonical_service: String,
-    namespace: String,
-    revision: String,
-    cluster: String,
+    workload: Label,
+    canonical_service: Label,
+    namespace: Label,
+    revision: Label,
+    cluster: Label,
 }
 
 impl Named {
@@ -254,9 +261,9 @@ impl Named {
             // Pods carry no owner or app labels here: the pod name stands
             // for the workload and its canonical service.
             Some(w) => Named {
-                workload: w.name.clone(),
-                canonical_service: w.name.clone(),
-                namespace: w.namespace.clone(),
+                workload: w.name.clone().into(),
+                canonical_service: w.name.clone().into(),
+                namespace: w.namespace.clone().into(),
                 revision: REVISION.into(),
                 cluster: CLUSTER.into(),
             },
@@ -274,7 +281,7 @@ impl Named {
     /// describes it (`source_app` is the workload name, `source_version`
     /// the revision, as there).
     fn derived(baggage: &Baggage) -> Self {
-        let value = |v: &Option<String>| v.clone().unwrap_or_else(|| UNKNOWN.into());
+        let value = |v: &Option<String>| -> Label { v.clone().map_or(UNKNOWN.into(), Cow::Owned) };
         Named {
             workload: value(&baggage.workload_name),
             canonical_service: value(&baggage.service_name),

@@ -197,11 +197,18 @@ impl<'a> AccessLog<'a> {
             Some(key) => key.to_string(),
             None => "-".to_owned(),
         };
+        // The served pod: the connection's span, which named it, is debug
+        // level (outbound.rs).
+        let pod: &dyn std::fmt::Display = match self.pod {
+            Some(key) => key,
+            None => &"-",
+        };
         macro_rules! line {
             ($level:ident) => {
                 tracing::$level!(
                     target: "shunt::access",
                     direction = self.direction,
+                    pod = %pod,
                     src.addr = %self.src_addr,
                     src.identity = src_identity,
                     dst.addr = %self.dst_addr,

@@ -75,7 +75,8 @@ pub(super) async fn serve(
     peer: SocketAddr,
     admission: Option<Admission>,
 ) {
-    let span = tracing::info_span!("inbound", pod = %pod.key, src = %peer);
+    // Debug level, as outbound's span (see there).
+    let span = tracing::debug_span!("inbound", pod = %pod.key, src = %peer);
     serve_connection(shared, pod, tcp, peer, admission)
         .instrument(span)
         .await
@@ -241,7 +242,7 @@ async fn serve_connection(
                     if let Some(a) = admission.as_mut() {
                         a.established();
                     }
-                    let span = tracing::info_span!("stream", peer_identity = peer_identity.as_deref().unwrap_or("-"));
+                    let span = tracing::debug_span!("stream", peer_identity = peer_identity.as_deref().unwrap_or("-"));
                     let (shared2, peer_identity) = (shared.clone(), peer_identity.clone());
                     super::accept::spawn_tracked(&shared, move || {
                         serve_stream(shared2, arrival, peer, peer_identity, request, respond).instrument(span)
@@ -254,7 +255,7 @@ async fn serve_connection(
                 None => break,
             },
             e = &mut keepalive => {
-                tracing::info!(error = %e, "HBONE connection dropped: keepalive failed");
+                tracing::info!(pod = %pod.key, src = %peer, error = %e, "HBONE connection dropped: keepalive failed");
                 break;
             }
             () = &mut draining, if !going_away => {

@@ -22,7 +22,8 @@ pub(super) async fn serve(
     tcp: TcpStream,
     peer: SocketAddr,
 ) {
-    let span = tracing::info_span!("inbound_plaintext", pod = %pod.key, src = %peer);
+    // Debug level, as outbound's span (see there).
+    let span = tracing::debug_span!("inbound_plaintext", pod = %pod.key, src = %peer);
     serve_inner(shared, pod, tcp, peer).instrument(span).await
 }
 

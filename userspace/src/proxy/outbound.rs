@@ -71,7 +71,9 @@ pub(super) async fn serve(
     stream: TcpStream,
     peer: SocketAddr,
 ) {
-    let span = tracing::info_span!("outbound", pod = %pod.key, src = %peer);
+    // Debug level: an enabled span is entered and left on every poll of the
+    // connection (per transaction), and the access line names the pod.
+    let span = tracing::debug_span!("outbound", pod = %pod.key, src = %peer);
     serve_inner(shared, pod, stream, peer)
         .instrument(span)
         .await
