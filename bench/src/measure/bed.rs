@@ -40,8 +40,8 @@ fn redirect_mode(mode: Mode) -> &'static str {
 
 /// The agent's own periodic work at its defaults (`cli.rs`), not the test
 /// harness's every second: a verify pass and a workloads-file check each
-/// second on the measured CPU are not what users run (`agent_defaults`
-/// below holds them to the agent's).
+/// second on the measured CPU are not what users run (the test
+/// `agent_intervals_are_the_agents_defaults` holds them to the agent's).
 const AGENT_DEFAULT_INTERVALS: [&str; 4] = ["--verify-interval", "10", "--reload-interval", "2"];
 
 fn agent_args(mode: Mode) -> Vec<&'static str> {
