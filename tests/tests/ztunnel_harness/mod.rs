@@ -158,15 +158,13 @@ impl Agent {
 
     /// Waits (bounded by [`TIMEOUT`]) until metric `name` reads `value`.
     pub async fn wait_metric(&self, name: &str, value: f64) {
-        let deadline = tokio::time::Instant::now() + TIMEOUT;
-        while self.metric(name) != Some(value) {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{name} is {:?}, not {value}",
-                self.metric(name)
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        shunt_testbed::poll::eventually(
+            &format!("{name} reads {value}"),
+            TIMEOUT,
+            || (self.metric(name) == Some(value)).then_some(()),
+            || format!("{name} is {:?}", self.metric(name)),
+        )
+        .await
     }
 
     /// Waits (bounded) for a snapshot that passes `check`; returns it.
