@@ -5,8 +5,9 @@
 //! ([`cases`]). [`bed::Bed`] runs a case against a fresh peer: the shunt
 //! agent, or the ztunnel binary named by `SHUNT_ZTUNNEL_BIN`
 //! ([`ztunnel_peer`]). [`ztunnel_node`] runs that binary as the node's
-//! in-pod proxy, served over ZDS by the agent. Not to be confused with the
-//! ZDS stand-in `ztunnel.rs`.
+//! in-pod proxy, served over ZDS by the agent; both run it through
+//! [`ztunnel_process`]. Not to be confused with the ZDS stand-in
+//! `ztunnel.rs`.
 
 pub mod bed;
 pub mod cases;
@@ -17,3 +18,4 @@ pub mod probe;
 pub mod resources;
 pub mod ztunnel_node;
 pub mod ztunnel_peer;
+mod ztunnel_process;

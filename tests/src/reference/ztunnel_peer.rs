@@ -11,18 +11,9 @@
 //! ztunnel, of the pod's own TCP to the test range to 15001. The rules go
 //! with the ztunnel.
 
-use std::{
-    fs,
-    net::SocketAddr,
-    path::PathBuf,
-    process::{Child, Stdio},
-    time::{Duration, Instant},
-};
+use std::{path::PathBuf, process::Stdio, time::Duration};
 
-use nix::{sys::signal::Signal, unistd::Pid};
-
-use super::istiod::Istiod;
-use super::pki::Pki;
+use super::{istiod::Istiod, pki::Pki, ztunnel_process::ZtunnelProcess};
 use crate::{Pod, Result, TestbedError};
 
 /// The variable naming the ztunnel binary; the comparison skips ztunnel
@@ -46,12 +37,10 @@ pub fn ztunnel_binary() -> std::result::Result<PathBuf, String> {
 
 /// A running ztunnel serving one pod; killed when dropped.
 pub struct Ztunnel {
-    child: Child,
+    process: ZtunnelProcess,
     pod: Pod,
-    log: PathBuf,
     /// The `nat` rules it added to the pod, removed when it goes.
     rules: Vec<String>,
-    _dir: tempfile::TempDir,
 }
 
 impl Ztunnel {
@@ -69,126 +58,57 @@ impl Ztunnel {
         capture_outbound: Option<&str>,
         network: &str,
     ) -> Result<Ztunnel> {
-        let mut rules = vec![inbound_plaintext_rule()];
+        let mut wanted = vec![inbound_plaintext_rule()];
         if let Some(cidr) = capture_outbound {
-            rules.push(outbound_rule(cidr));
+            wanted.push(outbound_rule(cidr));
         }
-        for rule in &rules {
-            nat_rule(pod, "-A", rule)?;
-        }
-        // ztunnel reads a few defaults relative to its working directory
-        // (`./etc/istio/...`, `./var/run/secrets/...`): an empty one.
-        let dir = tempfile::tempdir().map_err(|e| TestbedError::io("a temp dir", e))?;
-        let log = dir.path().join("ztunnel.log");
-        let out = fs::File::create(&log).map_err(|e| TestbedError::io("ztunnel log", e))?;
-        let err = out
-            .try_clone()
-            .map_err(|e| TestbedError::io("ztunnel log", e))?;
-        let istiod_url = format!("https://{}", istiod.addr);
         let (namespace, name, service_account) = workload;
-        let child = pod
-            .command(binary)
-            .current_dir(dir.path())
-            .env_clear()
-            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-            .env("XDS_ADDRESS", &istiod_url)
-            .env("CA_ADDRESS", &istiod_url)
-            .env("XDS_ROOT_CA", pki.root_file())
-            .env("CA_ROOT_CA", pki.root_file())
-            .env("AUTH_TOKEN", pki.token_file())
-            .env("PROXY_MODE", "dedicated")
-            .env(
+        let env = [
+            ("PROXY_MODE", "dedicated".to_string()),
+            (
                 "PROXY_WORKLOAD_INFO",
                 format!("{namespace}/{name}/{service_account}"),
-            )
-            .env("INSTANCE_IP", pod.ip().to_string())
-            .env("NODE_NAME", pod.node().name())
-            .env("CLUSTER_ID", "Kubernetes")
-            .env("NETWORK", network)
-            // The topology has no IPv6; nothing may bind the pod's source
-            // address on ztunnel's side (no policy routing here).
-            .env("IPV6_ENABLED", "false")
-            .env("ENABLE_ORIG_SRC", "false")
-            .env("ZTUNNEL_WORKER_THREADS", "1")
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .spawn()
-            .map_err(|e| TestbedError::io(format!("starting {}", binary.display()), e))?;
-        let mut ztunnel = Ztunnel {
-            child,
-            pod: pod.clone(),
-            log,
-            rules,
-            _dir: dir,
-        };
-        ztunnel.wait_until(Duration::from_secs(30), |_| true)?;
-        Ok(ztunnel)
+            ),
+            ("NETWORK", network.to_string()),
+            // Nothing may bind the pod's source address on ztunnel's side
+            // (no policy routing here).
+            ("ENABLE_ORIG_SRC", "false".to_string()),
+        ];
+        let mut added = Vec::new();
+        let started = (|| {
+            for rule in wanted {
+                nat_rule(pod, "-A", &rule)?;
+                added.push(rule);
+            }
+            ZtunnelProcess::start(binary, pod, istiod, pki, env)
+        })();
+        match started {
+            Ok(process) => Ok(Ztunnel {
+                process,
+                pod: pod.clone(),
+                rules: added,
+            }),
+            Err(e) => {
+                remove_rules(pod, &added);
+                Err(e)
+            }
+        }
     }
 
     /// Its log so far (stdout and stderr).
     pub fn logs(&self) -> String {
-        fs::read_to_string(&self.log).unwrap_or_default()
+        self.process.logs()
     }
 
     /// Waits (bounded) until readiness says 200; false if it does not.
     pub fn wait_ready(&mut self, timeout: Duration) -> bool {
-        self.wait_until(timeout, |code| code == 200).is_ok()
+        self.process.wait_until(timeout, |code| code == 200).is_ok()
     }
 
     /// Readiness's answer now, if it answers.
     pub fn readiness(&self) -> Option<u16> {
-        let readiness = SocketAddr::from(([127, 0, 0, 1], 15021));
-        self.pod.run(move || ready_in_netns(readiness)).ok()?.ok()
+        self.process.readiness()
     }
-
-    /// Polls readiness (bounded) until its status code passes `done`.
-    fn wait_until(&mut self, timeout: Duration, done: impl Fn(u16) -> bool) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        let readiness = SocketAddr::from(([127, 0, 0, 1], 15021));
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Err(TestbedError::Invalid(format!(
-                    "ztunnel exited ({status}) before it was ready:\n{}",
-                    self.logs()
-                )));
-            }
-            let pod = &self.pod;
-            let last = match pod.run(move || ready_in_netns(readiness))? {
-                Ok(code) if done(code) => return Ok(()),
-                Ok(code) => format!("readiness answered {code}"),
-                Err(e) => e,
-            };
-            if Instant::now() >= deadline {
-                return Err(TestbedError::Invalid(format!(
-                    "ztunnel not up within {timeout:?} ({last}):\n{}",
-                    self.logs()
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-/// GET /healthz/ready on `addr` from the current thread's netns.
-pub(super) fn ready_in_netns(addr: SocketAddr) -> std::result::Result<u16, String> {
-    use std::io::{Read as _, Write as _};
-    let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))
-        .map_err(|e| format!("connecting {addr}: {e}"))?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .map_err(|e| e.to_string())?;
-    stream
-        .write_all(b"GET /healthz/ready HTTP/1.0\r\nHost: localhost\r\n\r\n")
-        .map_err(|e| e.to_string())?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).map_err(|e| e.to_string())?;
-    let text = String::from_utf8_lossy(&raw);
-    text.split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| format!("bad answer {text:?}"))
 }
 
 /// The pod's inbound TCP, except HBONE's 15008, to ztunnel's plaintext
@@ -235,15 +155,18 @@ fn nat_rule(pod: &Pod, op: &str, rule: &str) -> Result<()> {
     }
 }
 
+/// Deletes `rules` from the pod's `nat` table, warning about any left.
+fn remove_rules(pod: &Pod, rules: &[String]) {
+    for rule in rules {
+        if let Err(e) = nat_rule(pod, "-D", rule) {
+            crate::warn(format_args!("removing a ztunnel rule: {e}"));
+        }
+    }
+}
+
 impl Drop for Ztunnel {
     fn drop(&mut self) {
-        let pid = Pid::from_raw(self.child.id() as i32);
-        let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
-        let _ = self.child.wait();
-        for rule in &self.rules {
-            if let Err(e) = nat_rule(&self.pod, "-D", rule) {
-                crate::warn(format_args!("removing a ztunnel rule: {e}"));
-            }
-        }
+        self.process.stop();
+        remove_rules(&self.pod, &self.rules);
     }
 }

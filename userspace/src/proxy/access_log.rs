@@ -189,13 +189,15 @@ impl<'a> AccessLog<'a> {
         let src_identity = self.src_identity.unwrap_or("-");
         let dst_identity = self.dst_identity.unwrap_or("-");
         let reason = self.reason.as_deref().unwrap_or("");
-        let dst_service = match &self.dst_service {
-            Some(key) => key.to_string(),
-            None => "-".to_owned(),
+        // Formatted only by the writer that takes the line: nothing is
+        // allocated for them per connection (or at all when filtered out).
+        let dst_service: &dyn std::fmt::Display = match &self.dst_service {
+            Some(key) => key,
+            None => &"-",
         };
-        let policy = match &self.policy {
-            Some(key) => key.to_string(),
-            None => "-".to_owned(),
+        let policy: &dyn std::fmt::Display = match &self.policy {
+            Some(key) => key,
+            None => &"-",
         };
         // The served pod: the connection's span, which named it, is debug
         // level (outbound.rs).
