@@ -7,6 +7,7 @@ pub mod config_dump;
 use std::{
     net::IpAddr,
     path::PathBuf,
+    sync::Arc,
     time::{SystemTime, UNIX_EPOCH},
 };
 
@@ -282,7 +283,130 @@ pub struct XdsStatus {
     /// What could not be resolved across resources (a workload naming a
     /// service istiod has not sent, an address claimed twice).
     pub warnings: Vec<String>,
-    pub resources: Vec<ResourceStatus>,
+    pub resources: ResourceList,
+}
+
+/// The held resources as `/config_dump` lists them: the address resources
+/// by name, then the authorization policies by name (serialized as that
+/// list). A persistent map: the xDS client changes only the entries a
+/// response touched, and publishing it after every response shares the
+/// tree instead of copying a mesh's worth of names.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ResourceList {
+    /// Keys and values behind `Arc`s: a change to a shared tree copies the
+    /// nodes on its path, and so clones their entries.
+    entries: imbl::OrdMap<(ResourceGroup, Arc<str>), Arc<ResourceStatus>>,
+    /// Entries per kind: [workload, service, authorization].
+    counts: [usize; 3],
+}
+
+/// The two xDS types, in the list's order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ResourceGroup {
+    Address,
+    Authorization,
+}
+
+impl ResourceList {
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &ResourceStatus> {
+        self.into_iter()
+    }
+
+    /// How many of `kind` (`workload`, `service`, `authorization`).
+    pub fn count(&self, kind: &str) -> usize {
+        Self::slot(kind).map_or(0, |slot| self.counts[slot])
+    }
+
+    /// Adds `status`, or replaces the one of its type and name (a
+    /// workload that became a service included).
+    pub fn set(&mut self, status: ResourceStatus) {
+        let key = (Self::group(&status.kind), Arc::from(status.name.as_str()));
+        if let Some(slot) = Self::slot(&status.kind) {
+            self.counts[slot] += 1;
+        }
+        if let Some(old) = self.entries.insert(key, Arc::new(status)) {
+            self.uncount(&old.kind);
+        }
+    }
+
+    /// Removes the resource `name` of `kind`'s type (`workload` and
+    /// `service` are both address resources).
+    pub fn remove(&mut self, kind: &str, name: &str) {
+        if let Some(old) = self.entries.remove(&(Self::group(kind), Arc::from(name))) {
+            self.uncount(&old.kind);
+        }
+    }
+
+    fn uncount(&mut self, kind: &str) {
+        if let Some(slot) = Self::slot(kind) {
+            self.counts[slot] -= 1;
+        }
+    }
+
+    fn group(kind: &str) -> ResourceGroup {
+        match kind {
+            "authorization" => ResourceGroup::Authorization,
+            _ => ResourceGroup::Address,
+        }
+    }
+
+    fn slot(kind: &str) -> Option<usize> {
+        match kind {
+            "workload" => Some(0),
+            "service" => Some(1),
+            "authorization" => Some(2),
+            _ => None,
+        }
+    }
+}
+
+impl FromIterator<ResourceStatus> for ResourceList {
+    fn from_iter<I: IntoIterator<Item = ResourceStatus>>(iter: I) -> Self {
+        let mut list = ResourceList::default();
+        for status in iter {
+            list.set(status);
+        }
+        list
+    }
+}
+
+impl<'a> IntoIterator for &'a ResourceList {
+    type Item = &'a ResourceStatus;
+    type IntoIter = std::iter::Map<
+        imbl::ordmap::Values<
+            'a,
+            (ResourceGroup, Arc<str>),
+            Arc<ResourceStatus>,
+            imbl::shared_ptr::DefaultSharedPtr,
+        >,
+        fn(&Arc<ResourceStatus>) -> &ResourceStatus,
+    >;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.entries.values().map(|status| &**status)
+    }
+}
+
+impl Serialize for ResourceList {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.iter())
+    }
+}
+
+impl<'de> Deserialize<'de> for ResourceList {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Ok(Vec::<ResourceStatus>::deserialize(deserializer)?
+            .into_iter()
+            .collect())
+    }
 }
 
 /// The istiod connection in one line's worth (`shunt status`).
@@ -319,7 +443,7 @@ impl XdsStatusHandle {
     /// status`, readiness).
     pub fn summary(&self) -> XdsSummary {
         let status = self.0.read().unwrap_or_else(|p| p.into_inner());
-        let count = |kind: &str| status.resources.iter().filter(|r| r.kind == kind).count();
+        let count = |kind: &str| status.resources.count(kind);
         XdsSummary {
             address: status.address.clone(),
             connected: status.connected,

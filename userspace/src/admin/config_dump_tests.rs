@@ -204,7 +204,9 @@ fn xds() -> XdsStatus {
             resource("workload", "Kubernetes//Pod/default/web-0", "7"),
             resource("service", "default/web.default.svc.cluster.local", "3"),
             resource("authorization", "default/allow-client", "2"),
-        ],
+        ]
+        .into_iter()
+        .collect(),
         ..Default::default()
     }
 }

@@ -28,7 +28,8 @@ use super::{
     service, workload,
 };
 pub use crate::api::{
-    AckRecord, NackRecord, ResourceStatus, TypeStatus, XdsStatus, XdsStatusHandle, XdsSummary,
+    AckRecord, NackRecord, ResourceList, ResourceStatus, TypeStatus, XdsStatus, XdsStatusHandle,
+    XdsSummary,
 };
 use crate::{
     authz::Policy,
@@ -110,6 +111,9 @@ pub struct XdsState {
     /// The same entries without versions, for [`Derived`].
     entries: BTreeMap<String, Entry>,
     policies: BTreeMap<String, Held<Policy>>,
+    /// Both maps' names and versions as `/config_dump` lists them, kept
+    /// beside them so that the status shares it instead of rebuilding it.
+    listed: ResourceList,
     derived: Derived,
     /// Workload id ([`workload_id`]) → the resources holding one by that
     /// id (normally one), and the same for service ids
@@ -208,6 +212,7 @@ impl XdsState {
                 {
                     if let Some(old) = self.addresses.remove(name) {
                         self.entries.remove(name);
+                        self.listed.remove(address_kind(&old.value), name);
                         removed += 1;
                         changes.push(Change {
                             name: name.clone(),
@@ -227,6 +232,17 @@ impl XdsState {
                             value: value.clone(),
                         },
                     );
+                    let kind = address_kind(&value);
+                    if old
+                        .as_ref()
+                        .is_none_or(|o| o.version != version || address_kind(&o.value) != kind)
+                    {
+                        self.listed.set(ResourceStatus {
+                            kind: kind.into(),
+                            name: name.to_owned(),
+                            version: version.to_owned(),
+                        });
+                    }
                     if old.as_ref().is_some_and(|o| o.value == value) {
                         continue;
                     }
@@ -253,6 +269,7 @@ impl XdsState {
                     .filter(|n| !names.contains(n.as_str()))
                 {
                     if self.policies.remove(name).is_some() {
+                        self.listed.remove(AUTHORIZATION_KIND, name);
                         removed += 1;
                         changed = true;
                     }
@@ -261,7 +278,15 @@ impl XdsState {
                     let Decoded::Policy(value) = entry else {
                         continue;
                     };
-                    changed |= self.policies.get(name).is_none_or(|old| old.value != value);
+                    let held = self.policies.get(name);
+                    changed |= held.is_none_or(|old| old.value != value);
+                    if held.is_none_or(|old| old.version != version) {
+                        self.listed.set(ResourceStatus {
+                            kind: AUTHORIZATION_KIND.into(),
+                            name: name.to_owned(),
+                            version: version.to_owned(),
+                        });
+                    }
                     self.policies.insert(
                         name.to_owned(),
                         Held {
@@ -454,25 +479,6 @@ impl XdsState {
                 None => 0,
             };
         }
-        let mut resources = Vec::with_capacity(self.addresses.len() + self.policies.len());
-        for (name, held) in &self.addresses {
-            let kind = match held.value {
-                Entry::Workload(_) => "workload",
-                Entry::Service(_) => "service",
-            };
-            resources.push(ResourceStatus {
-                kind: kind.into(),
-                name: name.clone(),
-                version: held.version.clone(),
-            });
-        }
-        for (name, held) in &self.policies {
-            resources.push(ResourceStatus {
-                kind: "authorization".into(),
-                name: name.clone(),
-                version: held.version.clone(),
-            });
-        }
         XdsStatus {
             address: self.address.clone(),
             node_id: self.node_id.clone(),
@@ -483,10 +489,20 @@ impl XdsState {
             synced: self.synced(),
             types,
             warnings: self.derived.warnings().cloned().collect(),
-            resources,
+            resources: self.listed.clone(),
         }
     }
 }
+
+/// The `/config_dump` kind of an address resource.
+fn address_kind(entry: &Entry) -> &'static str {
+    match entry {
+        Entry::Workload(_) => "workload",
+        Entry::Service(_) => "service",
+    }
+}
+
+const AUTHORIZATION_KIND: &str = "authorization";
 
 /// Adds `name` to (or removes it from) the set under `id`.
 fn set_member<K: std::hash::Hash + Eq + Clone>(

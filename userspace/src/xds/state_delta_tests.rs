@@ -1,6 +1,7 @@
 //! `XdsState::delta`: after the first complete view, the changes handed to
 //! the store are exactly what the responses changed, and a store fed the
 //! view then the deltas holds what a store fed a fresh complete view holds.
+//! The status's resource list is kept the same way, per change.
 
 use std::collections::HashMap;
 
@@ -195,4 +196,112 @@ fn a_policy_change_carries_every_policy() {
     // Nothing more since.
     let (again, _) = state.delta();
     assert!(again.is_empty(), "{again:?}");
+}
+
+/// An authorization response adding `name` at `version` (or, with
+/// `removed`, removing it).
+fn authorization_response(name: &str, version: &str, removed: bool) -> DeltaDiscoveryResponse {
+    let (namespace, policy) = name.split_once('/').unwrap_or(("default", name));
+    let resource = Resource {
+        name: name.into(),
+        version: version.into(),
+        resource: Some(prost_types::Any {
+            type_url: AUTHORIZATION_TYPE_URL.into(),
+            value: security_pb::Authorization {
+                name: policy.into(),
+                namespace: namespace.into(),
+                scope: security_pb::Scope::Namespace as i32,
+                action: security_pb::Action::Allow as i32,
+                ..Default::default()
+            }
+            .encode_to_vec(),
+        }),
+        ..Default::default()
+    };
+    DeltaDiscoveryResponse {
+        type_url: AUTHORIZATION_TYPE_URL.into(),
+        resources: if removed { vec![] } else { vec![resource] },
+        removed_resources: if removed { vec![name.into()] } else { vec![] },
+        nonce: "p".into(),
+        ..Default::default()
+    }
+}
+
+/// The status's resource list is changed per resource a response touched
+/// (it is not rebuilt): after additions, a version bump, removals of both
+/// types, it lists what is held, in `/config_dump`'s order (addresses by
+/// name, then policies), counts it per kind and serializes as that list.
+#[test]
+fn the_status_lists_what_is_held_after_each_change() {
+    let web = "default/web.default.svc.cluster.local";
+    let mut state = XdsState::new("istiod", "node");
+    state
+        .apply(&response(
+            vec![
+                workload_resource(pod("b", [198, 18, 0, 2]), "1"),
+                workload_resource(pod("a", [198, 18, 0, 1]), "1"),
+                service_resource(service(
+                    "default",
+                    "web",
+                    "web.default.svc.cluster.local",
+                    [198, 19, 0, 1],
+                )),
+            ],
+            &[],
+        ))
+        .expect("applies");
+    state
+        .apply(&authorization_response("default/allow-a", "3", false))
+        .expect("applies");
+    state
+        .apply(&authorization_response("default/allow-b", "4", false))
+        .expect("applies");
+    let first = state.status().resources;
+    state
+        .apply(&response(
+            vec![workload_resource(pod("a", [198, 18, 0, 1]), "2")],
+            &[&uid("b")],
+        ))
+        .expect("applies");
+    state
+        .apply(&authorization_response("default/allow-b", "", true))
+        .expect("applies");
+
+    let listed = state.status().resources;
+    let rows: Vec<(&str, &str, &str)> = listed
+        .iter()
+        .map(|r| (r.kind.as_str(), r.name.as_str(), r.version.as_str()))
+        .collect();
+    let a = uid("a");
+    assert_eq!(
+        rows,
+        [
+            ("workload", a.as_str(), "2"),
+            ("service", web, "1"),
+            ("authorization", "default/allow-a", "3"),
+        ]
+    );
+    assert_eq!(
+        [
+            listed.count("workload"),
+            listed.count("service"),
+            listed.count("authorization")
+        ],
+        [1, 1, 1]
+    );
+    // What was published before stays as it was (a snapshot, not a view).
+    assert_eq!(first.len(), 5);
+    assert_eq!(first.count("workload"), 2);
+
+    let json = serde_json::to_value(&listed).expect("serializes");
+    assert_eq!(
+        json,
+        serde_json::json!([
+            {"kind": "workload", "name": a, "version": "2"},
+            {"kind": "service", "name": web, "version": "1"},
+            {"kind": "authorization", "name": "default/allow-a", "version": "3"},
+        ])
+    );
+    let back: ResourceList = serde_json::from_value(json).expect("deserializes");
+    assert_eq!(back, listed);
 }
