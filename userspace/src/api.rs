@@ -264,6 +264,12 @@ pub struct ResourceStatus {
     pub version: String,
 }
 
+impl ResourceStatus {
+    pub const WORKLOAD: &str = "workload";
+    pub const SERVICE: &str = "service";
+    pub const AUTHORIZATION: &str = "authorization";
+}
+
 /// The istiod connection and what it sent, for `/config_dump` and
 /// `shunt status`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -327,7 +333,7 @@ impl ResourceList {
 
     /// Adds `status`, or replaces the one of its type and name (a
     /// workload that became a service included).
-    pub fn set(&mut self, status: ResourceStatus) {
+    pub(crate) fn set(&mut self, status: ResourceStatus) {
         let key = (Self::group(&status.kind), Arc::from(status.name.as_str()));
         if let Some(slot) = Self::slot(&status.kind) {
             self.counts[slot] += 1;
@@ -339,7 +345,7 @@ impl ResourceList {
 
     /// Removes the resource `name` of `kind`'s type (`workload` and
     /// `service` are both address resources).
-    pub fn remove(&mut self, kind: &str, name: &str) {
+    pub(crate) fn remove(&mut self, kind: &str, name: &str) {
         if let Some(old) = self.entries.remove(&(Self::group(kind), Arc::from(name))) {
             self.uncount(&old.kind);
         }
@@ -353,16 +359,16 @@ impl ResourceList {
 
     fn group(kind: &str) -> ResourceGroup {
         match kind {
-            "authorization" => ResourceGroup::Authorization,
+            ResourceStatus::AUTHORIZATION => ResourceGroup::Authorization,
             _ => ResourceGroup::Address,
         }
     }
 
     fn slot(kind: &str) -> Option<usize> {
         match kind {
-            "workload" => Some(0),
-            "service" => Some(1),
-            "authorization" => Some(2),
+            ResourceStatus::WORKLOAD => Some(0),
+            ResourceStatus::SERVICE => Some(1),
+            ResourceStatus::AUTHORIZATION => Some(2),
             _ => None,
         }
     }

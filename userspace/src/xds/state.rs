@@ -269,7 +269,7 @@ impl XdsState {
                     .filter(|n| !names.contains(n.as_str()))
                 {
                     if self.policies.remove(name).is_some() {
-                        self.listed.remove(AUTHORIZATION_KIND, name);
+                        self.listed.remove(ResourceStatus::AUTHORIZATION, name);
                         removed += 1;
                         changed = true;
                     }
@@ -282,7 +282,7 @@ impl XdsState {
                     changed |= held.is_none_or(|old| old.value != value);
                     if held.is_none_or(|old| old.version != version) {
                         self.listed.set(ResourceStatus {
-                            kind: AUTHORIZATION_KIND.into(),
+                            kind: ResourceStatus::AUTHORIZATION.into(),
                             name: name.to_owned(),
                             version: version.to_owned(),
                         });
@@ -497,12 +497,10 @@ impl XdsState {
 /// The `/config_dump` kind of an address resource.
 fn address_kind(entry: &Entry) -> &'static str {
     match entry {
-        Entry::Workload(_) => "workload",
-        Entry::Service(_) => "service",
+        Entry::Workload(_) => ResourceStatus::WORKLOAD,
+        Entry::Service(_) => ResourceStatus::SERVICE,
     }
 }
-
-const AUTHORIZATION_KIND: &str = "authorization";
 
 /// Adds `name` to (or removes it from) the set under `id`.
 fn set_member<K: std::hash::Hash + Eq + Clone>(
