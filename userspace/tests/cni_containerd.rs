@@ -50,7 +50,9 @@ async fn first_connect_is_captured(test: &str, mode: &str) {
     let mut bed = CniBed::start(test, &agent_args(mode)).await;
     let peer = bed.peer_addr().to_string();
 
-    // An ambient pod: ADD waits for its capture.
+    // An ambient pod: ADD waits for its capture. The pod watch lags (as it
+    // can when the kubelet is quick): the agent reads the pod by name.
+    bed.api.hold_watches(fake_apiserver::Kind::Pod);
     let uid = bed.add_pod(MESH_NS, "web", json!({}));
     let config = bed.sandbox_config(MESH_NS, "web", &uid);
     let started = Instant::now();
@@ -66,6 +68,17 @@ async fn first_connect_is_captured(test: &str, mode: &str) {
         "RunPodSandbox (ambient, captured) took {:?}",
         started.elapsed()
     );
+    let read = |path: &str| {
+        bed.api
+            .requests()
+            .iter()
+            .any(|r| r.method == "GET" && r.path == path)
+    };
+    assert!(
+        read("/api/v1/namespaces/shop/pods/web"),
+        "the pod the watch had not shown was read by name"
+    );
+    bed.api.release_watches();
     let web = bed
         .pod_status(MESH_NS, "web")
         .expect("web in the agent's status");

@@ -14,6 +14,9 @@
 //!   lists do), unless [`FakeApiServer::set_served`] took the CRD away: then
 //!   `404 page not found` in plain text, what kube-apiserver answers for a
 //!   group/version it does not serve.
+//! - `GET /api/v1/namespaces/NS/pods/NAME`, `GET /api/v1/namespaces/NAME`,
+//!   `GET /api/v1/nodes/NAME` and a DaemonSet by name: the object, or a
+//!   `404` `Status`.
 //! - `...?watch=true&resourceVersion=N`: newline-delimited
 //!   `{"type":"ADDED"|"MODIFIED"|"DELETED"|"BOOKMARK"|"ERROR","object":…}`,
 //!   replaying history after N, then live. A resource version older than the
@@ -30,7 +33,8 @@
 //!   the same port again; [`FakeApiServer::drop_watches`] cuts open watches
 //!   mid-stream; [`FakeApiServer::send_gone`] sends `410` ERROR events;
 //!   [`FakeApiServer::compact`] forgets history so that resuming watches get
-//!   `410` and must relist.
+//!   `410` and must relist; [`FakeApiServer::hold_watches`] makes a kind's
+//!   watches lag behind what a GET sees.
 //!
 //! Objects are stored as raw JSON, so a test can serve malformed ones.
 //! Listens on 127.0.0.1 only.
@@ -159,6 +163,10 @@ struct Inner {
     requests: Vec<RequestRecord>,
     /// Kinds whose resource is not served (a CRD not installed).
     unserved: std::collections::BTreeSet<Kind>,
+    /// Kinds whose open watches lag: their changes wait here, in order,
+    /// until [`FakeApiServer::release_watches`].
+    held: std::collections::BTreeSet<Kind>,
+    held_changes: Vec<(Kind, &'static str, Option<Value>, Value)>,
 }
 
 impl Inner {
@@ -175,6 +183,10 @@ impl Inner {
     ) {
         self.history
             .push((rv, kind, event, before.clone(), after.clone()));
+        if self.held.contains(&kind) {
+            self.held_changes.push((kind, event, before, after));
+            return;
+        }
         broadcast(self, kind, event, before.as_ref(), &after);
     }
 }
@@ -425,6 +437,21 @@ impl FakeApiServer {
         } else {
             inner.unserved.insert(kind);
             inner.watches.retain(|w| w.kind != kind);
+        }
+    }
+
+    /// Makes the open watches of `kind` lag: changes are stored (a GET or
+    /// a list sees them) but not streamed until [`Self::release_watches`].
+    pub fn hold_watches(&self, kind: Kind) {
+        self.lock().held.insert(kind);
+    }
+
+    /// Streams the changes held back, in order, and every later one.
+    pub fn release_watches(&self) {
+        let mut inner = self.lock();
+        inner.held.clear();
+        for (kind, event, before, after) in std::mem::take(&mut inner.held_changes) {
+            broadcast(&mut inner, kind, event, before.as_ref(), &after);
         }
     }
 

@@ -54,6 +54,14 @@ pub(super) async fn handle(inner: &Arc<Mutex<Inner>>, req: Request<Incoming>) ->
             get_one(inner, Kind::DaemonSet, ns, name)
         }
         (&Method::GET, ["api", "v1", "nodes", name]) => get_one(inner, Kind::Node, "", name),
+        // What the agent reads at a CNI ADD for a pod its watch has not
+        // shown yet.
+        (&Method::GET, ["api", "v1", "namespaces", ns, "pods", name]) => {
+            get_one(inner, Kind::Pod, ns, name)
+        }
+        (&Method::GET, ["api", "v1", "namespaces", name]) => {
+            get_one(inner, Kind::Namespace, "", name)
+        }
         // The agent's ClusterRole grants `patch` on `pods/status` only (as
         // istio-cni's): a patch of the whole pod is refused as kube-apiserver
         // refuses a call RBAC does not allow.
