@@ -1,11 +1,11 @@
 //! The agent's access log as tests read it: one JSON line per connection
 //! (`target` `shunt::access`), written once both sides closed.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::agent::Agent;
+use crate::{agent::Agent, poll::until};
 
 /// How long an access-log line may take to appear.
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -27,16 +27,15 @@ pub fn wait_for_access_line(
     what: &str,
     matches: impl Fn(&Value) -> bool,
 ) {
-    let start = Instant::now();
-    loop {
-        let lines = access_lines(&agent.logs(), direction);
-        if lines.iter().any(&matches) {
-            return;
-        }
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "no {direction} access-log line: {what}; seen: {lines:?}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let found = until(TIMEOUT, Duration::from_millis(100), || {
+        access_lines(&agent.logs(), direction)
+            .iter()
+            .any(&matches)
+            .then_some(())
+    });
+    assert!(
+        found.is_some(),
+        "no {direction} access-log line: {what}; seen: {:?}",
+        access_lines(&agent.logs(), direction)
+    );
 }

@@ -11,7 +11,7 @@ use std::{
     net::SocketAddr,
     path::{Path, PathBuf},
     process::{Child, ExitStatus},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use nix::{
@@ -20,7 +20,7 @@ use nix::{
 };
 use shunt::api::NodeStatus;
 
-use crate::{Cgroup, Node, Result, TestbedError, Topology};
+use crate::{Cgroup, Node, Result, TestbedError, Topology, poll::until};
 
 mod layout;
 mod mesh_node;
@@ -371,21 +371,17 @@ impl Agent {
         };
         let pid = Pid::from_raw(child.id() as i32);
         let _ = kill(pid, signal);
-        let start = Instant::now();
-        loop {
-            match child.try_wait() {
-                Ok(Some(status)) => return Ok(status),
-                Ok(None) if start.elapsed() < timeout => {
-                    std::thread::sleep(Duration::from_millis(50))
-                }
-                _ => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    return Err(TestbedError::Invalid(format!(
-                        "the agent did not exit within {timeout:?} of {signal}; log:\n{}",
-                        self.logs()
-                    )));
-                }
+        match until(timeout, Duration::from_millis(50), || {
+            child.try_wait().transpose()
+        }) {
+            Some(Ok(status)) => Ok(status),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(TestbedError::Invalid(format!(
+                    "the agent did not exit within {timeout:?} of {signal}; log:\n{}",
+                    self.logs()
+                )))
             }
         }
     }

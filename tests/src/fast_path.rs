@@ -7,7 +7,7 @@
 use std::{
     collections::BTreeMap,
     net::{IpAddr, SocketAddr},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use serde_json::Value;
@@ -17,11 +17,14 @@ use crate::{
     Node, Pod,
     agent::{Agent, http},
     apps::{TestApp, local_of},
+    poll::until,
     scrape::{sample, wait_metrics},
 };
 
 /// How long each wait here may take.
 const TIMEOUT: Duration = Duration::from_secs(30);
+/// How often the agent is asked.
+const EVERY: Duration = Duration::from_millis(100);
 
 /// Everything the proxy copied or carried, as one tuple (outbound HBONE,
 /// inbound HBONE, outbound passthrough, inbound plaintext, bytes out,
@@ -81,52 +84,43 @@ pub fn vips_written(node: &Node, agent: &Agent, n: u64) {
             .get(maps::MESH_LOCAL_SERVICES)
             .copied()
     };
-    let start = Instant::now();
-    while vips() != Some(n) {
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "{} never held {n} entries (now {:?}): {}",
-            maps::MESH_LOCAL_SERVICES,
-            vips(),
-            agent.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    assert!(
+        until(TIMEOUT, EVERY, || (vips() == Some(n)).then_some(())).is_some(),
+        "{} never held {n} entries (now {:?}): {}",
+        maps::MESH_LOCAL_SERVICES,
+        vips(),
+        agent.logs()
+    );
 }
 
 /// Waits until the agent's kernel authorization table was compiled, without
 /// error, from exactly the policies `names`.
 pub fn policies_compiled(agent: &Agent, names: &[&str]) {
-    let start = Instant::now();
-    loop {
-        let compiled = agent.status().ok().is_some_and(|s| {
-            s.kernel_authz
-                .is_some_and(|k| k.policies == names && k.error.is_none())
-        });
-        if compiled {
-            return;
-        }
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "policies {names:?} never compiled: {}",
-            agent.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let compiled = until(TIMEOUT, EVERY, || {
+        agent
+            .status()
+            .ok()?
+            .kernel_authz
+            .filter(|k| k.policies == names && k.error.is_none())
+    });
+    assert!(
+        compiled.is_some(),
+        "policies {names:?} never compiled: {}",
+        agent.logs()
+    );
 }
 
 /// Waits until the agent's proxy counted more outbound HBONE connections
 /// than `before` (the first field of [`proxy_work`]).
 pub fn outbound_hbone_counted(agent: &Agent, before: u64) {
-    let start = Instant::now();
-    while proxy_work(agent).0 <= before {
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "no outbound HBONE counted: {}",
-            agent.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let counted = until(TIMEOUT, EVERY, || {
+        (proxy_work(agent).0 > before).then_some(())
+    });
+    assert!(
+        counted.is_some(),
+        "no outbound HBONE counted: {}",
+        agent.logs()
+    );
 }
 
 /// `client` → `to` (an echo or a `HalfEcho`) went through the proxy: the

@@ -1,7 +1,29 @@
-//! Waiting on an event from an async test: a blocking check polled on the
-//! runtime's blocking-aware path, bounded, failing with what was seen.
+//! Waiting on an event, bounded: [`until`] for blocking code, [`eventually`]
+//! from an async test. Both look at once, then at an interval, and give up
+//! after a timeout; the caller says what it waited for and what it saw.
 
 use std::time::{Duration, Instant};
+
+/// Calls `look` every `every` until it gives a value; `None` when a look
+/// that ends after `timeout` still gave none (at least one look is made).
+/// A `look` that must stop the wait early (the awaited process exited)
+/// gives `Some(Err(..))`.
+pub fn until<T>(
+    timeout: Duration,
+    every: Duration,
+    mut look: impl FnMut() -> Option<T>,
+) -> Option<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = look() {
+            return Some(value);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(every);
+    }
+}
 
 /// Polls `check` every 100 ms until it yields, at most `timeout`; panics
 /// with `what` and `context()` (the agent's log, say). For

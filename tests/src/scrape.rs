@@ -1,11 +1,12 @@
 //! Reading an agent's Prometheus exposition in kernel tests: one metric's
 //! samples, and a bounded wait until the metrics say something.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::{
     Node,
     agent::{Agent, http},
+    poll::until,
 };
 
 /// How long [`wait_metrics`] waits.
@@ -51,17 +52,14 @@ pub fn metrics(node: &Node, agent: &Agent) -> String {
 /// Polls the agent's metrics until `done` holds for them (bounded: fails
 /// with the metrics and the agent's log).
 pub fn wait_metrics(node: &Node, agent: &Agent, what: &str, done: impl Fn(&str) -> bool) -> String {
-    let start = Instant::now();
-    loop {
-        let text = metrics(node, agent);
-        if done(&text) {
-            return text;
-        }
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "timed out waiting for {what}; metrics:\n{text}\nagent log:\n{}",
+    let text = until(TIMEOUT, Duration::from_millis(100), || {
+        Some(metrics(node, agent)).filter(|text| done(text))
+    });
+    text.unwrap_or_else(|| {
+        panic!(
+            "timed out waiting for {what}; metrics:\n{}\nagent log:\n{}",
+            metrics(node, agent),
             agent.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+        )
+    })
 }

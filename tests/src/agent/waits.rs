@@ -2,15 +2,15 @@
 //! a log line; each fails with what it last saw and the agent's log, and
 //! at once if the agent exited.
 
-use std::{
-    process::ExitStatus,
-    time::{Duration, Instant},
-};
+use std::{process::ExitStatus, time::Duration};
 
 use shunt::api::NodeStatus;
 
 use super::Agent;
-use crate::{Result, TestbedError};
+use crate::{Result, TestbedError, poll::until};
+
+/// How often the agent is asked.
+const EVERY: Duration = Duration::from_millis(100);
 
 impl Agent {
     /// The status once a verify pass that started after this call has
@@ -18,21 +18,21 @@ impl Agent {
     /// did before (a pass under way at the call counts once, hence two).
     pub fn status_after_verify(&self, timeout: Duration) -> Result<NodeStatus> {
         let passes = self.status()?.verify_passes;
-        let start = Instant::now();
-        loop {
-            let status = self.status()?;
-            if status.verify_passes >= passes + 2 {
-                return Ok(status);
+        let mut last = passes;
+        let seen = until(timeout, EVERY, || match self.status() {
+            Ok(status) if status.verify_passes >= passes + 2 => Some(Ok(status)),
+            Ok(status) => {
+                last = status.verify_passes;
+                None
             }
-            if start.elapsed() >= timeout {
-                return Err(TestbedError::Invalid(format!(
-                    "no verify pass within {timeout:?} (passes: {passes} then {}); agent log:\n{}",
-                    status.verify_passes,
-                    self.logs()
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+            Err(e) => Some(Err(e)),
+        });
+        seen.unwrap_or_else(|| {
+            Err(TestbedError::Invalid(format!(
+                "no verify pass within {timeout:?} (passes: {passes} then {last}); agent log:\n{}",
+                self.logs()
+            )))
+        })
     }
 
     /// Polls the status until `done` holds (on a status of an agent that
@@ -44,29 +44,29 @@ impl Agent {
         timeout: Duration,
         done: impl Fn(&NodeStatus) -> bool,
     ) -> Result<NodeStatus> {
-        let start = Instant::now();
         let mut last = String::from("no answer yet");
-        while start.elapsed() < timeout {
+        let seen = until(timeout, EVERY, || {
             if let Some(status) = self.exited() {
-                return Err(TestbedError::Invalid(format!(
+                return Some(Err(TestbedError::Invalid(format!(
                     "the agent exited ({status}) while waiting for {what}; its log:\n{}",
                     self.logs()
-                )));
+                ))));
             }
             match self.status() {
                 // Before the agent reconciled its first list of pods, its
                 // status lists none: that proves nothing either way.
-                Ok(status) if !status.synced => last = format!("{status:?}"),
-                Ok(status) if done(&status) => return Ok(status),
+                Ok(status) if status.synced && done(&status) => return Some(Ok(status)),
                 Ok(status) => last = format!("{status:?}"),
                 Err(e) => last = e.to_string(),
             }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        Err(TestbedError::Invalid(format!(
-            "timed out after {timeout:?} waiting for {what}; last status: {last}; agent log:\n{}",
-            self.logs()
-        )))
+            None
+        });
+        seen.unwrap_or_else(|| {
+            Err(TestbedError::Invalid(format!(
+                "timed out after {timeout:?} waiting for {what}; last status: {last}; agent log:\n{}",
+                self.logs()
+            )))
+        })
     }
 
     /// Polls the agent's log until `done` holds for it, failing after
@@ -77,24 +77,25 @@ impl Agent {
         timeout: Duration,
         done: impl Fn(&str) -> bool,
     ) -> Result<String> {
-        let start = Instant::now();
-        loop {
+        let mut last = String::new();
+        let seen = until(timeout, EVERY, || {
             let logs = self.logs();
             if done(&logs) {
-                return Ok(logs);
+                return Some(Ok(logs));
             }
             if let Some(status) = self.exited() {
-                return Err(TestbedError::Invalid(format!(
+                return Some(Err(TestbedError::Invalid(format!(
                     "the agent exited ({status}) while waiting for {what}; its log:\n{logs}"
-                )));
+                ))));
             }
-            if start.elapsed() >= timeout {
-                return Err(TestbedError::Invalid(format!(
-                    "timed out after {timeout:?} waiting for {what} in the agent log:\n{logs}"
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+            last = logs;
+            None
+        });
+        seen.unwrap_or_else(|| {
+            Err(TestbedError::Invalid(format!(
+                "timed out after {timeout:?} waiting for {what} in the agent log:\n{last}"
+            )))
+        })
     }
 
     /// The agent's exit status, if it has exited.

@@ -399,14 +399,8 @@ impl Side {
 
 /// Polls the agent's readiness (bounded); false when it never says 200.
 fn wait_ready(agent: &Agent, timeout: Duration) -> bool {
-    let deadline = std::time::Instant::now() + timeout;
-    loop {
-        if matches!(agent.readiness(), Ok((200, _))) {
-            return true;
-        }
-        if std::time::Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    crate::poll::until(timeout, Duration::from_millis(50), || {
+        matches!(agent.readiness(), Ok((200, _))).then_some(())
+    })
+    .is_some()
 }

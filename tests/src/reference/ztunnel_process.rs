@@ -10,17 +10,20 @@ use std::{
     net::SocketAddr,
     path::{Path, PathBuf},
     process::{Child, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use nix::{sys::signal::Signal, unistd::Pid};
 
 use super::{istiod::Istiod, pki::Pki};
-use crate::{Pod, Result, TestbedError};
+use crate::{Pod, Result, TestbedError, poll::until};
 
 /// ztunnel's readiness port, on the pod netns' loopback.
 const READINESS: SocketAddr =
     SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 15021);
+
+/// How often its readiness port or log is looked at.
+const EVERY: Duration = Duration::from_millis(50);
 
 /// How long it may take until its readiness port answers at all.
 const START: Duration = Duration::from_secs(30);
@@ -107,44 +110,44 @@ impl ZtunnelProcess {
         timeout: Duration,
         done: impl Fn(u16) -> bool,
     ) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        loop {
+        let mut last = String::from("no answer yet");
+        let seen = until(timeout, EVERY, || {
             if let Ok(Some(status)) = self.child.try_wait() {
-                return Err(TestbedError::Invalid(format!(
+                return Some(Err(TestbedError::Invalid(format!(
                     "ztunnel exited ({status}):\n{}",
                     self.logs()
-                )));
+                ))));
             }
-            let last = match self.pod.run(|| ready_in_netns(READINESS))? {
-                Ok(code) if done(code) => return Ok(()),
-                Ok(code) => format!("readiness answered {code}"),
-                Err(e) => e,
-            };
-            if Instant::now() >= deadline {
-                return Err(TestbedError::Invalid(format!(
-                    "ztunnel not there within {timeout:?} ({last}):\n{}",
-                    self.logs()
-                )));
+            match self.pod.run(|| ready_in_netns(READINESS)) {
+                Err(e) => return Some(Err(e)),
+                Ok(Ok(code)) if done(code) => return Some(Ok(())),
+                Ok(Ok(code)) => last = format!("readiness answered {code}"),
+                Ok(Err(e)) => last = e,
             }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+            None
+        });
+        seen.unwrap_or_else(|| {
+            Err(TestbedError::Invalid(format!(
+                "ztunnel not there within {timeout:?} ({last}):\n{}",
+                self.logs()
+            )))
+        })
     }
 
     /// Waits (bounded) until its log has a line containing every part.
     pub(super) fn wait_log(&self, parts: &[&str], timeout: Duration) -> Result<String> {
-        let deadline = Instant::now() + timeout;
-        loop {
+        let line = until(timeout, EVERY, || {
             let logs = self.logs();
-            if let Some(line) = logs.lines().find(|l| parts.iter().all(|p| l.contains(p))) {
-                return Ok(line.to_string());
-            }
-            if Instant::now() >= deadline {
-                return Err(TestbedError::Invalid(format!(
-                    "no ztunnel log line with {parts:?} within {timeout:?}:\n{logs}"
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+            logs.lines()
+                .find(|l| parts.iter().all(|p| l.contains(p)))
+                .map(str::to_owned)
+        });
+        line.ok_or_else(|| {
+            TestbedError::Invalid(format!(
+                "no ztunnel log line with {parts:?} within {timeout:?}:\n{}",
+                self.logs()
+            ))
+        })
     }
 
     /// Kills it (by its PID) and reaps it; again does nothing.
