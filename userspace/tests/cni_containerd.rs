@@ -12,7 +12,9 @@
 //! enrolled by the watch with its netns found through the CRI of the real
 //! containerd; DEL is answered (twice: StopPodSandbox, RemovePodSandbox);
 //! the agent's exit with `--on-exit unenrol` takes shunt-cni out of the
-//! CNI configuration. And a capture that fails fails the ADD.
+//! CNI configuration. A pod (and its namespace) the watches have not shown
+//! yet at ADD is read from the API server by name and captured all the
+//! same. And a capture that fails fails the ADD.
 
 #[path = "support/cni_bed.rs"]
 mod cni_bed;
@@ -230,6 +232,62 @@ async fn ebpf_first_connect_of_a_containerd_sandbox_is_captured() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn iptables_first_connect_of_a_containerd_sandbox_is_captured() {
     first_connect_is_captured("cni-ipt", "iptables").await;
+}
+
+/// A namespace labelled ambient and a pod in it created at once, the ADD
+/// coming before either watch shows them (they lag): the agent reads both
+/// by name, captures the pod before RunPodSandbox returns, and once the
+/// watches catch up keeps that one enrolment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_of_a_namespace_no_watch_has_shown_is_read_and_captured() {
+    let mut bed = CniBed::start("cni-fresh", &agent_args("ebpf")).await;
+    bed.api.hold_watches(fake_apiserver::Kind::Namespace);
+    bed.api.hold_watches(fake_apiserver::Kind::Pod);
+    bed.api.apply(
+        fake_apiserver::Kind::Namespace,
+        fake_apiserver::namespace("fresh", json!({"istio.io/dataplane-mode": "ambient"})),
+    );
+    let uid = bed.add_pod("fresh", "web", json!({}));
+    let config = bed.sandbox_config("fresh", "web", &uid);
+    if let Err(status) = bed.ctd().run_sandbox(&config).await {
+        panic!("RunPodSandbox: {status}\nagent log:\n{}", bed.log());
+    }
+    let web = bed
+        .pod_status("fresh", "web")
+        .expect("web in the agent's status");
+    assert_eq!(
+        web.state,
+        PodState::Enrolled,
+        "captured before RunPodSandbox returned"
+    );
+    let reads: Vec<String> = bed
+        .api
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == "GET" && r.query.is_empty())
+        .map(|r| r.path)
+        .collect();
+    for path in [
+        "/api/v1/namespaces/fresh/pods/web",
+        "/api/v1/namespaces/fresh",
+    ] {
+        assert!(
+            reads.iter().any(|r| r == path),
+            "{path} read by name; reads: {reads:?}"
+        );
+    }
+
+    bed.api.release_watches();
+    let passes = bed.status().expect("status").verify_passes;
+    bed.wait("two verify passes after the watches caught up", |bed| {
+        bed.status().is_some_and(|s| s.verify_passes >= passes + 2)
+            && bed.pod_status("fresh", "web").is_some()
+    })
+    .await;
+    let after = bed.pod_status("fresh", "web").expect("web");
+    assert_eq!(after.state, PodState::Enrolled);
+    assert_eq!(after.netns, web.netns, "the same enrolment");
+    bed.shutdown().await;
 }
 
 /// `--proxy ztunnel`: while no ztunnel acknowledges the pod, its ADD fails
