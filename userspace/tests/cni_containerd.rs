@@ -70,15 +70,12 @@ async fn first_connect_is_captured(test: &str, mode: &str) {
         "RunPodSandbox (ambient, captured) took {:?}",
         started.elapsed()
     );
-    let read = |path: &str| {
-        bed.api
-            .requests()
-            .iter()
-            .any(|r| r.method == "GET" && r.path == path)
-    };
+    let reads = bed.reads_by_name();
     assert!(
-        read("/api/v1/namespaces/shop/pods/web"),
-        "the pod the watch had not shown was read by name"
+        reads
+            .iter()
+            .any(|r| r == "/api/v1/namespaces/shop/pods/web"),
+        "the pod the watch had not shown was read by name; reads: {reads:?}"
     );
     bed.api.release_watches();
     let web = bed
@@ -130,11 +127,8 @@ async fn first_connect_is_captured(test: &str, mode: &str) {
     // enrolled in the same netns (one pod, not two enrolments).
     let ip = sandbox_ip(&bed, MESH_NS, "web");
     bed.report_ip(MESH_NS, "web", &ip);
-    let passes = bed.status().expect("status").verify_passes;
-    bed.wait("two verify passes after the watch saw web's IP", |bed| {
-        bed.status().is_some_and(|s| s.verify_passes >= passes + 2)
-    })
-    .await;
+    bed.wait_verify_passes("two verify passes after the watch saw web's IP")
+        .await;
     let web = bed.pod_status(MESH_NS, "web").expect("web");
     assert_eq!(web.state, PodState::Enrolled);
     assert_eq!(
@@ -260,13 +254,7 @@ async fn a_pod_of_a_namespace_no_watch_has_shown_is_read_and_captured() {
         PodState::Enrolled,
         "captured before RunPodSandbox returned"
     );
-    let reads: Vec<String> = bed
-        .api
-        .requests()
-        .into_iter()
-        .filter(|r| r.method == "GET" && r.query.is_empty())
-        .map(|r| r.path)
-        .collect();
+    let reads = bed.reads_by_name();
     for path in [
         "/api/v1/namespaces/fresh/pods/web",
         "/api/v1/namespaces/fresh",
@@ -278,12 +266,8 @@ async fn a_pod_of_a_namespace_no_watch_has_shown_is_read_and_captured() {
     }
 
     bed.api.release_watches();
-    let passes = bed.status().expect("status").verify_passes;
-    bed.wait("two verify passes after the watches caught up", |bed| {
-        bed.status().is_some_and(|s| s.verify_passes >= passes + 2)
-            && bed.pod_status("fresh", "web").is_some()
-    })
-    .await;
+    bed.wait_verify_passes("two verify passes after the watches caught up")
+        .await;
     let after = bed.pod_status("fresh", "web").expect("web");
     assert_eq!(after.state, PodState::Enrolled);
     assert_eq!(after.netns, web.netns, "the same enrolment");

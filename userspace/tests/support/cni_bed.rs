@@ -248,6 +248,27 @@ impl CniBed {
         }
     }
 
+    /// Waits until two verify passes that started after this call have
+    /// finished (one under way at the call counts once).
+    pub async fn wait_verify_passes(&mut self, what: &str) {
+        let passes = self.status().expect("status").verify_passes;
+        self.wait(what, |bed| {
+            bed.status().is_some_and(|s| s.verify_passes >= passes + 2)
+        })
+        .await;
+    }
+
+    /// The paths the agent read by name from the API server (GETs without
+    /// a query: not a list or a watch), in order.
+    pub fn reads_by_name(&self) -> Vec<String> {
+        self.api
+            .requests()
+            .into_iter()
+            .filter(|r| r.method == "GET" && r.query.is_empty())
+            .map(|r| r.path)
+            .collect()
+    }
+
     /// The agent's `/status` (through `shunt status --json`).
     pub fn status(&self) -> Option<NodeStatus> {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_shunt"))
