@@ -45,27 +45,56 @@ pub struct Connection<'a> {
     pub dst: SocketAddr,
 }
 
-impl Connection<'_> {
+impl<'a> Connection<'a> {
     /// The identity as policies name it: without `spiffe://`.
-    fn principal(&self) -> Option<&str> {
+    fn principal(&self) -> Option<&'a str> {
         self.src_identity
             .map(|id| id.strip_prefix("spiffe://").unwrap_or(id))
     }
+}
 
+/// A connection as the matches read it, parsed once per check rather than
+/// once per match (the identity is split for every policy otherwise).
+struct Source<'a> {
+    ip: IpAddr,
+    principal: Option<&'a str>,
     /// The source namespace and service account, when the identity is a
-    /// Kubernetes SPIFFE id (`<trust domain>/ns/<namespace>/sa/<account>`,
-    /// exactly five segments, as ztunnel parses one).
-    fn account(&self) -> Option<(&str, &str)> {
-        let mut parts = self.principal()?.split('/');
-        let (_td, ns_key, ns, sa_key, sa) = (
-            parts.next()?,
-            parts.next()?,
-            parts.next()?,
-            parts.next()?,
-            parts.next()?,
-        );
-        (parts.next().is_none() && ns_key == "ns" && sa_key == "sa").then_some((ns, sa))
+    /// Kubernetes SPIFFE id.
+    account: Option<(&'a str, &'a str)>,
+    dst: SocketAddr,
+}
+
+impl<'a> Source<'a> {
+    fn of(connection: &Connection<'a>) -> Self {
+        let principal = connection.principal();
+        Self {
+            ip: connection.src_ip,
+            principal,
+            account: principal.and_then(kubernetes_account),
+            dst: connection.dst,
+        }
     }
+
+    /// Plaintext (or an identity that is not a Kubernetes one) has the
+    /// empty namespace, as in ztunnel: only presence tells it apart.
+    fn namespace(&self) -> &'a str {
+        self.account.map_or("", |(ns, _)| ns)
+    }
+}
+
+/// The namespace and service account of a Kubernetes SPIFFE id
+/// (`<trust domain>/ns/<namespace>/sa/<account>`, exactly five segments,
+/// as ztunnel parses one).
+fn kubernetes_account(principal: &str) -> Option<(&str, &str)> {
+    let mut parts = principal.split('/');
+    let (_td, ns_key, ns, sa_key, sa) = (
+        parts.next()?,
+        parts.next()?,
+        parts.next()?,
+        parts.next()?,
+        parts.next()?,
+    );
+    (parts.next().is_none() && ns_key == "ns" && sa_key == "sa").then_some((ns, sa))
 }
 
 /// What a check needs to know of the destination workload.
@@ -269,8 +298,11 @@ impl PolicySet {
         let mut allow_policies = 0usize;
         let mut first_allow: Option<&Policy> = None;
         let mut allowed_by: Option<&Policy> = None;
+        // Parsed at the first applying policy: most destinations have none.
+        let mut source = None;
         for policy in self.applicable(dst) {
-            let matched = policy.matches(connection);
+            let source = source.get_or_insert_with(|| Source::of(connection));
+            let matched = policy.matches_source(source);
             if policy.dry_run {
                 tracing::info!(
                     policy = %policy.key(),
@@ -323,15 +355,19 @@ impl Policy {
     /// Whether any rule matches (OR). A policy without rules matches
     /// nothing.
     pub fn matches(&self, connection: &Connection<'_>) -> bool {
-        self.rules.iter().any(|rule| rule.matches(connection))
+        self.matches_source(&Source::of(connection))
+    }
+
+    fn matches_source(&self, source: &Source<'_>) -> bool {
+        self.rules.iter().any(|rule| rule.matches(source))
     }
 }
 
 impl Rule {
     /// Whether every clause matches (AND); a rule without clauses matches
     /// everything (`rules: [{}]`).
-    pub fn matches(&self, connection: &Connection<'_>) -> bool {
-        self.clauses.iter().all(|clause| clause.matches(connection))
+    fn matches(&self, source: &Source<'_>) -> bool {
+        self.clauses.iter().all(|clause| clause.matches(source))
     }
 }
 
@@ -340,12 +376,12 @@ impl Clause {
     /// nothing; an empty match (`{}`) is skipped, as ztunnel does, so a
     /// clause of only `{}` matches nothing (istiod sends one for a `to` of
     /// only HTTP attributes).
-    pub fn matches(&self, connection: &Connection<'_>) -> bool {
+    fn matches(&self, source: &Source<'_>) -> bool {
         self.matches.is_empty()
             || self
                 .matches
                 .iter()
-                .any(|m| !m.is_empty() && m.matches(connection))
+                .any(|m| !m.is_empty() && m.matches(source))
     }
 }
 
@@ -353,31 +389,26 @@ impl Match {
     /// Whether every field set matches (AND): some value of each positive
     /// field, none of each negative one. Says nothing of an empty match
     /// (see [`Clause::matches`]).
-    pub fn matches(&self, connection: &Connection<'_>) -> bool {
-        let principal = connection.principal();
-        let account = connection.account();
-        // Plaintext (or an identity that is not a Kubernetes one) has the
-        // empty namespace, as in ztunnel: only presence tells it apart.
-        let namespace = Some(account.map_or("", |(ns, _)| ns));
-        let src = connection.src_ip;
-        let dst = connection.dst;
+    fn matches(&self, source: &Source<'_>) -> bool {
+        let namespace = Some(source.namespace());
+        let dst = source.dst;
         field(&self.namespaces, &self.not_namespaces, |m: &StringMatch| {
             m.matches(namespace)
         }) && field(
             &self.service_accounts,
             &self.not_service_accounts,
-            |sa: &ServiceAccount| account == Some((sa.namespace.as_str(), sa.name.as_str())),
+            |sa: &ServiceAccount| source.account == Some((sa.namespace.as_str(), sa.name.as_str())),
         ) && field(&self.principals, &self.not_principals, |m: &StringMatch| {
-            m.matches(principal)
-        }) && field(&self.source_ips, &self.not_source_ips, |c| c.contains(src))
-            && field(&self.destination_ips, &self.not_destination_ips, |c| {
-                c.contains(dst.ip())
-            })
-            && field(
-                &self.destination_ports,
-                &self.not_destination_ports,
-                |p: &u16| *p == dst.port(),
-            )
+            m.matches(source.principal)
+        }) && field(&self.source_ips, &self.not_source_ips, |c| {
+            c.contains(source.ip)
+        }) && field(&self.destination_ips, &self.not_destination_ips, |c| {
+            c.contains(dst.ip())
+        }) && field(
+            &self.destination_ports,
+            &self.not_destination_ports,
+            |p: &u16| *p == dst.port(),
+        )
     }
 }
 

@@ -559,7 +559,7 @@ fn every_field_and_its_negation() {
     ];
     let mut failures = Vec::new();
     for (name, m, c, want) in &cases {
-        if m.matches(c) != *want {
+        if m.matches(&Source::of(c)) != *want {
             failures.push(format!("{name}: expected {want}"));
         }
     }
@@ -578,7 +578,7 @@ fn source_account_is_the_identitys_ns_and_sa_segments() {
         (None, None),
     ] {
         assert_eq!(
-            conn("198.18.1.2", identity, "198.18.2.3:80").account(),
+            Source::of(&conn("198.18.1.2", identity, "198.18.2.3:80")).account,
             account,
             "{identity:?}"
         );
