@@ -2,6 +2,8 @@
 //! server (`fake_apiserver.rs`): bounded waits, and a workload store fed
 //! the way the agent feeds it.
 
+#![allow(dead_code)] // not every binary uses both
+
 use std::{
     sync::{Arc, RwLock},
     time::{Duration, Instant},
