@@ -18,15 +18,14 @@ mod fake_apiserver;
 mod kube_harness;
 
 use std::{
-    io::{Read as _, Write as _},
-    net::{SocketAddr, TcpStream},
+    net::SocketAddr,
     path::PathBuf,
     sync::RwLock,
     time::{Duration, Instant},
 };
 
 use fake_apiserver::{FakeApiServer, Kind, authorization_policy, namespace, pod};
-use kube_harness::{cluster_store, wait_for};
+use kube_harness::{cluster_store, http_get as admin_get, wait_for};
 use serde_json::{Value, json};
 use shunt::{api::config_dump::ConfigDump, control::kube::ClusterWorkloads, store::WorkloadStore};
 use shunt_testbed::{Topology, require_root};
@@ -91,24 +90,6 @@ impl Drop for PinDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
-}
-
-/// `GET path` on the agent's admin port (loopback, HTTP/1.0).
-fn admin_get(admin: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
-    let mut stream = TcpStream::connect_timeout(&admin, Duration::from_secs(5))?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw)?;
-    let (head, body) = raw
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| std::io::Error::other(format!("no header end in {raw:?}")))?;
-    let code = head
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| std::io::Error::other(format!("bad status line in {head:?}")))?;
-    Ok((code, body.to_owned()))
 }
 
 /// `(namespace/name, action, rules)` of each policy `/config_dump` lists,

@@ -28,9 +28,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use fake_apiserver::{FakeApiServer, Kind, namespace, pod};
+use fake_apiserver::{FakeApiServer, Kind, authorization_policy, namespace, pod};
 use kube_agent::Agent;
-use kube_harness::wait_for;
+use kube_harness::{http_get, wait_for};
 use serde_json::{Value, json};
 use shunt::{
     agent::NodeAgent,
@@ -1013,41 +1013,9 @@ async fn dead_cri_socket_falls_back_to_the_proc_scan() {
 async fn shunt_agent_binary_without_workloads_watches_kubernetes() {
     let h = Harness::new("kube-binary", &["web"]).await;
     let _process = h.pod_process("shop", "web").await;
-    let kubeconfig = h.server.write_kubeconfig(h.dir.path());
-    // This agent runs in the test's own netns: every port it serves goes on
-    // a free loopback port, never on the node-wide defaults.
-    let free_port = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free loopback port")
-    };
-    let (admin, metrics, readiness) = (free_port(), free_port(), free_port());
-    let log_path = h.dir.path().join("agent.log");
-    let log = std::fs::File::create(&log_path).expect("log file");
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_shunt"))
-        .arg("agent")
-        .args(["--redirect", "ebpf", "--log-level", "info,shunt=debug"])
-        .arg("--bpf-pin-dir")
-        .arg(&h.pin_dir.0)
-        .arg("--cgroup-root")
-        .arg(h.topo.cgroup_root().expect("topology cgroup"))
-        .arg("--admin-addr")
-        .arg(admin.to_string())
-        .arg("--metrics-addr")
-        .arg(metrics.to_string())
-        .arg("--readiness-addr")
-        .arg(readiness.to_string())
-        .arg("--ca-dir")
-        .arg(h.dir.path().join("ca"))
-        .env("NODE_NAME", NODE)
-        .env("KUBECONFIG", &kubeconfig)
-        .env_remove("KUBERNETES_SERVICE_HOST")
-        .stdout(log.try_clone().expect("log"))
-        .stderr(log)
-        .spawn()
-        .expect("start shunt agent");
-    let child = ChildGuard(child);
-    let agent_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    let agent = h.spawn_agent_binary(&[]);
+    let (child, admin) = (agent.child, agent.admin);
+    let agent_log = || std::fs::read_to_string(&agent.log_path).unwrap_or_default();
     let start = Instant::now();
     while !(h.annotation("shop", "web").as_deref() == Some("enabled") && h.tc_attached("web")) {
         assert!(
@@ -1088,6 +1056,170 @@ async fn shunt_agent_binary_without_workloads_watches_kubernetes() {
     };
     assert!(exit.success(), "agent exit {exit:?}; log:\n{}", agent_log());
     assert!(h.tc_detached("web"), "SIGTERM unenrols");
+}
+
+/// An `AuthorizationPolicy` served by the API server reaches the kernel:
+/// the agent binary, given only a kubeconfig, makes a denied connect
+/// between two of its pods fail with EPERM (no proxy sees it), lets a port
+/// the policy does not name through, and counts each refusal under the
+/// client pod and the policy in `/metrics`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deny_policy_from_the_api_server_refuses_the_connect_in_the_kernel() {
+    let h = Harness::new("kube-kdeny", &["web", "client"]).await;
+    let _web = h.pod_process("shop", "web").await;
+    let _client = h.pod_process("shop", "client").await;
+    h.label_pod("shop", "web", json!({"app": "web"}));
+    h.server.apply(
+        Kind::AuthorizationPolicy,
+        authorization_policy(
+            "shop",
+            "deny-8080",
+            json!({"selector": {"matchLabels": {"app": "web"}},
+                   "action": "DENY",
+                   "rules": [{"from": [{"source": {"principals": ["cluster.local/ns/shop/sa/sleep"]}}],
+                              "to": [{"operation": {"ports": ["8080"]}}]}]}),
+        ),
+    );
+    // Verify passes (which read the kernel's counters) every second.
+    let agent = h.spawn_agent_binary(&["--verify-interval", "1"]);
+    // The client's connects: bash's /dev/tcp, in the client's netns and in
+    // the topology's cgroup, where the socket programs are attached.
+    let cgroup = Cgroup::create(&h.topo, "client-probe").expect("probe cgroup");
+    let web_ip = h.pod("web").ip();
+    let connect = |port: u16| {
+        let mut command = h.pod("client").command("bash");
+        command.args(["-c", &format!("exec 3<>/dev/tcp/{web_ip}/{port}")]);
+        let out = cgroup.place(&mut command).output().expect("run bash");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let enrolled = |name: &str| {
+        h.annotation("shop", name).as_deref() == Some("enabled") && h.tc_attached(name)
+    };
+    let start = Instant::now();
+    while !(enrolled("web") && enrolled("client")) {
+        assert!(
+            start.elapsed() < TIMEOUT,
+            "the agent did not enrol both pods within {TIMEOUT:?}; its log:\n{}",
+            agent.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Until the reconciler has compiled the policy, a connect goes to the
+    // proxy; from then on the kernel refuses it.
+    let mut refusals = 0u64;
+    let start = Instant::now();
+    loop {
+        let (connected, stderr) = connect(8080);
+        if stderr.contains("Operation not permitted") {
+            refusals += 1;
+            break;
+        }
+        assert!(
+            start.elapsed() < TIMEOUT,
+            "no EPERM on web:8080 within {TIMEOUT:?} (last: connected {connected}, {stderr:?}); the agent's log:\n{}",
+            agent.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (connected, stderr) = connect(8080);
+    assert!(
+        !connected && stderr.contains("Operation not permitted"),
+        "a second connect to web:8080: connected {connected}, {stderr:?}"
+    );
+    refusals += 1;
+    // Not denied: the connect leaves the client (to the proxy, or pod to
+    // pod on the same-node fast path, where nothing listens on 9090).
+    let (connected, stderr) = connect(9090);
+    assert!(
+        connected || stderr.contains("Connection refused"),
+        "web:9090 is not denied: connected {connected}, {stderr:?}"
+    );
+
+    let line = format!(
+        "shunt_pod_policy_denials_total{{namespace=\"shop\",pod=\"client\",policy=\"shop/deny-8080\"}} {refusals}"
+    );
+    let start = Instant::now();
+    loop {
+        let body = http_get(agent.metrics, "/metrics")
+            .map(|(_, body)| body)
+            .unwrap_or_default();
+        if body.lines().any(|l| l == line) {
+            break;
+        }
+        assert!(
+            start.elapsed() < TIMEOUT,
+            "{line:?} missing from /metrics:\n{}",
+            body.lines()
+                .filter(|l| l.contains("policy_denials"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The `shunt agent` binary started by [`Harness::spawn_agent_binary`].
+struct AgentProcess {
+    child: ChildGuard,
+    admin: std::net::SocketAddr,
+    metrics: std::net::SocketAddr,
+    log_path: PathBuf,
+}
+
+impl AgentProcess {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+}
+
+impl Harness {
+    /// The `shunt agent` binary in eBPF mode, given only a kubeconfig for
+    /// this harness's API server. It runs in the test's own netns: every
+    /// port it serves goes on a free loopback port, never on the node-wide
+    /// defaults. `extra` are more flags.
+    fn spawn_agent_binary(&self, extra: &[&str]) -> AgentProcess {
+        let free_port = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("a free loopback port")
+        };
+        let (admin, metrics, readiness) = (free_port(), free_port(), free_port());
+        let kubeconfig = self.server.write_kubeconfig(self.dir.path());
+        let log_path = self.dir.path().join("agent.log");
+        let log = std::fs::File::create(&log_path).expect("log file");
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_shunt"))
+            .arg("agent")
+            .args(["--redirect", "ebpf", "--log-level", "info,shunt=debug"])
+            .arg("--bpf-pin-dir")
+            .arg(&self.pin_dir.0)
+            .arg("--cgroup-root")
+            .arg(self.topo.cgroup_root().expect("topology cgroup"))
+            .arg("--admin-addr")
+            .arg(admin.to_string())
+            .arg("--metrics-addr")
+            .arg(metrics.to_string())
+            .arg("--readiness-addr")
+            .arg(readiness.to_string())
+            .arg("--ca-dir")
+            .arg(self.dir.path().join("ca"))
+            .args(extra)
+            .env("NODE_NAME", NODE)
+            .env("KUBECONFIG", &kubeconfig)
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("start shunt agent");
+        AgentProcess {
+            child: ChildGuard(child),
+            admin,
+            metrics,
+            log_path,
+        }
+    }
 }
 
 /// Kills (by its PID) and reaps a child process when dropped, also when a
