@@ -153,6 +153,9 @@ impl WorkloadLookup for RwLock<WorkloadStore> {
         dst: SocketAddr,
         n: usize,
     ) -> Option<SocketAddr> {
+        // Limitation: endpoints on another network are picked and dialled
+        // like local ones; ztunnel sends them through that network's
+        // gateway or fails the connection (docs/WAYPOINTS.md, "Not done yet").
         if !service.ranks_by_locality() {
             return service.pick(dst, n).map(|(_, target)| target);
         }
