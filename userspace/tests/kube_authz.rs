@@ -14,6 +14,8 @@
 
 #[path = "support/fake_apiserver.rs"]
 mod fake_apiserver;
+#[path = "support/kube_agent.rs"]
+mod kube_agent;
 #[path = "support/kube_harness.rs"]
 mod kube_harness;
 
@@ -25,6 +27,7 @@ use std::{
 };
 
 use fake_apiserver::{FakeApiServer, Kind, authorization_policy, namespace, pod};
+use kube_agent::{PinDir, spawn_agent_binary};
 use kube_harness::{cluster_store, http_get as admin_get, wait_for};
 use serde_json::{Value, json};
 use shunt::{api::config_dump::ConfigDump, control::kube::ClusterWorkloads, store::WorkloadStore};
@@ -70,27 +73,6 @@ fn typo() -> Value {
 }
 
 // ---------------------------------------------------------------- the binary
-
-/// Kills (by its PID) and reaps a child process when dropped.
-struct ChildGuard(std::process::Child);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-}
-
-/// A bpf pin dir for one test agent, removed when dropped (also on panic).
-struct PinDir(PathBuf);
-
-impl Drop for PinDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// `(namespace/name, action, rules)` of each policy `/config_dump` lists,
 /// and the policies it says apply to workload `shop/web`.
@@ -154,40 +136,15 @@ async fn kube_policies_follow_create_modify_delete_in_config_dump() {
     server.apply(Kind::AuthorizationPolicy, typo());
 
     let kubeconfig = server.write_kubeconfig(dir.path());
-    // The agent runs in the test's own netns: every port it serves goes on
-    // a free loopback port.
-    let free_port = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free loopback port")
-    };
-    let (admin, metrics, readiness) = (free_port(), free_port(), free_port());
-    let log_path = dir.path().join("agent.log");
-    let log = std::fs::File::create(&log_path).expect("log file");
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_shunt"))
-        .arg("agent")
-        .args(["--redirect", "ebpf", "--log-level", "info,shunt=debug"])
-        .arg("--bpf-pin-dir")
-        .arg(&pin_dir.0)
-        .arg("--cgroup-root")
-        .arg(topo.cgroup_root().expect("topology cgroup"))
-        .arg("--admin-addr")
-        .arg(admin.to_string())
-        .arg("--metrics-addr")
-        .arg(metrics.to_string())
-        .arg("--readiness-addr")
-        .arg(readiness.to_string())
-        .arg("--ca-dir")
-        .arg(dir.path().join("ca"))
-        .env("NODE_NAME", "node-a")
-        .env("KUBECONFIG", &kubeconfig)
-        .env_remove("KUBERNETES_SERVICE_HOST")
-        .stdout(log.try_clone().expect("log"))
-        .stderr(log)
-        .spawn()
-        .expect("start shunt agent");
-    let _child = ChildGuard(child);
-    let agent_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    let agent = spawn_agent_binary(
+        "node-a",
+        &kubeconfig,
+        &pin_dir.0,
+        &topo.cgroup_root().expect("topology cgroup"),
+        dir.path(),
+        &[],
+    );
+    let (admin, agent_log) = (agent.admin, || agent.log());
     let wait_dump = |what: &str, want: Seen| {
         let start = Instant::now();
         let mut last = None;

@@ -29,7 +29,7 @@ use std::{
 };
 
 use fake_apiserver::{FakeApiServer, Kind, authorization_policy, namespace, pod};
-use kube_agent::Agent;
+use kube_agent::{Agent, AgentProcess, ChildGuard, PinDir};
 use kube_harness::{http_get, wait_for};
 use serde_json::{Value, json};
 use shunt::{
@@ -61,15 +61,6 @@ fn init_logging() {
 }
 
 // ---------------------------------------------------------------- harness
-
-/// A bpf pin dir for one test agent, removed when dropped (also on panic).
-struct PinDir(PathBuf);
-
-impl Drop for PinDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 struct Harness {
     server: FakeApiServer,
@@ -1161,77 +1152,19 @@ async fn a_deny_policy_from_the_api_server_refuses_the_connect_in_the_kernel() {
     }
 }
 
-/// The `shunt agent` binary started by [`Harness::spawn_agent_binary`].
-struct AgentProcess {
-    child: ChildGuard,
-    admin: std::net::SocketAddr,
-    metrics: std::net::SocketAddr,
-    log_path: PathBuf,
-}
-
-impl AgentProcess {
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log_path).unwrap_or_default()
-    }
-}
-
 impl Harness {
-    /// The `shunt agent` binary in eBPF mode, given only a kubeconfig for
-    /// this harness's API server. It runs in the test's own netns: every
-    /// port it serves goes on a free loopback port, never on the node-wide
-    /// defaults. `extra` are more flags.
+    /// The `shunt agent` binary on this harness's API server, pin dir and
+    /// topology cgroup ([`kube_agent::spawn_agent_binary`]).
     fn spawn_agent_binary(&self, extra: &[&str]) -> AgentProcess {
-        let free_port = || {
-            std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .expect("a free loopback port")
-        };
-        let (admin, metrics, readiness) = (free_port(), free_port(), free_port());
         let kubeconfig = self.server.write_kubeconfig(self.dir.path());
-        let log_path = self.dir.path().join("agent.log");
-        let log = std::fs::File::create(&log_path).expect("log file");
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_shunt"))
-            .arg("agent")
-            .args(["--redirect", "ebpf", "--log-level", "info,shunt=debug"])
-            .arg("--bpf-pin-dir")
-            .arg(&self.pin_dir.0)
-            .arg("--cgroup-root")
-            .arg(self.topo.cgroup_root().expect("topology cgroup"))
-            .arg("--admin-addr")
-            .arg(admin.to_string())
-            .arg("--metrics-addr")
-            .arg(metrics.to_string())
-            .arg("--readiness-addr")
-            .arg(readiness.to_string())
-            .arg("--ca-dir")
-            .arg(self.dir.path().join("ca"))
-            .args(extra)
-            .env("NODE_NAME", NODE)
-            .env("KUBECONFIG", &kubeconfig)
-            .env_remove("KUBERNETES_SERVICE_HOST")
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("start shunt agent");
-        AgentProcess {
-            child: ChildGuard(child),
-            admin,
-            metrics,
-            log_path,
-        }
-    }
-}
-
-/// Kills (by its PID) and reaps a child process when dropped, also when a
-/// test fails.
-struct ChildGuard(std::process::Child);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
+        kube_agent::spawn_agent_binary(
+            NODE,
+            &kubeconfig,
+            &self.pin_dir.0,
+            &self.topo.cgroup_root().expect("topology cgroup"),
+            self.dir.path(),
+            extra,
+        )
     }
 }
 
