@@ -167,6 +167,20 @@ impl Harness {
         Agent::start(agent, KubeSource::new(client, opts, resolver), verify_every)
     }
 
+    /// The `shunt agent` binary on this harness's API server, pin dir and
+    /// topology cgroup ([`kube_agent::spawn_agent_binary`]).
+    fn spawn_agent_binary(&self, extra: &[&str]) -> AgentProcess {
+        let kubeconfig = self.server.write_kubeconfig(self.dir.path());
+        kube_agent::spawn_agent_binary(
+            NODE,
+            &kubeconfig,
+            &self.pin_dir.0,
+            &self.topo.cgroup_root().expect("topology cgroup"),
+            self.dir.path(),
+            extra,
+        )
+    }
+
     /// Starts a process for testbed pod `name` (see [`PodProcess`]) and
     /// serves the pod, with the UID in that process's cgroup path, in
     /// namespace `ns` labelled ambient.
@@ -1004,20 +1018,18 @@ async fn dead_cri_socket_falls_back_to_the_proc_scan() {
 async fn shunt_agent_binary_without_workloads_watches_kubernetes() {
     let h = Harness::new("kube-binary", &["web"]).await;
     let _process = h.pod_process("shop", "web").await;
-    let agent = h.spawn_agent_binary(&[]);
-    let (child, admin) = (agent.child, agent.admin);
-    let agent_log = || std::fs::read_to_string(&agent.log_path).unwrap_or_default();
+    let mut agent = h.spawn_agent_binary(&[]);
     let start = Instant::now();
     while !(h.annotation("shop", "web").as_deref() == Some("enabled") && h.tc_attached("web")) {
         assert!(
             start.elapsed() < TIMEOUT,
             "the agent did not enrol web within {TIMEOUT:?}; its log:\n{}",
-            agent_log()
+            agent.log()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let status = std::process::Command::new(env!("CARGO_BIN_EXE_shunt"))
-        .args(["status", "--json", "--admin-addr", &admin.to_string()])
+        .args(["status", "--json", "--admin-addr", &agent.admin.to_string()])
         .output()
         .expect("shunt status");
     let status: shunt::api::NodeStatus =
@@ -1030,22 +1042,21 @@ async fn shunt_agent_binary_without_workloads_watches_kubernetes() {
     assert_eq!(web.state, PodState::Enrolled);
     assert_eq!(web.identity, "spiffe://cluster.local/ns/shop/sa/sleep");
 
-    let pid = nix::unistd::Pid::from_raw(child.0.id() as i32);
+    let pid = nix::unistd::Pid::from_raw(agent.child.0.id() as i32);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
-    let mut child = child;
     let start = Instant::now();
     let exit = loop {
-        if let Some(exit) = child.0.try_wait().expect("wait") {
+        if let Some(exit) = agent.child.0.try_wait().expect("wait") {
             break exit;
         }
         assert!(
             start.elapsed() < TIMEOUT,
             "agent still running after SIGTERM:\n{}",
-            agent_log()
+            agent.log()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    assert!(exit.success(), "agent exit {exit:?}; log:\n{}", agent_log());
+    assert!(exit.success(), "agent exit {exit:?}; log:\n{}", agent.log());
     assert!(h.tc_detached("web"), "SIGTERM unenrols");
 }
 
@@ -1149,22 +1160,6 @@ async fn a_deny_policy_from_the_api_server_refuses_the_connect_in_the_kernel() {
                 .join("\n")
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-impl Harness {
-    /// The `shunt agent` binary on this harness's API server, pin dir and
-    /// topology cgroup ([`kube_agent::spawn_agent_binary`]).
-    fn spawn_agent_binary(&self, extra: &[&str]) -> AgentProcess {
-        let kubeconfig = self.server.write_kubeconfig(self.dir.path());
-        kube_agent::spawn_agent_binary(
-            NODE,
-            &kubeconfig,
-            &self.pin_dir.0,
-            &self.topo.cgroup_root().expect("topology cgroup"),
-            self.dir.path(),
-            extra,
-        )
     }
 }
 
