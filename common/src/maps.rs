@@ -41,6 +41,9 @@ pub const POLICY_VERDICTS: &str = "SHUNT_POLICY_VERDICTS";
 /// `PerCpuHashMap<PolicyDenialKey, u64>`: connects the kernel refused,
 /// per source pod and deciding policy.
 pub const POLICY_DENIALS: &str = "SHUNT_POLICY_DENIALS";
+/// `RingBuf` of `PolicyRefusal`s: each connect the kernel refused, for the
+/// agent's access log.
+pub const POLICY_REFUSALS: &str = "SHUNT_POLICY_REFUSALS";
 
 /// `HashMap<FastPathDest, u32>`: every destination the proxy must see
 /// (mesh workload IPs, service VIPs); an enrolled pod's connect to any
@@ -107,7 +110,7 @@ pub const HOST_PROBES: &str = "SHUNT_HOST_PROBES";
 pub const HOST_PROBE_STATS: &str = "SHUNT_HOST_PROBE_STATS";
 
 /// Every map the agent pins (and every pod's program instance shares).
-pub const ALL: [&str; 30] = [
+pub const ALL: [&str; 31] = [
     ENROLLED,
     POD_COUNTERS,
     POD_CONFIG,
@@ -121,6 +124,7 @@ pub const ALL: [&str; 30] = [
     SPLICE_KEYS,
     POLICY_VERDICTS,
     POLICY_DENIALS,
+    POLICY_REFUSALS,
     FAST_PATH_DESTS,
     FAST_PATH_STATE,
     FAST_PATH_SOCKS,

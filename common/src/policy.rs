@@ -16,6 +16,11 @@ pub const MAX_POLICY_VERDICTS: u32 = 131072;
 /// (source pod, policy) pairs whose kernel denials are counted at once.
 pub const MAX_POLICY_DENIAL_COUNTERS: u32 = 16384;
 
+/// Size of [`maps::POLICY_REFUSALS`]: 64 KiB, about 1,800 refusals (36
+/// bytes each with the ring's header) waiting for the agent before new
+/// ones go unlogged (they are still refused and counted).
+pub const POLICY_REFUSALS_BYTES: u32 = 64 * 1024;
+
 /// Key of [`maps::POLICY_VERDICTS`]: a connect from the pod in `slot` to
 /// `addr`:`port`. Addresses in network order (IPv4 in `addr[0]`, the rest
 /// zero; a v4-mapped IPv6 destination is keyed as IPv4), port in host
@@ -62,4 +67,18 @@ impl PolicyVerdict {
 pub struct PolicyDenialKey {
     pub slot: u32,
     pub policy: u32,
+}
+
+/// A record of [`maps::POLICY_REFUSALS`]: one connect the kernel refused,
+/// from the pod in `slot` to `addr`:`port` (as in [`PolicyVerdictKey`]),
+/// on the verdict of policy number `policy`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PolicyRefusal {
+    pub slot: u32,
+    pub policy: u32,
+    pub port: u16,
+    /// `AF_INET` (2) or `AF_INET6` (10).
+    pub family: u16,
+    pub addr: [u32; 4],
 }

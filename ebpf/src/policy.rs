@@ -7,8 +7,10 @@
 //! enrolled pod that they are about to redirect. Matches: an entry for
 //! (the pod's slot, destination address, destination port), else the
 //! pod's entry for that address and "any other port" (port 0). Does: a
-//! DENY entry makes the connect fail with EPERM (the caller returns 0)
-//! and counts it in `SHUNT_POLICY_DENIALS` by (slot, policy). Miss path
+//! DENY entry makes the connect fail with EPERM (the caller returns 0),
+//! counts it in `SHUNT_POLICY_DENIALS` by (slot, policy) and sends a
+//! record of it to the agent's access log through `SHUNT_POLICY_REFUSALS`
+//! (a full ring drops the record, never the refusal). Miss path
 //! (no entry, or an ALLOW entry): `false`, the connect goes to the proxy
 //! as before, and the proxy, which stays authoritative, decides.
 //!
@@ -19,11 +21,11 @@
 use aya_ebpf::{
     bindings::{BPF_F_NO_PREALLOC, BPF_NOEXIST},
     macros::map,
-    maps::{HashMap, PerCpuHashMap},
+    maps::{HashMap, PerCpuHashMap, RingBuf},
 };
 use shunt_common::{
-    MAX_POLICY_DENIAL_COUNTERS, MAX_POLICY_VERDICTS, PolicyDenialKey, PolicyVerdict,
-    PolicyVerdictKey,
+    MAX_POLICY_DENIAL_COUNTERS, MAX_POLICY_VERDICTS, POLICY_REFUSALS_BYTES, PolicyDenialKey,
+    PolicyRefusal, PolicyVerdict, PolicyVerdictKey,
 };
 
 const AF_INET: u16 = 2;
@@ -39,6 +41,10 @@ pub static POLICY_VERDICTS: HashMap<PolicyVerdictKey, PolicyVerdict> =
 #[map(name = "SHUNT_POLICY_DENIALS")]
 pub static POLICY_DENIALS: PerCpuHashMap<PolicyDenialKey, u64> =
     PerCpuHashMap::with_max_entries(MAX_POLICY_DENIAL_COUNTERS, 0);
+
+/// Each refused connect, for the agent's access log (read as it comes).
+#[map(name = "SHUNT_POLICY_REFUSALS")]
+pub static POLICY_REFUSALS: RingBuf = RingBuf::with_byte_size(POLICY_REFUSALS_BYTES, 0);
 
 /// Whether the IPv4 connect from `slot` to `addr_be`:`port` is denied by a
 /// compiled verdict (counted when it is).
@@ -70,6 +76,7 @@ pub fn denied_v6(slot: u32, addr_be: [u32; 4], port: u16) -> bool {
 
 #[inline(always)]
 fn check(mut key: PolicyVerdictKey) -> bool {
+    let port = key.port;
     // SAFETY: plain values copied out of the map.
     let verdict = match unsafe { POLICY_VERDICTS.get(&key) } {
         Some(verdict) => *verdict,
@@ -89,6 +96,17 @@ fn check(mut key: PolicyVerdictKey) -> bool {
         slot: key.slot,
         policy: verdict.policy,
     });
+    // A full ring loses the log line only: the refusal is counted above.
+    let _ = POLICY_REFUSALS.output::<PolicyRefusal>(
+        &PolicyRefusal {
+            slot: key.slot,
+            policy: verdict.policy,
+            port,
+            family: key.family,
+            addr: key.addr,
+        },
+        0,
+    );
     true
 }
 

@@ -97,6 +97,9 @@ pub struct NodeAgent {
     kernel_authz: Option<Arc<RwLock<WorkloadStore>>>,
     /// What the last compile left in the kernel.
     kernel_authz_status: Option<KernelAuthzStatus>,
+    /// The access lines of kernel refusals written this second
+    /// (`agent/kernel_authz.rs`).
+    refusal_lines: crate::logging::LineBudget,
     /// The verdicts last written whole (flow 2 of the fast path is turned
     /// off before a different table is written).
     last_verdicts: Option<BTreeMap<VerdictKey, KernelVerdict>>,
@@ -126,6 +129,7 @@ impl NodeAgent {
             metrics: crate::metrics::Metrics::default(),
             kernel_authz: None,
             kernel_authz_status: None,
+            refusal_lines: crate::logging::LineBudget::new(kernel_authz::REFUSAL_LINES_PER_SECOND),
             last_verdicts: None,
             mesh_local_status: None,
         }

@@ -14,7 +14,10 @@
 //! exit: dropping it writes what is still buffered.
 
 mod fields;
+mod line_budget;
 mod writer;
+
+pub use line_budget::LineBudget;
 
 use std::sync::{Mutex, OnceLock};
 

@@ -1063,8 +1063,9 @@ async fn shunt_agent_binary_without_workloads_watches_kubernetes() {
 /// An `AuthorizationPolicy` served by the API server reaches the kernel:
 /// the agent binary, given only a kubeconfig, makes a denied connect
 /// between two of its pods fail with EPERM (no proxy sees it), lets a port
-/// the policy does not name through, and counts each refusal under the
-/// client pod and the policy in `/metrics`.
+/// the policy does not name through, counts each refusal under the client
+/// pod and the policy in `/metrics`, and writes an access-log line for
+/// each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deny_policy_from_the_api_server_refuses_the_connect_in_the_kernel() {
     let h = Harness::new("kube-kdeny", &["web", "client"]).await;
@@ -1160,6 +1161,30 @@ async fn a_deny_policy_from_the_api_server_refuses_the_connect_in_the_kernel() {
                 .join("\n")
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    let dst = format!("dst.addr={web_ip}:8080");
+    let refusal_lines = |log: &str| {
+        log.lines()
+            .filter(|l| {
+                l.contains("shunt::access")
+                    && l.contains("connection refused")
+                    && l.contains("pod=shop/client")
+                    && l.contains("src.identity=\"spiffe://cluster.local/ns/shop/sa/sleep\"")
+                    && l.contains(&dst)
+                    && l.contains("policy=shop/deny-8080")
+                    && l.contains("refused in the kernel at connect (EPERM)")
+            })
+            .count() as u64
+    };
+    let start = Instant::now();
+    while refusal_lines(&agent.log()) != refusals {
+        assert!(
+            start.elapsed() < TIMEOUT,
+            "{refusals} access lines of kernel refusals wanted; the agent's log:\n{}",
+            agent.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

@@ -1,6 +1,7 @@
 //! The kernel's authorization table, compiled by the reconciler (its only
-//! writer) from the store's policies and this node's enrolled pods, and
-//! flow 2 of the fast path, which trusts that table.
+//! writer) from the store's policies and this node's enrolled pods, the
+//! access-log lines of the connects it refused, and flow 2 of the fast
+//! path, which trusts that table.
 
 use tracing::{info, warn};
 
@@ -12,7 +13,56 @@ use crate::{
     state::{PodState, Workload, WorkloadKey},
 };
 
+/// Access lines of kernel refusals a second (an application retrying a
+/// denied connect in a loop would write one per try); the rest are counted
+/// in `shunt_pod_policy_denials_total` anyway, and the next line written
+/// says how many were left out.
+pub(super) const REFUSAL_LINES_PER_SECOND: u32 = 20;
+
 impl NodeAgent {
+    /// The fd that turns readable when the kernel has refused connects
+    /// ([`NodeAgent::log_kernel_refusals`] takes them).
+    pub fn kernel_refusals_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.redirector.kernel_refusals_fd()
+    }
+
+    /// Writes an access-log line for each connect the kernel refused since
+    /// the last call: as the proxy's line for a denied connection, with
+    /// the client pod, its identity, the destination and the policy.
+    pub fn log_kernel_refusals(&mut self) {
+        for refusal in self.redirector.kernel_refusals() {
+            let Some(left_out) = self.refusal_lines.allow() else {
+                continue;
+            };
+            let identity = self
+                .pods
+                .get(&refusal.pod)
+                .map(|e| {
+                    self.with_trust_domain(&refusal.pod, &e.workload)
+                        .identity(&self.trust_domain)
+                        .to_string()
+                })
+                .unwrap_or_else(|| "-".into());
+            let reason = match left_out {
+                0 => "refused in the kernel at connect (EPERM)".to_owned(),
+                n => format!(
+                    "refused in the kernel at connect (EPERM) ({n} similar lines left out in the last second)"
+                ),
+            };
+            warn!(
+                target: "shunt::access",
+                direction = "outbound",
+                pod = %refusal.pod,
+                src.identity = identity,
+                dst.addr = %refusal.dst,
+                result = "denied",
+                policy = %refusal.policy,
+                reason,
+                "connection refused"
+            );
+        }
+    }
+
     /// Compiles the verdicts of connects between this node's enrolled pods
     /// with the one engine and writes them into the kernel (a diff against
     /// what is there). The reconciler is the table's only writer: it alone

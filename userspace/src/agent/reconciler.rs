@@ -1,10 +1,18 @@
 //! The reconcile thread: it owns the [`NodeAgent`], waits on its inputs
 //! (new pods, the store's applied views, ztunnel's answers, the verify
-//! timer, stop) and publishes a [`NodeSnapshot`] after each reconcile.
+//! timer, the kernel's refusals, stop) and publishes a [`NodeSnapshot`]
+//! after each reconcile.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    os::fd::{AsRawFd, RawFd},
+    sync::Arc,
+    time::Duration,
+};
 
-use tokio::sync::{oneshot, watch};
+use tokio::{
+    io::{Interest, unix::AsyncFd},
+    sync::{oneshot, watch},
+};
 use tracing::{error, info, warn};
 
 use super::NodeAgent;
@@ -118,6 +126,7 @@ impl Drop for Reconciler {
 
 enum Wake {
     Pods,
+    KernelRefusals,
     StoreChanged,
     StoreGone,
     ZtunnelAnswered,
@@ -144,6 +153,18 @@ fn reconcile_loop(
         .store_applied
         .clone()
         .filter(|_| agent.follows_store());
+    // The connects the kernel refused, logged as they come. (Dropped
+    // before `agent`, which owns the fd.)
+    let refusals = agent.kernel_refusals_fd().and_then(|fd| {
+        let _runtime = runtime.enter();
+        // SAFETY: the redirector keeps the ring's fd open, with the same
+        // value, for as long as `agent` lives, which outlives this AsyncFd.
+        unsafe { AsyncFd::register_with_interest(OwnedElsewhere(fd), Interest::READABLE) }
+            .inspect_err(|e| {
+                warn!(error = %e, "cannot watch the kernel's refusals: they are counted, not logged");
+            })
+            .ok()
+    });
     loop {
         let wake = runtime.block_on(async {
             tokio::select! {
@@ -171,6 +192,17 @@ fn reconcile_loop(
                     Ok(()) => Wake::StoreChanged,
                     Err(_) => Wake::StoreGone,
                 },
+                () = async {
+                    match refusals.as_ref().map(AsyncFd::readable) {
+                        Some(readable) => match readable.await {
+                            // Cleared before the read: a record that comes
+                            // during it wakes the loop again.
+                            Ok(mut ready) => ready.clear_ready(),
+                            Err(_) => std::future::pending().await,
+                        },
+                        None => std::future::pending().await,
+                    }
+                } => Wake::KernelRefusals,
                 _ = tokio::time::sleep_until(next_verify) => Wake::Verify,
             }
         });
@@ -195,6 +227,11 @@ fn reconcile_loop(
                     }
                 }
                 agent.apply(update.pods);
+            }
+            Wake::KernelRefusals => {
+                agent.log_kernel_refusals();
+                // Nothing a snapshot shows changed.
+                continue;
             }
             // (`changed` marked the answers seen.)
             Wake::ZtunnelAnswered => agent.reconverge(),
@@ -234,5 +271,15 @@ fn reconcile_loop(
             }
         }
         publish.send_replace(Arc::new(agent.snapshot()));
+    }
+}
+
+/// An fd the [`NodeAgent`]'s redirector owns and keeps open for the
+/// reconcile thread's life, watched here without taking it.
+struct OwnedElsewhere(RawFd);
+
+impl AsRawFd for OwnedElsewhere {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
     }
 }

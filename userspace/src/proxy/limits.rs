@@ -31,7 +31,7 @@ use std::{
         Arc, Mutex,
         atomic::{AtomicU64, Ordering},
     },
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
@@ -169,38 +169,6 @@ impl RefusalReason {
 /// were left out.
 const LINES_PER_SECOND: u32 = 20;
 
-#[derive(Debug)]
-struct RateLimit {
-    /// (start of the current second, lines written in it, lines left out
-    /// since the last one written).
-    state: Mutex<(Instant, u32, u64)>,
-}
-
-impl RateLimit {
-    fn new() -> Self {
-        Self {
-            state: Mutex::new((Instant::now(), 0, 0)),
-        }
-    }
-
-    /// `Some(lines left out before this one)` when a line may be written.
-    fn allow(&self) -> Option<u64> {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let now = Instant::now();
-        if now.duration_since(s.0) >= Duration::from_secs(1) {
-            s.0 = now;
-            s.1 = 0;
-        }
-        if s.1 < LINES_PER_SECOND {
-            s.1 += 1;
-            Some(std::mem::take(&mut s.2))
-        } else {
-            s.2 += 1;
-            None
-        }
-    }
-}
-
 /// Which inbound listener a connection came through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Inbound {
@@ -254,7 +222,7 @@ struct State {
     pending: Mutex<BTreeMap<u64, CancellationToken>>,
     next_pending: AtomicU64,
     refusals: [AtomicU64; RefusalReason::ALL.len()],
-    lines: RateLimit,
+    lines: crate::logging::LineBudget,
 }
 
 impl Limits {
@@ -266,7 +234,7 @@ impl Limits {
                 pending: Mutex::new(BTreeMap::new()),
                 next_pending: AtomicU64::new(0),
                 refusals: std::array::from_fn(|_| AtomicU64::new(0)),
-                lines: RateLimit::new(),
+                lines: crate::logging::LineBudget::new(LINES_PER_SECOND),
             }),
         }
     }

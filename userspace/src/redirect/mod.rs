@@ -257,6 +257,26 @@ pub trait Redirector: Send {
     ) -> std::collections::BTreeMap<WorkloadKey, Vec<(crate::authz::PolicyKey, u64)>> {
         Default::default()
     }
+    /// An fd that turns readable when the kernel has refused connects
+    /// since [`Redirector::kernel_refusals`] last took them; `None`: this
+    /// mode has no kernel authorization point.
+    fn kernel_refusals_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
+    /// The connects the kernel refused since the last call, oldest first.
+    fn kernel_refusals(&mut self) -> Vec<KernelRefusal> {
+        Vec::new()
+    }
+}
+
+/// One connect the kernel refused on an authorization policy's verdict.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelRefusal {
+    /// The enrolled pod that connected.
+    pub pod: WorkloadKey,
+    pub dst: std::net::SocketAddr,
+    /// The DENY policy the verdict was compiled from.
+    pub policy: crate::authz::PolicyKey,
 }
 
 /// What [`Redirector::write_verdicts`] did.

@@ -551,6 +551,30 @@ impl Redirector for EbpfRedirector {
             .filter_map(|(key, e)| Some((key.clone(), by_slot.remove(&e.slot)?)))
             .collect()
     }
+
+    fn kernel_refusals_fd(&self) -> Option<std::os::fd::RawFd> {
+        Some(self.policy.refusals_fd())
+    }
+
+    fn kernel_refusals(&mut self) -> Vec<crate::redirect::KernelRefusal> {
+        let refusals = self.policy.refusals();
+        if refusals.is_empty() {
+            return Vec::new();
+        }
+        let by_slot: BTreeMap<u32, &WorkloadKey> =
+            self.pods.iter().map(|(key, e)| (e.slot, key)).collect();
+        refusals
+            .into_iter()
+            // A pod gone since (its slot freed) is no longer named.
+            .filter_map(|(slot, policy, dst)| {
+                Some(crate::redirect::KernelRefusal {
+                    pod: (*by_slot.get(&slot)?).clone(),
+                    dst,
+                    policy,
+                })
+            })
+            .collect()
+    }
 }
 
 /// Copies as much of `from` as fits, leaving the rest NUL.

@@ -404,6 +404,8 @@ fn layout(name: &str) -> Option<(usize, usize)> {
         maps::SPLICE_KEYS => (size_of::<u64>(), size_of::<SpliceKey>()),
         maps::POLICY_VERDICTS => (size_of::<PolicyVerdictKey>(), size_of::<PolicyVerdict>()),
         maps::POLICY_DENIALS => (size_of::<PolicyDenialKey>(), size_of::<u64>()),
+        // A ring buffer has neither keys nor values.
+        maps::POLICY_REFUSALS => (0, 0),
         maps::FAST_PATH_DESTS => (size_of::<FastPathDest>(), size_of::<u32>()),
         maps::FAST_PATH_STATE => (size_of::<u32>(), size_of::<FastPathState>()),
         maps::FAST_PATH_SOCKS => (size_of::<u64>(), size_of::<FastPathSock>()),

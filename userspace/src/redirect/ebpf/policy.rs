@@ -2,7 +2,8 @@
 //! only (the reconciler drives it: it alone knows both the slots and, from
 //! the store, the policies), and its denial counters
 //! `SHUNT_POLICY_DENIALS`, which the connect programs write and the verify
-//! pass reads.
+//! pass reads, and the ring `SHUNT_POLICY_REFUSALS` of each refused connect,
+//! which the reconcile thread reads as records arrive (the access log).
 //!
 //! A new table is written as a diff against what this agent wrote, in an
 //! order that never shows a connect a verdict that is neither its old nor
@@ -14,10 +15,14 @@
 //! maps are emptied (a previous agent numbered differently), and the
 //! first compile fills the table again.
 
-use std::collections::BTreeSet;
+use std::{
+    collections::BTreeSet,
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
+    os::fd::{AsRawFd as _, RawFd},
+};
 
-use aya::maps::PerCpuHashMap;
-use shunt_common::{PolicyDenialKey, PolicyVerdict, PolicyVerdictKey};
+use aya::maps::{PerCpuHashMap, RingBuf};
+use shunt_common::{PolicyDenialKey, PolicyRefusal, PolicyVerdict, PolicyVerdictKey};
 
 use super::*;
 use crate::{
@@ -41,6 +46,7 @@ fn pair(key: &PolicyVerdictKey) -> Pair {
 pub(super) struct PolicyMaps {
     verdicts: BpfHashMap<MapData, PolicyVerdictKey, PolicyVerdict>,
     denials: PerCpuHashMap<MapData, PolicyDenialKey, u64>,
+    refusals: RingBuf<MapData>,
     /// What this agent has in the verdict map (the base of each diff).
     written: BTreeMap<PolicyVerdictKey, PolicyVerdict>,
     /// Policy numbers: a policy keeps its number for the agent's life, so
@@ -50,7 +56,7 @@ pub(super) struct PolicyMaps {
 }
 
 impl PolicyMaps {
-    /// Takes both maps from the loaded object and empties them.
+    /// Takes the maps from the loaded object and empties them.
     pub(super) fn open(ebpf: &mut Ebpf) -> Result<Self, LoadError> {
         let mut verdicts: BpfHashMap<MapData, PolicyVerdictKey, PolicyVerdict> =
             load::take_map(ebpf, maps::POLICY_VERDICTS)?;
@@ -64,6 +70,9 @@ impl PolicyMaps {
         for key in &counters {
             let _ = denials.remove(key);
         }
+        let mut refusals: RingBuf<MapData> = load::take_map(ebpf, maps::POLICY_REFUSALS)?;
+        // Records left by a previous agent name its own policy numbers.
+        while refusals.next().is_some() {}
         if !stale.is_empty() {
             info!(
                 entries = stale.len(),
@@ -73,6 +82,7 @@ impl PolicyMaps {
         Ok(Self {
             verdicts,
             denials,
+            refusals,
             written: BTreeMap::new(),
             numbers: Default::default(),
             names: Vec::new(),
@@ -222,6 +232,49 @@ impl PolicyMaps {
     }
 }
 
+impl PolicyMaps {
+    /// The ring's fd: readable when refusals wait.
+    pub(super) fn refusals_fd(&self) -> RawFd {
+        self.refusals.as_raw_fd()
+    }
+
+    /// The connects refused since the last call, as (slot, deciding
+    /// policy, destination). Records of another size (another release's
+    /// programs) or of a policy this agent did not number are skipped.
+    pub(super) fn refusals(&mut self) -> Vec<(u32, PolicyKey, SocketAddr)> {
+        let mut out = Vec::new();
+        while let Some(item) = self.refusals.next() {
+            if item.len() != std::mem::size_of::<PolicyRefusal>() {
+                continue;
+            }
+            // SAFETY: `PolicyRefusal` is plain old data of exactly this
+            // size; the read is unaligned-safe.
+            let refusal: PolicyRefusal = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
+            let Some(policy) = (refusal.policy as usize)
+                .checked_sub(1)
+                .and_then(|i| self.names.get(i))
+            else {
+                continue;
+            };
+            let dst = SocketAddr::new(socket_ip(refusal.family, refusal.addr), refusal.port);
+            out.push((refusal.slot, policy.clone(), dst));
+        }
+        out
+    }
+}
+
+/// The address a record names (the inverse of [`kernel_addr`]).
+fn socket_ip(family: u16, addr: [u32; 4]) -> IpAddr {
+    if family == AF_INET {
+        return IpAddr::V4(Ipv4Addr::from(addr[0].to_ne_bytes()));
+    }
+    let mut octets = [0u8; 16];
+    for (chunk, word) in octets.chunks_exact_mut(4).zip(addr) {
+        chunk.copy_from_slice(&word.to_ne_bytes());
+    }
+    IpAddr::V6(Ipv6Addr::from(octets))
+}
+
 /// An address as the connect programs key it: network order, IPv4 in the
 /// first word (a v4-mapped IPv6 address as the IPv4 one).
 fn kernel_addr(ip: IpAddr) -> (u16, [u32; 4]) {
@@ -259,5 +312,10 @@ mod tests {
         assert_eq!(family, AF_INET6);
         assert_eq!(addr[0].to_ne_bytes(), [0x20, 0x01, 0x0d, 0xb8]);
         assert_eq!(addr[3].to_ne_bytes(), [0, 0, 0, 1]);
+        for ip in ["198.18.1.4", "2001:db8::1"] {
+            let ip: IpAddr = ip.parse().expect("ip");
+            let (family, addr) = kernel_addr(ip);
+            assert_eq!(socket_ip(family, addr), ip, "a record's address read back");
+        }
     }
 }
