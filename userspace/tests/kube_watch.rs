@@ -44,7 +44,7 @@ use shunt::{
     },
     state::{PodState, TrustDomain, WorkloadKey},
 };
-use shunt_testbed::{Cgroup, Pod, Topology, inspect, require_root};
+use shunt_testbed::{Cgroup, Pod, Topology, inspect, poll::eventually, require_root};
 
 const NODE: &str = "node-a";
 /// Upper bound for anything the agent should do after a change.
@@ -1101,32 +1101,29 @@ async fn a_deny_policy_from_the_api_server_refuses_the_connect_in_the_kernel() {
     let enrolled = |name: &str| {
         h.annotation("shop", name).as_deref() == Some("enabled") && h.tc_attached(name)
     };
-    let start = Instant::now();
-    while !(enrolled("web") && enrolled("client")) {
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "the agent did not enrol both pods within {TIMEOUT:?}; its log:\n{}",
-            agent.log()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let agent_log = || agent.log();
+    eventually(
+        "the agent enrols both pods",
+        TIMEOUT,
+        || (enrolled("web") && enrolled("client")).then_some(()),
+        agent_log,
+    )
+    .await;
     // Until the reconciler has compiled the policy, a connect goes to the
     // proxy; from then on the kernel refuses it.
-    let mut refusals = 0u64;
-    let start = Instant::now();
-    loop {
-        let (connected, stderr) = connect(8080);
-        if stderr.contains("Operation not permitted") {
-            refusals += 1;
-            break;
-        }
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "no EPERM on web:8080 within {TIMEOUT:?} (last: connected {connected}, {stderr:?}); the agent's log:\n{}",
-            agent.log()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(
+        "EPERM on web:8080",
+        TIMEOUT,
+        || {
+            connect(8080)
+                .1
+                .contains("Operation not permitted")
+                .then_some(())
+        },
+        agent_log,
+    )
+    .await;
+    let mut refusals = 1u64;
     let (connected, stderr) = connect(8080);
     assert!(
         !connected && stderr.contains("Operation not permitted"),
@@ -1144,24 +1141,24 @@ async fn a_deny_policy_from_the_api_server_refuses_the_connect_in_the_kernel() {
     let line = format!(
         "shunt_pod_policy_denials_total{{namespace=\"shop\",pod=\"client\",policy=\"shop/deny-8080\"}} {refusals}"
     );
-    let start = Instant::now();
-    loop {
-        let body = http_get(agent.metrics, "/metrics")
+    let metrics = || {
+        http_get(agent.metrics, "/metrics")
             .map(|(_, body)| body)
-            .unwrap_or_default();
-        if body.lines().any(|l| l == line) {
-            break;
-        }
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "{line:?} missing from /metrics:\n{}",
-            body.lines()
+            .unwrap_or_default()
+    };
+    eventually(
+        &format!("{line:?} in /metrics"),
+        TIMEOUT,
+        || metrics().lines().any(|l| l == line).then_some(()),
+        || {
+            metrics()
+                .lines()
                 .filter(|l| l.contains("policy_denials"))
                 .collect::<Vec<_>>()
                 .join("\n")
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        },
+    )
+    .await;
 
     let dst = format!("dst.addr={web_ip}:8080");
     let refusal_lines = |log: &str| {
@@ -1177,15 +1174,13 @@ async fn a_deny_policy_from_the_api_server_refuses_the_connect_in_the_kernel() {
             })
             .count() as u64
     };
-    let start = Instant::now();
-    while refusal_lines(&agent.log()) != refusals {
-        assert!(
-            start.elapsed() < TIMEOUT,
-            "{refusals} access lines of kernel refusals wanted; the agent's log:\n{}",
-            agent.log()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(
+        &format!("{refusals} access lines of kernel refusals"),
+        TIMEOUT,
+        || (refusal_lines(&agent.log()) == refusals).then_some(()),
+        agent_log,
+    )
+    .await;
 }
 
 /// A process of a testbed pod, as the kubelet would leave one: `sleep`,
