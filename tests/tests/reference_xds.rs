@@ -1,4 +1,4 @@
-//! The address-feed table (`shunt_testbed::reference::cases::xds`: hostNetwork pods, an undecodable resource, LEGACY_ISTIO_MTLS, a WorkloadEntry named like a pod, two ServiceEntry hosts) the sync table (`cases::sync`: inbound before the first update) the routing table (`cases::routing`: STRICT and FAILOVER by node) and DNS by network (`cases::dns`) on
+//! The address-feed table (`shunt_testbed::reference::cases::xds`: hostNetwork pods, an undecodable resource, LEGACY_ISTIO_MTLS, a WorkloadEntry named like a pod, two ServiceEntry hosts) the sync table (`cases::sync`: inbound before the first update) the routing table (`cases::routing`: STRICT and FAILOVER by node, an endpoint on another network, another network's pod at the server's address) and DNS by network (`cases::dns`) on
 //! both peers: every case on a fresh shunt agent (always) and on a fresh
 //! real ztunnel (when `SHUNT_ZTUNNEL_BIN` names the binary; skipped, with
 //! the reason printed, otherwise), fed the same resources by the in-test

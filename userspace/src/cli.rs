@@ -495,6 +495,13 @@ pub struct AgentArgs {
     )]
     pub cluster_id: String,
 
+    /// This node's Istio network (ztunnel's NETWORK; the cluster's
+    /// `topology.istio.io/network`). Empty: the default network. Where
+    /// workloads of two networks claim one address, the one on this
+    /// network is the one the address names.
+    #[arg(long, env = "NETWORK", value_name = "NAME", default_value = "")]
+    pub network: String,
+
     /// This agent's pod name, namespace and IP (from the downward API), from
     /// which the xDS node id `ztunnel~<ip>~<pod>.<ns>~<ns>.svc.cluster.local`
     /// is made. The IP is required with --xds-address.

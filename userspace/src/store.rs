@@ -39,6 +39,9 @@ pub struct WorkloadStore {
     /// Bumped by every change of the policies (open connections are
     /// re-checked when it moves).
     policy_generation: u64,
+    /// This node's Istio network (`--network`; empty: the default one):
+    /// of workloads claiming one IP, one on it is the one the IP names.
+    local_network: String,
 }
 
 /// What [`WorkloadStore::replace_all`] changed, each list sorted by key.
@@ -85,17 +88,20 @@ pub fn workload_id(w: &Workload) -> std::borrow::Cow<'_, str> {
     }
 }
 
-/// Of several workloads with one IP (or name), the one it means, as
-/// ztunnel ranks them: a pod over anything else (a WorkloadEntry can
-/// claim any address), then one in the mesh; then the greater id, so the
-/// choice does not depend on the order updates came in.
-fn preferred(claimants: &[Arc<Workload>]) -> Option<&Arc<Workload>> {
+/// Of several workloads with one IP (or name), the one it means: one on
+/// `local_network` first (pod CIDRs of two networks may overlap; ztunnel
+/// keys workloads by network and address and looks up its own network's),
+/// then as ztunnel ranks them: a pod over anything else (a WorkloadEntry
+/// can claim any address), then one in the mesh; then the greater id, so
+/// the choice does not depend on the order updates came in.
+fn preferred<'a>(claimants: &'a [Arc<Workload>], local_network: &str) -> Option<&'a Arc<Workload>> {
     match claimants {
         [only] => Some(only),
         _ => claimants.iter().max_by_key(|w| {
+            let here = w.network == local_network;
             let is_pod = w.uid.contains("//Pod/");
             let in_mesh = w.tunnel == TunnelProtocol::Hbone;
-            (is_pod, in_mesh, workload_id(w))
+            (here, is_pod, in_mesh, workload_id(w))
         }),
     }
 }
@@ -103,6 +109,14 @@ fn preferred(claimants: &[Arc<Workload>]) -> Option<&Arc<Workload>> {
 impl WorkloadStore {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty store for a node on `network` (`--network`).
+    pub fn on_network(network: &str) -> Self {
+        Self {
+            local_network: network.to_owned(),
+            ..Self::default()
+        }
     }
 
     /// Makes `workloads` the whole content of the store (a full resync, as
@@ -315,7 +329,9 @@ impl WorkloadStore {
 
     /// As [`WorkloadStore::get`], shared.
     pub fn get_shared(&self, key: &WorkloadKey) -> Option<&Arc<Workload>> {
-        self.by_name.get(key).and_then(|named| preferred(named))
+        self.by_name
+            .get(key)
+            .and_then(|named| preferred(named, &self.local_network))
     }
 
     /// The workload stored under `id` (its uid; see [`workload_id`]).
@@ -333,7 +349,7 @@ impl WorkloadStore {
     pub fn by_ip_shared(&self, ip: IpAddr) -> Option<&Arc<Workload>> {
         self.by_ip
             .get(&ip)
-            .and_then(|claimants| preferred(claimants))
+            .and_then(|claimants| preferred(claimants, &self.local_network))
     }
 
     /// The workloads scheduled on `node`, in key order.
@@ -493,6 +509,30 @@ mod tests {
         assert_eq!(
             store.by_ip(ip("198.18.1.1")).map(Workload::key),
             Some(key("default", "new"))
+        );
+    }
+
+    /// Two networks' pods at one address: the address names the one on
+    /// the node's network (`--network`), whatever the uids say.
+    #[test]
+    fn an_ip_names_the_pod_on_this_nodes_network() {
+        let mut here = workload("default", "server", "198.18.1.1", "node-b");
+        here.uid = "Kubernetes//Pod/default/server".into();
+        let mut elsewhere = workload("default", "zz-remote", "198.18.1.1", "node-x");
+        elsewhere.uid = "Kubernetes//Pod/default/zz-remote".into();
+        elsewhere.network = "network2".into();
+        let named = |store: &mut WorkloadStore| {
+            store.replace_all(vec![here.clone(), elsewhere.clone()]);
+            store.by_ip(ip("198.18.1.1")).map(Workload::key)
+        };
+        assert_eq!(
+            named(&mut WorkloadStore::new()),
+            Some(key("default", "server")),
+            "the default network's, though the other uid is greater"
+        );
+        assert_eq!(
+            named(&mut WorkloadStore::on_network("network2")),
+            Some(key("default", "zz-remote"))
         );
     }
 

@@ -129,6 +129,20 @@ impl Bed {
             self.server.ip(),
             self.server.node().name(),
         );
+        server.network = case.server_network.into();
+        server.network_gateway = case.server_gateway.map(|ip| {
+            use shunt_proto::istio::workload as wl;
+            wl::GatewayAddress {
+                destination: Some(wl::gateway_address::Destination::Address(
+                    wl::NetworkAddress {
+                        network: case.server_network.into(),
+                        address: ip.to_vec(),
+                        length: None,
+                    },
+                )),
+                hbone_mtls_port: 15008,
+            }
+        });
         server.authorization_policies = server_policies.iter().map(|p| p.to_string()).collect();
         for key in server_services {
             let port = shunt_proto::istio::workload::Port {

@@ -85,6 +85,11 @@ pub struct Case {
     pub dns: Vec<DnsRow>,
     /// The client workload's network ("" by default).
     pub client_network: &'static str,
+    /// The server workload's network ("" by default), and the address of
+    /// the gateway istiod names for it on that network (`network_gateway`,
+    /// HBONE port 15008), if any.
+    pub server_network: &'static str,
+    pub server_gateway: Option<[u8; 4]>,
 }
 
 impl Case {
@@ -107,6 +112,8 @@ impl Case {
             outbound: Vec::new(),
             dns: Vec::new(),
             client_network: "",
+            server_network: "",
+            server_gateway: None,
         }
     }
 }

@@ -192,7 +192,7 @@ pub(super) async fn start_proxy(
         .await
         .map_err(AgentError::Identity)?;
     let identities = crate::identity::IdentityManager::new(ca, Default::default());
-    let store = Arc::new(RwLock::new(WorkloadStore::new()));
+    let store = Arc::new(RwLock::new(WorkloadStore::on_network(&args.network)));
     let config = crate::proxy::ProxyConfig {
         trust_domain: trust_domain.clone(),
         inbound_plaintext: args.inbound_plaintext,

@@ -23,15 +23,16 @@ pub trait WorkloadLookup: Send + Sync {
 
     /// The target of connection number `n` from `client` (a local pod's
     /// address) to `dst`, one of `service`'s VIPs and ports: a ready
-    /// endpoint as the service's load balancing (locality included)
-    /// allows ([`Service::pick_for`]); `None` when none may take it.
+    /// endpoint on the client's network, as the service's load balancing
+    /// (locality included) allows ([`Service::pick_for`]), or why there is
+    /// none.
     fn pick_endpoint(
         &self,
         service: &Service,
         client: IpAddr,
         dst: SocketAddr,
         n: usize,
-    ) -> Option<SocketAddr>;
+    ) -> Result<SocketAddr, NoEndpoint>;
 
     /// Checks `connection` to the local workload `dst` against the
     /// authorization policies.
@@ -68,6 +69,17 @@ pub trait WorkloadLookup: Send + Sync {
         hostname: &str,
         port: u16,
     ) -> Result<u16, String>;
+}
+
+/// Why [`WorkloadLookup::pick_endpoint`] found no endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NoEndpoint {
+    /// The service has no ready endpoint for the port and family.
+    NoneReady,
+    /// Its locality load balancing (`STRICT`) leaves none for this client.
+    NotForThisClient,
+    /// Every ready endpoint is on another network than the client's.
+    OnOtherNetworks,
 }
 
 /// The service `hostname` names for a client in `namespace`, ranked as
@@ -152,20 +164,29 @@ impl WorkloadLookup for RwLock<WorkloadStore> {
         client: IpAddr,
         dst: SocketAddr,
         n: usize,
-    ) -> Option<SocketAddr> {
-        // Limitation: endpoints on another network are picked and dialled
-        // like local ones; ztunnel sends them through that network's
-        // gateway or fails the connection (docs/WAYPOINTS.md, "Not done yet").
-        if !service.ranks_by_locality() {
-            return service.pick(dst, n).map(|(_, target)| target);
-        }
+    ) -> Result<SocketAddr, NoEndpoint> {
         let store = self.read().unwrap_or_else(|p| p.into_inner());
         // A client the store does not know compares as nowhere in
-        // particular (every field empty).
+        // particular (every field empty, the network too).
         let client = store.by_ip(client).map(Place::of).unwrap_or_default();
-        service
-            .pick_for(dst, n, &client, |e| store.by_ip(e.ip).map(Place::of))
-            .map(|(_, target)| target)
+        let picked = if service.ranks_by_locality() {
+            service.pick_for(dst, n, &client, |e| store.by_ip(e.ip).map(Place::of))
+        } else {
+            service.pick(dst, client.network, n)
+        };
+        match picked {
+            Some((_, target)) => Ok(target),
+            // Limitation: no network gateways. ztunnel would pick among
+            // these too and send the connection through the endpoint's
+            // network gateway (double HBONE), or fail it without one.
+            None if service.only_on_other_networks(dst, client.network) => {
+                Err(NoEndpoint::OnOtherNetworks)
+            }
+            None if service.ranks_by_locality() && !service.ready_targets(dst).is_empty() => {
+                Err(NoEndpoint::NotForThisClient)
+            }
+            None => Err(NoEndpoint::NoneReady),
+        }
     }
 
     fn authorize(

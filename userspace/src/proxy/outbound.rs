@@ -31,6 +31,7 @@ use tracing::Instrument;
 use super::{
     AccessLog, Outcome, PROXY_PORTS, PodState, Shared,
     h2::H2Stream,
+    lookup::NoEndpoint,
     pool::{PoolKey, StreamGuard},
     reset,
     waypoint::{self, Bound, FailureReason, Route, WaypointFailure, WaypointHop},
@@ -302,24 +303,25 @@ fn resolve_service(
         return Some(dst);
     }
     match shared.workloads.pick_endpoint(&service, client, dst, n) {
-        Some(target) => {
+        Ok(target) => {
             tracing::debug!(service = %service.key(), vip = %dst, endpoint = %target, "service endpoint chosen");
             Some(target)
         }
-        None => {
-            // STRICT load balancing refuses too when no ready endpoint
-            // shares the client's locality (ztunnel: "no healthy upstream").
-            let why = if service.ranks_by_locality() {
-                " its load balancing allows this client"
-            } else {
-                ""
+        Err(why) => {
+            // ztunnel: "no healthy upstream", or no valid destination for
+            // an endpoint on another network without a gateway.
+            let why = match why {
+                NoEndpoint::NoneReady => "no ready endpoint",
+                NoEndpoint::NotForThisClient => {
+                    "no ready endpoint its load balancing allows this client"
+                }
+                NoEndpoint::OnOtherNetworks => {
+                    "ready endpoints only on other networks (shunt has no network gateways)"
+                }
             };
-            tracing::warn!(service = %service.key(), vip = %dst, "service has no ready endpoint{why}; connection refused");
+            tracing::warn!(service = %service.key(), vip = %dst, "service has {why}; connection refused");
             log.dst_addr = dst;
-            log.reason = Some(format!(
-                "service {} has no ready endpoint{why} for {dst}",
-                service.key()
-            ));
+            log.reason = Some(format!("service {} has {why} for {dst}", service.key()));
             None
         }
     }

@@ -26,6 +26,10 @@ pub struct MeshLocalTable {
     /// Service ports that qualified but did not fit
     /// (`MAX_MESH_LOCAL_SERVICES`): left to the proxy.
     pub services_left_out: usize,
+    /// Each destination address's network, which a service endpoint at
+    /// that address must share to be that pod (another network's
+    /// endpoint may have the same address).
+    destination_networks: BTreeMap<IpAddr, String>,
 }
 
 impl MeshLocalTable {
@@ -49,6 +53,9 @@ impl MeshLocalTable {
             for ip in &workload.ips {
                 if !inexact.contains(ip) {
                     table.destinations.insert(*ip, slot);
+                    table
+                        .destination_networks
+                        .insert(*ip, workload.network.clone());
                 }
             }
         }
@@ -62,7 +69,8 @@ impl MeshLocalTable {
     /// local network, and the port has 1 to `MAX_MESH_SERVICE_ENDPOINTS`
     /// ready endpoints (as the proxy chooses among them:
     /// `Service::ready_targets`), every one of them an eligible
-    /// destination. A single ineligible endpoint (another node's, one with
+    /// destination on that destination's network. A single ineligible
+    /// endpoint (another node's or another network's, one with
     /// a waypoint, one outside the mesh, one whose verdicts are inexact)
     /// keeps the whole port on the proxy, which is how it stays balanced
     /// over every endpoint. Weights are the endpoints' capacities (all 1
@@ -85,9 +93,9 @@ impl MeshLocalTable {
                     let targets = service.ready_targets(dialled);
                     if targets.is_empty()
                         || targets.len() > MAX_MESH_SERVICE_ENDPOINTS
-                        || targets
-                            .iter()
-                            .any(|(_, to)| !self.destinations.contains_key(&to.ip()))
+                        || targets.iter().any(|(e, to)| {
+                            self.destination_networks.get(&to.ip()) != Some(&e.network)
+                        })
                     {
                         continue;
                     }
@@ -229,7 +237,18 @@ mod tests {
         );
         ready_only.endpoints[1].ready = false;
         let empty = service("empty", "198.19.100.5", &[]);
-        table.add_services([&weighted, &spread, &waypointed, &ready_only, &empty]);
+        // A workload of another network at a local pod's address: not
+        // that pod.
+        let mut elsewhere = service("elsewhere", "198.19.100.6", &["198.18.1.10"]);
+        elsewhere.endpoints[0].network = "network2".into();
+        table.add_services([
+            &weighted,
+            &spread,
+            &waypointed,
+            &ready_only,
+            &empty,
+            &elsewhere,
+        ]);
         let vip = |s: &str| -> SocketAddr { s.parse().expect("addr") };
         assert_eq!(
             table.services,

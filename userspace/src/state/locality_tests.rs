@@ -1,7 +1,10 @@
 //! Locality load balancing, rows as plain data (service's mode and
 //! preferences, the client's place, the ready endpoints' places, the
 //! endpoints connections may go to) following ztunnel's `load_balance`, so
-//! a harness running the real ztunnel can reuse them.
+//! a harness running the real ztunnel can reuse them. One difference: an
+//! endpoint on another network than the client's is never chosen (ztunnel
+//! would send it through that network's gateway; shunt has none), and
+//! the row where that matters says so.
 
 use std::{
     collections::BTreeSet,
@@ -115,7 +118,8 @@ pub const LOCALITY_ROWS: &[Row] = &[
         &[12],
     ),
     (
-        "FAILOVER network first, none on the network: ranked by the others",
+        // ztunnel: 14, ranked by the others, through n2's gateway.
+        "FAILOVER network first, none on the network: none without a network gateway",
         Mode::Failover,
         &[Scope::Network, Scope::Zone],
         HERE,
@@ -123,7 +127,7 @@ pub const LOCALITY_ROWS: &[Row] = &[
             (14, OTHER_NETWORK),
             (15, ("r1", "z2", "s1", "node-f", "c1", "n2")),
         ],
-        &[14],
+        &[],
     ),
     (
         "unspecified mode (standard): preferences ignored",
@@ -165,7 +169,10 @@ fn endpoints_are_chosen_by_locality_as_ztunnel_chooses_them() {
             }],
             endpoints: endpoints
                 .iter()
-                .map(|(octet, _)| Endpoint::new(ip(*octet), None))
+                .map(|(octet, at)| Endpoint {
+                    network: place(at).network.into(),
+                    ..Endpoint::new(ip(*octet), None)
+                })
                 .collect(),
             load_balancing: Some(LoadBalancing {
                 routing_preference: scopes.to_vec(),
@@ -201,7 +208,11 @@ fn an_endpoint_with_no_known_workload_is_not_chosen_under_a_locality_policy() {
             port: 80,
             target_port: Some(8080),
         }],
-        endpoints: vec![Endpoint::new(ip(10), None)],
+        // On the client's network: only the unknown place keeps it out.
+        endpoints: vec![Endpoint {
+            network: place(&HERE).network.into(),
+            ..Endpoint::new(ip(10), None)
+        }],
         load_balancing: Some(LoadBalancing {
             routing_preference: vec![Scope::Node],
             mode: Mode::Failover,

@@ -152,6 +152,13 @@ pub struct Endpoint {
     /// Its weight among the service's endpoints (the workload's
     /// capacity; 1 where the source has no notion of it).
     pub capacity: u32,
+    /// The network of the workload behind it (xDS `Workload.network`;
+    /// empty where the source has none). A client is sent only to
+    /// endpoints on its own network: another network's endpoints are
+    /// reached through that network's gateway (ztunnel's double HBONE),
+    /// which shunt does not do, and their addresses may belong to other
+    /// pods here.
+    pub network: String,
 }
 
 impl Endpoint {
@@ -163,6 +170,7 @@ impl Endpoint {
             pod,
             ports: BTreeMap::new(),
             capacity: 1,
+            network: String::new(),
         }
     }
 }
@@ -198,18 +206,26 @@ impl Service {
             .collect()
     }
 
-    /// The ready target for connection number `n`: weighted round robin
-    /// by endpoint capacity ([`weighted_pick`]; plain round robin when the
-    /// capacities are equal); `None` when no endpoint is ready.
-    pub fn pick(&self, dst: SocketAddr, n: usize) -> Option<(&Endpoint, SocketAddr)> {
-        let targets = self.ready_targets(dst);
+    /// The ready target for connection number `n` from a client on
+    /// `network`: weighted round robin by endpoint capacity
+    /// ([`weighted_pick`]; plain round robin when the capacities are
+    /// equal) over the ready endpoints on that network; `None` when none
+    /// is ready there ([`Service::only_on_other_networks`] tells why).
+    pub fn pick(
+        &self,
+        dst: SocketAddr,
+        network: &str,
+        n: usize,
+    ) -> Option<(&Endpoint, SocketAddr)> {
+        let targets = self.targets_on(dst, network);
         weighted_pick(&targets, |(e, _)| e.capacity, n).copied()
     }
 
     /// [`Service::pick`] for a client at `client`, by the service's
     /// locality load balancing ([`LoadBalancing::rank`]): `STRICT` keeps
     /// only the endpoints that share every preference with the client,
-    /// `FAILOVER` the best-ranked; then by capacity among those. `place_of`
+    /// `FAILOVER` the best-ranked; then by capacity among those. Only
+    /// endpoints on the client's network are candidates. `place_of`
     /// says where an endpoint runs; one it cannot place (no workload known
     /// at that address) is never chosen under a locality policy, as with
     /// ztunnel. `None`: no endpoint may take it ("no healthy upstream").
@@ -225,10 +241,10 @@ impl Service {
             .as_ref()
             .filter(|lb| lb.ranks_by_locality())
         else {
-            return self.pick(dst, n);
+            return self.pick(dst, client.network, n);
         };
         let ranked: Vec<(usize, (&Endpoint, SocketAddr))> = self
-            .ready_targets(dst)
+            .targets_on(dst, client.network)
             .into_iter()
             .filter_map(|target| Some((lb.rank(client, &place_of(target.0)?)?, target)))
             .collect();
@@ -239,6 +255,21 @@ impl Service {
             .map(|(_, target)| target)
             .collect();
         weighted_pick(&chosen, |(e, _)| e.capacity, n).copied()
+    }
+
+    /// [`Service::ready_targets`] on `network` (compared as ztunnel
+    /// compares a workload's network with its client's: exactly).
+    fn targets_on(&self, dst: SocketAddr, network: &str) -> Vec<(&Endpoint, SocketAddr)> {
+        let mut targets = self.ready_targets(dst);
+        targets.retain(|(e, _)| e.network == network);
+        targets
+    }
+
+    /// Whether `dst` has ready endpoints but none on `network`: what a
+    /// client there cannot reach without a network gateway.
+    pub fn only_on_other_networks(&self, dst: SocketAddr, network: &str) -> bool {
+        let targets = self.ready_targets(dst);
+        !targets.is_empty() && targets.iter().all(|(e, _)| e.network != network)
     }
 
     /// Whether the endpoint choice depends on the client's locality
@@ -358,7 +389,7 @@ mod tests {
         ];
         let dst = addr("198.19.100.1:80");
         let picks: Vec<SocketAddr> = (0..4)
-            .filter_map(|n| web.pick(dst, n).map(|(_, a)| a))
+            .filter_map(|n| web.pick(dst, "", n).map(|(_, a)| a))
             .collect();
         assert_eq!(
             picks,
@@ -374,12 +405,36 @@ mod tests {
         let tls = addr("198.19.100.1:443");
         assert_eq!(web.ready_targets(tls).len(), 1);
         assert_eq!(
-            web.pick(tls, 7).map(|(_, a)| a),
+            web.pick(tls, "", 7).map(|(_, a)| a),
             Some(addr("198.18.2.10:8443"))
         );
 
         web.endpoints.iter_mut().for_each(|e| e.ready = false);
-        assert_eq!(web.pick(dst, 0), None);
+        assert_eq!(web.pick(dst, "", 0), None);
+    }
+
+    #[test]
+    fn a_client_is_sent_only_to_endpoints_on_its_network() {
+        let mut web = service("default", "web", "198.19.100.1", 80, 8080);
+        let mut remote = Endpoint::new(ip("198.18.2.10"), None);
+        remote.network = "network2".into();
+        web.endpoints = vec![remote, Endpoint::new(ip("198.18.2.11"), None)];
+        let dst = addr("198.19.100.1:80");
+        let picks = |network: &str| -> Vec<SocketAddr> {
+            (0..3)
+                .filter_map(|n| web.pick(dst, network, n).map(|(_, a)| a))
+                .collect()
+        };
+        assert_eq!(picks(""), [addr("198.18.2.11:8080"); 3]);
+        assert_eq!(picks("network2"), [addr("198.18.2.10:8080"); 3]);
+        assert_eq!(picks("network3"), []);
+        assert!(web.only_on_other_networks(dst, "network3"));
+        assert!(!web.only_on_other_networks(dst, ""));
+        web.endpoints.iter_mut().for_each(|e| e.ready = false);
+        assert!(
+            !web.only_on_other_networks(dst, "network3"),
+            "no ready endpoint anywhere is another reason"
+        );
     }
 
     #[test]
@@ -392,7 +447,7 @@ mod tests {
         web.endpoints = vec![heavy, Endpoint::new(ip("198.18.2.11"), None), drained];
         let dst = addr("198.19.100.1:80");
         let picks: Vec<SocketAddr> = (0..6)
-            .filter_map(|n| web.pick(dst, n).map(|(_, a)| a))
+            .filter_map(|n| web.pick(dst, "", n).map(|(_, a)| a))
             .collect();
         let (a, b) = (addr("198.18.2.10:8080"), addr("198.18.2.11:8080"));
         assert_eq!(picks, [a, b, a, a, b, a], "2:1, capacity 0 never");

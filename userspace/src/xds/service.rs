@@ -175,6 +175,7 @@ pub(crate) fn push_endpoints(service: &mut Service, w: &Workload, ports: &BTreeM
             pod: Some(w.key()),
             ports: ports.clone(),
             capacity: w.capacity,
+            network: w.network.clone(),
         });
     }
 }

@@ -225,6 +225,7 @@ const ZTUNNEL_VALUES: &[&str] = &[
     "caAddress",
     "xdsAddress",
     "multiCluster.clusterName",
+    "network",
 ];
 
 #[test]
@@ -264,6 +265,7 @@ fn chart_values_do_what_they_say() {
             "istioNamespace=mesh",
             "xdsAddress=xds.example:15012",
             "multiCluster.clusterName=east",
+            "network=network1",
             "trustDomain=example.org",
             "resources.requests.cpu=250m",
             "serviceAccountName=shunt-node",
@@ -321,6 +323,7 @@ fn chart_values_do_what_they_say() {
     };
     assert_eq!(env("EXTRA").as_deref(), Some("x"));
     assert_eq!(env("CLUSTER_ID").as_deref(), Some("east"));
+    assert_eq!(env("NETWORK").as_deref(), Some("network1"));
     let cpu = agent
         .resources
         .as_ref()

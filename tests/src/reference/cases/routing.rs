@@ -1,13 +1,16 @@
 //! Endpoint choice by locality (issue 34 item 7): a Service whose only
 //! endpoint (the server, on node-b) is on another node than the client
-//! (node-a), reached through the client's proxy.
+//! (node-a), reached through the client's proxy; and by network: the
+//! server on another network than the client, with and without a network
+//! gateway (one that does not answer: neither peer gets through it).
 
 use shunt_proto::istio::workload::{self as wl, load_balancing};
 
 use super::{Case, OutboundRow};
 use crate::reference::{
+    bed::SERVER_IP,
     probe::Outcome::{self, Allowed, Refused},
-    resources::{encode, service},
+    resources::{encode, pod, service},
 };
 
 /// A Service `default/<name>` at `vip` choosing endpoints by `mode` with
@@ -71,5 +74,61 @@ pub fn cases() -> Vec<Case> {
             Some(load_balancing::Mode::Failover),
             Allowed,
         ),
+        on_network(
+            "the only endpoint on another network, no gateway",
+            "remote",
+            "default/remote.default.svc.cluster.local",
+            [198, 19, 100, 47],
+            None,
+        ),
+        on_network(
+            "the only endpoint on another network, behind its gateway",
+            "gatewayed",
+            "default/gatewayed.default.svc.cluster.local",
+            [198, 19, 100, 50],
+            Some([198, 19, 100, 51]),
+        ),
+        same_address_elsewhere(),
     ]
+}
+
+/// A pod of another network at the server's address (pod CIDRs of two
+/// networks may overlap), with another identity and the greater uid: the
+/// address still names the server, on the client's network. ztunnel keys
+/// workloads by network and address.
+fn same_address_elsewhere() -> Case {
+    let mut elsewhere = pod("zz-elsewhere", "sa-elsewhere", SERVER_IP, "node-remote");
+    elsewhere.network = "network2".into();
+    let mut case = Case::authz(
+        "another network's pod at the server's address",
+        Vec::new(),
+        Vec::new(),
+    );
+    case.addresses = vec![encode(wl::Address {
+        r#type: Some(wl::address::Type::Workload(elsewhere)),
+    })];
+    case.outbound = vec![OutboundRow {
+        dst: SERVER_IP.octets(),
+        port: 8080,
+        expect: Allowed,
+    }];
+    case
+}
+
+/// A Service `default/<name>` at `vip` whose only endpoint, the server,
+/// is on `network2` with `gateway` (the client on the default network).
+/// ztunnel refuses: without a gateway there is no valid destination, and
+/// its gateway's address is no workload it knows. shunt refuses too (it
+/// has no network gateways); before, it dialled the server directly.
+fn on_network(
+    name: &'static str,
+    service_name: &'static str,
+    key: &'static str,
+    vip: [u8; 4],
+    gateway: Option<[u8; 4]>,
+) -> Case {
+    let mut case = case(name, service_name, key, vip, None, Refused);
+    case.server_network = "network2";
+    case.server_gateway = gateway;
+    case
 }

@@ -76,6 +76,8 @@ fn raw_case(
         outbound: Vec::new(),
         dns: Vec::new(),
         client_network: "",
+        server_network: "",
+        server_gateway: None,
     }
 }
 

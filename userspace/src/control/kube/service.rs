@@ -237,6 +237,9 @@ pub(crate) fn join<'a>(
                             pod: pod.clone(),
                             ports: ports.clone(),
                             capacity: 1,
+                            // The API server's endpoints are this
+                            // cluster's: the local network.
+                            network: String::new(),
                         }),
                     }
                 }
