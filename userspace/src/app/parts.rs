@@ -202,6 +202,7 @@ pub(super) async fn start_proxy(
             fd_reserve: args.fd_reserve,
         },
         handshake_timeout: Duration::from_secs(args.handshake_timeout.max(1)),
+        network: args.network.clone(),
         ..Default::default()
     };
     let proxy =

@@ -254,6 +254,7 @@ impl Reporter {
                     dst_identity: dst_identity.as_deref(),
                     dst_service: dst_service.as_ref(),
                     derived_source: None,
+                    src_through_gateway: false,
                 };
                 let series = self.connections.series(&info);
                 Side {
@@ -278,6 +279,7 @@ impl Reporter {
             dst_identity: side.dst_identity.as_deref(),
             dst_service: side.dst_service.as_ref(),
             derived_source: None,
+            src_through_gateway: false,
         };
         match event.kind {
             FastPathEvent::OPENED => {

@@ -174,8 +174,10 @@ impl TcpObserver {
                 store.by_ip(c.dst_addr.ip()),
             )
         } else {
+            // Through a network gateway the address is the gateway's.
+            let by_address = (!c.src_through_gateway).then(|| store.by_ip(c.src_addr.ip()));
             (
-                store.by_ip(c.src_addr.ip()),
+                by_address.flatten(),
                 local.or_else(|| store.by_ip(c.dst_addr.ip())),
             )
         };
@@ -387,6 +389,7 @@ mod tests {
             // The client connected to the service web's VIP.
             dst_service: Some(&web),
             derived_source: None,
+            src_through_gateway: false,
         };
         observer.opened(&info);
         let text = metrics.encode(None);
@@ -451,6 +454,7 @@ mod tests {
             dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
             dst_service: None,
             derived_source: None,
+            src_through_gateway: false,
         };
         observer.opened(&info);
         let denied = ConnectionClose {
@@ -504,6 +508,7 @@ mod tests {
             dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
             dst_service: None,
             derived_source: Some(&baggage),
+            src_through_gateway: false,
         };
         // 198.18.9.9 is no workload the store knows: the baggage names it.
         observer.opened(&from("198.18.9.9:5000"));
@@ -540,6 +545,23 @@ mod tests {
             Some("1"),
             "{text}"
         );
+        // Through another network's gateway, `client`'s address is the
+        // gateway's: the baggage names the source.
+        observer.opened(&ConnectionInfo {
+            src_through_gateway: true,
+            ..from("198.18.1.2:5001")
+        });
+        let text = metrics.encode(None);
+        assert_eq!(
+            sample(&text, "istio_tcp_connections_opened_total", &derived),
+            Some("2"),
+            "{text}"
+        );
+        assert_eq!(
+            sample(&text, "istio_tcp_connections_opened_total", &known),
+            Some("1"),
+            "{text}"
+        );
         // Absent values print `unknown`.
         let partial = Baggage {
             namespace: Some("shop".into()),
@@ -547,6 +569,7 @@ mod tests {
         };
         observer.opened(&ConnectionInfo {
             derived_source: Some(&partial),
+            src_through_gateway: false,
             ..from("198.18.9.8:5000")
         });
         let text = metrics.encode(None);
@@ -593,6 +616,7 @@ mod tests {
                 dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
                 dst_service: None,
                 derived_source: Some(&baggage),
+                src_through_gateway: false,
             });
         };
         for workload in ["first", "second", "third", "fourth", "first"] {
@@ -630,6 +654,7 @@ mod tests {
             dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
             dst_service: None,
             derived_source: None,
+            src_through_gateway: false,
         };
         // Refused before it was reported open: both at close.
         observer.closed(

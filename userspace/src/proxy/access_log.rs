@@ -59,6 +59,8 @@ pub(crate) struct AccessLog<'a> {
     pub quiet: bool,
     /// See [`ConnectionInfo::derived_source`].
     pub derived_source: Option<&'a super::Baggage>,
+    /// See [`ConnectionInfo::src_through_gateway`].
+    pub src_through_gateway: bool,
 }
 
 impl<'a> AccessLog<'a> {
@@ -83,6 +85,7 @@ impl<'a> AccessLog<'a> {
             refusal: None,
             quiet: false,
             derived_source: None,
+            src_through_gateway: false,
         }
     }
 
@@ -115,6 +118,7 @@ impl<'a> AccessLog<'a> {
             dst_identity: self.dst_identity,
             dst_service: self.dst_service.as_ref(),
             derived_source: self.derived_source,
+            src_through_gateway: self.src_through_gateway,
         }
     }
 

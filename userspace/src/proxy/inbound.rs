@@ -267,6 +267,20 @@ async fn serve_connection(
     }
 }
 
+/// Whether a CONNECT came through a network gateway: its
+/// `x-forwarded-network` (set by the source's proxy on the inner CONNECT
+/// of ztunnel's double HBONE) names another network than `local`, compared
+/// as ztunnel compares it (ASCII case-insensitively).
+pub(super) fn through_gateway(headers: &http::HeaderMap, local: &str) -> bool {
+    headers
+        .get(X_FORWARDED_NETWORK)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|network| !network.eq_ignore_ascii_case(local))
+}
+
+/// ztunnel's `X_FORWARDED_NETWORK_HEADER`.
+const X_FORWARDED_NETWORK: &str = "x-forwarded-network";
+
 pub(super) async fn serve_stream(
     shared: Arc<Shared>,
     arrival: SocketAddr,
@@ -281,6 +295,7 @@ pub(super) async fn serve_stream(
     let mut log = AccessLog {
         src_identity: peer_identity.as_deref(),
         derived_source: Some(&derived_source),
+        src_through_gateway: through_gateway(request.headers(), &shared.config.network),
         ..AccessLog::new("inbound", peer, arrival)
     };
     let mut refuse = |status: StatusCode, reason: String, log: &mut AccessLog<'_>| {
@@ -517,5 +532,29 @@ pub(crate) fn connect_target<B>(
                 authority.as_str()
             ),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::through_gateway;
+
+    #[test]
+    fn a_connect_came_through_a_gateway_when_its_forwarded_network_is_another() {
+        let with = |value: Option<&str>| {
+            let mut headers = http::HeaderMap::new();
+            if let Some(v) = value {
+                headers.insert("x-forwarded-network", v.parse().expect("header value"));
+            }
+            headers
+        };
+        assert!(!through_gateway(&with(None), "network1"), "no header");
+        assert!(!through_gateway(&with(Some("network1")), "network1"));
+        assert!(
+            !through_gateway(&with(Some("NETWORK1")), "network1"),
+            "compared case-insensitively, as ztunnel"
+        );
+        assert!(through_gateway(&with(Some("network2")), "network1"));
+        assert!(through_gateway(&with(Some("network2")), ""));
     }
 }

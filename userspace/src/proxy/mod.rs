@@ -108,6 +108,10 @@ pub struct ProxyConfig {
     pub preserve_source: bool,
     /// Per-source connection limit and the fd reserve (`limits.rs`).
     pub limits: LimitsConfig,
+    /// This node's Istio network (`--network`; empty: the default one).
+    /// An inbound CONNECT whose `x-forwarded-network` names another came
+    /// through that network's gateway.
+    pub network: String,
 }
 
 impl Default for ProxyConfig {
@@ -122,6 +126,7 @@ impl Default for ProxyConfig {
             inbound_plaintext: InboundPlaintextPolicy::default(),
             preserve_source: false,
             limits: LimitsConfig::default(),
+            network: String::new(),
         }
     }
 }

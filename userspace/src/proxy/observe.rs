@@ -112,6 +112,11 @@ pub struct ConnectionInfo<'a> {
     /// source labels when the source is not known by its address. None
     /// outside inbound HBONE.
     pub derived_source: Option<&'a super::Baggage>,
+    /// The inbound CONNECT came through another network's gateway (its
+    /// `x-forwarded-network` names that network): `src_addr` is the
+    /// gateway's, so the source is known only from `derived_source`
+    /// (ztunnel's `from_gateway`).
+    pub src_through_gateway: bool,
 }
 
 /// What is known once a connection closed.
