@@ -312,11 +312,34 @@ fn ensure_bpffs(dir: &Path) -> Result<(), LoadError> {
         return Ok(());
     }
     let mount_point = Path::new("/sys/fs/bpf");
-    if !dir.starts_with(mount_point) || on_bpffs(mount_point) {
+    if !dir.starts_with(mount_point) {
         return Err(LoadError::BpfFs {
             dir: dir.to_path_buf(),
             source: io::Error::other("not a bpf filesystem"),
         });
+    }
+    // Two agents starting at once (a surge, a test run) must not both
+    // mount: the second bpffs would hide the pins made on the first. Both
+    // lock the directory they see there and look again under the lock.
+    let _held = std::fs::File::open(mount_point)
+        .and_then(|d| {
+            nix::fcntl::Flock::lock(d, nix::fcntl::FlockArg::LockExclusive)
+                .map_err(|(_, errno)| io::Error::from(errno))
+        })
+        .map_err(|source| LoadError::BpfFs {
+            dir: mount_point.to_path_buf(),
+            source,
+        })?;
+    if on_bpffs(mount_point) {
+        // Mounted meanwhile by the agent that held the lock.
+        return if on_bpffs(existing) {
+            Ok(())
+        } else {
+            Err(LoadError::BpfFs {
+                dir: dir.to_path_buf(),
+                source: io::Error::other("not a bpf filesystem"),
+            })
+        };
     }
     info!("no bpf filesystem at /sys/fs/bpf; mounting one");
     nix::mount::mount(
@@ -330,4 +353,70 @@ fn ensure_bpffs(dir: &Path) -> Result<(), LoadError> {
         dir: dir.to_path_buf(),
         source: e.into(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Barrier};
+
+    use nix::{
+        mount::{MntFlags, MsFlags, mount, umount2},
+        sched::{CloneFlags, unshare},
+    };
+
+    use super::*;
+
+    /// bpf filesystems mounted at /sys/fs/bpf in the calling thread's
+    /// mount namespace.
+    fn bpffs_mounts() -> usize {
+        std::fs::read_to_string("/proc/thread-self/mountinfo")
+            .unwrap()
+            .lines()
+            .filter(|l| l.split(' ').nth(4) == Some("/sys/fs/bpf") && l.contains(" - bpf "))
+            .count()
+    }
+
+    /// Two agents starting together on a node without bpffs mount one, not
+    /// two stacked (the second would hide the first's pins). Root only; in
+    /// a mount namespace of a thread of its own, so nothing outside it sees
+    /// the unmounts.
+    #[test]
+    fn two_agents_starting_together_mount_one_bpffs() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipping: mounting needs root");
+            return;
+        }
+        std::thread::spawn(|| {
+            unshare(CloneFlags::CLONE_NEWNS).unwrap();
+            mount(
+                None::<&str>,
+                "/",
+                None::<&str>,
+                MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+                None::<&str>,
+            )
+            .unwrap();
+            for round in 0..20 {
+                while bpffs_mounts() > 0 {
+                    umount2("/sys/fs/bpf", MntFlags::MNT_DETACH).unwrap();
+                }
+                let start = Arc::new(Barrier::new(2));
+                let agents: Vec<_> = (0..2)
+                    .map(|i| {
+                        let start = start.clone();
+                        std::thread::spawn(move || {
+                            start.wait();
+                            ensure_bpffs(&PathBuf::from(format!("/sys/fs/bpf/agent-{i}")))
+                        })
+                    })
+                    .collect();
+                for agent in agents {
+                    agent.join().unwrap().unwrap();
+                }
+                assert_eq!(bpffs_mounts(), 1, "round {round}");
+            }
+        })
+        .join()
+        .unwrap();
+    }
 }
