@@ -21,9 +21,9 @@
 //! Inbound HBONE, and `SO_ORIGINAL_DST` on a dual-stack `[::]:15001`
 //! listener: `ztunnel_hbone.rs`.
 //!
-//! Not covered: a real ztunnel binary (the stand-in checks no
-//! authorization and only the peer's chain and trust domain, not the
-//! client's identity against a policy).
+//! The stand-in checks no authorization and only the peer's chain and
+//! trust domain; the stock ztunnel, with a policy, is in
+//! `ztunnel_stock_traffic.rs`.
 
 mod ztunnel_harness;
 

@@ -20,7 +20,8 @@
 //! reply path of a transparent socket); the same for a v4-mapped IPv6
 //! connect, the authority in IPv4 form.
 //!
-//! Not covered: a real ztunnel binary (see `ztunnel.rs`).
+//! The stock ztunnel itself carries traffic behind both captures in
+//! `ztunnel_stock_traffic.rs`.
 
 mod ztunnel_harness;
 

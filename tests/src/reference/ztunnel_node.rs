@@ -9,7 +9,7 @@
 use std::{path::Path, time::Duration};
 
 use super::{istiod::Istiod, pki::Pki, ztunnel_process::ZtunnelProcess};
-use crate::{Pod, Result};
+use crate::{Cgroup, Pod, Result};
 
 /// A running ztunnel in shared mode; killed (by its PID) when dropped.
 pub struct ZtunnelNode {
@@ -26,7 +26,22 @@ impl ZtunnelNode {
         pki: &Pki,
         zds_socket: &Path,
     ) -> Result<ZtunnelNode> {
-        let process = ZtunnelProcess::start(binary, pod, istiod, pki, [("INPOD_UDS", zds_socket)])?;
+        Self::start_in(binary, pod, None, istiod, pki, zds_socket)
+    }
+
+    /// [`ZtunnelNode::start`], the process in `cgroup` (as a node's
+    /// ztunnel pod sits under the cgroup root the node agent's socket
+    /// programs are attached to: its own connects reach them, marked).
+    pub fn start_in(
+        binary: &Path,
+        pod: &Pod,
+        cgroup: Option<&Cgroup>,
+        istiod: &Istiod,
+        pki: &Pki,
+        zds_socket: &Path,
+    ) -> Result<ZtunnelNode> {
+        let env = [("INPOD_UDS", zds_socket)];
+        let process = ZtunnelProcess::start(binary, pod, cgroup, istiod, pki, env)?;
         Ok(ZtunnelNode { process })
     }
 

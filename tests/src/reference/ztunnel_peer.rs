@@ -80,7 +80,7 @@ impl Ztunnel {
                 nat_rule(pod, "-A", &rule)?;
                 added.push(rule);
             }
-            ZtunnelProcess::start(binary, pod, istiod, pki, env)
+            ZtunnelProcess::start(binary, pod, None, istiod, pki, env)
         })();
         match started {
             Ok(process) => Ok(Ztunnel {

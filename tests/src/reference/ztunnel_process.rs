@@ -16,7 +16,7 @@ use std::{
 use nix::{sys::signal::Signal, unistd::Pid};
 
 use super::{istiod::Istiod, pki::Pki};
-use crate::{Pod, Result, TestbedError, poll::until};
+use crate::{Cgroup, Pod, Result, TestbedError, poll::until};
 
 /// ztunnel's readiness port, on the pod netns' loopback.
 const READINESS: SocketAddr =
@@ -38,11 +38,13 @@ pub(super) struct ZtunnelProcess {
 }
 
 impl ZtunnelProcess {
-    /// Starts `binary` in `pod` against `istiod` with the common settings
-    /// and `env` on top, and waits (bounded) until readiness answers.
+    /// Starts `binary` in `pod` (and in `cgroup`, if given) against
+    /// `istiod` with the common settings and `env` on top, and waits
+    /// (bounded) until readiness answers.
     pub(super) fn start<'a, V: AsRef<OsStr> + 'a>(
         binary: &Path,
         pod: &Pod,
+        cgroup: Option<&Cgroup>,
         istiod: &Istiod,
         pki: &Pki,
         env: impl IntoIterator<Item = (&'a str, V)>,
@@ -57,6 +59,9 @@ impl ZtunnelProcess {
             .map_err(|e| TestbedError::io("ztunnel log", e))?;
         let istiod_url = format!("https://{}", istiod.addr);
         let mut command = pod.command(binary);
+        if let Some(cgroup) = cgroup {
+            cgroup.place(&mut command);
+        }
         command
             .current_dir(dir.path())
             .env_clear()

@@ -1,0 +1,260 @@
+//! Traffic through a stock ztunnel in `--proxy ztunnel` mode: the binary
+//! named by `SHUNT_ZTUNNEL_BIN` (built from Istio's source; skipped, with
+//! the reason printed, without it) in shared mode, in a pod and a cgroup of
+//! its own under the agent's cgroup root, fed workloads, a policy and
+//! certificates by an in-test istiod, handed the mesh pods over the
+//! agent's ZDS server, with the agent's capture in front of it — eBPF, and
+//! iptables with Istio's in-pod rules. What the stand-in ztunnel of
+//! `ztunnel.rs` and `ztunnel_hbone.rs` only imitates, ztunnel itself does
+//! here:
+//!
+//! - mesh to mesh: the client's connect reaches ztunnel's 15001 in its pod,
+//!   which reads the original destination (shunt's `SO_ORIGINAL_DST`),
+//!   opens HBONE (mTLS with the pod's own identity, marked 0x539) to the
+//!   server pod's 15008, where ztunnel checks the server's policy against
+//!   the client's identity and delivers from the client's address (the
+//!   reply path of its transparent socket); both ends log the identities;
+//! - a pod outside the mesh to a mesh pod: plaintext to ztunnel's 15006,
+//!   allowed on the port the policy opens to anyone, refused by ztunnel
+//!   on the port it opens to the client's identity only — so nothing
+//!   reaches the application around ztunnel;
+//! - a mesh pod to a destination outside the mesh: ztunnel's passthrough.
+
+mod ztunnel_harness;
+
+use std::{net::SocketAddr, time::Duration};
+
+use shunt::{
+    redirect::{
+        Redirector,
+        iptables::{InpodRules, IptablesOptions, IptablesRedirector},
+    },
+    state::{DataplaneMode, PodState, Workload},
+};
+use shunt_proto::istio::security::{Action, Match};
+use shunt_testbed::{
+    Cgroup, Pod, Topology,
+    agent::PinDir,
+    apps::{EchoServer, TestApp, ok},
+    reference::{
+        istiod::{Istiod, Snapshot},
+        pki::Pki,
+        resources::{self, ns_policy, rule, service_account},
+        ztunnel_node::ZtunnelNode,
+        ztunnel_peer::ztunnel_binary,
+    },
+    require_root,
+};
+use ztunnel_harness::{Agent, TESTAPP, ebpf_redirector, workload};
+
+const READY: Duration = Duration::from_secs(30);
+const LOGGED: Duration = Duration::from_secs(10);
+
+/// The port the policy opens to anyone, and the one it opens to the
+/// client's service account only.
+const OPEN: u16 = 8080;
+const CLIENT_ONLY: u16 = 9090;
+
+/// What istiod sends: the two mesh pods on the node, and a namespace
+/// ALLOW policy (anyone to [`OPEN`]; `default/sleep` to any port).
+fn istio_config(node: &str, client: &Pod, server: &Pod) -> Snapshot {
+    let policy = ns_policy(
+        "allow-open-port-and-sleep",
+        Action::Allow,
+        vec![
+            rule(vec![vec![Match {
+                destination_ports: vec![OPEN.into()],
+                ..Default::default()
+            }]]),
+            rule(vec![vec![Match {
+                service_accounts: vec![service_account("default", "sleep")],
+                ..Default::default()
+            }]]),
+        ],
+    );
+    Snapshot {
+        addresses: vec![
+            resources::workload(resources::pod("client", "sleep", client.ip(), node)),
+            resources::workload(resources::pod("server", "httpbin", server.ip(), node)),
+        ],
+        authorizations: vec![resources::policy(policy)],
+        ..Default::default()
+    }
+}
+
+/// Runs `connect <to> --send <bytes>` in `pod`; true when every byte came
+/// back.
+fn echoed(app: &TestApp<'_>, pod: &Pod, to: SocketAddr, bytes: usize) -> (bool, String) {
+    let report = app.run(
+        pod,
+        &["connect", &to.to_string(), "--send", &bytes.to_string()],
+    );
+    (
+        ok(&report) && report["received"] == bytes,
+        report.to_string(),
+    )
+}
+
+async fn traffic_through_a_stock_ztunnel(
+    topo: &Topology,
+    pods: &[Pod],
+    redirector: Box<dyn Redirector>,
+) {
+    let binary = match ztunnel_binary() {
+        Ok(binary) => binary,
+        Err(reason) => {
+            eprintln!("skipping: no stock ztunnel: {reason}");
+            return;
+        }
+    };
+    let [zt_pod, client, server, outside] = [&pods[0], &pods[1], &pods[2], &pods[3]];
+    let node = zt_pod.node().name().to_string();
+    let pki = Pki::new().expect("pki");
+    let istiod = Istiod::serve(
+        &pki,
+        zt_pod
+            .listen_tcp("127.0.0.1:0".parse().expect("addr"))
+            .expect("istiod listener"),
+        istio_config(&node, client, server),
+    )
+    .expect("in-test istiod");
+    let agent = Agent::start(
+        topo,
+        redirector,
+        vec![
+            Workload {
+                service_account: "sleep".into(),
+                ..workload(client, DataplaneMode::Ambient)
+            },
+            Workload {
+                service_account: "httpbin".into(),
+                ..workload(server, DataplaneMode::Ambient)
+            },
+        ],
+    );
+    let zt_cgroup = Cgroup::create(topo, "ztunnel").expect("cgroup");
+    let mut ztunnel = tokio::task::block_in_place(|| {
+        ZtunnelNode::start_in(
+            &binary,
+            zt_pod,
+            Some(&zt_cgroup),
+            &istiod,
+            &pki,
+            &agent.socket,
+        )
+        .expect("ztunnel")
+    });
+    for pod in ["client", "server"] {
+        agent.wait_for(pod, PodState::Enrolled).await;
+    }
+    tokio::task::block_in_place(|| ztunnel.wait_ready(READY).expect("ztunnel ready"));
+
+    let apps = Cgroup::create(topo, "apps").expect("cgroup");
+    let app = TestApp::new(TESTAPP, &apps);
+    let open = EchoServer::on(server, OPEN).expect("echo server");
+    let client_only = EchoServer::on(server, CLIENT_ONLY).expect("echo server");
+    let beyond = EchoServer::on(outside, OPEN).expect("echo server");
+    let to = |pod: &Pod, port: u16| SocketAddr::new(pod.ip().into(), port);
+    let sleep = "src.identity=\"spiffe://cluster.local/ns/default/sa/sleep\"";
+    let httpbin = "dst.identity=\"spiffe://cluster.local/ns/default/sa/httpbin\"";
+
+    tokio::task::block_in_place(|| {
+        // Mesh to mesh, on the port only the client's identity may use.
+        let (done, report) = echoed(&app, client, to(server, CLIENT_ONLY), 100_000);
+        assert!(done, "client to server: {report}\n{}", ztunnel.logs());
+        let hbone_addr = format!("dst.hbone_addr={}", to(server, CLIENT_ONLY));
+        for direction in ["direction=\"outbound\"", "direction=\"inbound\""] {
+            let line = ztunnel
+                .wait_log(
+                    &[
+                        "connection complete",
+                        direction,
+                        sleep,
+                        httpbin,
+                        &hbone_addr,
+                    ],
+                    LOGGED,
+                )
+                .expect("ztunnel's access line for the HBONE connection");
+            eprintln!("{line}");
+        }
+        let peers = client_only.peers();
+        assert_eq!(peers.len(), 1, "{peers:?}");
+        assert_eq!(
+            peers[0].ip(),
+            client.ip(),
+            "delivered from the client's address"
+        );
+
+        // From outside the mesh: plaintext through ztunnel's 15006.
+        let (done, report) = echoed(&app, outside, to(server, OPEN), 5_000);
+        assert!(
+            done,
+            "outside to the open port: {report}\n{}",
+            ztunnel.logs()
+        );
+        let src = format!("src.addr={}:", outside.ip());
+        let dst = format!("dst.addr={}", to(server, OPEN));
+        let line = ztunnel
+            .wait_log(
+                &["connection complete", "direction=\"inbound\"", &src, &dst],
+                LOGGED,
+            )
+            .expect("ztunnel's access line for the plaintext connection");
+        eprintln!("{line}");
+        assert_eq!(open.peers().len(), 1, "{:?}", open.peers());
+        assert_eq!(open.peers()[0].ip(), outside.ip());
+
+        // ... refused by ztunnel's policy on the client-only port: nothing
+        // reaches the application around it.
+        let (done, report) = echoed(&app, outside, to(server, CLIENT_ONLY), 5_000);
+        assert!(!done, "outside to the client-only port: {report}");
+        let dst = format!("dst.addr={}", to(server, CLIENT_ONLY));
+        let line = ztunnel
+            .wait_log(
+                &["connection complete", "policy rejection", &src, &dst],
+                LOGGED,
+            )
+            .expect("ztunnel's refusal");
+        eprintln!("{line}");
+        assert_eq!(client_only.peers().len(), 1, "{:?}", client_only.peers());
+
+        // A mesh pod to a destination outside the mesh: passthrough.
+        let (done, report) = echoed(&app, client, to(outside, OPEN), 5_000);
+        assert!(done, "client to outside: {report}\n{}", ztunnel.logs());
+        let dst = format!("dst.addr={}", to(outside, OPEN));
+        let line = ztunnel
+            .wait_log(
+                &["connection complete", "direction=\"outbound\"", &dst],
+                LOGGED,
+            )
+            .expect("ztunnel's access line for the passthrough");
+        eprintln!("{line}");
+        assert_eq!(beyond.peers().len(), 1, "{:?}", beyond.peers());
+        assert_eq!(beyond.peers()[0].ip(), client.ip());
+    });
+    drop(ztunnel);
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ebpf_capture_carries_traffic_through_a_stock_ztunnel() {
+    require_root().expect("kernel tests need root");
+    let (topo, pods) =
+        Topology::single_node("zt-real-ebpf", &["ztunnel", "client", "server", "outside"])
+            .expect("topology");
+    let pin = PinDir::new(&topo, "ztreal");
+    traffic_through_a_stock_ztunnel(&topo, &pods, ebpf_redirector(&topo, &pin)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn istio_iptables_capture_carries_traffic_through_a_stock_ztunnel() {
+    require_root().expect("kernel tests need root");
+    let (topo, pods) =
+        Topology::single_node("zt-real-ipt", &["ztunnel", "client", "server", "outside"])
+            .expect("topology");
+    let mut options = IptablesOptions::new(format!("{}-node-a", topo.prefix()));
+    options.rules = InpodRules::Istio;
+    let redirector = IptablesRedirector::new(options).expect("iptables redirector");
+    traffic_through_a_stock_ztunnel(&topo, &pods, Box::new(redirector)).await;
+}
