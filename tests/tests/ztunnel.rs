@@ -10,8 +10,9 @@
 //! address, every socket it opens marked 0x539.
 //!
 //! Covered, in the eBPF mode and in the iptables mode with Istio's rules:
-//! the pod redirected only after the ack (eBPF: with `tcp_fwmark_accept`
-//! on in its netns before ztunnel is handed it); bytes both ways through the
+//! the pod redirected before ztunnel has it, its connect failing closed
+//! until the ack (eBPF: with `tcp_fwmark_accept` on in its netns before
+//! ztunnel is handed it); bytes both ways through the
 //! client's stand-in (original destination from `SO_ORIGINAL_DST`, IPv4
 //! and v4-mapped IPv6) and the server's (inbound plaintext on 15006: the
 //! application sees the client's address and its replies come back);
@@ -65,8 +66,12 @@ fn bind_in(netns: OwnedFd) -> Vec<TcpListener> {
     .expect("listener thread")
 }
 
+/// connect() failing with EPERM: the eBPF connect hook found no listener
+/// on 15001 in the pod and refused it (fail closed).
+const EPERM: i64 = 1;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_pod_is_redirected_to_the_stand_in_only_after_its_ack() {
+async fn a_pod_fails_closed_until_its_ack_then_reaches_the_stand_in() {
     require_root().expect("kernel tests need root");
     let (topo, pods) =
         Topology::single_node("ztunnel-e2e", &["client", "server"]).expect("topology");
@@ -94,10 +99,12 @@ async fn a_pod_is_redirected_to_the_stand_in_only_after_its_ack() {
     let to = format!("{}:8080", server.ip());
 
     let (zds, listeners) = tokio::task::block_in_place(|| {
-        // No ztunnel has the pod: its connect is not redirected.
+        // No ztunnel has the pod yet: redirected all the same (as behind
+        // istio-cni's rules), its connect fails closed instead of going
+        // out unmeshed.
         let report = app.run(client, &["connect", &to, "--send", "1000"]);
-        assert!(ok(&report), "{report}");
-        assert_eq!(real.accepted().len(), 1, "reached the server directly");
+        assert_eq!(report["errno"], EPERM, "{report}");
+        assert!(real.accepted().is_empty(), "reached the server unmeshed");
 
         let zds = ZdsClient::connect(&agent.socket).expect("connect");
         zds.hello().expect("hello");
@@ -139,10 +146,9 @@ async fn a_pod_is_redirected_to_the_stand_in_only_after_its_ack() {
     let accepted = outbound.accepted();
     assert_eq!(accepted.len(), 1, "{accepted:?}");
     assert_eq!(accepted[0].local, "127.0.0.1:15001".parse().expect("addr"));
-    assert_eq!(
-        real.accepted().len(),
-        1,
-        "the server was not reached directly again"
+    assert!(
+        real.accepted().is_empty(),
+        "the server was never reached directly"
     );
 
     agent.stop().await;

@@ -238,16 +238,10 @@ impl NodeAgent {
                 entry.kernel = kernel;
             }
         }
-        let waiting_for_ztunnel = self
-            .pods
-            .values()
-            .any(|e| e.state == PodState::Pending(WAITING_FOR_ZTUNNEL.into()));
-        // A pod a previous agent left enrolled is adopted only when it is
-        // enrolled again, which with ztunnel waits for its ack: until then
-        // its pins are not leftovers.
-        if !self.stale_removed && !waiting_for_ztunnel {
-            // Every pod the source knows is enrolled now: anything else
-            // pinned is a previous agent's leftover.
+        if !self.stale_removed {
+            // Every pod the source knows is enrolled now (one waiting for
+            // ztunnel's ack too): anything else pinned is a previous
+            // agent's leftover.
             self.stale_removed = true;
             let removed = self.redirector.remove_stale();
             if removed > 0 {
@@ -404,19 +398,18 @@ impl NodeAgent {
             // The enrol below repairs it (and logs what was missing).
             self.metrics.repaired();
         }
-        // A pod ztunnel refused is redirected all the same, so that its
-        // traffic fails closed (at listeners that are not there) rather
-        // than going out unmeshed, while the ZDS server sends it again; it
-        // stays pending (not reported captured) until ztunnel acks it.
-        let mut refused_by_ztunnel = None;
+        // A pod ztunnel has not acked yet, or refused, is redirected all
+        // the same, as istio-cni applies its rules before the add: its
+        // traffic fails closed (at listeners that are not bound yet) rather
+        // than going out unmeshed, and it stays pending (not reported
+        // captured) until ztunnel acks it.
+        let mut not_acked = None;
         if let Some(link) = &self.ztunnel {
             match zds_pod.and_then(|pod| link.answer(key, pod)) {
                 Some(Answer::Acked) => {}
-                Some(Answer::Refused(problem)) => refused_by_ztunnel = Some(problem),
+                Some(Answer::Refused(problem)) => not_acked = Some(problem),
                 Some(Answer::Failed(problem)) => return PodState::Pending(problem),
-                // Redirecting now would send the pod's traffic to listeners
-                // ztunnel has not bound yet.
-                None => return PodState::Pending(WAITING_FOR_ZTUNNEL.into()),
+                None => not_acked = Some(WAITING_FOR_ZTUNNEL.to_string()),
             }
         }
         let started = Instant::now();
@@ -437,14 +430,13 @@ impl NodeAgent {
             },
         };
         match self.redirector.enrol(&target) {
-            Ok(()) => match (refused_by_ztunnel, proxy_problem) {
-                (Some(problem), _) => PodState::Pending(problem),
-                (None, None) => {
-                    if !was_enrolled {
-                        self.metrics.enrolled(served_in + started.elapsed());
-                    }
-                    PodState::Enrolled
+            Ok(()) => match (not_acked, proxy_problem) {
+                (not_acked, None) if !was_enrolled => {
+                    self.metrics.enrolled(served_in + started.elapsed());
+                    not_acked.map_or(PodState::Enrolled, PodState::Pending)
                 }
+                (Some(problem), _) => PodState::Pending(problem),
+                (None, None) => PodState::Enrolled,
                 (None, Some(problem)) => PodState::Error(format!(
                     "enrolled, but the proxy cannot serve it (traffic fails closed): {problem}"
                 )),

@@ -466,10 +466,21 @@ async fn snapshot_add_del_and_a_fresh_snapshot_after_reconnect() {
         trust_domain: TrustDomain::default(),
         pods: vec![h.pod("a").workload.clone(), h.pod("b").workload.clone(), c],
     });
-    // No ztunnel yet: nothing is redirected, the mesh pods wait for it.
+    // No ztunnel yet: the mesh pods wait for it, redirected already (their
+    // traffic fails closed, as behind istio-cni's rules, never unmeshed).
     h.wait_state("a", waiting());
     h.wait_state("b", waiting());
     h.wait_state("c", PodState::NotInMesh);
+    let snapshot = h.reconciler.snapshots().borrow().clone();
+    assert_eq!(
+        states(&snapshot),
+        vec![
+            ("a".to_string(), waiting(), true),
+            ("b".to_string(), waiting(), true),
+            ("c".to_string(), PodState::NotInMesh, false),
+        ],
+        "mesh pods redirected while waiting for ztunnel"
+    );
 
     tokio::task::block_in_place(|| {
         let z = Ztunnel::connect(&h.socket);
@@ -548,18 +559,17 @@ async fn a_ztunnel_that_never_acks_leaves_the_pod_pending() {
         ])
     });
     assert!(line.contains("ERROR"), "{line}");
-    assert_eq!(h.state("silent"), Some(waiting()));
     let snapshot = h.reconciler.snapshots().borrow().clone();
-    assert!(
-        snapshot.pods.iter().all(|p| p.kernel.is_none()),
-        "nothing was enrolled: {:?}",
-        states(&snapshot)
+    assert_eq!(
+        states(&snapshot),
+        vec![("silent".to_string(), waiting(), true)],
+        "pending, and redirected: its traffic fails closed"
     );
     h.reconciler.stop(true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn malformed_messages_reset_the_connection_and_enrol_nothing() {
+async fn malformed_messages_reset_the_connection_and_the_pod_stays_pending() {
     let h = Harness::start("zds-malformed", &["m"]);
     h.push(&["m"]);
     h.wait_state("m", waiting());
@@ -593,12 +603,11 @@ async fn malformed_messages_reset_the_connection_and_enrol_nothing() {
         z.expect_closed();
         wait_for_log(&["WorkloadResponse without an ack"]);
     });
-    assert_eq!(h.state("m"), Some(waiting()));
     let snapshot = h.reconciler.snapshots().borrow().clone();
-    assert!(
-        snapshot.pods.iter().all(|p| p.kernel.is_none()),
-        "nothing was enrolled: {:?}",
-        states(&snapshot)
+    assert_eq!(
+        states(&snapshot),
+        vec![("m".to_string(), waiting(), true)],
+        "nothing taken as acked: pending (redirected, failing closed)"
     );
 
     // A well-behaved ztunnel then gets the pod enrolled.
