@@ -6,7 +6,9 @@
 
 use aya_ebpf::{
     bindings::{BPF_F_CURRENT_NETNS, BPF_TCP_LISTEN, bpf_sock_tuple},
-    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_sk_lookup_tcp, bpf_sk_release},
+    helpers::{
+        bpf_bind, bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_sk_lookup_tcp, bpf_sk_release,
+    },
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
@@ -14,7 +16,7 @@ use aya_log_ebpf::debug;
 use shunt_common::{FastPathDest, OriginalDst, PORT_OUTBOUND, PROXY_MARK, PodConfig};
 
 use crate::{
-    maps::{ENROLLED, ORIGINAL_DST_BY_COOKIE, POD_CONFIG, counters},
+    maps::{ENROLLED, ORIGINAL_DST_BY_COOKIE, POD_ADDRS, POD_CONFIG, counters},
     passthrough,
 };
 
@@ -30,8 +32,9 @@ const LOOPBACK_V4: u32 = u32::from_be_bytes([127, 0, 0, 1]);
 
 /// Hook: `cgroup/connect4` on the cgroup root. Matches TCP connects from a
 /// socket in an enrolled netns, without the proxy's mark, to a non-loopback,
-/// non-excluded destination. Rewrites the destination to 127.0.0.1:15001 and
-/// records the original — unless the fast path lets it go direct (a
+/// non-excluded destination. Rewrites the destination to 127.0.0.1:15001,
+/// binds the socket to the pod's own address (as a `REDIRECT` leaves it)
+/// and records the original — unless the fast path lets it go direct (a
 /// same-node mesh pod, `mesh_local.rs`, or a service VIP whose endpoints
 /// all are, rewritten to one of them, `mesh_service.rs`; a destination
 /// outside the mesh, `passthrough.rs`); if no proxy listens there, refuses the
@@ -77,13 +80,19 @@ pub fn shunt_connect4(ctx: SockAddrContext) -> i32 {
     }
     addr.user_ip4 = LOOPBACK_V4.to_be();
     addr.user_port = u32::from(PORT_OUTBOUND.to_be());
+    if let Some(own) = POD_ADDRS.get(slot)
+        && own.ipv4 != 0
+    {
+        bind_source(&ctx, &mut SockAddrIn::new(own.ipv4));
+    }
     ALLOW
 }
 
 /// Hook: `cgroup/connect6` on the cgroup root. As `connect4`, for IPv6
 /// sockets: a v4-mapped destination (`::ffff:a.b.c.d`, a dual-stack socket
-/// reaching IPv4) goes to `::ffff:127.0.0.1`:15001, a native IPv6 one to
-/// `[::1]`:15001. Miss path: `ALLOW` unchanged.
+/// reaching IPv4) goes to `::ffff:127.0.0.1`:15001, bound to the pod's
+/// IPv4 address v4-mapped, a native IPv6 one to `[::1]`:15001, bound to
+/// the pod's IPv6 address. Miss path: `ALLOW` unchanged.
 #[cgroup_sock_addr(connect6)]
 pub fn shunt_connect6(ctx: SockAddrContext) -> i32 {
     // SAFETY: the context pointer is valid for the program's run.
@@ -150,7 +159,79 @@ pub fn shunt_connect6(ctx: SockAddrContext) -> i32 {
     }
     addr.user_ip6 = proxy;
     addr.user_port = u32::from(PORT_OUTBOUND.to_be());
+    if let Some(own) = POD_ADDRS.get(slot) {
+        let (source, known) = if v4_mapped {
+            ([0, 0, 0xffffu32.to_be(), own.ipv4], own.ipv4 != 0)
+        } else {
+            (own.ipv6, own.ipv6 != [0; 4])
+        };
+        if known {
+            bind_source(&ctx, &mut SockAddrIn6::new(source));
+        }
+    }
     ALLOW
+}
+
+/// `struct sockaddr_in`, port 0.
+#[repr(C)]
+struct SockAddrIn {
+    family: u16,
+    port: u16,
+    addr: u32,
+    zero: [u8; 8],
+}
+
+impl SockAddrIn {
+    fn new(addr_be: u32) -> Self {
+        Self {
+            family: AF_INET,
+            port: 0,
+            addr: addr_be,
+            zero: [0; 8],
+        }
+    }
+}
+
+/// `struct sockaddr_in6`, port 0.
+#[repr(C)]
+struct SockAddrIn6 {
+    family: u16,
+    port: u16,
+    flowinfo: u32,
+    addr: [u32; 4],
+    scope_id: u32,
+}
+
+impl SockAddrIn6 {
+    fn new(addr_be: [u32; 4]) -> Self {
+        Self {
+            family: AF_INET6,
+            port: 0,
+            flowinfo: 0,
+            addr: addr_be,
+            scope_id: 0,
+        }
+    }
+}
+
+/// Binds the connecting socket to `source` with port 0, so the port is
+/// still chosen at connect (`BIND_FORCE_ADDRESS_NO_PORT`). The proxy then
+/// sees the application's connection from the pod's address, as behind
+/// istio-cni's `REDIRECT`, not from loopback (ztunnel logs it as
+/// `src.addr` and sends it in `Forwarded`). Best effort: a socket the
+/// application bound already keeps its address (the helper's EINVAL is
+/// ignored) and comes from loopback.
+#[inline(always)]
+fn bind_source<T>(ctx: &SockAddrContext, source: &mut T) {
+    // SAFETY: `source` is a complete sockaddr of its family on the stack,
+    // its size passed with it.
+    unsafe {
+        bpf_bind(
+            ctx.sock_addr,
+            (source as *mut T).cast(),
+            core::mem::size_of::<T>() as i32,
+        )
+    };
 }
 
 /// Takes the connect for the proxy: records where it was going and counts

@@ -302,3 +302,15 @@ pub fn local_of(report: &Value) -> SocketAddr {
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| panic!("no local address in {report}"))
 }
+
+/// Whether the application's socket in a testapp report is connected to
+/// the proxy's outbound listener (its `"peer"`, getpeername, is loopback
+/// port 15001): redirected. Its local address says nothing here, since
+/// the connect hook binds a redirected socket to the pod's own address.
+pub fn via_the_proxy(report: &Value) -> bool {
+    let peer: SocketAddr = report["peer"]
+        .as_str()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no peer address in {report}"));
+    peer.port() == 15001 && peer.ip().to_canonical().is_loopback()
+}

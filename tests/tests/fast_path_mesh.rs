@@ -24,7 +24,7 @@ use shunt_common::{PolicyVerdict, PolicyVerdictKey, maps};
 use shunt_testbed::{
     Cgroup, Node, Pod, Topology,
     agent::{Agent, WorkloadSpec, mesh_pods_enrolled, start_enrolled, workloads_yaml},
-    apps::{EchoServer, HalfEcho, TestApp, local_of},
+    apps::{EchoServer, HalfEcho, TestApp, local_of, via_the_proxy},
     authz_bed::{AuthzBed, policy_file},
     fast_path::{
         assert_direct, assert_istio_tcp_counted, carried_by_the_proxy, fast_access_line, has_field,
@@ -266,6 +266,7 @@ fn policy_decides_at_connect_and_an_incomplete_table_keeps_the_proxy() {
     let report = bed.connect(&bed.intruder, 8080);
     assert_eq!(report["ok"], Value::Bool(true), "{report}");
     assert_eq!(local_of(&report).ip(), bed.intruder.ip(), "{report}");
+    assert!(!via_the_proxy(&report), "carried in the kernel: {report}");
 
     // A policy that allows only the client: the intruder is refused at
     // connect, and counted; the client is still carried in the kernel.
@@ -291,6 +292,7 @@ fn policy_decides_at_connect_and_an_incomplete_table_keeps_the_proxy() {
     let report = bed.connect(&bed.intruder, 8080);
     assert_eq!(report["ok"], Value::Bool(true), "{report}");
     assert_eq!(local_of(&report).ip(), bed.intruder.ip(), "{report}");
+    assert!(!via_the_proxy(&report), "carried in the kernel: {report}");
 
     // The verdict map full: the policy cannot be compiled whole, so flow 2
     // goes off and the client's connect goes through the proxy (HBONE).
@@ -331,6 +333,7 @@ fn policy_decides_at_connect_and_an_incomplete_table_keeps_the_proxy() {
     let report = bed.connect(&bed.client, 8080);
     assert_eq!(report["ok"], Value::Bool(true), "{report}");
     assert_eq!(local_of(&report).ip(), bed.client.ip(), "{report}");
+    assert!(!via_the_proxy(&report), "carried in the kernel: {report}");
 
     let exit = bed.agent.stop().expect("stop");
     assert!(exit.success(), "{}", bed.agent.logs());

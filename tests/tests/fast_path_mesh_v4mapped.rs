@@ -9,7 +9,7 @@ use serde_json::Value;
 use shunt_testbed::{
     Pod,
     agent::Agent,
-    apps::{HalfEcho, TestApp, local_of},
+    apps::{HalfEcho, TestApp, local_of, via_the_proxy},
     authz_bed::{AuthzBed, policy_file},
     fast_path::{mesh_enabled, policies_compiled},
     scrape::{sample, wait_metrics},
@@ -113,6 +113,7 @@ fn a_v4_mapped_connect_to_a_same_node_mesh_pod_is_never_carried_around_policy() 
     let report = connect_mapped(&apps, &bed.client, &bed.server);
     assert_eq!(report["ok"], Value::Bool(true), "{report}");
     assert_eq!(report["received"].as_u64(), Some(2048), "{report}");
+    assert!(!via_the_proxy(&report), "carried in the kernel: {report}");
     let local = local_of(&report);
     let local_v4 = match local.ip() {
         std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped(),

@@ -103,16 +103,16 @@ async fn hbone_flows_between_the_stand_ins(
         );
         assert_eq!(report["received"], 100000, "{report}");
 
-        // The client's stand-in: accepted on its dual-stack listener (the
-        // application's address v4-mapped: 127.0.0.1 in the eBPF mode, the
-        // pod's own with REDIRECT), the IPv4 original destination
-        // from SO_ORIGINAL_DST at SOL_IP, carried over HBONE (CONNECT
-        // answered 200).
+        // The client's stand-in: accepted on its dual-stack listener from
+        // the application's address, the pod's own v4-mapped (REDIRECT
+        // keeps it; the eBPF connect hook binds it), the IPv4 original
+        // destination from SO_ORIGINAL_DST at SOL_IP, carried over HBONE
+        // (CONNECT answered 200).
         let out = client_proxy.outbound();
         assert_eq!(out.len(), 1, "{out:?}");
         assert!(
-            matches!(out[0].peer.ip(), IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some()),
-            "not accepted on the dual-stack listener: {out:?}"
+            matches!(out[0].peer.ip(), IpAddr::V6(v6) if v6.to_ipv4_mapped() == Some(client.ip())),
+            "not accepted on the dual-stack listener from the pod's address: {out:?}"
         );
         assert_eq!(out[0].original, Ok(to), "SO_ORIGINAL_DST: {out:?}");
         assert_eq!(out[0].hbone, Some(Ok(())), "{out:?}");

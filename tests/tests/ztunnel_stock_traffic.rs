@@ -8,8 +8,9 @@
 //! `ztunnel.rs` and `ztunnel_hbone.rs` only imitates, ztunnel itself does
 //! here:
 //!
-//! - mesh to mesh: the client's connect reaches ztunnel's 15001 in its pod,
-//!   which reads the original destination (shunt's `SO_ORIGINAL_DST`),
+//! - mesh to mesh: the client's connect reaches ztunnel's 15001 in its pod
+//!   from the pod's own address (as behind istio-cni's `REDIRECT`); ztunnel
+//!   reads the original destination (shunt's `SO_ORIGINAL_DST`),
 //!   opens HBONE (mTLS with the pod's own identity, marked 0x539) to the
 //!   server pod's 15008, where ztunnel checks the server's policy against
 //!   the client's identity and delivers from the client's address (the
@@ -163,18 +164,21 @@ async fn traffic_through_a_stock_ztunnel(
         let (done, report) = echoed(&app, client, to(server, CLIENT_ONLY), 100_000);
         assert!(done, "client to server: {report}\n{}", ztunnel.logs());
         let hbone_addr = format!("dst.hbone_addr={}", to(server, CLIENT_ONLY));
+        // ztunnel saw the application's connection from the pod's own
+        // address, as behind istio-cni's REDIRECT (in the eBPF mode the
+        // connect hook binds it), and the HBONE connection came from there.
+        let from_client = format!("src.addr={}:", client.ip());
         for direction in ["direction=\"outbound\"", "direction=\"inbound\""] {
+            let parts = [
+                "connection complete",
+                direction,
+                &from_client,
+                sleep,
+                httpbin,
+                &hbone_addr,
+            ];
             let line = ztunnel
-                .wait_log(
-                    &[
-                        "connection complete",
-                        direction,
-                        sleep,
-                        httpbin,
-                        &hbone_addr,
-                    ],
-                    LOGGED,
-                )
+                .wait_log(&parts, LOGGED)
                 .expect("ztunnel's access line for the HBONE connection");
             eprintln!("{line}");
         }
@@ -225,7 +229,12 @@ async fn traffic_through_a_stock_ztunnel(
         let dst = format!("dst.addr={}", to(outside, OPEN));
         let line = ztunnel
             .wait_log(
-                &["connection complete", "direction=\"outbound\"", &dst],
+                &[
+                    "connection complete",
+                    "direction=\"outbound\"",
+                    &from_client,
+                    &dst,
+                ],
                 LOGGED,
             )
             .expect("ztunnel's access line for the passthrough");
