@@ -13,6 +13,7 @@ mod maps;
 mod mesh_local;
 mod mesh_service;
 mod passthrough;
+mod peername;
 mod policy;
 mod sockops;
 mod sockopt;

@@ -13,7 +13,7 @@
 //!   direct connect: the endpoint still eligible, flow 2 on, "allow") and
 //!   rewrites the destination to the endpoint. The VIP dialled is kept by
 //!   socket cookie (`SHUNT_FP_MESH_VIP_SOCKS`) until the socket closes.
-//! - `cgroup/getpeername4` ([`shunt_getpeername4`]): the application asks
+//! - `cgroup/getpeername4/6` (`peername.rs`): the application asks
 //!   its peer; it gets the VIP and port it dialled, not the endpoint.
 //! - sockops (`passthrough.rs`): the events of such a connection name the
 //!   VIP (the agent reports the service, as the proxy would); the record
@@ -29,8 +29,8 @@
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie},
-    macros::{cgroup_sock_addr, map},
+    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie},
+    macros::map,
     maps::{HashMap, LruHashMap},
     programs::SockAddrContext,
 };
@@ -207,68 +207,11 @@ pub fn forget(cookie: u64, record: &FastPathSock) {
     }
 }
 
-/// The VIP a socket asking getpeername dialled, if flow 2 carried its
-/// connect through one. Only a socket of an enrolled pod can have: every
-/// other one (the host's, pods outside the mesh) is answered by a lookup of
-/// its netns in `SHUNT_ENROLLED` — a handful of keys, so a cached entry —
-/// instead of one in the VIP records, keyed by ever-new socket cookies, whose
-/// random bucket is a cache and TLB miss. Why it matters: accept() asks for
-/// the peer too, so this runs once per connection every server on the node
-/// accepts (≈ 1 µs each in the bench's profile, docs/BENCHMARKS.md). A pod
-/// unenrolled while such a connection lives gets the endpoint from then on.
-#[inline(always)]
-fn dialled_by(ctx: &SockAddrContext) -> Option<MeshServiceSock> {
-    // SAFETY: the helpers only read the socket behind the context.
-    let netns = unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) };
-    // SAFETY: only the presence of the value is read.
-    unsafe { crate::maps::ENROLLED.get(netns) }?;
-    // SAFETY: as above.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
-    dialled(cookie)
-}
-
-/// Hook: `cgroup/getpeername4` on the cgroup root (Linux 5.8+). Matches an
-/// IPv4 socket of an enrolled pod whose connect flow 2 carried through a
-/// service VIP (its cookie in `SHUNT_FP_MESH_VIP_SOCKS`). Does: answers the
-/// VIP and port the application dialled instead of the endpoint the kernel
-/// connected it to, as the proxy path would show it. Miss path (any other
-/// socket): the peer address unchanged; returns 1 (the only value the hook
-/// allows).
-#[cgroup_sock_addr(getpeername4)]
-pub fn shunt_getpeername4(ctx: SockAddrContext) -> i32 {
-    if let Some(dialled) = dialled_by(&ctx)
-        && dialled.family == AF_INET
-    {
-        // SAFETY: the context pointer is valid for the program's run.
-        let addr = unsafe { &mut *ctx.sock_addr };
-        addr.user_ip4 = dialled.addr[0];
-        addr.user_port = u32::from((dialled.port as u16).to_be());
-    }
-    ALLOW
-}
-
-/// Hook: `cgroup/getpeername6` on the cgroup root (Linux 5.8+). As
-/// [`shunt_getpeername4`] for IPv6 sockets (a dual-stack socket's
-/// v4-mapped VIP included). Miss path: the peer address unchanged;
-/// returns 1.
-#[cgroup_sock_addr(getpeername6)]
-pub fn shunt_getpeername6(ctx: SockAddrContext) -> i32 {
-    if let Some(dialled) = dialled_by(&ctx)
-        && dialled.family == AF_INET6
-    {
-        set_ip6(&ctx, dialled.addr);
-        // SAFETY: the context pointer is valid for the program's run.
-        let addr = unsafe { &mut *ctx.sock_addr };
-        addr.user_port = u32::from((dialled.port as u16).to_be());
-    }
-    ALLOW
-}
-
 /// Writes `user_ip6` one word at a time: the verifier refuses a copy of a
 /// map value into the context (compiled to a byte loop through a moved
 /// context pointer).
 #[inline(always)]
-fn set_ip6(ctx: &SockAddrContext, words: [u32; 4]) {
+pub fn set_ip6(ctx: &SockAddrContext, words: [u32; 4]) {
     use core::ptr::{addr_of_mut, write_volatile};
     let sa = ctx.sock_addr;
     // SAFETY: in-bounds, writable fields of the context, written as the

@@ -304,13 +304,14 @@ pub fn local_of(report: &Value) -> SocketAddr {
 }
 
 /// Whether the application's socket in a testapp report is connected to
-/// the proxy's outbound listener (its `"peer"`, getpeername, is loopback
-/// port 15001): redirected. Its local address says nothing here, since
-/// the connect hook binds a redirected socket to the pod's own address.
+/// the proxy's outbound listener (its `"kernel_peer"`, from
+/// `/proc/net/tcp`, is loopback port 15001): redirected. Neither its local
+/// address (the connect hook binds a redirected socket to the pod's own)
+/// nor getpeername (answered with the original destination) says so.
 pub fn via_the_proxy(report: &Value) -> bool {
-    let peer: SocketAddr = report["peer"]
+    let peer: SocketAddr = report["kernel_peer"]
         .as_str()
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("no peer address in {report}"));
+        .unwrap_or_else(|| panic!("no kernel_peer address in {report}"));
     peer.port() == 15001 && peer.ip().to_canonical().is_loopback()
 }

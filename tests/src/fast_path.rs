@@ -140,6 +140,11 @@ pub fn carried_by_the_proxy(apps: &TestApp<'_>, agent: &Agent, client: &Pod, to:
         "an answer came back: {report}"
     );
     assert!(via_the_proxy(&report), "redirected to the proxy: {report}");
+    assert_eq!(
+        report["peer"].as_str(),
+        Some(to),
+        "getpeername answers the destination dialled, not the proxy: {report}"
+    );
     outbound_hbone_counted(agent, before);
 }
 

@@ -84,16 +84,17 @@ fn istio_config(node: &str, client: &Pod, server: &Pod) -> Snapshot {
 }
 
 /// Runs `connect <to> --send <bytes>` in `pod`; true when every byte came
-/// back.
+/// back and the application's getpeername named `to` (REDIRECT's NAT
+/// answers it; in the eBPF mode shunt's getpeername hook does).
 fn echoed(app: &TestApp<'_>, pod: &Pod, to: SocketAddr, bytes: usize) -> (bool, String) {
     let report = app.run(
         pod,
         &["connect", &to.to_string(), "--send", &bytes.to_string()],
     );
-    (
-        ok(&report) && report["received"] == bytes,
-        report.to_string(),
-    )
+    let done = ok(&report)
+        && report["received"] == bytes
+        && report["peer"].as_str() == Some(to.to_string().as_str());
+    (done, report.to_string())
 }
 
 async fn traffic_through_a_stock_ztunnel(

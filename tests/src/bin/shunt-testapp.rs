@@ -113,6 +113,7 @@ fn run(args: &[String]) -> std::io::Result<String> {
     stream.set_write_timeout(Some(timeout))?;
     let local = stream.local_addr()?;
     let peer = stream.peer_addr()?;
+    let kernel_peer = kernel_peer(&stream)?;
     match mode.as_str() {
         "connect" => {
             let n: usize = option(args, "--send")
@@ -130,7 +131,7 @@ fn run(args: &[String]) -> std::io::Result<String> {
             let intact = intact && received == n;
             let (bytes_sent, bytes_received) = tcp_bytes(&stream)?;
             Ok(format!(
-                "{{\"ok\":true,\"local\":\"{local}\",\"peer\":\"{peer}\",\"sent\":{n},\"received\":{received},\"intact\":{intact},\"tcp_bytes_sent\":{bytes_sent},\"tcp_bytes_received\":{bytes_received},\"eagain\":{eagain}}}"
+                "{{\"ok\":true,\"local\":\"{local}\",\"peer\":\"{peer}\",\"kernel_peer\":\"{kernel_peer}\",\"sent\":{n},\"received\":{received},\"intact\":{intact},\"tcp_bytes_sent\":{bytes_sent},\"tcp_bytes_received\":{bytes_received},\"eagain\":{eagain}}}"
             ))
         }
         "hold" => {
@@ -321,6 +322,50 @@ fn transfer_polling(
 
 /// `tcpi_bytes_sent` and `tcpi_bytes_received` of the socket: what went
 /// through the TCP stack (payload moved by sk_msg is in neither).
+/// Where the kernel connected the socket, read from the netns's
+/// `/proc/net/tcp{,6}` by the socket's inode: `getpeername` may answer the
+/// address the application dialled instead (shunt's getpeername hooks).
+fn kernel_peer(stream: &TcpStream) -> std::io::Result<SocketAddr> {
+    use std::os::unix::fs::MetadataExt as _;
+    let inode = std::fs::metadata(format!("/proc/self/fd/{}", stream.as_raw_fd()))?.ino();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let text = std::fs::read_to_string(table)?;
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if fields.get(9).and_then(|f| f.parse::<u64>().ok()) == Some(inode) {
+                return fields
+                    .get(2)
+                    .and_then(|f| proc_net_addr(f))
+                    .ok_or_else(|| bad(&format!("bad {table} line {line:?}")));
+            }
+        }
+    }
+    Err(bad("the socket is in neither /proc/net/tcp nor tcp6"))
+}
+
+/// `ADDR:PORT` as `/proc/net/tcp{,6}` writes it: the address as 32-bit
+/// words in the machine's order, the port in hex.
+fn proc_net_addr(text: &str) -> Option<SocketAddr> {
+    let (addr, port) = text.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    let words: Vec<[u8; 4]> = (0..addr.len() / 8)
+        .map(|i| u32::from_str_radix(&addr[i * 8..i * 8 + 8], 16).map(u32::to_ne_bytes))
+        .collect::<Result<_, _>>()
+        .ok()?;
+    let ip: std::net::IpAddr = match words.as_slice() {
+        [v4] => std::net::Ipv4Addr::from(*v4).into(),
+        [a, b, c, d] => {
+            let mut octets = [0u8; 16];
+            for (chunk, word) in octets.chunks_exact_mut(4).zip([a, b, c, d]) {
+                chunk.copy_from_slice(word);
+            }
+            std::net::Ipv6Addr::from(octets).into()
+        }
+        _ => return None,
+    };
+    Some(SocketAddr::new(ip, port))
+}
+
 fn tcp_bytes(stream: &TcpStream) -> std::io::Result<(u64, u64)> {
     // Offsets in `struct tcp_info` (linux/tcp.h), stable since Linux 4.19.
     const BYTES_RECEIVED: usize = 128;
