@@ -11,8 +11,8 @@
 //!   not ask (glibc, musl, Go all check it).
 //! - TCP and connected UDP: `connect4`/`connect6` call [`connect4`] and
 //!   [`connect6`] first, before the policy check and the fast path: the
-//!   connect is rewritten to the DNS proxy and (UDP) the server remembered
-//!   for recvmsg.
+//!   connect is rewritten to the DNS proxy and the server remembered: for
+//!   recvmsg (UDP) and for getpeername (`peername.rs`, TCP).
 //!
 //! Gating is connect.rs's: the socket's netns cookie is enrolled, the pod's
 //! `PodConfig::DNS_CAPTURE` is set, the socket is not the proxy's own
@@ -154,8 +154,8 @@ pub fn shunt_dns_recvmsg6(ctx: SockAddrContext) -> i32 {
 /// Called first by `connect4` for an enrolled pod (`slot`, `config`).
 /// Matches a TCP or UDP connect to port 53 of a non-loopback address, DNS
 /// capture on for the pod, not the proxy's socket, the DNS proxy bound (TCP:
-/// listening) on 127.0.0.1:15053. Rewrites the destination there; for UDP
-/// remembers the server for recvmsg4. `Some(verdict)`: the connect is
+/// listening) on 127.0.0.1:15053. Rewrites the destination there and
+/// remembers the server: for recvmsg4 (UDP) and getpeername (TCP). `Some(verdict)`: the connect is
 /// decided; `None` (the miss path): connect4 carries on as without DNS.
 #[inline(always)]
 pub fn connect4(ctx: &SockAddrContext, config: &PodConfig) -> Option<i32> {
@@ -174,7 +174,7 @@ pub fn connect4(ctx: &SockAddrContext, config: &PodConfig) -> Option<i32> {
     if !proxy_bound_v4(ctx, addr.type_) {
         return None;
     }
-    if addr.type_ == SOCK_DGRAM && !remember(ctx, [dst, 0, 0, 0], AF_INET) {
+    if !remember(ctx, [dst, 0, 0, 0], AF_INET) {
         return None;
     }
     addr.user_ip4 = LOOPBACK_V4.to_be();
@@ -202,7 +202,7 @@ pub fn connect6(ctx: &SockAddrContext, config: &PodConfig) -> Option<i32> {
     if !bound {
         return None;
     }
-    if addr.type_ == SOCK_DGRAM && !remember(ctx, dst, AF_INET6) {
+    if !remember(ctx, dst, AF_INET6) {
         return None;
     }
     set_user_ip6(addr, proxy);
@@ -240,8 +240,9 @@ fn remember(ctx: &SockAddrContext, server: [u32; 4], family: u16) -> bool {
     DNS_SERVERS.insert(cookie, &server, 0).is_ok()
 }
 
+/// The server the socket asked, if a DNS query of it was captured.
 #[inline(always)]
-fn remembered(ctx: &SockAddrContext) -> Option<OriginalDst> {
+pub fn remembered(ctx: &SockAddrContext) -> Option<OriginalDst> {
     // SAFETY: as above.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
     // SAFETY: a plain value copied out of the map.

@@ -11,6 +11,9 @@
 //!   record lives until the proxy's end closes, after which the loopback
 //!   peer shows again.
 //!
+//! - A TCP DNS query captured to the DNS proxy on 15053 (`dns.rs`): the
+//!   server asked, port 53, from `SHUNT_DNS_SERVERS`.
+//!
 //! Cost per getpeername of a socket of an enrolled pod: one LRU lookup
 //! (the VIP records), and one more when its peer is the proxy; of any
 //! other socket: one lookup of its netns in `SHUNT_ENROLLED`. accept()
@@ -25,7 +28,7 @@ use aya_ebpf::{
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
-use shunt_common::{MeshServiceSock, OriginalDst, PORT_OUTBOUND, SockKey};
+use shunt_common::{MeshServiceSock, OriginalDst, PORT_DNS_PROXY, PORT_OUTBOUND, SockKey};
 
 use crate::maps::{ENROLLED, ORIGINAL_DST};
 
@@ -38,8 +41,8 @@ const LOOPBACK_V4: u32 = u32::from_be_bytes([127, 0, 0, 1]);
 /// Hook: `cgroup/getpeername4` on the cgroup root (Linux 5.8+). Matches an
 /// IPv4 socket of an enrolled pod whose connect flow 2 carried through a
 /// service VIP, or whose connect was redirected to the proxy's
-/// 127.0.0.1:15001. Does: answers the VIP, or the original destination,
-/// and its port. Miss path (any other socket): the peer address
+/// 127.0.0.1:15001 or to the DNS proxy's 127.0.0.1:15053. Does: answers
+/// the VIP, the original destination or the DNS server, and its port. Miss path (any other socket): the peer address
 /// unchanged; returns 1.
 #[cgroup_sock_addr(getpeername4)]
 pub fn shunt_getpeername4(ctx: SockAddrContext) -> i32 {
@@ -55,9 +58,17 @@ pub fn shunt_getpeername4(ctx: SockAddrContext) -> i32 {
         addr.user_port = u32::from((dialled.port as u16).to_be());
         return ALLOW;
     }
-    if addr.user_ip4 == LOOPBACK_V4.to_be()
-        && addr.user_port == u32::from(PORT_OUTBOUND.to_be())
-        && let Some(original) = original_of(&ctx, netns, false)
+    if addr.user_ip4 != LOOPBACK_V4.to_be() {
+        return ALLOW;
+    }
+    let original = if addr.user_port == u32::from(PORT_OUTBOUND.to_be()) {
+        original_of(&ctx, netns, false)
+    } else if addr.user_port == u32::from(PORT_DNS_PROXY.to_be()) {
+        crate::dns::remembered(&ctx)
+    } else {
+        None
+    };
+    if let Some(original) = original
         && u32::from(original.family) == AF_INET
     {
         addr.user_ip4 = original.addr[0];
@@ -69,7 +80,8 @@ pub fn shunt_getpeername4(ctx: SockAddrContext) -> i32 {
 /// Hook: `cgroup/getpeername6` on the cgroup root (Linux 5.8+). As
 /// [`shunt_getpeername4`] for IPv6 sockets: a VIP (a dual-stack socket's
 /// v4-mapped one included), or the original destination of a connect
-/// redirected to `[::1]`:15001 or `::ffff:127.0.0.1`:15001. Miss path:
+/// redirected to `[::1]` or `::ffff:127.0.0.1`, port 15001 or 15053. Miss
+/// path:
 /// the peer address unchanged; returns 1.
 #[cgroup_sock_addr(getpeername6)]
 pub fn shunt_getpeername6(ctx: SockAddrContext) -> i32 {
@@ -91,9 +103,17 @@ pub fn shunt_getpeername6(ctx: SockAddrContext) -> i32 {
     } else {
         peer[0] == 0 && peer[1] == 0 && peer[2] == 0 && u32::from_be(peer[3]) == 1
     };
-    if proxy
-        && addr.user_port == u32::from(PORT_OUTBOUND.to_be())
-        && let Some(original) = original_of(&ctx, netns, v4_mapped)
+    if !proxy {
+        return ALLOW;
+    }
+    let original = if addr.user_port == u32::from(PORT_OUTBOUND.to_be()) {
+        original_of(&ctx, netns, v4_mapped)
+    } else if addr.user_port == u32::from(PORT_DNS_PROXY.to_be()) {
+        crate::dns::remembered(&ctx)
+    } else {
+        None
+    };
+    if let Some(original) = original
         && u32::from(original.family) == AF_INET6
     {
         set_peer6(&ctx, original.addr, original.port);

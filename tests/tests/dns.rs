@@ -130,13 +130,12 @@ fn assert_answer(report: &Value, answer: Ipv4Addr, upstream: SocketAddr, transpo
         "{report}"
     );
     assert_eq!(report["transport"], transport, "{report}");
-    if transport == "udp" {
-        assert_eq!(
-            report["from"],
-            upstream.to_string(),
-            "the answer must look as if it came from the server asked: {report}"
-        );
-    }
+    // UDP: the answer's source (recvmsg); TCP: the peer (getpeername).
+    assert_eq!(
+        report["from"],
+        upstream.to_string(),
+        "the answer must look as if it came from the server asked: {report}"
+    );
 }
 
 fn captured_queries_reach_the_proxy_and_answers_carry_the_servers_address(

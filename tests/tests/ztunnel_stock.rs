@@ -92,6 +92,7 @@ async fn a_stock_ztunnel_is_retried_after_a_refusal_and_a_surge_keeps_the_first(
             // No verify pass looks at the path again during the test.
             verify_every: Duration::from_secs(3600),
             retry_initial: Duration::from_millis(200),
+            ..Default::default()
         },
     );
     agent

@@ -19,7 +19,11 @@
 //!   allowed on the port the policy opens to anyone, refused by ztunnel
 //!   on the port it opens to the client's identity only — so nothing
 //!   reaches the application around ztunnel;
-//! - a mesh pod to a destination outside the mesh: ztunnel's passthrough.
+//! - a mesh pod to a destination outside the mesh: ztunnel's passthrough;
+//! - DNS (`--dns-capture`): a mesh pod's query to its nameserver, over UDP
+//!   and TCP, is answered by ztunnel's DNS proxy on its 15053 with the VIP
+//!   of a ServiceEntry host it learnt from istiod, from the address the pod
+//!   asked (as a resolver requires); the nameserver never sees it.
 
 mod ztunnel_harness;
 
@@ -37,6 +41,7 @@ use shunt_testbed::{
     Cgroup, Pod, Topology,
     agent::PinDir,
     apps::{EchoServer, TestApp, ok},
+    dns::{DnsResponder, Zone},
     reference::{
         istiod::{Istiod, Snapshot},
         pki::Pki,
@@ -46,7 +51,7 @@ use shunt_testbed::{
     },
     require_root,
 };
-use ztunnel_harness::{Agent, TESTAPP, ebpf_redirector, workload};
+use ztunnel_harness::{Agent, AgentOptions, TESTAPP, ebpf_redirector, workload};
 
 const READY: Duration = Duration::from_secs(30);
 const LOGGED: Duration = Duration::from_secs(10);
@@ -55,6 +60,13 @@ const LOGGED: Duration = Duration::from_secs(10);
 /// client's service account only.
 const OPEN: u16 = 8080;
 const CLIENT_ONLY: u16 = 9090;
+
+/// A ServiceEntry host istiod sends as a Service (the name ztunnel's DNS
+/// proxy answers), and its VIP.
+const HOST: &str = "reviews.example.com";
+const VIP: [u8; 4] = [198, 19, 60, 1];
+
+const DIG: &str = env!("CARGO_BIN_EXE_shunt-dig");
 
 /// What istiod sends: the two mesh pods on the node, and a namespace
 /// ALLOW policy (anyone to [`OPEN`]; `default/sleep` to any port).
@@ -77,6 +89,7 @@ fn istio_config(node: &str, client: &Pod, server: &Pod) -> Snapshot {
         addresses: vec![
             resources::workload(resources::pod("client", "sleep", client.ip(), node)),
             resources::workload(resources::pod("server", "httpbin", server.ip(), node)),
+            resources::encode(resources::service("reviews", HOST, VIP)),
         ],
         authorizations: vec![resources::policy(policy)],
         ..Default::default()
@@ -120,7 +133,7 @@ async fn traffic_through_a_stock_ztunnel(
         istio_config(&node, client, server),
     )
     .expect("in-test istiod");
-    let agent = Agent::start(
+    let agent = Agent::start_with(
         topo,
         redirector,
         vec![
@@ -133,6 +146,10 @@ async fn traffic_through_a_stock_ztunnel(
                 ..workload(server, DataplaneMode::Ambient)
             },
         ],
+        AgentOptions {
+            dns_capture: Some(true),
+            ..AgentOptions::default()
+        },
     );
     let zt_cgroup = Cgroup::create(topo, "ztunnel").expect("cgroup");
     let mut ztunnel = tokio::task::block_in_place(|| {
@@ -242,6 +259,34 @@ async fn traffic_through_a_stock_ztunnel(
         eprintln!("{line}");
         assert_eq!(beyond.peers().len(), 1, "{:?}", beyond.peers());
         assert_eq!(beyond.peers()[0].ip(), client.ip());
+
+        // DNS: the pod asks its nameserver (outside the mesh); ztunnel's
+        // DNS proxy answers the ServiceEntry host, from the address asked.
+        let nameserver = DnsResponder::start(
+            outside,
+            SocketAddr::new(outside.ip().into(), 53),
+            Zone::new(),
+            false,
+        )
+        .expect("nameserver");
+        let asked = nameserver.addr().to_string();
+        for transport in [&[][..], &["--tcp"][..]] {
+            let mut args = vec![asked.as_str(), HOST, "--timeout-ms", "5000"];
+            args.extend_from_slice(transport);
+            let answer = TestApp::new(DIG, &apps).run(client, &args);
+            assert_eq!(answer["ok"], true, "{answer}\n{}", ztunnel.logs());
+            assert_eq!(
+                answer["answers"],
+                serde_json::json!([std::net::Ipv4Addr::from(VIP).to_string()]),
+                "ztunnel's answer: {answer}"
+            );
+            assert_eq!(answer["from"], asked, "from the address asked: {answer}");
+        }
+        assert!(
+            nameserver.seen().is_empty(),
+            "the nameserver was asked: {:?}",
+            nameserver.seen()
+        );
     });
     drop(ztunnel);
     agent.stop().await;

@@ -184,8 +184,9 @@ impl NodeAgent {
         self
     }
 
-    /// Hands the pods to a stock ztunnel over ZDS: a pod is enrolled only
-    /// once ztunnel has acknowledged it (its listeners are bound).
+    /// Hands the pods to a stock ztunnel over ZDS: a pod is redirected at
+    /// once (failing closed until ztunnel's listeners are bound) and
+    /// reported enrolled only once ztunnel has acknowledged it.
     pub fn with_ztunnel(mut self, link: ZtunnelLink) -> Self {
         self.ztunnel = Some(link);
         self

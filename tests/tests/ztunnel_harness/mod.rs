@@ -66,6 +66,8 @@ pub struct AgentOptions {
     pub verify_every: Duration,
     /// The ZDS server's wait before sending a refused pod again.
     pub retry_initial: Duration,
+    /// `--dns-capture`: the pods' DNS to ztunnel's 15053 (None: off).
+    pub dns_capture: Option<bool>,
 }
 
 impl Default for AgentOptions {
@@ -73,6 +75,7 @@ impl Default for AgentOptions {
         Self {
             verify_every: Duration::from_secs(1),
             retry_initial: Duration::from_secs(1),
+            dns_capture: None,
         }
     }
 }
@@ -115,6 +118,7 @@ impl Agent {
             Capture::all(),
         )
         .with_metrics(metrics.clone())
+        .with_dns_capture(options.dns_capture)
         .with_ztunnel(link);
         let (pods_tx, pods_rx) = tokio::sync::watch::channel(None);
         let reconciler = Reconciler::spawn(
