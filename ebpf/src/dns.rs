@@ -155,8 +155,9 @@ pub fn shunt_dns_recvmsg6(ctx: SockAddrContext) -> i32 {
 /// Matches a TCP or UDP connect to port 53 of a non-loopback address, DNS
 /// capture on for the pod, not the proxy's socket, the DNS proxy bound (TCP:
 /// listening) on 127.0.0.1:15053. Rewrites the destination there and
-/// remembers the server: for recvmsg4 (UDP) and getpeername (TCP). `Some(verdict)`: the connect is
-/// decided; `None` (the miss path): connect4 carries on as without DNS.
+/// remembers the server: for recvmsg4 (UDP) and getpeername (TCP).
+/// `Some(verdict)`: the connect is decided; `None` (the miss path):
+/// connect4 carries on as without DNS.
 #[inline(always)]
 pub fn connect4(ctx: &SockAddrContext, config: &PodConfig) -> Option<i32> {
     // SAFETY: the context pointer is valid for the program's run.

@@ -10,12 +10,12 @@
 //!   `SHUNT_ORIG_DST` by the socket's own end, as the proxy finds it; the
 //!   record lives until the proxy's end closes, after which the loopback
 //!   peer shows again.
-//!
 //! - A TCP DNS query captured to the DNS proxy on 15053 (`dns.rs`): the
 //!   server asked, port 53, from `SHUNT_DNS_SERVERS`.
 //!
 //! Cost per getpeername of a socket of an enrolled pod: one LRU lookup
-//! (the VIP records), and one more when its peer is the proxy; of any
+//! (the VIP records), and one more when its peer is the proxy or the DNS
+//! proxy; of any
 //! other socket: one lookup of its netns in `SHUNT_ENROLLED`. accept()
 //! asks for the peer too, so this runs for every connection a server on
 //! the node accepts (≈ 1 µs each in the bench's profile,
@@ -42,8 +42,8 @@ const LOOPBACK_V4: u32 = u32::from_be_bytes([127, 0, 0, 1]);
 /// IPv4 socket of an enrolled pod whose connect flow 2 carried through a
 /// service VIP, or whose connect was redirected to the proxy's
 /// 127.0.0.1:15001 or to the DNS proxy's 127.0.0.1:15053. Does: answers
-/// the VIP, the original destination or the DNS server, and its port. Miss path (any other socket): the peer address
-/// unchanged; returns 1.
+/// the VIP, the original destination or the DNS server, and its port.
+/// Miss path (any other socket): the peer address unchanged; returns 1.
 #[cgroup_sock_addr(getpeername4)]
 pub fn shunt_getpeername4(ctx: SockAddrContext) -> i32 {
     let Some(netns) = enrolled_netns(&ctx) else {
@@ -61,14 +61,7 @@ pub fn shunt_getpeername4(ctx: SockAddrContext) -> i32 {
     if addr.user_ip4 != LOOPBACK_V4.to_be() {
         return ALLOW;
     }
-    let original = if addr.user_port == u32::from(PORT_OUTBOUND.to_be()) {
-        original_of(&ctx, netns, false)
-    } else if addr.user_port == u32::from(PORT_DNS_PROXY.to_be()) {
-        crate::dns::remembered(&ctx)
-    } else {
-        None
-    };
-    if let Some(original) = original
+    if let Some(original) = behind_a_proxy(&ctx, netns, addr.user_port, false)
         && u32::from(original.family) == AF_INET
     {
         addr.user_ip4 = original.addr[0];
@@ -80,9 +73,8 @@ pub fn shunt_getpeername4(ctx: SockAddrContext) -> i32 {
 /// Hook: `cgroup/getpeername6` on the cgroup root (Linux 5.8+). As
 /// [`shunt_getpeername4`] for IPv6 sockets: a VIP (a dual-stack socket's
 /// v4-mapped one included), or the original destination of a connect
-/// redirected to `[::1]` or `::ffff:127.0.0.1`, port 15001 or 15053. Miss
-/// path:
-/// the peer address unchanged; returns 1.
+/// redirected to `[::1]` or `::ffff:127.0.0.1`, port 15001 or 15053.
+/// Miss path: the peer address unchanged; returns 1.
 #[cgroup_sock_addr(getpeername6)]
 pub fn shunt_getpeername6(ctx: SockAddrContext) -> i32 {
     let Some(netns) = enrolled_netns(&ctx) else {
@@ -106,14 +98,7 @@ pub fn shunt_getpeername6(ctx: SockAddrContext) -> i32 {
     if !proxy {
         return ALLOW;
     }
-    let original = if addr.user_port == u32::from(PORT_OUTBOUND.to_be()) {
-        original_of(&ctx, netns, v4_mapped)
-    } else if addr.user_port == u32::from(PORT_DNS_PROXY.to_be()) {
-        crate::dns::remembered(&ctx)
-    } else {
-        None
-    };
-    if let Some(original) = original
+    if let Some(original) = behind_a_proxy(&ctx, netns, addr.user_port, v4_mapped)
         && u32::from(original.family) == AF_INET6
     {
         set_peer6(&ctx, original.addr, original.port);
@@ -140,6 +125,25 @@ fn dialled(ctx: &SockAddrContext) -> Option<MeshServiceSock> {
     // SAFETY: the helper only reads the socket behind the context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
     crate::mesh_service::dialled(cookie)
+}
+
+/// What a socket whose peer is loopback port `port_be` (network order, as
+/// the context holds it) dialled: the original destination if that is
+/// the proxy's 15001, the DNS server if the DNS proxy's 15053.
+#[inline(always)]
+fn behind_a_proxy(
+    ctx: &SockAddrContext,
+    netns: u64,
+    port_be: u32,
+    v4_mapped: bool,
+) -> Option<OriginalDst> {
+    if port_be == u32::from(PORT_OUTBOUND.to_be()) {
+        original_of(ctx, netns, v4_mapped)
+    } else if port_be == u32::from(PORT_DNS_PROXY.to_be()) {
+        crate::dns::remembered(ctx)
+    } else {
+        None
+    }
 }
 
 /// The original destination recorded for the socket's own end (keyed as

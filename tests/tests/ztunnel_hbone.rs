@@ -35,7 +35,7 @@ use shunt::{
         Redirector,
         iptables::{InpodRules, IptablesOptions, IptablesRedirector},
     },
-    state::{DataplaneMode, PodState, SpiffeId, TrustDomain, Workload},
+    state::{PodState, SpiffeId, TrustDomain},
 };
 use shunt_testbed::{
     Cgroup, Pod, Topology,
@@ -44,7 +44,7 @@ use shunt_testbed::{
     hbone::MeshCa,
     require_root,
 };
-use ztunnel_harness::{Agent, HboneSetup, TESTAPP, ebpf_redirector, workload};
+use ztunnel_harness::{Agent, HboneSetup, TESTAPP, ebpf_redirector, sleep_and_httpbin};
 
 /// Mesh to mesh over HBONE, as two ztunnels carry it: the client's
 /// stand-in takes the application's connection on 15001 and opens TLS +
@@ -61,20 +61,7 @@ async fn hbone_flows_between_the_stand_ins(
     let ztunnel_cgroup = Cgroup::create(topo, "ztunnel").expect("cgroup");
     let account = |sa: &str| SpiffeId::for_service_account(&TrustDomain::default(), "default", sa);
     let (client_id, server_id) = (account("sleep"), account("httpbin"));
-    let agent = Agent::start(
-        topo,
-        redirector,
-        vec![
-            Workload {
-                service_account: "sleep".into(),
-                ..workload(client, DataplaneMode::Ambient)
-            },
-            Workload {
-                service_account: "httpbin".into(),
-                ..workload(server, DataplaneMode::Ambient)
-            },
-        ],
-    );
+    let agent = Agent::start(topo, redirector, sleep_and_httpbin(client, server));
     let hbone = HboneSetup {
         ca: MeshCa::generate().expect("test CA"),
         workloads: BTreeMap::from([

@@ -34,7 +34,7 @@ use shunt::{
         Redirector,
         iptables::{InpodRules, IptablesOptions, IptablesRedirector},
     },
-    state::{DataplaneMode, PodState, Workload},
+    state::PodState,
 };
 use shunt_proto::istio::security::{Action, Match};
 use shunt_testbed::{
@@ -51,7 +51,7 @@ use shunt_testbed::{
     },
     require_root,
 };
-use ztunnel_harness::{Agent, AgentOptions, TESTAPP, ebpf_redirector, workload};
+use ztunnel_harness::{Agent, AgentOptions, TESTAPP, ebpf_redirector, sleep_and_httpbin};
 
 const READY: Duration = Duration::from_secs(30);
 const LOGGED: Duration = Duration::from_secs(10);
@@ -136,16 +136,7 @@ async fn traffic_through_a_stock_ztunnel(
     let agent = Agent::start_with(
         topo,
         redirector,
-        vec![
-            Workload {
-                service_account: "sleep".into(),
-                ..workload(client, DataplaneMode::Ambient)
-            },
-            Workload {
-                service_account: "httpbin".into(),
-                ..workload(server, DataplaneMode::Ambient)
-            },
-        ],
+        sleep_and_httpbin(client, server),
         AgentOptions {
             dns_capture: Some(true),
             ..AgentOptions::default()

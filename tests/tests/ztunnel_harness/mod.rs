@@ -45,6 +45,21 @@ pub fn workload(pod: &Pod, mode: DataplaneMode) -> Workload {
     }
 }
 
+/// `client` (service account `sleep`) and `server` (`httpbin`), both in
+/// the mesh: the workloads the HBONE tests hand the agent.
+pub fn sleep_and_httpbin(client: &Pod, server: &Pod) -> Vec<Workload> {
+    vec![
+        Workload {
+            service_account: "sleep".into(),
+            ..workload(client, DataplaneMode::Ambient)
+        },
+        Workload {
+            service_account: "httpbin".into(),
+            ..workload(server, DataplaneMode::Ambient)
+        },
+    ]
+}
+
 pub fn ebpf_redirector(topo: &Topology, pin: &PinDir) -> Box<dyn Redirector> {
     let mut options = EbpfOptions::new(pin.path());
     options.cgroup_root = Some(topo.cgroup_root().expect("cgroup root"));

@@ -312,11 +312,12 @@ fn ensure_bpffs(dir: &Path) -> Result<(), LoadError> {
         return Ok(());
     }
     let mount_point = Path::new("/sys/fs/bpf");
+    let not_bpffs = || LoadError::BpfFs {
+        dir: dir.to_path_buf(),
+        source: io::Error::other("not a bpf filesystem"),
+    };
     if !dir.starts_with(mount_point) {
-        return Err(LoadError::BpfFs {
-            dir: dir.to_path_buf(),
-            source: io::Error::other("not a bpf filesystem"),
-        });
+        return Err(not_bpffs());
     }
     // Two agents starting at once (a surge, a test run) must not both
     // mount: the second bpffs would hide the pins made on the first. Both
@@ -335,10 +336,7 @@ fn ensure_bpffs(dir: &Path) -> Result<(), LoadError> {
         return if on_bpffs(existing) {
             Ok(())
         } else {
-            Err(LoadError::BpfFs {
-                dir: dir.to_path_buf(),
-                source: io::Error::other("not a bpf filesystem"),
-            })
+            Err(not_bpffs())
         };
     }
     info!("no bpf filesystem at /sys/fs/bpf; mounting one");
