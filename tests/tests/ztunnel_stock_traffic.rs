@@ -19,6 +19,9 @@
 //!   allowed on the port the policy opens to anyone, refused by ztunnel
 //!   on the port it opens to the client's identity only — so nothing
 //!   reaches the application around ztunnel;
+//! - kubelet's probe (`--node-netns`): a connect from the node's netns to
+//!   that client-only port reaches the application from Istio's probe
+//!   source, past ztunnel, whose policy would refuse it;
 //! - a mesh pod to a destination outside the mesh: ztunnel's passthrough;
 //! - DNS (`--dns-capture`): a mesh pod's query to its nameserver, over UDP
 //!   and TCP, is answered by ztunnel's DNS proxy on its 15053 with the VIP
@@ -32,6 +35,7 @@ use std::{net::SocketAddr, time::Duration};
 use shunt::{
     redirect::{
         Redirector,
+        ebpf::{EbpfOptions, EbpfRedirector},
         iptables::{InpodRules, IptablesOptions, IptablesRedirector},
     },
     state::PodState,
@@ -42,6 +46,7 @@ use shunt_testbed::{
     agent::PinDir,
     apps::{EchoServer, TestApp, ok},
     dns::{DnsResponder, Zone},
+    poll::until,
     reference::{
         istiod::{Istiod, Snapshot},
         pki::Pki,
@@ -51,7 +56,7 @@ use shunt_testbed::{
     },
     require_root,
 };
-use ztunnel_harness::{Agent, AgentOptions, TESTAPP, ebpf_redirector, sleep_and_httpbin};
+use ztunnel_harness::{Agent, AgentOptions, TESTAPP, sleep_and_httpbin};
 
 const READY: Duration = Duration::from_secs(30);
 const LOGGED: Duration = Duration::from_secs(10);
@@ -67,6 +72,9 @@ const HOST: &str = "reviews.example.com";
 const VIP: [u8; 4] = [198, 19, 60, 1];
 
 const DIG: &str = env!("CARGO_BIN_EXE_shunt-dig");
+
+/// Istio's source for kubelet's probes (`--probe-source`).
+const PROBE_SOURCE: &str = "169.254.7.127";
 
 /// What istiod sends: the two mesh pods on the node, and a namespace
 /// ALLOW policy (anyone to [`OPEN`]; `default/sleep` to any port).
@@ -232,6 +240,24 @@ async fn traffic_through_a_stock_ztunnel(
         eprintln!("{line}");
         assert_eq!(client_only.peers().len(), 1, "{:?}", client_only.peers());
 
+        // Kubelet's probe (a connect from the node's netns) to the
+        // client-only port: it gets Istio's probe source and goes to the
+        // application, not to ztunnel, whose policy would refuse it.
+        let kubelet = Cgroup::create(topo, "kubelet").expect("cgroup");
+        let probe = format!("exec 3<>/dev/tcp/{}/{CLIENT_ONLY}", server.ip());
+        let mut command = server.node().command("bash");
+        kubelet.place(&mut command);
+        let status = command
+            .args(["-c", &probe])
+            .status()
+            .expect("run the probe");
+        assert!(status.success(), "the probe's connect failed");
+        let accepted = || (client_only.peers().len() == 2).then_some(());
+        until(LOGGED, Duration::from_millis(20), accepted);
+        let peers = client_only.peers();
+        assert_eq!(peers.len(), 2, "{peers:?}");
+        assert_eq!(peers[1].ip().to_string(), PROBE_SOURCE, "{peers:?}");
+
         // A mesh pod to a destination outside the mesh: passthrough.
         let (done, report) = echoed(&app, client, to(outside, OPEN), 5_000);
         assert!(done, "client to outside: {report}\n{}", ztunnel.logs());
@@ -290,7 +316,11 @@ async fn ebpf_capture_carries_traffic_through_a_stock_ztunnel() {
         Topology::single_node("zt-real-ebpf", &["ztunnel", "client", "server", "outside"])
             .expect("topology");
     let pin = PinDir::new(&topo, "ztreal");
-    traffic_through_a_stock_ztunnel(&topo, &pods, ebpf_redirector(&topo, &pin)).await;
+    let mut options = EbpfOptions::new(pin.path());
+    options.cgroup_root = Some(topo.cgroup_root().expect("cgroup root"));
+    options.node_netns = Some(pods[0].node().netns_path());
+    let redirector = EbpfRedirector::load(&options).expect("load eBPF");
+    traffic_through_a_stock_ztunnel(&topo, &pods, Box::new(redirector)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -301,6 +331,7 @@ async fn istio_iptables_capture_carries_traffic_through_a_stock_ztunnel() {
             .expect("topology");
     let mut options = IptablesOptions::new(format!("{}-node-a", topo.prefix()));
     options.rules = InpodRules::Istio;
+    options.node_netns = Some(pods[0].node().netns_path());
     let redirector = IptablesRedirector::new(options).expect("iptables redirector");
     traffic_through_a_stock_ztunnel(&topo, &pods, Box::new(redirector)).await;
 }

@@ -161,10 +161,10 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
     }
 }
 
-/// The client's address as the mesh knows it: the app's socket address,
-/// unless the redirection made it loopback (connect4 rewrites the
-/// destination to 127.0.0.1:15001, so the kernel picks a loopback source),
-/// then the pod's own address of the same family (`forwarded: for=`).
+/// The client's address as the mesh knows it: the app's socket address
+/// (connect4 binds a redirected socket to the pod's own), unless that is
+/// loopback (the application bound it there itself), then the pod's own
+/// address of the same family (`forwarded: for=`).
 fn client_ip(pod: &PodState, peer: SocketAddr) -> std::net::IpAddr {
     if !peer.ip().is_loopback() {
         return peer.ip();
