@@ -18,6 +18,7 @@ use shunt_common::{FastPathDest, OriginalDst, PORT_OUTBOUND, PROXY_MARK, PodConf
 use crate::{
     maps::{ENROLLED, ORIGINAL_DST_BY_COOKIE, POD_ADDRS, POD_CONFIG, counters},
     passthrough,
+    sockopt::{SockaddrIn, SockaddrIn6},
 };
 
 /// connect() proceeds (with whatever address the program left).
@@ -83,7 +84,13 @@ pub fn shunt_connect4(ctx: SockAddrContext) -> i32 {
     if let Some(own) = POD_ADDRS.get(slot)
         && own.ipv4 != 0
     {
-        bind_source(&ctx, &mut SockAddrIn::new(own.ipv4));
+        let mut source = SockaddrIn {
+            family: AF_INET,
+            port: 0,
+            addr: own.ipv4,
+            zero: [0; 8],
+        };
+        bind_source(&ctx, &mut source);
     }
     ALLOW
 }
@@ -166,52 +173,17 @@ pub fn shunt_connect6(ctx: SockAddrContext) -> i32 {
             (own.ipv6, own.ipv6 != [0; 4])
         };
         if known {
-            bind_source(&ctx, &mut SockAddrIn6::new(source));
+            let mut source = SockaddrIn6 {
+                family: AF_INET6,
+                port: 0,
+                flowinfo: 0,
+                addr: source,
+                scope_id: 0,
+            };
+            bind_source(&ctx, &mut source);
         }
     }
     ALLOW
-}
-
-/// `struct sockaddr_in`, port 0.
-#[repr(C)]
-struct SockAddrIn {
-    family: u16,
-    port: u16,
-    addr: u32,
-    zero: [u8; 8],
-}
-
-impl SockAddrIn {
-    fn new(addr_be: u32) -> Self {
-        Self {
-            family: AF_INET,
-            port: 0,
-            addr: addr_be,
-            zero: [0; 8],
-        }
-    }
-}
-
-/// `struct sockaddr_in6`, port 0.
-#[repr(C)]
-struct SockAddrIn6 {
-    family: u16,
-    port: u16,
-    flowinfo: u32,
-    addr: [u32; 4],
-    scope_id: u32,
-}
-
-impl SockAddrIn6 {
-    fn new(addr_be: [u32; 4]) -> Self {
-        Self {
-            family: AF_INET6,
-            port: 0,
-            flowinfo: 0,
-            addr: addr_be,
-            scope_id: 0,
-        }
-    }
 }
 
 /// Binds the connecting socket to `source` with port 0, so the port is

@@ -61,7 +61,7 @@ pub fn shunt_getpeername4(ctx: SockAddrContext) -> i32 {
     if addr.user_ip4 != LOOPBACK_V4.to_be() {
         return ALLOW;
     }
-    if let Some(original) = behind_a_proxy(&ctx, netns, addr.user_port, false)
+    if let Some(original) = behind_a_proxy(&ctx, netns, addr.user_port)
         && u32::from(original.family) == AF_INET
     {
         addr.user_ip4 = original.addr[0];
@@ -98,7 +98,7 @@ pub fn shunt_getpeername6(ctx: SockAddrContext) -> i32 {
     if !proxy {
         return ALLOW;
     }
-    if let Some(original) = behind_a_proxy(&ctx, netns, addr.user_port, v4_mapped)
+    if let Some(original) = behind_a_proxy(&ctx, netns, addr.user_port)
         && u32::from(original.family) == AF_INET6
     {
         set_peer6(&ctx, original.addr, original.port);
@@ -131,14 +131,9 @@ fn dialled(ctx: &SockAddrContext) -> Option<MeshServiceSock> {
 /// the context holds it) dialled: the original destination if that is
 /// the proxy's 15001, the DNS server if the DNS proxy's 15053.
 #[inline(always)]
-fn behind_a_proxy(
-    ctx: &SockAddrContext,
-    netns: u64,
-    port_be: u32,
-    v4_mapped: bool,
-) -> Option<OriginalDst> {
+fn behind_a_proxy(ctx: &SockAddrContext, netns: u64, port_be: u32) -> Option<OriginalDst> {
     if port_be == u32::from(PORT_OUTBOUND.to_be()) {
-        original_of(ctx, netns, v4_mapped)
+        original_of(ctx, netns)
     } else if port_be == u32::from(PORT_DNS_PROXY.to_be()) {
         crate::dns::remembered(ctx)
     } else {
@@ -149,7 +144,7 @@ fn behind_a_proxy(
 /// The original destination recorded for the socket's own end (keyed as
 /// `sockops` keyed it at establishment: a v4-mapped end as IPv4).
 #[inline(always)]
-fn original_of(ctx: &SockAddrContext, netns: u64, v4_mapped: bool) -> Option<OriginalDst> {
+fn original_of(ctx: &SockAddrContext, netns: u64) -> Option<OriginalDst> {
     // SAFETY: the context pointer is valid for the program's run.
     let sk = unsafe { (*ctx.sock_addr).__bindgen_anon_1.sk };
     if sk.is_null() {
@@ -183,7 +178,7 @@ fn original_of(ctx: &SockAddrContext, netns: u64, v4_mapped: bool) -> Option<Ori
     };
     let (family, addr) = if family == AF_INET {
         (AF_INET, [ip4, 0, 0, 0])
-    } else if v4_mapped {
+    } else if ip6[0] == 0 && ip6[1] == 0 && u32::from_be(ip6[2]) == 0xffff {
         (AF_INET, [ip6[3], 0, 0, 0])
     } else {
         (AF_INET6, ip6)

@@ -33,27 +33,28 @@ const SO_ORIGINAL_DST: i32 = 80;
 const AF_INET: u32 = 2;
 const AF_INET6: u32 = 10;
 
-/// `struct sockaddr_in` as the kernel lays it out.
+/// `struct sockaddr_in` as the kernel lays it out (also what connect4
+/// hands `bpf_bind`).
 #[repr(C)]
-struct SockaddrIn {
-    family: u16,
+pub struct SockaddrIn {
+    pub family: u16,
     /// Network order.
-    port: u16,
+    pub port: u16,
     /// Network order.
-    addr: u32,
-    zero: [u8; 8],
+    pub addr: u32,
+    pub zero: [u8; 8],
 }
 
 /// `struct sockaddr_in6` as the kernel lays it out.
 #[repr(C)]
-struct SockaddrIn6 {
-    family: u16,
+pub struct SockaddrIn6 {
+    pub family: u16,
     /// Network order.
-    port: u16,
-    flowinfo: u32,
+    pub port: u16,
+    pub flowinfo: u32,
     /// Network order words.
-    addr: [u32; 4],
-    scope_id: u32,
+    pub addr: [u32; 4],
+    pub scope_id: u32,
 }
 
 /// Hook: `cgroup/getsockopt` on the cgroup root, after the kernel's own

@@ -113,9 +113,9 @@ fn run(args: &[String]) -> std::io::Result<String> {
     stream.set_write_timeout(Some(timeout))?;
     let local = stream.local_addr()?;
     let peer = stream.peer_addr()?;
-    let kernel_peer = kernel_peer(&stream)?;
     match mode.as_str() {
         "connect" => {
+            let kernel_peer = kernel_peer(&stream)?;
             let n: usize = option(args, "--send")
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(1024);
