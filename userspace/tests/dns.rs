@@ -147,13 +147,24 @@ fn a_records(m: &Message) -> Vec<IpAddr> {
         .collect()
 }
 
+/// A UDP socket and a TCP listener on one free loopback port (non-blocking,
+/// ready for tokio), as the server binds its own.
+fn loopback_pair() -> (std::net::UdpSocket, std::net::TcpListener) {
+    let mut sockets = DnsSockets::bind(&["127.0.0.1:0".parse().expect("addr")]).expect("bind");
+    let (udp, tcp) = (sockets.udp.remove(0), sockets.tcp.remove(0));
+    udp.set_nonblocking(true).expect("nonblocking");
+    tcp.set_nonblocking(true).expect("nonblocking");
+    (udp, tcp)
+}
+
 /// A small real resolver: `ext.example.org` → one A, `big.example.org` →
 /// [`BIG_RECORDS`] A records (truncated over UDP past the client's size),
 /// anything else NXDOMAIN. UDP and TCP on one loopback port.
 async fn start_upstream() -> SocketAddr {
-    let udp = UdpSocket::bind("127.0.0.1:0").await.expect("upstream udp");
+    let (udp, tcp) = loopback_pair();
     let addr = udp.local_addr().expect("addr");
-    let tcp = TcpListener::bind(addr).await.expect("upstream tcp");
+    let udp = UdpSocket::from_std(udp).expect("upstream udp");
+    let tcp = TcpListener::from_std(tcp).expect("upstream tcp");
     tokio::spawn(async move {
         let mut buf = vec![0u8; 65535];
         loop {
@@ -346,9 +357,8 @@ async fn an_unknown_name_is_forwarded_and_answered_and_the_metrics_count_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_that_never_answers_gives_servfail_and_counts_a_failure() {
     // Bound, never read: UDP queries vanish, TCP connects but hears nothing.
-    let silent_udp = std::net::UdpSocket::bind("127.0.0.1:0").expect("silent udp");
+    let (silent_udp, _silent_tcp) = loopback_pair();
     let silent = silent_udp.local_addr().expect("addr");
-    let _silent_tcp = std::net::TcpListener::bind(silent).expect("silent tcp");
     let server = start("default", vec![silent], Duration::from_millis(300));
     let answer = ask_udp(server.udp, &query("ext.example.org.", RecordType::A, false)).await;
     assert_eq!(answer.metadata.response_code, ResponseCode::ServFail);

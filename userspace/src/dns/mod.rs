@@ -130,28 +130,51 @@ pub struct DnsSockets {
     pub tcp: Vec<std::net::TcpListener>,
 }
 
+/// How many UDP ports a port-0 bind tries before it gives up on finding
+/// one whose TCP twin is free.
+const PORT_0_ATTEMPTS: usize = 32;
+
 impl DnsSockets {
     /// A UDP socket and a TCP listener on each of `addrs`, in the calling
     /// thread's network namespace. Port 0 binds TCP to the port UDP got.
     pub fn bind(addrs: &[SocketAddr]) -> Result<Self, DnsError> {
         let mut sockets = DnsSockets::default();
         for addr in addrs {
-            let udp = std::net::UdpSocket::bind(addr).map_err(|source| DnsError::Socket {
-                what: format!("bind udp {addr}"),
-                source,
-            })?;
-            let bound = udp.local_addr().map_err(|source| DnsError::Socket {
-                what: format!("udp {addr}"),
-                source,
-            })?;
-            let tcp = std::net::TcpListener::bind(bound).map_err(|source| DnsError::Socket {
-                what: format!("bind tcp {bound}"),
-                source,
-            })?;
+            let (udp, tcp) = bind_pair(*addr)?;
             sockets.udp.push(udp);
             sockets.tcp.push(tcp);
         }
         Ok(sockets)
+    }
+}
+
+/// A UDP socket and a TCP listener on one address. With port 0 the kernel
+/// picks UDP's port from the ephemeral range, where some TCP socket may
+/// already hold the same number: that port is given back and another
+/// tried, a bounded number of times.
+fn bind_pair(addr: SocketAddr) -> Result<(std::net::UdpSocket, std::net::TcpListener), DnsError> {
+    let attempts = if addr.port() == 0 { PORT_0_ATTEMPTS } else { 1 };
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let udp = std::net::UdpSocket::bind(addr).map_err(|source| DnsError::Socket {
+            what: format!("bind udp {addr}"),
+            source,
+        })?;
+        let bound = udp.local_addr().map_err(|source| DnsError::Socket {
+            what: format!("udp {addr}"),
+            source,
+        })?;
+        match std::net::TcpListener::bind(bound) {
+            Ok(tcp) => return Ok((udp, tcp)),
+            Err(e) if e.kind() == io::ErrorKind::AddrInUse && attempt < attempts => continue,
+            Err(source) => {
+                return Err(DnsError::Socket {
+                    what: format!("bind tcp {bound} (attempt {attempt} of {attempts})"),
+                    source,
+                });
+            }
+        }
     }
 }
 
@@ -351,5 +374,33 @@ mod tests {
         let err = serve(sockets, PodDns::default(), names, forwarder, metrics)
             .expect_err("outside a runtime");
         assert!(matches!(err, DnsError::NoRuntime), "{err}");
+    }
+
+    /// Port 0 gets UDP a port from the ephemeral range, which TCP sockets
+    /// share: with hundreds of TCP ports held, some UDP port chosen is one
+    /// of them, and the bind must try another rather than fail.
+    #[test]
+    fn port_0_binds_udp_and_tcp_to_one_port_even_where_tcp_ports_are_taken() {
+        let any: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+        let held: Vec<std::net::TcpListener> = (0..400)
+            .filter_map(|_| std::net::TcpListener::bind(any).ok())
+            .collect();
+        assert!(held.len() > 300, "only {} TCP ports held", held.len());
+        for round in 0..600 {
+            let sockets = DnsSockets::bind(&[any]).unwrap_or_else(|e| panic!("round {round}: {e}"));
+            let udp = sockets.udp[0].local_addr().expect("udp addr");
+            let tcp = sockets.tcp[0].local_addr().expect("tcp addr");
+            assert_eq!(udp, tcp, "round {round}");
+        }
+    }
+
+    #[test]
+    fn a_fixed_port_taken_by_tcp_is_an_error_naming_it() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
+        let addr = taken.local_addr().expect("addr");
+        match DnsSockets::bind(&[addr]) {
+            Ok(_) => panic!("bound {addr} while a TCP listener holds it"),
+            Err(e) => assert!(e.to_string().contains(&format!("bind tcp {addr}")), "{e}"),
+        }
     }
 }
