@@ -12,6 +12,13 @@
 //!   checks its certificate against the expected identity, sends CONNECT
 //!   `endpointIP:port`, and relays bytes both ways.
 //!
+//! - As an east-west gateway ([`StandInWaypoint::start_gateway`]) it
+//!   forwards a CONNECT whose `:authority` is one of its [`Tunnel`]s
+//!   (`<service hostname>:<port>`, the outer CONNECT of double HBONE)
+//!   unopened: the stream's bytes, the client's inner TLS, go over plain
+//!   TCP to the tunnel's target (an endpoint's 15008), as Istio's
+//!   east-west gateway passes them on.
+//!
 //! It uses the agent crate's TLS configurations (`shunt::tls`) and identity
 //! manager, so it speaks HBONE exactly as the agents do. Dropping it (or
 //! [`StandInWaypoint::stop`]) closes its listener: a waypoint that is down.
@@ -52,6 +59,14 @@ pub struct Upstream {
     pub identity: SpiffeId,
 }
 
+/// An east-west gateway's route: a CONNECT for `authority`
+/// (`hostname:port`) goes unopened to `target` over TCP.
+#[derive(Clone, Debug)]
+pub struct Tunnel {
+    pub authority: String,
+    pub target: SocketAddr,
+}
+
 /// One CONNECT the stand-in received.
 #[derive(Clone, Debug)]
 pub struct Received {
@@ -87,6 +102,7 @@ struct Config {
     identities: IdentityManager,
     roots: TrustRoots,
     upstreams: Vec<Upstream>,
+    tunnels: Vec<Tunnel>,
     received: Arc<Mutex<Vec<Received>>>,
 }
 
@@ -100,6 +116,27 @@ impl StandInWaypoint {
         ca_dir: &Path,
         identity: SpiffeId,
         upstreams: Vec<Upstream>,
+    ) -> Result<StandInWaypoint> {
+        Self::start_with(pod, ca_dir, identity, upstreams, Vec::new())
+    }
+
+    /// An east-west gateway on `pod`'s IP:15008 as `identity`: each CONNECT
+    /// for one of `tunnels` goes unopened to its target.
+    pub fn start_gateway(
+        pod: &Pod,
+        ca_dir: &Path,
+        identity: SpiffeId,
+        tunnels: Vec<Tunnel>,
+    ) -> Result<StandInWaypoint> {
+        Self::start_with(pod, ca_dir, identity, Vec::new(), tunnels)
+    }
+
+    fn start_with(
+        pod: &Pod,
+        ca_dir: &Path,
+        identity: SpiffeId,
+        upstreams: Vec<Upstream>,
+        tunnels: Vec<Tunnel>,
     ) -> Result<StandInWaypoint> {
         let ca = BuiltinCa::load(ca_dir)
             .map_err(|e| TestbedError::Invalid(format!("stand-in waypoint: CA: {e}")))?
@@ -159,6 +196,7 @@ impl StandInWaypoint {
                     identities,
                     roots,
                     upstreams,
+                    tunnels,
                     received: rec,
                 });
                 let _ = ready_tx.send(Ok(()));
@@ -211,6 +249,34 @@ impl Drop for StandInWaypoint {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+impl Config {
+    /// Records that CONNECT number `index` was forwarded (answered 200).
+    fn mark_forwarded(&self, index: usize) {
+        if let Some(r) = self
+            .received
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(index)
+        {
+            r.forwarded = true;
+        }
+    }
+}
+
+/// A TCP connection from `pod`'s netns to `to`, ready for tokio.
+async fn connect_from(
+    pod: &Pod,
+    to: SocketAddr,
+) -> std::result::Result<tokio::net::TcpStream, String> {
+    let pod = pod.clone();
+    let tcp = tokio::task::spawn_blocking(move || pod.connect_tcp(to, STEP))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("connect {to}: {e}"))?;
+    tcp.set_nonblocking(true).map_err(|e| e.to_string())?;
+    tokio::net::TcpStream::from_std(tcp).map_err(|e| e.to_string())
 }
 
 async fn accept_loop(listener: tokio::net::TcpListener, config: Arc<Config>) {
@@ -279,6 +345,14 @@ async fn serve_stream(
         });
         received.len() - 1
     };
+    let tunnel = config
+        .tunnels
+        .iter()
+        .find(|t| t.authority == authority)
+        .cloned();
+    if let (Some(tunnel), true) = (tunnel, request.method() == Method::CONNECT) {
+        return tunnel_stream(request, respond, &config, &tunnel, index).await;
+    }
     let upstream = authority
         .parse::<SocketAddr>()
         .ok()
@@ -309,18 +383,49 @@ async fn serve_stream(
     let Ok(to_client) = respond.send_response(response, false) else {
         return;
     };
-    if let Some(r) = config
-        .received
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .get_mut(index)
-    {
-        r.forwarded = true;
-    }
+    config.mark_forwarded(index);
     let from_client = request.into_body();
     let _ = tokio::join!(
         pump(from_client, to_upstream),
         pump(from_upstream, to_client)
+    );
+}
+
+/// An east-west gateway's stream: TCP from the gateway pod to the
+/// tunnel's target, 200, then the stream's bytes both ways unopened.
+async fn tunnel_stream(
+    request: Request<RecvStream>,
+    mut respond: h2::server::SendResponse<Bytes>,
+    config: &Config,
+    tunnel: &Tunnel,
+    index: usize,
+) {
+    let target = tunnel.target;
+    let tcp = connect_from(&config.pod, target).await;
+    let status = if tcp.is_ok() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let Ok(response) = Response::builder().status(status).body(()) else {
+        return;
+    };
+    let tcp = match tcp {
+        Ok(tcp) => tcp,
+        Err(e) => {
+            crate::warn(format_args!("stand-in gateway: tunnel {target}: {e}"));
+            let _ = respond.send_response(response, true);
+            return;
+        }
+    };
+    let Ok(to_client) = respond.send_response(response, false) else {
+        return;
+    };
+    config.mark_forwarded(index);
+    let (read, write) = tcp.into_split();
+    let _ = tokio::join!(
+        hbone::pump_to_socket(request.into_body(), write),
+        hbone::pump_from_socket(read, to_client)
     );
 }
 
@@ -331,13 +436,7 @@ async fn connect_upstream(
     upstream: &Upstream,
 ) -> std::result::Result<(SendStream<Bytes>, RecvStream), String> {
     let hbone = SocketAddr::new(upstream.target.ip(), 15008);
-    let pod = config.pod.clone();
-    let tcp = tokio::task::spawn_blocking(move || pod.connect_tcp(hbone, STEP))
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| format!("connect {hbone}: {e}"))?;
-    tcp.set_nonblocking(true).map_err(|e| e.to_string())?;
-    let tcp = tokio::net::TcpStream::from_std(tcp).map_err(|e| e.to_string())?;
+    let tcp = connect_from(&config.pod, hbone).await?;
     let cert = config
         .identities
         .certificate(&config.identity)

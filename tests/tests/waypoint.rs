@@ -100,7 +100,12 @@ fn wait_received(waypoint: &StandInWaypoint, n: usize) -> Vec<Received> {
 
 /// What the waypoint must see of a client's CONNECT: the original
 /// destination as authority, ztunnel's headers, the client's identity.
-fn assert_connect(received: &Received, authority: &str, client_ip: Ipv4Addr) {
+fn assert_connect(
+    received: &Received,
+    authority: &str,
+    client_ip: Ipv4Addr,
+    service_host: Option<&str>,
+) {
     assert_eq!(received.authority, authority, "{received:?}");
     assert_eq!(
         received.peer_identity.as_deref(),
@@ -118,9 +123,17 @@ fn assert_connect(received: &Received, authority: &str, client_ip: Ipv4Addr) {
             "baggage {baggage:?} lacks {part}"
         );
     }
+    // ztunnel's form: the client's address and port quoted, and the
+    // service's hostname for a connection addressed to a service.
+    let forwarded = received.header("forwarded").unwrap_or_default();
+    let (client, host) = forwarded
+        .strip_prefix(&format!("for=\"{client_ip}:"))
+        .and_then(|rest| rest.split_once('"'))
+        .unwrap_or_else(|| panic!("forwarded {forwarded:?} names no client {client_ip}:port"));
+    assert!(client.parse::<u16>().is_ok(), "forwarded {forwarded:?}");
     assert_eq!(
-        received.header("forwarded"),
-        Some(format!("for={client_ip}").as_str()),
+        host,
+        service_host.map_or(String::new(), |h| format!(";host={h}")),
         "{received:?}"
     );
     let traceparent = received.header("traceparent").unwrap_or_default();
@@ -130,7 +143,7 @@ fn assert_connect(received: &Received, authority: &str, client_ip: Ipv4Addr) {
             && parts[0] == "00"
             && parts[1].len() == 32
             && parts[2].len() == 16
-            && parts[3] == "01"
+            && parts[3] == "00"
             && traceparent
                 .chars()
                 .all(|c| c == '-' || c.is_ascii_hexdigit() && !c.is_ascii_uppercase()),
@@ -200,7 +213,12 @@ fn waypoint_end_to_end(mode: &str) {
         agent_a.logs()
     );
     let received = wait_received(&waypoint, 1);
-    assert_connect(&received[0], &to_vip, client.ip());
+    assert_connect(
+        &received[0],
+        &to_vip,
+        client.ip(),
+        Some("web.default.svc.cluster.local"),
+    );
     let peers = server_app.peers();
     assert_eq!(peers.len(), 1, "the server got the connection");
     assert_eq!(
@@ -242,7 +260,7 @@ fn waypoint_end_to_end(mode: &str) {
         agent_a.logs()
     );
     let received = wait_received(&waypoint, 2);
-    assert_connect(&received[1], &to_backend, client.ip());
+    assert_connect(&received[1], &to_backend, client.ip(), None);
     let peers = backend_app.peers();
     assert_eq!(peers.len(), 1, "the backend got the connection");
     assert_eq!(peers[0].ip(), waypoint_pod.ip());

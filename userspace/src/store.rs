@@ -97,13 +97,16 @@ pub fn workload_id(w: &Workload) -> std::borrow::Cow<'_, str> {
 fn preferred<'a>(claimants: &'a [Arc<Workload>], local_network: &str) -> Option<&'a Arc<Workload>> {
     match claimants {
         [only] => Some(only),
-        _ => claimants.iter().max_by_key(|w| {
-            let here = w.network == local_network;
-            let is_pod = w.uid.contains("//Pod/");
-            let in_mesh = w.tunnel == TunnelProtocol::Hbone;
-            (here, is_pod, in_mesh, workload_id(w))
-        }),
+        _ => claimants.iter().max_by_key(|w| rank(w, local_network)),
     }
+}
+
+/// [`preferred`]'s order: greater is preferred.
+fn rank<'a>(w: &'a Workload, local_network: &str) -> (bool, bool, bool, std::borrow::Cow<'a, str>) {
+    let here = w.network == local_network;
+    let is_pod = w.uid.contains("//Pod/");
+    let in_mesh = w.tunnel == TunnelProtocol::Hbone;
+    (here, is_pod, in_mesh, workload_id(w))
 }
 
 impl WorkloadStore {
@@ -350,6 +353,17 @@ impl WorkloadStore {
         self.by_ip
             .get(&ip)
             .and_then(|claimants| preferred(claimants, &self.local_network))
+    }
+
+    /// The workload at `ip` on exactly `network` (another network's
+    /// address may also be one of ours: pod CIDRs may overlap), ranked as
+    /// [`WorkloadStore::by_ip`] ranks claimants.
+    pub fn by_network_ip(&self, network: &str, ip: IpAddr) -> Option<&Arc<Workload>> {
+        self.by_ip
+            .get(&ip)?
+            .iter()
+            .filter(|w| w.network == network)
+            .max_by_key(|w| rank(w, network))
     }
 
     /// The workloads scheduled on `node`, in key order.

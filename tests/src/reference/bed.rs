@@ -24,7 +24,9 @@ use crate::{
     Cgroup, Pod, Result, TestbedError, Topology,
     agent::{Agent, WorkloadSpec, mesh_pods_enrolled, workloads_yaml},
     apps::{EchoServer, TestApp, ok},
+    waypoint::{Received, StandInWaypoint, Tunnel},
 };
+use shunt::state::{SpiffeId, TrustDomain};
 
 pub const SERVER_SA: &str = "sa-server";
 /// The client's service account (as the testbed's workloads file names it).
@@ -35,9 +37,19 @@ pub const CAPTURED: &str = "198.18.0.0/15";
 /// The server pod's address (the topology's addressing is fixed: the
 /// first pod of the second node).
 pub const SERVER_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 18, 2, 10);
+/// The client pod's address (the first pod of the first node).
+pub const CLIENT_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 18, 1, 10);
 /// node-b's address on the fabric (its InternalIP): the IP istiod gives
 /// its hostNetwork pods (the topology's addressing is fixed: see lib.rs).
 pub const NODE_B_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 19, 0, 2);
+/// The east-west gateway pod's address (node-b's second pod), where a
+/// stand-in gateway serves HBONE on 15008 as [`GATEWAY_SA`] of
+/// `istio-system`.
+pub const GATEWAY_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 18, 2, 11);
+pub const GATEWAY_SA: &str = "istio-eastwestgateway";
+/// The authority the gateway tunnels (to the server's 15008): the outer
+/// CONNECT of double HBONE for this service's port 80.
+pub const TUNNELED: &str = "through-gateway.default.svc.cluster.local:80";
 const WAIT: Duration = Duration::from_secs(30);
 
 /// Which implementation serves the server workload.
@@ -60,6 +72,8 @@ pub struct Run {
     pub outbound: Vec<(OutboundRow, Observed)>,
     /// Each DNS row's answer: the addresses, or why none came.
     pub dns: Vec<(DnsRow, std::result::Result<Vec<std::net::Ipv4Addr>, String>)>,
+    /// The CONNECTs the east-west gateway received during the case.
+    pub through_gateway: Vec<Received>,
     /// Whether the peer said ready before the probes: waited for (bounded)
     /// when it ACKed both types, one look otherwise.
     pub ready: bool,
@@ -76,6 +90,7 @@ pub struct Bed {
     client: Pod,
     server: Pod,
     _echo: [EchoServer; 2],
+    gateway: StandInWaypoint,
     topology: Topology,
 }
 
@@ -92,21 +107,42 @@ impl Bed {
             EchoServer::on(&server, 8080)?,
             EchoServer::on(&server, 9090)?,
         ];
-        if server.ip() != SERVER_IP || server.node().ip() != NODE_B_IP {
+        if client.ip() != CLIENT_IP || server.ip() != SERVER_IP || server.node().ip() != NODE_B_IP {
             return Err(TestbedError::Invalid(format!(
-                "the server pod is at {} on a node at {}, the tables expect {SERVER_IP} on {NODE_B_IP}",
+                "the client is at {}, the server pod at {} on a node at {}; the tables expect {CLIENT_IP}, {SERVER_IP} on {NODE_B_IP}",
+                client.ip(),
                 server.ip(),
                 server.node().ip()
             )));
         }
+        let gateway_pod = topology.add_pod("node-b", "eastwest")?;
+        if gateway_pod.ip() != GATEWAY_IP {
+            return Err(TestbedError::Invalid(format!(
+                "the gateway pod is at {}, the tables expect {GATEWAY_IP}",
+                gateway_pod.ip()
+            )));
+        }
         let apps = Cgroup::create(&topology, "apps")?;
+        let pki = Pki::new()?;
+        let gateway_ca = std::env::temp_dir().join(format!("{}-gw-ca", topology.prefix()));
+        pki.install_ca(&gateway_ca)?;
+        let gateway = StandInWaypoint::start_gateway(
+            &gateway_pod,
+            &gateway_ca,
+            SpiffeId::for_service_account(&TrustDomain::default(), "istio-system", GATEWAY_SA),
+            vec![Tunnel {
+                authority: TUNNELED.into(),
+                target: (SERVER_IP, 15008).into(),
+            }],
+        )?;
         Ok(Bed {
-            pki: Pki::new()?,
+            pki,
             testapp: testapp.to_path_buf(),
             apps,
             client,
             server,
             _echo: echo,
+            gateway,
             topology,
         })
     }
@@ -185,6 +221,7 @@ impl Bed {
         let observed = self.probe_rows(&case.rows).await;
         let mut logs = server_side.proxy.logs();
         let (mut outbound, mut dns) = (Vec::new(), Vec::new());
+        let gateway_before = self.gateway.received().len();
         if !case.outbound.is_empty() || !case.dns.is_empty() {
             let mut client_side = tokio::task::block_in_place(|| {
                 self.start_side(peer, ztunnel, &self.client, case, Role::Client)
@@ -203,6 +240,10 @@ impl Bed {
             before_sync,
             outbound,
             dns,
+            through_gateway: {
+                let mut seen = self.gateway.received();
+                seen.split_off(gateway_before.min(seen.len()))
+            },
             ready,
             logs,
         })

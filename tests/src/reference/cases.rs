@@ -90,6 +90,10 @@ pub struct Case {
     /// HBONE port 15008), if any.
     pub server_network: &'static str,
     pub server_gateway: Option<[u8; 4]>,
+    /// The outer CONNECTs the bed's east-west gateway gets: one per
+    /// allowed outbound row, each for this authority, from the client's
+    /// identity; none when `None`.
+    pub gateway_authority: Option<&'static str>,
 }
 
 impl Case {
@@ -114,6 +118,7 @@ impl Case {
             client_network: "",
             server_network: "",
             server_gateway: None,
+            gateway_authority: None,
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Runs a table on one peer and lists the rows that differ from it.
 
 use super::{
-    bed::{Bed, Peer, Run},
+    bed::{Bed, CLIENT_IP, CLIENT_SA, Peer, Run},
     cases::{Case, XdsAnswer},
     istiod::Answer,
     ztunnel_peer::ztunnel_binary,
@@ -82,7 +82,70 @@ pub fn mismatches(peer: Peer, case: &Case, run: &Run) -> Vec<String> {
             ));
         }
     }
+    out.extend(gateway_mismatches(peer, case, run));
     out
+}
+
+/// What the east-west gateway got against what the case expects: one
+/// outer CONNECT per allowed outbound row, for the case's authority, from
+/// the client's identity, forwarded.
+fn gateway_mismatches(peer: Peer, case: &Case, run: &Run) -> Vec<String> {
+    let client = format!("spiffe://cluster.local/ns/default/sa/{CLIENT_SA}");
+    let expected = match case.gateway_authority {
+        None => 0,
+        Some(_) => case
+            .outbound
+            .iter()
+            .filter(|r| r.expect == super::probe::Outcome::Allowed)
+            .count(),
+    };
+    let mut out = Vec::new();
+    if run.through_gateway.len() != expected {
+        out.push(format!(
+            "{peer:?} | {} | the gateway got {} CONNECTs, expected {expected}: {:?}",
+            case.name,
+            run.through_gateway.len(),
+            run.through_gateway
+        ));
+    }
+    for seen in &run.through_gateway {
+        let right = Some(seen.authority.as_str()) == case.gateway_authority
+            && seen.peer_identity.as_deref() == Some(client.as_str())
+            && seen.forwarded;
+        if !right {
+            out.push(format!(
+                "{peer:?} | {} | the gateway got {seen:?}, expected a forwarded CONNECT {:?} from {client}",
+                case.name, case.gateway_authority
+            ));
+        }
+        if let Some(wrong) = connect_headers_differ(seen) {
+            out.push(format!("{peer:?} | {} | {wrong}", case.name));
+        }
+    }
+    out
+}
+
+/// How the outer CONNECT's headers differ from ztunnel's, if they do:
+/// `baggage` naming the client pod, `forwarded` its address and port
+/// quoted and the service's host, `traceparent` version 00, not sampled.
+fn connect_headers_differ(seen: &crate::waypoint::Received) -> Option<String> {
+    let baggage = "k8s.cluster.name=Kubernetes,k8s.namespace.name=default,k8s.pod.name=client,service.name=client,service.version=latest";
+    let host = seen.authority.rsplit_once(':').map_or("", |(h, _)| h);
+    let forwarded = seen.header("forwarded").unwrap_or_default();
+    let forwarded_right = forwarded
+        .strip_prefix(&format!("for=\"{CLIENT_IP}:"))
+        .and_then(|rest| rest.strip_suffix(&format!("\";host={host}")))
+        .is_some_and(|port| port.parse::<u16>().is_ok());
+    let traceparent = seen.header("traceparent").unwrap_or_default();
+    let trace_right =
+        traceparent.len() == 55 && traceparent.starts_with("00-") && traceparent.ends_with("-00");
+    if seen.header("baggage") == Some(baggage) && forwarded_right && trace_right {
+        return None;
+    }
+    Some(format!(
+        "the gateway's CONNECT headers are not ztunnel's: {:?}",
+        seen.headers
+    ))
 }
 
 /// Runs every case of `cases` on a fresh `peer` in a bed named
@@ -148,6 +211,12 @@ pub async fn check_table(
             println!(
                 "{peer:?} | {} | client -> {:?}:{} | {:?} ({})",
                 case.name, row.dst, row.port, seen.outcome, seen.detail
+            );
+        }
+        for seen in &run.through_gateway {
+            println!(
+                "{peer:?} | {} | the gateway got CONNECT {} from {:?} (forwarded: {}; headers {:?})",
+                case.name, seen.authority, seen.peer_identity, seen.forwarded, seen.headers
             );
         }
         let wrong = mismatches(peer, case, &run);

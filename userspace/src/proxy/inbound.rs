@@ -279,7 +279,7 @@ pub(super) fn through_gateway(headers: &http::HeaderMap, local: &str) -> bool {
 }
 
 /// ztunnel's `X_FORWARDED_NETWORK_HEADER`.
-const X_FORWARDED_NETWORK: &str = "x-forwarded-network";
+pub(super) const X_FORWARDED_NETWORK: &str = "x-forwarded-network";
 
 pub(super) async fn serve_stream(
     shared: Arc<Shared>,

@@ -6,7 +6,10 @@ use std::{
     sync::{Arc, RwLock},
 };
 
-use super::waypoint;
+use super::{
+    network_gateway::{self, GatewayHop},
+    waypoint,
+};
 use crate::{
     state::{Place, Service, ServiceStore, TrustDomain, Workload, WorkloadKey},
     store::WorkloadStore,
@@ -24,15 +27,18 @@ pub trait WorkloadLookup: Send + Sync {
     /// The target of connection number `n` from `client` (a local pod's
     /// address) to `dst`, one of `service`'s VIPs and ports: a ready
     /// endpoint on the client's network, as the service's load balancing
-    /// (locality included) allows ([`Service::pick_for`]), or why there is
-    /// none.
+    /// (locality included) allows ([`Service::pick_for`]); when every
+    /// ready endpoint is on another network, one of those through its
+    /// network's gateway ([`network_gateway::through_gateway`]); or why
+    /// there is none.
     fn pick_endpoint(
         &self,
+        trust_domain: &TrustDomain,
         service: &Service,
         client: IpAddr,
         dst: SocketAddr,
         n: usize,
-    ) -> Result<SocketAddr, NoEndpoint>;
+    ) -> Result<Target, NoEndpoint>;
 
     /// Checks `connection` to the local workload `dst` against the
     /// authorization policies.
@@ -71,15 +77,25 @@ pub trait WorkloadLookup: Send + Sync {
     ) -> Result<u16, String>;
 }
 
+/// Where [`WorkloadLookup::pick_endpoint`] sends a connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// An endpoint on the client's network: dialled directly.
+    Direct(SocketAddr),
+    /// An endpoint on another network: through its network's gateway.
+    ThroughGateway(Box<GatewayHop>),
+}
+
 /// Why [`WorkloadLookup::pick_endpoint`] found no endpoint.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum NoEndpoint {
     /// The service has no ready endpoint for the port and family.
     NoneReady,
     /// Its locality load balancing (`STRICT`) leaves none for this client.
     NotForThisClient,
-    /// Every ready endpoint is on another network than the client's.
-    OnOtherNetworks,
+    /// Every ready endpoint is on another network than the client's, and
+    /// none can be reached through a gateway: why.
+    OnOtherNetworks(String),
 }
 
 /// The service `hostname` names for a client in `namespace`, ranked as
@@ -160,11 +176,12 @@ impl WorkloadLookup for RwLock<WorkloadStore> {
 
     fn pick_endpoint(
         &self,
+        trust_domain: &TrustDomain,
         service: &Service,
         client: IpAddr,
         dst: SocketAddr,
         n: usize,
-    ) -> Result<SocketAddr, NoEndpoint> {
+    ) -> Result<Target, NoEndpoint> {
         let store = self.read().unwrap_or_else(|p| p.into_inner());
         // A client the store does not know compares as nowhere in
         // particular (every field empty, the network too).
@@ -175,12 +192,20 @@ impl WorkloadLookup for RwLock<WorkloadStore> {
             service.pick(dst, client.network, n)
         };
         match picked {
-            Some((_, target)) => Ok(target),
-            // Limitation: no network gateways. ztunnel would pick among
-            // these too and send the connection through the endpoint's
-            // network gateway (double HBONE), or fail it without one.
+            Some((_, target)) => Ok(Target::Direct(target)),
+            // ztunnel picks among every network's endpoints alike; shunt
+            // goes through a gateway only when its own network has none.
             None if service.only_on_other_networks(dst, client.network) => {
-                Err(NoEndpoint::OnOtherNetworks)
+                network_gateway::through_gateway(
+                    &store,
+                    trust_domain,
+                    service,
+                    dst,
+                    client.network,
+                    n,
+                )
+                .map(|hop| Target::ThroughGateway(Box::new(hop)))
+                .map_err(NoEndpoint::OnOtherNetworks)
             }
             None if service.ranks_by_locality() && !service.ready_targets(dst).is_empty() => {
                 Err(NoEndpoint::NotForThisClient)

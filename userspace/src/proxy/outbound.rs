@@ -28,10 +28,12 @@ use shunt_common::PORT_HBONE;
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
+use crate::state::Service;
+
 use super::{
     AccessLog, Outcome, PROXY_PORTS, PodState, Shared,
     h2::H2Stream,
-    lookup::NoEndpoint,
+    lookup::{NoEndpoint, Target},
     pool::{PoolKey, StreamGuard},
     reset,
     waypoint::{self, Bound, FailureReason, Route, WaypointFailure, WaypointHop},
@@ -64,6 +66,8 @@ pub(crate) enum OutboundError {
     Timeout { what: &'static str, after: Duration },
     #[error("the peer answered {0}")]
     Status(StatusCode),
+    #[error("CONNECT authority {authority:?}: {reason}")]
+    Authority { authority: String, reason: String },
 }
 
 pub(super) async fn serve(
@@ -103,7 +107,12 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
         shared
             .workloads
             .waypoint_plan(&shared.config.trust_domain, &pod.key, client, dst, n);
-    let headers = waypoint::connect_headers(baggage.as_deref(), client);
+    let service = shared.workloads.service_at(dst);
+    let headers = waypoint::connect_headers(
+        baggage.as_deref(),
+        SocketAddr::new(client, peer.port()),
+        service.as_deref().map(|s| s.hostname.as_str()),
+    );
     // What is only needed to open the stream is dropped (or moved into
     // `hbone`, which drops it) before the first await: anything still in
     // scope would stay allocated for the connection's whole life.
@@ -111,6 +120,7 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
     match route {
         Route::Direct => {}
         Route::ViaWaypoint(hop) => {
+            drop(service);
             return via_waypoint(&shared, &pod, app, hop, headers, log).await;
         }
         Route::Fail(failure) => {
@@ -119,10 +129,16 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
             return;
         }
     }
-    let Some(dst) = resolve_service(&shared, client, dst, n, &mut log) else {
-        log.emit(&shared);
-        reset(&app);
-        return;
+    let dst = match resolve_service(&shared, service, client, dst, n, &mut log) {
+        Some(Target::Direct(dst)) => dst,
+        Some(Target::ThroughGateway(hop)) => {
+            return super::double_hbone::serve(&shared, &pod, app, hop, headers, log).await;
+        }
+        None => {
+            log.emit(&shared);
+            reset(&app);
+            return;
+        }
     };
     log.dst_addr = dst;
     // Redirected to ourselves would loop forever.
@@ -262,7 +278,8 @@ async fn hbone(
     // stay in the connection's task for its whole life (a future keeps
     // room for its largest state); see `task_sizes_tests.rs`. The key and
     // the headers go with it: the relay needs neither.
-    let opened = Box::pin(open_stream(shared, pod, &key, authority, &headers)).await;
+    let authority = authority.to_string();
+    let opened = Box::pin(open_stream(shared, pod, &key, &authority, &headers)).await;
     drop((key, headers));
     let (mut h2s, _guard) = opened?;
     log.open(shared);
@@ -286,38 +303,42 @@ async fn hbone(
 
 /// Where a connection to `dst` goes: `dst` itself, or, when it is a
 /// service's VIP and port, one of its ready endpoints in turn (`n` counts
-/// connections; named in the log). `None` when the service has no ready endpoint (the log says why).
+/// connections; named in the log), directly or through another network's
+/// gateway. `None` when the service has no endpoint to take it (the log
+/// says why).
 fn resolve_service(
     shared: &Shared,
+    service: Option<Arc<Service>>,
     client: std::net::IpAddr,
     dst: SocketAddr,
     n: usize,
     log: &mut AccessLog<'_>,
-) -> Option<SocketAddr> {
-    let Some(service) = shared.workloads.service_at(dst) else {
-        return Some(dst);
+) -> Option<Target> {
+    let Some(service) = service else {
+        return Some(Target::Direct(dst));
     };
     log.dst_service = Some(service.key());
     if service.is_passthrough() {
         // Load-balancing mode PASSTHROUGH: no endpoint choice.
-        return Some(dst);
+        return Some(Target::Direct(dst));
     }
-    match shared.workloads.pick_endpoint(&service, client, dst, n) {
+    match shared
+        .workloads
+        .pick_endpoint(&shared.config.trust_domain, &service, client, dst, n)
+    {
         Ok(target) => {
-            tracing::debug!(service = %service.key(), vip = %dst, endpoint = %target, "service endpoint chosen");
+            tracing::debug!(service = %service.key(), vip = %dst, ?target, "service endpoint chosen");
             Some(target)
         }
         Err(why) => {
             // ztunnel: "no healthy upstream", or no valid destination for
             // an endpoint on another network without a gateway.
             let why = match why {
-                NoEndpoint::NoneReady => "no ready endpoint",
+                NoEndpoint::NoneReady => "no ready endpoint".to_owned(),
                 NoEndpoint::NotForThisClient => {
-                    "no ready endpoint its load balancing allows this client"
+                    "no ready endpoint its load balancing allows this client".to_owned()
                 }
-                NoEndpoint::OnOtherNetworks => {
-                    "ready endpoints only on other networks (shunt has no network gateways)"
-                }
+                NoEndpoint::OnOtherNetworks(why) => why,
             };
             tracing::warn!(service = %service.key(), vip = %dst, "service has {why}; connection refused");
             log.dst_addr = dst;
@@ -367,11 +388,11 @@ async fn passthrough(
 /// A CONNECT stream to `dst` over a pooled connection (opening one when
 /// none has room). A pooled connection that fails before the stream exists
 /// (GOAWAY, dead peer) is dropped and the stream retried once on a new one.
-async fn open_stream(
+pub(super) async fn open_stream(
     shared: &Shared,
     pod: &PodState,
     key: &PoolKey,
-    dst: SocketAddr,
+    authority: &str,
     headers: &HeaderMap,
 ) -> Result<(H2Stream, StreamGuard), OutboundError> {
     let max = shared.config.h2.max_streams_per_connection;
@@ -387,7 +408,7 @@ async fn open_stream(
                 }
             }
         };
-        match connect_stream(shared, send, dst, headers).await {
+        match connect_stream(shared, send, authority, headers).await {
             Ok(h2s) => return Ok((h2s, guard)),
             // A refusal is the peer's answer: retrying would get the same.
             Err(e @ OutboundError::Status(_)) => return Err(e),
@@ -404,10 +425,12 @@ async fn open_stream(
     }))
 }
 
-async fn connect_stream(
+/// A CONNECT to `authority` (`IP:port`, or `hostname:port` through a
+/// network gateway) on `send`'s connection, answered 200.
+pub(super) async fn connect_stream(
     shared: &Shared,
     send: SendRequest<Bytes>,
-    dst: SocketAddr,
+    authority: &str,
     headers: &HeaderMap,
 ) -> Result<H2Stream, OutboundError> {
     let timeout = shared.config.connect_response_timeout;
@@ -424,11 +447,11 @@ async fn connect_stream(
     // (baggage, forwarded, traceparent).
     let mut request = Request::builder()
         .method(Method::CONNECT)
-        .uri(dst.to_string())
+        .uri(authority)
         .body(())
-        .map_err(|e| OutboundError::Handshake {
-            addr: dst,
-            source: std::io::Error::other(e),
+        .map_err(|e| OutboundError::Authority {
+            authority: authority.to_owned(),
+            reason: e.to_string(),
         })?;
     request.headers_mut().extend(headers.clone());
     let (response, send_stream) = send.send_request(request, false)?;

@@ -431,17 +431,7 @@ fn members_of<'a>(
             .iter()
             .map(|e| (e.ip, store.by_ip(e.ip), e.ready))
             .collect(),
-        sans: service
-            .subject_alt_names
-            .iter()
-            .map(|san| {
-                if san.starts_with("spiffe://") {
-                    san.clone()
-                } else {
-                    format!("spiffe://{san}")
-                }
-            })
-            .collect(),
+        sans: service.san_uris(),
         allow_unhealthy: service.allows_unhealthy(),
         network,
     }
@@ -466,18 +456,22 @@ pub fn baggage(source: &Workload) -> String {
     )
 }
 
-/// `forwarded` (RFC 7239) naming the original client; an IPv6 address is
-/// bracketed and quoted (the `for=` node syntax).
-pub fn forwarded(client: IpAddr) -> String {
-    match client.to_canonical() {
-        IpAddr::V4(v4) => format!("for={v4}"),
-        IpAddr::V6(v6) => format!("for=\"[{v6}]\""),
+/// `forwarded` (RFC 7239) as ztunnel writes it: the original client's
+/// address and port, quoted (`for="198.18.1.10:40162"`,
+/// `for="[2001:db8::1]:40162"`), and for a connection addressed to a
+/// service, `;host=<its hostname>`.
+pub fn forwarded(client: SocketAddr, service_host: Option<&str>) -> String {
+    let client = SocketAddr::new(client.ip().to_canonical(), client.port());
+    match service_host.filter(|h| !h.is_empty()) {
+        Some(host) => format!("for=\"{client}\";host={host}"),
+        None => format!("for=\"{client}\""),
     }
 }
 
-/// A W3C `traceparent` (version 00, sampled) from 24 random bytes: 16 for
-/// the trace id, 8 for the span id. An all-zero id is invalid in the
-/// spec, so one is never produced.
+/// A W3C `traceparent` (version 00, flags 00: not sampled, as ztunnel
+/// sends it, so a waypoint does not trace every connection) from 24
+/// random bytes: 16 for the trace id, 8 for the span id. An all-zero id
+/// is invalid in the spec, so one is never produced.
 pub fn traceparent(random: [u8; 24]) -> String {
     let (mut trace, mut span) = ([0u8; 16], [0u8; 8]);
     trace.copy_from_slice(&random[..16]);
@@ -493,7 +487,7 @@ pub fn traceparent(random: [u8; 24]) -> String {
     push_hex(&mut out, &trace);
     out.push('-');
     push_hex(&mut out, &span);
-    out.push_str("-01");
+    out.push_str("-00");
     out
 }
 
@@ -539,15 +533,19 @@ fn trace_random() -> Option<[u8; TRACE_RANDOM]> {
 }
 
 /// The headers of one outbound CONNECT: `baggage` (when the source is
-/// known), `forwarded` for the client, a fresh `traceparent`. A value that
-/// is not a valid header (never expected from validated names) is left
-/// out, never a panic.
-pub fn connect_headers(baggage: Option<&str>, client: IpAddr) -> HeaderMap {
+/// known), `forwarded` for the client (and the service it addressed, if
+/// any), a fresh `traceparent`. A value that is not a valid header (never
+/// expected from validated names) is left out, never a panic.
+pub fn connect_headers(
+    baggage: Option<&str>,
+    client: SocketAddr,
+    service_host: Option<&str>,
+) -> HeaderMap {
     let mut headers = HeaderMap::new();
     if let Some(value) = baggage.and_then(|b| HeaderValue::from_str(b).ok()) {
         headers.insert("baggage", value);
     }
-    if let Ok(value) = HeaderValue::from_str(&forwarded(client)) {
+    if let Ok(value) = HeaderValue::from_str(&forwarded(client, service_host)) {
         headers.insert("forwarded", value);
     }
     if let Some(random) = trace_random()

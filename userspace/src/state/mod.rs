@@ -106,6 +106,12 @@ impl SpiffeId {
         ))
     }
 
+    /// An identity given as a URI (a service's `subject_alt_names`, after
+    /// [`Service::san_uris`]); `None` unless it is `spiffe://…`.
+    pub fn from_uri(uri: &str) -> Option<Self> {
+        uri.starts_with("spiffe://").then(|| Self(uri.to_owned()))
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }

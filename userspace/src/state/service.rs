@@ -153,11 +153,10 @@ pub struct Endpoint {
     /// capacity; 1 where the source has no notion of it).
     pub capacity: u32,
     /// The network of the workload behind it (xDS `Workload.network`;
-    /// empty where the source has none). A client is sent only to
-    /// endpoints on its own network: another network's endpoints are
-    /// reached through that network's gateway (ztunnel's double HBONE),
-    /// which shunt does not do, and their addresses may belong to other
-    /// pods here.
+    /// empty where the source has none). A client is sent to endpoints on
+    /// its own network first; another network's are reached only through
+    /// that network's gateway (`proxy/network_gateway.rs`), never dialled:
+    /// their addresses may belong to other pods here.
     pub network: String,
 }
 
@@ -178,6 +177,22 @@ impl Endpoint {
 impl Service {
     pub fn key(&self) -> WorkloadKey {
         WorkloadKey::new(&self.namespace, &self.name)
+    }
+
+    /// Its `subject_alt_names` as `spiffe://` URIs (istiod may send them
+    /// without the scheme): what a certificate presented for the service
+    /// may carry.
+    pub fn san_uris(&self) -> Vec<String> {
+        self.subject_alt_names
+            .iter()
+            .map(|san| {
+                if san.starts_with("spiffe://") {
+                    san.clone()
+                } else {
+                    format!("spiffe://{san}")
+                }
+            })
+            .collect()
     }
 
     /// Where `endpoint` takes connections to the service's `port`, if it

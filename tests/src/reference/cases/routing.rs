@@ -8,7 +8,7 @@ use shunt_proto::istio::workload::{self as wl, load_balancing};
 
 use super::{Case, OutboundRow};
 use crate::reference::{
-    bed::SERVER_IP,
+    bed::{GATEWAY_IP, GATEWAY_SA, SERVER_IP, SERVER_SA, TUNNELED},
     probe::Outcome::{self, Allowed, Refused},
     resources::{encode, pod, service},
 };
@@ -88,8 +88,45 @@ pub fn cases() -> Vec<Case> {
             [198, 19, 100, 50],
             Some([198, 19, 100, 51]),
         ),
+        through_known_gateway(),
         same_address_elsewhere(),
     ]
+}
+
+/// The server on `network2` behind the bed's east-west gateway (a
+/// workload istiod sends, on that network), the service naming the
+/// server's identity in its SANs: double HBONE. The client's proxy opens
+/// HBONE to the gateway (CONNECT `<hostname>:80`, which the gateway
+/// tunnels to the server's 15008), and inside it HBONE to the server's
+/// proxy.
+fn through_known_gateway() -> Case {
+    let hostname = "through-gateway.default.svc.cluster.local";
+    let vip = [198, 19, 100, 52];
+    let mut case = on_network(
+        "the only endpoint on another network, behind a gateway istiod names",
+        "through-gateway",
+        "default/through-gateway.default.svc.cluster.local",
+        vip,
+        Some(GATEWAY_IP.octets()),
+    );
+    let mut service_address = service("through-gateway", hostname, vip);
+    if let Some(wl::address::Type::Service(svc)) = &mut service_address.r#type {
+        svc.subject_alt_names = vec![format!("spiffe://cluster.local/ns/default/sa/{SERVER_SA}")];
+    }
+    let mut gateway = pod("eastwest", GATEWAY_SA, GATEWAY_IP, "node-b");
+    gateway.uid = "Kubernetes//Pod/istio-system/eastwest".into();
+    gateway.namespace = "istio-system".into();
+    gateway.network = "network2".into();
+    case.addresses = vec![
+        encode(service_address),
+        encode(wl::Address {
+            r#type: Some(wl::address::Type::Workload(gateway)),
+        }),
+    ];
+    case.outbound[0].expect = Allowed;
+    case.gateway_authority = Some(TUNNELED);
+    debug_assert_eq!(TUNNELED, format!("{hostname}:80"));
+    case
 }
 
 /// A pod of another network at the server's address (pod CIDRs of two
@@ -118,8 +155,9 @@ fn same_address_elsewhere() -> Case {
 /// A Service `default/<name>` at `vip` whose only endpoint, the server,
 /// is on `network2` with `gateway` (the client on the default network).
 /// ztunnel refuses: without a gateway there is no valid destination, and
-/// its gateway's address is no workload it knows. shunt refuses too (it
-/// has no network gateways); before, it dialled the server directly.
+/// its gateway's address is no workload it knows. shunt refuses too (no
+/// endpoint behind a gateway; an unknown gateway); before, it dialled the
+/// server directly.
 fn on_network(
     name: &'static str,
     service_name: &'static str,

@@ -78,6 +78,7 @@ fn raw_case(
         client_network: "",
         server_network: "",
         server_gateway: None,
+        gateway_authority: None,
     }
 }
 

@@ -577,35 +577,58 @@ fn baggage_names_the_owner_by_its_type() {
 }
 
 #[test]
-fn forwarded_names_the_client_with_ipv6_bracketed_and_quoted() {
-    assert_eq!(forwarded(ip("198.18.1.10")), "for=198.18.1.10");
-    assert_eq!(forwarded(ip("2001:db8::1")), "for=\"[2001:db8::1]\"");
-    assert_eq!(forwarded(ip("::ffff:198.18.1.10")), "for=198.18.1.10");
+fn forwarded_names_the_client_and_port_quoted_and_the_service_host() {
+    let at = |s: &str| s.parse::<SocketAddr>().expect("test address");
+    assert_eq!(
+        forwarded(at("198.18.1.10:40162"), None),
+        "for=\"198.18.1.10:40162\""
+    );
+    assert_eq!(
+        forwarded(at("[2001:db8::1]:80"), None),
+        "for=\"[2001:db8::1]:80\""
+    );
+    assert_eq!(
+        forwarded(at("[::ffff:198.18.1.10]:80"), Some("")),
+        "for=\"198.18.1.10:80\""
+    );
+    assert_eq!(
+        forwarded(at("198.18.1.10:80"), Some("web.default.svc.cluster.local")),
+        "for=\"198.18.1.10:80\";host=web.default.svc.cluster.local"
+    );
 }
 
 #[test]
-fn traceparent_is_w3c_version_00_sampled() {
+fn traceparent_is_w3c_version_00_not_sampled_as_ztunnels() {
     let mut random = [0u8; 24];
     for (i, b) in random.iter_mut().enumerate() {
         *b = 0xa0 + i as u8;
     }
     assert_eq!(
         traceparent(random),
-        "00-a0a1a2a3a4a5a6a7a8a9aaabacadaeaf-b0b1b2b3b4b5b6b7-01"
+        "00-a0a1a2a3a4a5a6a7a8a9aaabacadaeaf-b0b1b2b3b4b5b6b7-00"
     );
     assert_eq!(
         traceparent([0; 24]),
-        "00-00000000000000000000000000000001-0000000000000001-01",
+        "00-00000000000000000000000000000001-0000000000000001-00",
         "all-zero ids are invalid"
     );
 }
 
 #[test]
 fn connect_headers_carry_all_three_and_a_fresh_trace_each_time() {
-    let a = connect_headers(Some("k8s.cluster.name=Kubernetes"), ip("2001:db8::1"));
-    let b = connect_headers(None, ip("198.18.1.10"));
+    let at = |s: &str| s.parse::<SocketAddr>().expect("test address");
+    let a = connect_headers(
+        Some("k8s.cluster.name=Kubernetes"),
+        at("[2001:db8::1]:5000"),
+        None,
+    );
+    let b = connect_headers(None, at("198.18.1.10:5000"), Some("web.default.svc"));
     assert_eq!(a["baggage"], "k8s.cluster.name=Kubernetes");
-    assert_eq!(a["forwarded"], "for=\"[2001:db8::1]\"");
+    assert_eq!(a["forwarded"], "for=\"[2001:db8::1]:5000\"");
+    assert_eq!(
+        b["forwarded"],
+        "for=\"198.18.1.10:5000\";host=web.default.svc"
+    );
     assert!(b.get("baggage").is_none());
     let trace = |h: &HeaderMap| h["traceparent"].to_str().expect("ascii").to_owned();
     let (ta, tb) = (trace(&a), trace(&b));
@@ -613,7 +636,7 @@ fn connect_headers_carry_all_three_and_a_fresh_trace_each_time() {
     for t in [ta, tb] {
         let parts: Vec<&str> = t.split('-').collect();
         assert_eq!(parts.len(), 4, "{t}");
-        assert_eq!((parts[0], parts[3]), ("00", "01"), "{t}");
+        assert_eq!((parts[0], parts[3]), ("00", "00"), "{t}");
         assert_eq!((parts[1].len(), parts[2].len()), (32, 16), "{t}");
         assert!(
             t.chars()

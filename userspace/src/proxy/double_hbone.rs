@@ -1,0 +1,143 @@
+//! Outbound to another network: double HBONE through its east-west
+//! gateway (`network_gateway.rs` chose the hop), as ztunnel sends it.
+//!
+//! 1. Outer: a pooled HBONE connection to the gateway (its identity
+//!    checked), CONNECT `<service hostname>:<port>` with the usual headers.
+//! 2. Inner, inside that stream and never pooled (the gateway picks an
+//!    endpoint per stream; a pooled inner connection would always reach
+//!    the same one): mTLS as the source pod, the destination checked
+//!    against the service's SANs, HTTP/2, and CONNECT to the same
+//!    authority with the usual headers and `x-forwarded-network` (this
+//!    node's network), which the destination's proxy terminates.
+//! 3. The application's bytes go over the inner stream.
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue};
+use rustls_pki_types::ServerName;
+use tokio::net::TcpStream;
+
+use super::{
+    AccessLog, Outcome, PodState, Shared,
+    h2::H2Stream,
+    h2_io::H2Io,
+    network_gateway::GatewayHop,
+    outbound::{OutboundError, connect_stream, open_stream},
+    pool::{PoolKey, StreamGuard},
+    reset,
+};
+
+/// Carries `app` to `hop`'s service through the gateway, writing the access
+/// line (the gateway as `dst.addr`, the destination's identity as the
+/// inner handshake proved it).
+pub(super) async fn serve(
+    shared: &Shared,
+    pod: &PodState,
+    mut app: TcpStream,
+    hop: Box<GatewayHop>,
+    headers: HeaderMap,
+    mut log: AccessLog<'_>,
+) {
+    log.dst_addr = hop.gateway;
+    tracing::debug!(gateway = %hop.gateway, network = %hop.network, authority = %hop.authority, "through the network gateway");
+    // Boxed: the handshakes' state is freed once the streams are open
+    // (see `hbone` in outbound.rs).
+    let opened = Box::pin(open(shared, pod, &hop, headers)).await;
+    let (mut inner, peer, _outer_guard) = match opened {
+        Ok(streams) => streams,
+        Err(e) => {
+            log.outcome = match e {
+                OutboundError::Status(_) => Outcome::Refused,
+                _ => Outcome::Failed,
+            };
+            log.reason = Some(format!(
+                "through the gateway {} of network {}: {e}",
+                hop.gateway, hop.network
+            ));
+            log.emit(shared);
+            reset(&app);
+            return;
+        }
+    };
+    drop(hop);
+    log.dst_identity = Some(&peer);
+    log.open(shared);
+    match super::relay::relay(&mut app, &mut inner).await {
+        Ok((sent, received)) => {
+            log.bytes_sent = sent;
+            log.bytes_received = received;
+            log.outcome = Outcome::Success;
+        }
+        Err(e) => {
+            inner.reset(h2::Reason::CANCEL);
+            reset(&app);
+            log.outcome = Outcome::Failed;
+            log.reason = Some(e.to_string());
+        }
+    }
+    log.emit(shared);
+}
+
+/// The inner CONNECT stream, the destination's identity, and the outer
+/// stream's pool slot (held while the connection lives).
+async fn open(
+    shared: &Shared,
+    pod: &PodState,
+    hop: &GatewayHop,
+    headers: HeaderMap,
+) -> Result<(H2Stream, String, StreamGuard), OutboundError> {
+    let key = PoolKey {
+        src: pod.identity.clone(),
+        dst: hop.gateway_identity.clone(),
+        dst_ip: hop.gateway.ip(),
+        port: hop.gateway.port(),
+        also_accept: hop.gateway_sans.clone(),
+    };
+    let (outer, guard) = open_stream(shared, pod, &key, &hop.authority, &headers).await?;
+
+    let cert = shared.identities.certificate(&pod.identity).await?;
+    let config = crate::tls::client_config_accepting(
+        &cert,
+        &shared.roots,
+        &hop.final_identity,
+        &hop.final_also_accept,
+    )?;
+    let timeout = shared.config.handshake_timeout;
+    let timed_out = |what| OutboundError::Timeout {
+        what,
+        after: timeout,
+    };
+    let addr = hop.gateway;
+    // No SNI is sent (enable_sni is off); the name only satisfies the API.
+    let server_name = ServerName::IpAddress(addr.ip().into());
+    let tls = tokio::time::timeout(
+        timeout,
+        tokio_rustls::TlsConnector::from(config).connect(server_name, H2Io::new(outer)),
+    )
+    .await
+    .map_err(|_| timed_out("inner TLS handshake"))?
+    .map_err(|source| OutboundError::Handshake { addr, source })?;
+    if tls.get_ref().1.alpn_protocol() != Some(crate::tls::ALPN_H2) {
+        return Err(OutboundError::NoH2 { addr });
+    }
+    let peer = crate::tls::peer_identity(tls.get_ref().1).unwrap_or_default();
+    let (send, connection) = tokio::time::timeout(
+        timeout,
+        shared.config.h2.client().handshake::<_, Bytes>(tls),
+    )
+    .await
+    .map_err(|_| timed_out("inner HTTP/2 handshake"))??;
+    // The inner connection carries this one stream: it ends when the
+    // stream and `send` are dropped, or with the outer stream.
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "inner HBONE connection ended");
+        }
+    });
+    let mut inner_headers = headers;
+    // ztunnel sends its network, empty or not, on the inner CONNECT only.
+    if let Ok(network) = HeaderValue::from_str(&shared.config.network) {
+        inner_headers.insert(super::inbound::X_FORWARDED_NETWORK, network);
+    }
+    let inner = connect_stream(shared, send, &hop.authority, &inner_headers).await?;
+    Ok((inner, peer, guard))
+}
