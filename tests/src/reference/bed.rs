@@ -47,9 +47,11 @@ pub const NODE_B_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 19, 0, 2)
 /// `istio-system`.
 pub const GATEWAY_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 18, 2, 11);
 pub const GATEWAY_SA: &str = "istio-eastwestgateway";
-/// The authority the gateway tunnels (to the server's 15008): the outer
-/// CONNECT of double HBONE for this service's port 80.
+/// The authorities the gateway tunnels (to the server's 15008): the outer
+/// CONNECT of double HBONE for these services' port 80 (the second's
+/// waypoint is behind the gateway).
 pub const TUNNELED: &str = "through-gateway.default.svc.cluster.local:80";
+pub const TUNNELED_TO_WAYPOINT: &str = "wp-through-gateway.default.svc.cluster.local:80";
 const WAIT: Duration = Duration::from_secs(30);
 
 /// Which implementation serves the server workload.
@@ -130,10 +132,13 @@ impl Bed {
             &gateway_pod,
             &gateway_ca,
             SpiffeId::for_service_account(&TrustDomain::default(), "istio-system", GATEWAY_SA),
-            vec![Tunnel {
-                authority: TUNNELED.into(),
-                target: (SERVER_IP, 15008).into(),
-            }],
+            [TUNNELED, TUNNELED_TO_WAYPOINT]
+                .into_iter()
+                .map(|authority| Tunnel {
+                    authority: authority.into(),
+                    target: (SERVER_IP, 15008).into(),
+                })
+                .collect(),
         )?;
         Ok(Bed {
             pki,
@@ -212,8 +217,20 @@ impl Bed {
     /// the snapshot while the before-sync rows run), then, for outbound
     /// or DNS rows, the client's.
     pub async fn run(&self, peer: Peer, ztunnel: Option<&Path>, case: &Case) -> Result<Run> {
+        self.run_pair(peer, peer, ztunnel, case).await
+    }
+
+    /// [`Bed::run`] with `server` serving the server and `client` the
+    /// client (interop: one peer's HBONE terminated by the other).
+    pub async fn run_pair(
+        &self,
+        server: Peer,
+        client: Peer,
+        ztunnel: Option<&Path>,
+        case: &Case,
+    ) -> Result<Run> {
         let mut server_side = tokio::task::block_in_place(|| {
-            self.start_side(peer, ztunnel, &self.server, case, Role::Server)
+            self.start_side(server, ztunnel, &self.server, case, Role::Server)
         })?;
         let before_sync = self.probe_rows(&case.before_sync).await;
         server_side.istiod.release();
@@ -224,7 +241,7 @@ impl Bed {
         let gateway_before = self.gateway.received().len();
         if !case.outbound.is_empty() || !case.dns.is_empty() {
             let mut client_side = tokio::task::block_in_place(|| {
-                self.start_side(peer, ztunnel, &self.client, case, Role::Client)
+                self.start_side(client, ztunnel, &self.client, case, Role::Client)
             })?;
             client_side.settle().await?;
             outbound = self.probe_outbound(case);

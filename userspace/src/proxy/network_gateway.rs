@@ -12,14 +12,18 @@
 //! `subject_alt_names` (ztunnel's `final_sans`): the client cannot know
 //! which endpoint the gateway picks.
 //!
-//! [`through_gateway`] is a pure function of the store, called under the
-//! proxy's one read of it; `double_hbone.rs` carries the connection.
+//! A service's waypoint on another network is reached the same way
+//! ([`to_waypoint`]; ztunnel's "waypoint on remote network").
+//!
+//! Both are pure functions of the store, called under the proxy's one
+//! read of it; `double_hbone.rs` carries the connection.
 
 use std::net::{IpAddr, SocketAddr};
 
 use crate::{
     state::{
-        Endpoint, GatewayAddress, GatewayDestination, Service, SpiffeId, TrustDomain, weighted_pick,
+        GatewayAddress, GatewayDestination, Service, SpiffeId, TrustDomain, Workload, WorkloadKey,
+        weighted_pick,
     },
     store::WorkloadStore,
 };
@@ -48,8 +52,9 @@ pub struct GatewayHop {
 /// The gateway hop for connection number `n` from a client on
 /// `client_network` to `dst`, one of `service`'s VIPs and ports, when
 /// every ready endpoint is on another network: one of those whose
-/// workload names a network gateway, weighted by capacity. `Err` says why
-/// none can be used (for the access line).
+/// workload names a network gateway, weighted by capacity; the inner TLS
+/// checked against the service's SANs. `Err` says why none can be used
+/// (for the access line).
 pub fn through_gateway(
     store: &WorkloadStore,
     trust_domain: &TrustDomain,
@@ -58,56 +63,114 @@ pub fn through_gateway(
     client_network: &str,
     n: usize,
 ) -> Result<GatewayHop, String> {
-    let remote: Vec<(&Endpoint, &GatewayAddress)> = service
+    let remote: Vec<Remote<'_>> = service
         .ready_targets(dst)
         .into_iter()
         .filter(|(e, _)| e.network != client_network)
-        .filter_map(|(e, _)| {
-            let workload = store.by_network_ip(&e.network, e.ip)?;
-            Some((e, workload.network_gateway.as_ref()?))
+        .map(|(e, _)| Remote {
+            network: &e.network,
+            capacity: e.capacity,
+            gateway: store
+                .by_network_ip(&e.network, e.ip)
+                .and_then(|w| w.network_gateway.as_ref()),
         })
         .collect();
-    let Some(&(endpoint, gateway)) = weighted_pick(&remote, |(e, _)| e.capacity, n) else {
-        let networks: Vec<&str> = service
-            .ready_targets(dst)
-            .iter()
-            .map(|(e, _)| e.network.as_str())
-            .collect();
+    hop(
+        store,
+        trust_domain,
+        &remote,
+        service,
+        &service.san_uris(),
+        dst,
+        n,
+    )
+}
+
+/// The hop to a service's waypoint whose healthy replicas `elsewhere` are
+/// all on other networks (ztunnel: a service waypoint on a remote network
+/// goes through the gateway; both CONNECTs name the service the client
+/// addressed, `target`, and the inner TLS is checked against the
+/// waypoint service's SANs, `waypoint_sans`).
+pub fn to_waypoint(
+    store: &WorkloadStore,
+    trust_domain: &TrustDomain,
+    elsewhere: &[&Workload],
+    target: &WorkloadKey,
+    waypoint_sans: &[String],
+    dst: SocketAddr,
+    n: usize,
+) -> Result<GatewayHop, String> {
+    let service = store
+        .services()
+        .get(target)
+        .ok_or_else(|| format!("service {target} is gone"))?;
+    let remote: Vec<Remote<'_>> = elsewhere
+        .iter()
+        .map(|w| Remote {
+            network: &w.network,
+            capacity: w.capacity,
+            gateway: w.network_gateway.as_ref(),
+        })
+        .collect();
+    hop(store, trust_domain, &remote, service, waypoint_sans, dst, n)
+}
+
+/// A member of a service (an endpoint, or a waypoint's replica) on
+/// another network, and the gateway its workload names, if any.
+struct Remote<'a> {
+    network: &'a str,
+    capacity: u32,
+    gateway: Option<&'a GatewayAddress>,
+}
+
+/// The hop to one of `remote` (by capacity, among those with a gateway)
+/// for a connection to `dst`, a VIP and port of `service` (whose hostname
+/// both CONNECTs name), the inner TLS checked against `final_sans`:
+/// `service`'s own SANs, or a waypoint service's (ztunnel's
+/// `final_sans`).
+fn hop(
+    store: &WorkloadStore,
+    trust_domain: &TrustDomain,
+    remote: &[Remote<'_>],
+    service: &Service,
+    final_sans: &[String],
+    dst: SocketAddr,
+    n: usize,
+) -> Result<GatewayHop, String> {
+    let gatewayed: Vec<&Remote<'_>> = remote.iter().filter(|r| r.gateway.is_some()).collect();
+    let Some(chosen) = weighted_pick(&gatewayed, |r| r.capacity, n) else {
+        let networks: Vec<&str> = remote.iter().map(|r| r.network).collect();
         return Err(format!(
             "ready endpoints only on other networks ({}), none behind a network gateway",
             networks.join(", ")
         ));
     };
+    let (network, Some(gateway)) = (chosen.network, chosen.gateway) else {
+        return Err("no network gateway".into());
+    };
     if service.hostname.is_empty() {
         return Err(format!(
-            "service {} has no hostname to name it to the gateway of network {}",
+            "service {} has no hostname to name it to the gateway of network {network}",
             service.key(),
-            endpoint.network
         ));
     }
-    let mut final_also_accept = service.san_uris();
-    let final_identity = match final_also_accept.first().map(|san| SpiffeId::from_uri(san)) {
-        Some(Some(first)) => first,
+    let Some(final_identity) = final_sans.first().and_then(|san| SpiffeId::from_uri(san)) else {
         // ztunnel goes on and fails the inner handshake (no SAN matches).
-        _ => {
-            return Err(format!(
-                "service {} has no subject_alt_names: its endpoint behind the gateway of network {} cannot be verified",
-                service.key(),
-                endpoint.network
-            ));
-        }
+        return Err(format!(
+            "no subject_alt_names for service {}: what answers behind the gateway of network {network} cannot be verified",
+            service.key(),
+        ));
     };
-    final_also_accept.remove(0);
     let (gateway_addr, gateway_identity, gateway_sans) =
         resolve(store, trust_domain, gateway, dst.ip(), n)?;
     Ok(GatewayHop {
         authority: format!("{}:{}", service.hostname, dst.port()),
-        network: endpoint.network.clone(),
+        network: network.to_owned(),
         gateway: gateway_addr,
         gateway_identity,
         gateway_sans,
         final_identity,
-        final_also_accept,
+        final_also_accept: final_sans[1..].to_vec(),
     })
 }
 

@@ -125,7 +125,10 @@ fn no_gateway_no_hostname_or_no_sans_say_why() {
     assert!(err.contains("no workload or service istiod sent"), "{err}");
 
     let err = hop_for(&store(at_address("network2"), &[], true)).expect_err("no SANs");
-    assert!(err.contains("has no subject_alt_names"), "{err}");
+    assert!(
+        err.contains("no subject_alt_names for service default/web"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -123,6 +123,11 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
             drop(service);
             return via_waypoint(&shared, &pod, app, hop, headers, log).await;
         }
+        Route::ThroughGateway(hop) => {
+            log.dst_service = service.as_ref().map(|s| s.key());
+            drop(service);
+            return super::double_hbone::serve(&shared, &pod, app, hop, headers, log).await;
+        }
         Route::Fail(failure) => {
             refuse_for_waypoint(&shared, &failure, &mut log, dst);
             reset(&app);

@@ -54,6 +54,9 @@ pub enum Route {
     Direct,
     /// Over HBONE to a waypoint.
     ViaWaypoint(WaypointHop),
+    /// To a service whose waypoint is on another network: through that
+    /// network's gateway (double HBONE).
+    ThroughGateway(Box<super::network_gateway::GatewayHop>),
     /// The destination has a waypoint that cannot be used: refuse.
     Fail(WaypointFailure),
 }
@@ -105,9 +108,9 @@ pub enum FailureReason {
     /// The chosen waypoint endpoint could not be reached (connect, TLS,
     /// HTTP/2, or it refused the CONNECT).
     Unreachable,
-    /// Every healthy endpoint of the waypoint is on another network: only
-    /// that network's gateway reaches it, and shunt has no network-gateway
-    /// support.
+    /// Every healthy endpoint of the waypoint is on another network and
+    /// cannot be reached through its gateway (a workload's waypoint; no
+    /// gateway, or one that cannot be resolved).
     OtherNetwork,
 }
 
@@ -263,21 +266,34 @@ fn via(
         return Route::Direct;
     }
     // An address on another network is reached only through that
-    // network's gateway (ztunnel); shunt has none, so it is never dialled
-    // directly: the connection fails as with an unreachable waypoint.
+    // network's gateway, never dialled directly: a service's waypoint goes
+    // through it (ztunnel), a workload's fails as an unreachable one.
     let local_network = source.map_or("", |s| s.network.as_str());
-    let remote = |network: &str| {
+    let remote = |network: &str, elsewhere: &[&Workload]| {
+        let detail = if bound == Bound::Service {
+            match super::network_gateway::to_waypoint(
+                store,
+                trust_domain,
+                elsewhere,
+                &target,
+                &resolved.sans,
+                dst,
+                pick,
+            ) {
+                Ok(hop) => return Route::ThroughGateway(Box::new(hop)),
+                Err(why) => why,
+            }
+        } else {
+            "a workload's waypoint is not reached through network gateways".into()
+        };
         fail(
             FailureReason::OtherNetwork,
             format!(
-                "waypoint {} is on network {network}, no network gateway support",
+                "waypoint {} is on network {network}: {detail}",
                 resolved.name
             ),
         )
     };
-    if other_network(resolved.network, local_network) {
-        return remote(resolved.network);
-    }
     let healthy: Vec<(IpAddr, &Workload)> = resolved
         .members
         .iter()
@@ -288,8 +304,12 @@ fn via(
     let (healthy, elsewhere): (Vec<_>, Vec<_>) = healthy
         .into_iter()
         .partition(|(_, w)| !other_network(&w.network, local_network));
-    if let (true, Some((_, w))) = (healthy.is_empty(), elsewhere.first()) {
-        return remote(&w.network);
+    let elsewhere: Vec<&Workload> = elsewhere.iter().map(|(_, w)| *w).collect();
+    if other_network(resolved.network, local_network) {
+        return remote(resolved.network, &elsewhere);
+    }
+    if let (true, Some(w)) = (healthy.is_empty(), elsewhere.first()) {
+        return remote(&w.network, &elsewhere);
     }
     // The client's family first: the HBONE connection leaves from the
     // client pod.

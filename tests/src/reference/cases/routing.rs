@@ -8,7 +8,7 @@ use shunt_proto::istio::workload::{self as wl, load_balancing};
 
 use super::{Case, OutboundRow};
 use crate::reference::{
-    bed::{GATEWAY_IP, GATEWAY_SA, SERVER_IP, SERVER_SA, TUNNELED},
+    bed::{GATEWAY_IP, GATEWAY_SA, SERVER_IP, SERVER_SA, TUNNELED, TUNNELED_TO_WAYPOINT},
     probe::Outcome::{self, Allowed, Refused},
     resources::{encode, pod, service},
 };
@@ -89,6 +89,7 @@ pub fn cases() -> Vec<Case> {
             Some([198, 19, 100, 51]),
         ),
         through_known_gateway(),
+        waypoint_through_gateway(),
         same_address_elsewhere(),
     ]
 }
@@ -99,7 +100,7 @@ pub fn cases() -> Vec<Case> {
 /// HBONE to the gateway (CONNECT `<hostname>:80`, which the gateway
 /// tunnels to the server's 15008), and inside it HBONE to the server's
 /// proxy.
-fn through_known_gateway() -> Case {
+pub fn through_known_gateway() -> Case {
     let hostname = "through-gateway.default.svc.cluster.local";
     let vip = [198, 19, 100, 52];
     let mut case = on_network(
@@ -113,20 +114,74 @@ fn through_known_gateway() -> Case {
     if let Some(wl::address::Type::Service(svc)) = &mut service_address.r#type {
         svc.subject_alt_names = vec![format!("spiffe://cluster.local/ns/default/sa/{SERVER_SA}")];
     }
-    let mut gateway = pod("eastwest", GATEWAY_SA, GATEWAY_IP, "node-b");
-    gateway.uid = "Kubernetes//Pod/istio-system/eastwest".into();
-    gateway.namespace = "istio-system".into();
-    gateway.network = "network2".into();
-    case.addresses = vec![
-        encode(service_address),
-        encode(wl::Address {
-            r#type: Some(wl::address::Type::Workload(gateway)),
-        }),
-    ];
+    case.addresses = vec![encode(service_address), encode(eastwest())];
     case.outbound[0].expect = Allowed;
     case.gateway_authority = Some(TUNNELED);
     debug_assert_eq!(TUNNELED, format!("{hostname}:80"));
     case
+}
+
+/// A service whose waypoint (the service `wp-server`, whose only
+/// endpoint is the server) is on `network2` behind the bed's gateway:
+/// ztunnel sends it through the gateway (double HBONE), both CONNECTs
+/// naming the service addressed, the inner TLS checked against the
+/// waypoint service's SANs.
+fn waypoint_through_gateway() -> Case {
+    let vip = [198, 19, 100, 53];
+    let mut case = on_network(
+        "a service whose waypoint is on another network, behind a gateway istiod names",
+        "wp-through-gateway",
+        "default/wp-through-gateway.default.svc.cluster.local",
+        vip,
+        Some(GATEWAY_IP.octets()),
+    );
+    let mut target = service(
+        "wp-through-gateway",
+        "wp-through-gateway.default.svc.cluster.local",
+        vip,
+    );
+    if let Some(wl::address::Type::Service(svc)) = &mut target.r#type {
+        svc.waypoint = Some(wl::GatewayAddress {
+            destination: Some(wl::gateway_address::Destination::Hostname(
+                wl::NamespacedHostname {
+                    namespace: "default".into(),
+                    hostname: "wp-server.default.svc.cluster.local".into(),
+                },
+            )),
+            hbone_mtls_port: 15008,
+        });
+    }
+    let mut waypoint = service(
+        "wp-server",
+        "wp-server.default.svc.cluster.local",
+        [198, 19, 100, 54],
+    );
+    if let Some(wl::address::Type::Service(svc)) = &mut waypoint.r#type {
+        svc.ports = vec![wl::Port {
+            service_port: 15008,
+            target_port: 15008,
+            ..Default::default()
+        }];
+        svc.subject_alt_names = vec![format!("spiffe://cluster.local/ns/default/sa/{SERVER_SA}")];
+    }
+    case.server_services
+        .push("default/wp-server.default.svc.cluster.local");
+    case.addresses = vec![encode(target), encode(waypoint), encode(eastwest())];
+    case.outbound[0].expect = Allowed;
+    case.gateway_authority = Some(TUNNELED_TO_WAYPOINT);
+    case
+}
+
+/// The bed's east-west gateway as istiod sends it: a pod of
+/// `istio-system` on `network2`.
+fn eastwest() -> wl::Address {
+    let mut gateway = pod("eastwest", GATEWAY_SA, GATEWAY_IP, "node-b");
+    gateway.uid = "Kubernetes//Pod/istio-system/eastwest".into();
+    gateway.namespace = "istio-system".into();
+    gateway.network = "network2".into();
+    wl::Address {
+        r#type: Some(wl::address::Type::Workload(gateway)),
+    }
 }
 
 /// A pod of another network at the server's address (pod CIDRs of two

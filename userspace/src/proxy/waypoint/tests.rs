@@ -329,10 +329,9 @@ fn an_unknown_waypoint_or_one_without_healthy_endpoint_fails_never_bypasses() {
 }
 
 #[test]
-fn a_waypoint_on_another_network_fails_and_is_never_dialled_directly() {
+fn a_waypoint_on_another_network_goes_through_its_gateway_and_is_never_dialled_directly() {
     // Both replicas on another network than the client's (the node's):
-    // only that network's gateway reaches them, which shunt does not
-    // support.
+    // only that network's gateway reaches them; without one, refused.
     let mut bed = Bed::new();
     bed.workload_mut("client").network = "net-a".into();
     for name in ["waypoint-1", "waypoint-2"] {
@@ -344,9 +343,42 @@ fn a_waypoint_on_another_network_fails_and_is_never_dialled_directly() {
     assert_eq!(f.reason.as_str(), "other_network");
     assert_eq!(
         f.to_string(),
-        "waypoint of service default/web: waypoint default/waypoint is on network net-b, \
-         no network gateway support"
+        "waypoint of service default/web: waypoint default/waypoint is on network net-b: \
+         ready endpoints only on other networks (net-b, net-b), none behind a network gateway"
     );
+    // With net-b's gateway named (a workload there): double HBONE to it,
+    // both CONNECTs for the service addressed, the inner TLS checked
+    // against the waypoint service's SANs (ztunnel's final_sans).
+    let mut gateway = workload("eastwest", "eastwest-gw", "198.18.9.1");
+    gateway.network = "net-b".into();
+    bed.workloads.push(gateway);
+    for name in ["waypoint-1", "waypoint-2"] {
+        bed.workload_mut(name).network_gateway = Some(GatewayAddress {
+            destination: GatewayDestination::Address {
+                network: "net-b".into(),
+                ip: ip("198.18.9.1"),
+            },
+            hbone_mtls_port: 15008,
+        });
+    }
+    bed.service_mut("web").hostname = "web.default.svc.cluster.local".into();
+    let Route::ThroughGateway(through) = route_from(&bed.store(), "client", "198.19.100.1:80", 0)
+    else {
+        panic!("not through the gateway");
+    };
+    assert_eq!(through.authority, "web.default.svc.cluster.local:80");
+    assert_eq!(through.gateway, addr("198.18.9.1:15008"));
+    assert_eq!(
+        through.gateway_identity.as_str(),
+        "spiffe://cluster.local/ns/default/sa/eastwest-gw"
+    );
+    assert_eq!(
+        through.final_identity.as_str(),
+        "spiffe://cluster.local/ns/default/sa/waypoint-extra"
+    );
+    for name in ["waypoint-1", "waypoint-2"] {
+        bed.workload_mut(name).network_gateway = None;
+    }
     // One replica on our network: only that one is used.
     bed.workload_mut("waypoint-2").network = "net-a".into();
     let store = bed.store();
