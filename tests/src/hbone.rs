@@ -164,6 +164,20 @@ pub async fn connect_to(
     authority: &str,
     headers: &[(&str, &str)],
 ) -> std::result::Result<(SendStream<Bytes>, RecvStream), String> {
+    let (send, recv, _) = connect_answered(tcp, cert, roots, expected, authority, headers).await?;
+    Ok((send, recv))
+}
+
+/// [`connect_to`], also returning the 200's headers (ztunnel's response
+/// `baggage`).
+pub async fn connect_answered(
+    tcp: TcpStream,
+    cert: &WorkloadCert,
+    roots: &TrustRoots,
+    expected: &SpiffeId,
+    authority: &str,
+    headers: &[(&str, &str)],
+) -> std::result::Result<(SendStream<Bytes>, RecvStream, http::HeaderMap), String> {
     let peer = tcp.peer_addr().map_err(|e| e.to_string())?;
     let tls_config = client_config(cert, roots, expected).map_err(|e| e.to_string())?;
     let tls = tokio::time::timeout(
@@ -196,7 +210,8 @@ pub async fn connect_to(
     if response.status() != StatusCode::OK {
         return Err(format!("upstream answered {}", response.status()));
     }
-    Ok((stream, response.into_body()))
+    let (parts, body) = response.into_parts();
+    Ok((stream, body, parts.headers))
 }
 
 /// Sends `chunk` on `to` as flow control allows.

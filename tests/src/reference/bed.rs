@@ -401,7 +401,14 @@ impl Bed {
                     Outcome::Refused
                 };
                 let detail = report.to_string();
-                (*row, Observed { outcome, detail })
+                (
+                    *row,
+                    Observed {
+                        outcome,
+                        detail,
+                        answer_baggage: None,
+                    },
+                )
             })
             .collect()
     }

@@ -50,6 +50,21 @@ pub fn mismatches(peer: Peer, case: &Case, run: &Run) -> Vec<String> {
                 seen.detail
             ));
         }
+        // ztunnel answers a CONNECT with the destination workload's
+        // baggage (its ENABLE_RESPONSE_BAGGAGE, on by default).
+        let mesh = matches!(row.caller, super::probe::Caller::Mesh { .. });
+        if mesh
+            && seen.outcome == super::probe::Outcome::Allowed
+            && seen.answer_baggage.as_deref() != Some(SERVER_BAGGAGE)
+        {
+            out.push(format!(
+                "{peer:?} | {} | {} -> {} | the 200's baggage {:?}, expected {SERVER_BAGGAGE:?}",
+                case.name,
+                row.caller,
+                target(row),
+                seen.answer_baggage
+            ));
+        }
     }
     for (row, seen) in &run.before_sync {
         if seen.outcome != row.expect {
@@ -85,6 +100,10 @@ pub fn mismatches(peer: Peer, case: &Case, run: &Run) -> Vec<String> {
     out.extend(gateway_mismatches(peer, case, run));
     out
 }
+
+/// The server workload's `baggage`, as ztunnel writes it (istiod sends
+/// the server as a pod of `default` whose canonical name is its name).
+const SERVER_BAGGAGE: &str = "k8s.cluster.name=Kubernetes,k8s.namespace.name=default,k8s.pod.name=server,service.name=server,service.version=latest";
 
 /// What the east-west gateway got against what the case expects: one
 /// outer CONNECT per allowed outbound row, for the case's authority, from

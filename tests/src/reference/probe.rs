@@ -52,6 +52,9 @@ pub enum Outcome {
 pub struct Observed {
     pub outcome: Outcome,
     pub detail: String,
+    /// The `baggage` of the 200 an HBONE probe got (the server's proxy
+    /// naming the server workload), if any.
+    pub answer_baggage: Option<String>,
 }
 
 impl Observed {
@@ -59,6 +62,15 @@ impl Observed {
         Observed {
             outcome: Outcome::Refused,
             detail: detail.into(),
+            answer_baggage: None,
+        }
+    }
+
+    fn allowed(detail: impl Into<String>) -> Self {
+        Observed {
+            outcome: Outcome::Allowed,
+            detail: detail.into(),
+            answer_baggage: None,
         }
     }
 }
@@ -158,10 +170,7 @@ fn plaintext(client: &Pod, target: SocketAddr) -> Observed {
     }
     let mut got = vec![0u8; PAYLOAD.len()];
     match stream.read_exact(&mut got) {
-        Ok(()) if got == PAYLOAD => Observed {
-            outcome: Outcome::Allowed,
-            detail: "echoed".into(),
-        },
+        Ok(()) if got == PAYLOAD => Observed::allowed("echoed"),
         Ok(()) => Observed::refused(format!("wrong bytes {got:?}")),
         Err(e) => Observed::refused(format!("read: {e}")),
     }
@@ -189,8 +198,11 @@ async fn mesh(
         .map_err(|e| format!("connect 15008: {e}"))?;
     tcp.set_nonblocking(true).map_err(|e| e.to_string())?;
     let tcp = tokio::net::TcpStream::from_std(tcp).map_err(|e| e.to_string())?;
-    let (mut send, mut recv) =
-        hbone::connect(tcp, &creds.cert, &creds.roots, &server_id, authority).await?;
+    let (mut send, mut recv, answer) =
+        hbone::connect_answered(tcp, &creds.cert, &creds.roots, &server_id, authority, &[]).await?;
+    let answer_baggage = answer
+        .get("baggage")
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
     send.send_data(Bytes::from_static(PAYLOAD), false)
         .map_err(|e| format!("send: {e}"))?;
     let mut got = Vec::new();
@@ -212,8 +224,8 @@ async fn mesh(
         .map_err(|_| "no echo in time".to_string())??;
     if got == PAYLOAD {
         Ok(Observed {
-            outcome: Outcome::Allowed,
-            detail: "echoed".into(),
+            answer_baggage,
+            ..Observed::allowed("echoed")
         })
     } else {
         Ok(Observed::refused(format!("wrong bytes {got:?}")))

@@ -255,6 +255,7 @@ impl Reporter {
                     dst_service: dst_service.as_ref(),
                     derived_source: None,
                     src_through_gateway: false,
+                    derived_destination: None,
                 };
                 let series = self.connections.series(&info);
                 Side {
@@ -280,6 +281,7 @@ impl Reporter {
             dst_service: side.dst_service.as_ref(),
             derived_source: None,
             src_through_gateway: false,
+            derived_destination: None,
         };
         match event.kind {
             FastPathEvent::OPENED => {

@@ -188,7 +188,12 @@ impl TcpObserver {
             (None, Some(derived)) => self.tcp.derived.admit(Named::derived(derived)),
             (known, _) => Named::of(known),
         };
-        let dst = Named::of(dst);
+        // ztunnel's derived destination (double HBONE): the address is the
+        // gateway's, the destination's proxy named the workload.
+        let dst = match c.derived_destination {
+            Some(derived) => self.tcp.derived.admit(Named::derived(derived)),
+            None => Named::of(dst),
+        };
         let destination_service = c.dst_service.map(|key| {
             store
                 .services()
@@ -390,6 +395,7 @@ mod tests {
             dst_service: Some(&web),
             derived_source: None,
             src_through_gateway: false,
+            derived_destination: None,
         };
         observer.opened(&info);
         let text = metrics.encode(None);
@@ -455,6 +461,7 @@ mod tests {
             dst_service: None,
             derived_source: None,
             src_through_gateway: false,
+            derived_destination: None,
         };
         observer.opened(&info);
         let denied = ConnectionClose {
@@ -486,6 +493,48 @@ mod tests {
         );
     }
 
+    /// Double HBONE: the address is the gateway's (here `client`'s, a
+    /// workload the store knows), the destination's proxy named the
+    /// workload in its answer's baggage, which the labels take.
+    #[test]
+    fn through_a_gateway_the_source_reporter_names_the_destination_by_its_answer() {
+        let metrics = Metrics::new();
+        let observer = metrics.connection_observer(store());
+        let client = WorkloadKey::new("default", "client");
+        let baggage = Baggage {
+            cluster_id: Some("west".into()),
+            namespace: Some("default".into()),
+            workload_name: Some("server".into()),
+            service_name: Some("server".into()),
+            revision: Some("latest".into()),
+            ..Baggage::default()
+        };
+        observer.opened(&ConnectionInfo {
+            direction: Direction::Outbound,
+            pod: Some(&client),
+            src_addr: "198.18.1.2:5000".parse().expect("addr"),
+            src_identity: Some("spiffe://cluster.local/ns/default/sa/sa-client"),
+            dst_addr: "198.18.1.2:15008".parse().expect("addr"),
+            dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
+            dst_service: None,
+            derived_source: None,
+            src_through_gateway: false,
+            derived_destination: Some(&baggage),
+        });
+        let text = metrics.encode(None);
+        let derived = [
+            "reporter=\"source\"",
+            "destination_workload=\"server\"",
+            "destination_canonical_revision=\"latest\"",
+            "destination_cluster=\"west\"",
+        ];
+        assert_eq!(
+            sample(&text, "istio_tcp_connections_opened_total", &derived),
+            Some("1"),
+            "{text}"
+        );
+    }
+
     #[test]
     fn the_destination_names_an_unknown_source_by_its_baggage_a_known_one_by_its_address() {
         let metrics = Metrics::new();
@@ -509,6 +558,7 @@ mod tests {
             dst_service: None,
             derived_source: Some(&baggage),
             src_through_gateway: false,
+            derived_destination: None,
         };
         // 198.18.9.9 is no workload the store knows: the baggage names it.
         observer.opened(&from("198.18.9.9:5000"));
@@ -549,6 +599,7 @@ mod tests {
         // gateway's: the baggage names the source.
         observer.opened(&ConnectionInfo {
             src_through_gateway: true,
+            derived_destination: None,
             ..from("198.18.1.2:5001")
         });
         let text = metrics.encode(None);
@@ -570,6 +621,7 @@ mod tests {
         observer.opened(&ConnectionInfo {
             derived_source: Some(&partial),
             src_through_gateway: false,
+            derived_destination: None,
             ..from("198.18.9.8:5000")
         });
         let text = metrics.encode(None);
@@ -617,6 +669,7 @@ mod tests {
                 dst_service: None,
                 derived_source: Some(&baggage),
                 src_through_gateway: false,
+                derived_destination: None,
             });
         };
         for workload in ["first", "second", "third", "fourth", "first"] {
@@ -655,6 +708,7 @@ mod tests {
             dst_service: None,
             derived_source: None,
             src_through_gateway: false,
+            derived_destination: None,
         };
         // Refused before it was reported open: both at close.
         observer.closed(

@@ -61,6 +61,8 @@ pub(crate) struct AccessLog<'a> {
     pub derived_source: Option<&'a super::Baggage>,
     /// See [`ConnectionInfo::src_through_gateway`].
     pub src_through_gateway: bool,
+    /// See [`ConnectionInfo::derived_destination`].
+    pub derived_destination: Option<&'a super::Baggage>,
 }
 
 impl<'a> AccessLog<'a> {
@@ -86,6 +88,7 @@ impl<'a> AccessLog<'a> {
             quiet: false,
             derived_source: None,
             src_through_gateway: false,
+            derived_destination: None,
         }
     }
 
@@ -119,6 +122,7 @@ impl<'a> AccessLog<'a> {
             dst_service: self.dst_service.as_ref(),
             derived_source: self.derived_source,
             src_through_gateway: self.src_through_gateway,
+            derived_destination: self.derived_destination,
         }
     }
 

@@ -42,7 +42,7 @@ pub(super) async fn serve(
     // Boxed: the handshakes' state is freed once the streams are open
     // (see `hbone` in outbound.rs).
     let opened = Box::pin(open(shared, pod, &hop, headers)).await;
-    let (mut inner, peer, _outer_guard) = match opened {
+    let (mut inner, peer, answer, _outer_guard) = match opened {
         Ok(streams) => streams,
         Err(e) => {
             log.outcome = match e {
@@ -60,6 +60,14 @@ pub(super) async fn serve(
     };
     drop(hop);
     log.dst_identity = Some(&peer);
+    // The destination's proxy names its workload in the answer's baggage
+    // (ztunnel's derived destination): the metrics' destination, since
+    // the address is the gateway's.
+    let derived = answer
+        .contains_key("baggage")
+        .then(|| super::Baggage::from_headers(&answer));
+    drop(answer);
+    log.derived_destination = derived.as_ref();
     log.open(shared);
     match super::relay::relay(&mut app, &mut inner).await {
         Ok((sent, received)) => {
@@ -77,14 +85,15 @@ pub(super) async fn serve(
     log.emit(shared);
 }
 
-/// The inner CONNECT stream, the destination's identity, and the outer
-/// stream's pool slot (held while the connection lives).
+/// The inner CONNECT stream, the destination's identity, the headers of
+/// its answer, and the outer stream's pool slot (held while the
+/// connection lives).
 async fn open(
     shared: &Shared,
     pod: &PodState,
     hop: &GatewayHop,
     headers: HeaderMap,
-) -> Result<(H2Stream, String, StreamGuard), OutboundError> {
+) -> Result<(H2Stream, String, HeaderMap, StreamGuard), OutboundError> {
     let key = PoolKey {
         src: pod.identity.clone(),
         dst: hop.gateway_identity.clone(),
@@ -138,6 +147,6 @@ async fn open(
     if let Ok(network) = HeaderValue::from_str(&shared.config.network) {
         inner_headers.insert(super::inbound::X_FORWARDED_NETWORK, network);
     }
-    let inner = connect_stream(shared, send, &hop.authority, &inner_headers).await?;
-    Ok((inner, peer, guard))
+    let (inner, answer) = connect_stream(shared, send, &hop.authority, &inner_headers).await?;
+    Ok((inner, peer, answer, guard))
 }

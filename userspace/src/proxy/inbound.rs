@@ -18,7 +18,7 @@
 //! | port is one of the proxy's own (15001/15006/15008) | 503 |
 //! | an authorization policy denies it (peer identity, source IP, target) | 401 |
 //! | application refuses / unreachable | 503 |
-//! | otherwise | 200, then bytes both ways |
+//! | otherwise | 200 (with the target workload's `baggage`, as ztunnel's response baggage), then bytes both ways |
 //!
 //! A CONNECT whose authority is not the arrival address is accepted only
 //! when the pod it arrived at is the named waypoint of that authority (a
@@ -267,6 +267,23 @@ async fn serve_connection(
     }
 }
 
+/// The 200 to a CONNECT: with the `baggage` of the workload at `target`
+/// (ztunnel's response baggage, `ENABLE_RESPONSE_BAGGAGE`, on by
+/// default), which a client that came through a network gateway names
+/// the destination by (its address there is the gateway's).
+fn answer_ok(shared: &Shared, target: SocketAddr) -> Response<()> {
+    let mut response = Response::new(());
+    let baggage = shared
+        .workloads
+        .workload_by_ip(target.ip())
+        .map(|w| super::waypoint::baggage(&w))
+        .and_then(|b| http::HeaderValue::from_str(&b).ok());
+    if let Some(value) = baggage {
+        response.headers_mut().insert("baggage", value);
+    }
+    response
+}
+
 /// Whether a CONNECT came through a network gateway: its
 /// `x-forwarded-network` (set by the source's proxy on the inner CONNECT
 /// of ztunnel's double HBONE) names another network than `local`, compared
@@ -351,7 +368,7 @@ pub(super) async fn serve_stream(
                 return;
             }
         };
-    let send = match respond.send_response(Response::new(()), false) {
+    let send = match respond.send_response(answer_ok(&shared, upstream_addr), false) {
         Ok(s) => s,
         Err(e) => {
             log.outcome = Outcome::Failed;

@@ -117,6 +117,11 @@ pub struct ConnectionInfo<'a> {
     /// gateway's, so the source is known only from `derived_source`
     /// (ztunnel's `from_gateway`).
     pub src_through_gateway: bool,
+    /// What the destination's proxy said of the destination workload (the
+    /// `baggage` of its 200 to the inner CONNECT of double HBONE; ztunnel's
+    /// derived destination): the destination labels then, since
+    /// `dst_addr` is the gateway's. None elsewhere.
+    pub derived_destination: Option<&'a super::Baggage>,
 }
 
 /// What is known once a connection closed.

@@ -414,7 +414,7 @@ pub(super) async fn open_stream(
             }
         };
         match connect_stream(shared, send, authority, headers).await {
-            Ok(h2s) => return Ok((h2s, guard)),
+            Ok((h2s, _)) => return Ok((h2s, guard)),
             // A refusal is the peer's answer: retrying would get the same.
             Err(e @ OutboundError::Status(_)) => return Err(e),
             Err(e) => {
@@ -431,13 +431,14 @@ pub(super) async fn open_stream(
 }
 
 /// A CONNECT to `authority` (`IP:port`, or `hostname:port` through a
-/// network gateway) on `send`'s connection, answered 200.
+/// network gateway) on `send`'s connection, answered 200; and the
+/// answer's headers (a peer's `baggage` naming its workload).
 pub(super) async fn connect_stream(
     shared: &Shared,
     send: SendRequest<Bytes>,
     authority: &str,
     headers: &HeaderMap,
-) -> Result<H2Stream, OutboundError> {
+) -> Result<(H2Stream, HeaderMap), OutboundError> {
     let timeout = shared.config.connect_response_timeout;
     let timed_out = |what| OutboundError::Timeout {
         what,
@@ -466,7 +467,8 @@ pub(super) async fn connect_stream(
     if response.status() != StatusCode::OK {
         return Err(OutboundError::Status(response.status()));
     }
-    Ok(H2Stream::new(send_stream, response.into_body()))
+    let (parts, body) = response.into_parts();
+    Ok((H2Stream::new(send_stream, body), parts.headers))
 }
 
 /// Opens a new HBONE connection from the pod to the destination's 15008 and
