@@ -52,6 +52,8 @@ pub const GATEWAY_SA: &str = "istio-eastwestgateway";
 /// waypoint is behind the gateway).
 pub const TUNNELED: &str = "through-gateway.default.svc.cluster.local:80";
 pub const TUNNELED_TO_WAYPOINT: &str = "wp-through-gateway.default.svc.cluster.local:80";
+/// A service whose only endpoint has no address (the gateway reaches it).
+pub const TUNNELED_ADDRESSLESS: &str = "addressless.default.svc.cluster.local:80";
 const WAIT: Duration = Duration::from_secs(30);
 
 /// Which implementation serves the server workload.
@@ -132,7 +134,7 @@ impl Bed {
             &gateway_pod,
             &gateway_ca,
             SpiffeId::for_service_account(&TrustDomain::default(), "istio-system", GATEWAY_SA),
-            [TUNNELED, TUNNELED_TO_WAYPOINT]
+            [TUNNELED, TUNNELED_TO_WAYPOINT, TUNNELED_ADDRESSLESS]
                 .into_iter()
                 .map(|authority| Tunnel {
                     authority: authority.into(),

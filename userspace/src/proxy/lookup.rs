@@ -195,7 +195,9 @@ impl WorkloadLookup for RwLock<WorkloadStore> {
             Some((_, target)) => Ok(Target::Direct(target)),
             // ztunnel picks among every network's endpoints alike; shunt
             // goes through a gateway only when its own network has none.
-            None if service.only_on_other_networks(dst, client.network) => {
+            None if service.only_on_other_networks(dst, client.network)
+                || network_gateway::has_gateway_only(service, dst, client.network) =>
+            {
                 network_gateway::through_gateway(
                     &store,
                     trust_domain,

@@ -63,7 +63,7 @@ pub fn through_gateway(
     client_network: &str,
     n: usize,
 ) -> Result<GatewayHop, String> {
-    let remote: Vec<Remote<'_>> = service
+    let addressed = service
         .ready_targets(dst)
         .into_iter()
         .filter(|(e, _)| e.network != client_network)
@@ -73,7 +73,9 @@ pub fn through_gateway(
             gateway: store
                 .by_network_ip(&e.network, e.ip)
                 .and_then(|w| w.network_gateway.as_ref()),
-        })
+        });
+    let remote: Vec<Remote<'_>> = addressed
+        .chain(gateway_only(service, dst, client_network))
         .collect();
     hop(
         store,
@@ -113,6 +115,38 @@ pub fn to_waypoint(
         })
         .collect();
     hop(store, trust_domain, &remote, service, waypoint_sans, dst, n)
+}
+
+/// `service`'s ready endpoints without an address that serve `dst`'s
+/// port, on another network than `client_network` (ztunnel never uses one
+/// on the client's own network: only the gateway reaches it).
+fn gateway_only<'a>(
+    service: &'a Service,
+    dst: SocketAddr,
+    client_network: &'a str,
+) -> impl Iterator<Item = Remote<'a>> + 'a {
+    let serves = move |ports: &std::collections::BTreeMap<u16, u16>| {
+        ports.contains_key(&dst.port())
+            || service
+                .ports
+                .iter()
+                .any(|p| p.port == dst.port() && p.target_port.is_some_and(|t| t != 0))
+    };
+    service
+        .gateway_only
+        .iter()
+        .filter(move |e| e.ready && e.network != client_network && serves(&e.ports))
+        .map(|e| Remote {
+            network: &e.network,
+            capacity: e.capacity,
+            gateway: Some(&e.gateway),
+        })
+}
+
+/// Whether `service` has an endpoint only another network's gateway
+/// reaches, for a client on `client_network` connecting to `dst`.
+pub fn has_gateway_only(service: &Service, dst: SocketAddr, client_network: &str) -> bool {
+    gateway_only(service, dst, client_network).next().is_some()
 }
 
 /// A member of a service (an endpoint, or a waypoint's replica) on

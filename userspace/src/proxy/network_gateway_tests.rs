@@ -199,3 +199,46 @@ fn the_lookup_goes_through_a_gateway_only_when_its_own_network_has_no_endpoint()
         );
     }
 }
+
+/// An endpoint without an address (a WorkloadEntry of network2 istiod
+/// sends with none) is reached only through its gateway, from another
+/// network; from its own network it is nothing.
+#[test]
+fn an_addressless_endpoint_is_reached_through_its_gateway_only_from_another_network() {
+    use super::super::lookup::{NoEndpoint, Target, WorkloadLookup};
+    let mut store = store(None, &["cluster.local/ns/default/sa/server"], true);
+    let mut web = (*store.services().by_addr(addr(VIP)).cloned().expect("web")).clone();
+    web.endpoints.clear();
+    web.gateway_only.push(crate::state::GatewayOnlyEndpoint {
+        ready: true,
+        network: "network2".into(),
+        gateway: GatewayAddress {
+            destination: at_address("network2").expect("destination"),
+            hbone_mtls_port: 15008,
+        },
+        capacity: 1,
+        ports: Default::default(),
+    });
+    store.replace_services([web.clone()]);
+    let td = TrustDomain::default();
+    let lookup = std::sync::RwLock::new(store);
+    let from_default = "198.18.1.10".parse().expect("ip");
+    let target = lookup.pick_endpoint(&td, &web, from_default, addr(VIP), 0);
+    assert!(
+        matches!(&target, Ok(Target::ThroughGateway(hop))
+            if hop.gateway == addr("198.18.2.11:15008") && hop.network == "network2"),
+        "{target:?}"
+    );
+    // A port the service does not have is not served.
+    let other_port = lookup.pick_endpoint(&td, &web, from_default, addr("198.19.100.50:81"), 0);
+    assert_eq!(other_port, Err(NoEndpoint::NoneReady));
+    // A client on network2 (the client workload known there) gets none.
+    let mut client: Workload = workload("default", "client", "198.18.1.10", "node-a");
+    client.network = "network2".into();
+    lookup
+        .write()
+        .expect("lock")
+        .insert(std::sync::Arc::new(client));
+    let target = lookup.pick_endpoint(&td, &web, from_default, addr(VIP), 0);
+    assert_eq!(target, Err(NoEndpoint::NoneReady));
+}

@@ -15,8 +15,8 @@ pub use locality::Place;
 pub use owner::{ApplicationTunnel, ApplicationTunnelProtocol, WorkloadType, pod_owner};
 pub use pod_state::PodState;
 pub use service::{
-    Endpoint, HealthPolicy, IpFamilies, LoadBalancing, LoadBalancingMode, LoadBalancingScope,
-    Service, ServicePort, Visibility,
+    Endpoint, GatewayOnlyEndpoint, HealthPolicy, IpFamilies, LoadBalancing, LoadBalancingMode,
+    LoadBalancingScope, Service, ServicePort, Visibility,
 };
 pub use service_store::ServiceStore;
 pub use weighted::weighted_pick;

@@ -47,6 +47,23 @@ pub struct Service {
     pub ip_families: IpFamilies,
     /// Who may resolve it by name (xDS `visibility`).
     pub visibility: Visibility,
+    /// Endpoints without an address, reachable only through their
+    /// network's gateway (a WorkloadEntry of another network istiod sends
+    /// with no address): never dialled, never in DNS or the kernel's
+    /// tables; only `proxy/network_gateway.rs` looks at them.
+    pub gateway_only: Vec<GatewayOnlyEndpoint>,
+}
+
+/// A backend of a service that has no address: only its network's
+/// gateway reaches it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GatewayOnlyEndpoint {
+    pub ready: bool,
+    pub network: String,
+    pub gateway: GatewayAddress,
+    pub capacity: u32,
+    /// Service port → target port, where the workload resolves it.
+    pub ports: BTreeMap<u16, u16>,
 }
 
 /// The families a service serves (`istio.workload.IPFamilies`).

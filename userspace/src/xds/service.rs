@@ -15,8 +15,8 @@ use shunt_proto::istio::workload as pb;
 
 use super::{FieldError, ip_from_bytes, port, workload::gateway};
 use crate::state::{
-    Endpoint, HealthPolicy, IpFamilies, LoadBalancing, LoadBalancingMode, LoadBalancingScope,
-    Service, ServicePort, Visibility, Workload, WorkloadStatus,
+    Endpoint, GatewayOnlyEndpoint, HealthPolicy, IpFamilies, LoadBalancing, LoadBalancingMode,
+    LoadBalancingScope, Service, ServicePort, Visibility, Workload, WorkloadStatus,
 };
 
 /// Translates one service (without endpoints: see [`attach_endpoints`]).
@@ -101,6 +101,7 @@ pub(crate) fn translate(s: pb::Service) -> Result<Service, FieldError> {
         canonical: s.canonical,
         ip_families,
         visibility,
+        gateway_only: Vec::new(),
     })
 }
 
@@ -168,6 +169,19 @@ pub(crate) fn push_endpoints(service: &mut Service, w: &Workload, ports: &BTreeM
         .filter(|(_, target)| **target != 0)
         .map(|(p, t)| (*p, *t))
         .collect();
+    // No address: only its network's gateway reaches it (ztunnel keeps
+    // it only then, and uses it only from another network).
+    if w.ips.is_empty()
+        && let Some(gateway) = &w.network_gateway
+    {
+        service.gateway_only.push(GatewayOnlyEndpoint {
+            ready,
+            network: w.network.clone(),
+            gateway: gateway.clone(),
+            capacity: w.capacity,
+            ports: ports.clone(),
+        });
+    }
     for ip in &w.ips {
         service.endpoints.push(Endpoint {
             ip: *ip,

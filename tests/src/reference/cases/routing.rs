@@ -8,7 +8,10 @@ use shunt_proto::istio::workload::{self as wl, load_balancing};
 
 use super::{Case, OutboundRow};
 use crate::reference::{
-    bed::{GATEWAY_IP, GATEWAY_SA, SERVER_IP, SERVER_SA, TUNNELED, TUNNELED_TO_WAYPOINT},
+    bed::{
+        GATEWAY_IP, GATEWAY_SA, SERVER_IP, SERVER_SA, TUNNELED, TUNNELED_ADDRESSLESS,
+        TUNNELED_TO_WAYPOINT,
+    },
     probe::Outcome::{self, Allowed, Refused},
     resources::{encode, pod, service},
 };
@@ -90,6 +93,7 @@ pub fn cases() -> Vec<Case> {
         ),
         through_known_gateway(),
         waypoint_through_gateway(),
+        addressless_through_gateway(),
         same_address_elsewhere(),
     ]
 }
@@ -169,6 +173,63 @@ fn waypoint_through_gateway() -> Case {
     case.addresses = vec![encode(target), encode(waypoint), encode(eastwest())];
     case.outbound[0].expect = Allowed;
     case.gateway_authority = Some(TUNNELED_TO_WAYPOINT);
+    case
+}
+
+/// A service whose only endpoint is a WorkloadEntry of `network2` that
+/// istiod sends without an address (reachable only through the gateway,
+/// which tunnels the service's authority to the server's proxy; the
+/// server is no endpoint and serves it by hostname).
+fn addressless_through_gateway() -> Case {
+    let hostname = "addressless.default.svc.cluster.local";
+    let vip = [198, 19, 100, 55];
+    let key = "default/addressless.default.svc.cluster.local";
+    let mut case = case(
+        "the only endpoint has no address, on another network behind a gateway",
+        "addressless",
+        key,
+        vip,
+        None,
+        Allowed,
+    );
+    case.server_services = Vec::new();
+    let mut target = service("addressless", hostname, vip);
+    if let Some(wl::address::Type::Service(svc)) = &mut target.r#type {
+        svc.subject_alt_names = vec![format!("spiffe://cluster.local/ns/default/sa/{SERVER_SA}")];
+    }
+    let mut entry = pod("remote-addressless", SERVER_SA, GATEWAY_IP, "");
+    entry.uid = "Kubernetes/networking.istio.io/WorkloadEntry/default/remote-addressless".into();
+    entry.addresses = Vec::new();
+    entry.workload_type = wl::WorkloadType::Pod as i32;
+    entry.network = "network2".into();
+    entry.network_gateway = Some(wl::GatewayAddress {
+        destination: Some(wl::gateway_address::Destination::Address(
+            wl::NetworkAddress {
+                network: "network2".into(),
+                address: GATEWAY_IP.octets().to_vec(),
+                length: None,
+            },
+        )),
+        hbone_mtls_port: 15008,
+    });
+    entry.services.insert(
+        key.into(),
+        wl::PortList {
+            ports: vec![wl::Port {
+                service_port: 80,
+                target_port: 8080,
+                ..Default::default()
+            }],
+        },
+    );
+    case.addresses = vec![
+        encode(target),
+        encode(wl::Address {
+            r#type: Some(wl::address::Type::Workload(entry)),
+        }),
+        encode(eastwest()),
+    ];
+    case.gateway_authority = Some(TUNNELED_ADDRESSLESS);
     case
 }
 
