@@ -11,9 +11,7 @@
 //!    node's network), which the destination's proxy terminates.
 //! 3. The application's bytes go over the inner stream.
 
-use bytes::Bytes;
 use http::{HeaderMap, HeaderValue};
-use rustls_pki_types::ServerName;
 use tokio::net::TcpStream;
 
 use super::{
@@ -21,7 +19,7 @@ use super::{
     h2::H2Stream,
     h2_io::H2Io,
     network_gateway::GatewayHop,
-    outbound::{OutboundError, connect_stream, open_stream},
+    outbound::{OutboundError, connect_stream, handshake, open_stream, relay_logged},
     pool::{PoolKey, StreamGuard},
     reset,
 };
@@ -68,21 +66,7 @@ pub(super) async fn serve(
         .then(|| super::Baggage::from_headers(&answer));
     drop(answer);
     log.derived_destination = derived.as_ref();
-    log.open(shared);
-    match super::relay::relay(&mut app, &mut inner).await {
-        Ok((sent, received)) => {
-            log.bytes_sent = sent;
-            log.bytes_received = received;
-            log.outcome = Outcome::Success;
-        }
-        Err(e) => {
-            inner.reset(h2::Reason::CANCEL);
-            reset(&app);
-            log.outcome = Outcome::Failed;
-            log.reason = Some(e.to_string());
-        }
-    }
-    log.emit(shared);
+    relay_logged(shared, &mut app, &mut inner, &mut log).await;
 }
 
 /// The inner CONNECT stream, the destination's identity, the headers of
@@ -110,31 +94,14 @@ async fn open(
         &hop.final_identity,
         &hop.final_also_accept,
     )?;
-    let timeout = shared.config.handshake_timeout;
-    let timed_out = |what| OutboundError::Timeout {
-        what,
-        after: timeout,
-    };
-    let addr = hop.gateway;
-    // No SNI is sent (enable_sni is off); the name only satisfies the API.
-    let server_name = ServerName::IpAddress(addr.ip().into());
-    let tls = tokio::time::timeout(
-        timeout,
-        tokio_rustls::TlsConnector::from(config).connect(server_name, H2Io::new(outer)),
+    let (send, connection, peer) = handshake(
+        shared,
+        config,
+        H2Io::new(outer),
+        hop.gateway,
+        ("inner TLS handshake", "inner HTTP/2 handshake"),
     )
-    .await
-    .map_err(|_| timed_out("inner TLS handshake"))?
-    .map_err(|source| OutboundError::Handshake { addr, source })?;
-    if tls.get_ref().1.alpn_protocol() != Some(crate::tls::ALPN_H2) {
-        return Err(OutboundError::NoH2 { addr });
-    }
-    let peer = crate::tls::peer_identity(tls.get_ref().1).unwrap_or_default();
-    let (send, connection) = tokio::time::timeout(
-        timeout,
-        shared.config.h2.client().handshake::<_, Bytes>(tls),
-    )
-    .await
-    .map_err(|_| timed_out("inner HTTP/2 handshake"))??;
+    .await?;
     // The inner connection carries this one stream: it ends when the
     // stream and `send` are dropped, or with the outer stream.
     tokio::spawn(async move {
@@ -148,5 +115,5 @@ async fn open(
         inner_headers.insert(super::inbound::X_FORWARDED_NETWORK, network);
     }
     let (inner, answer) = connect_stream(shared, send, &hop.authority, &inner_headers).await?;
-    Ok((inner, peer, answer, guard))
+    Ok((inner, peer.unwrap_or_default(), answer, guard))
 }

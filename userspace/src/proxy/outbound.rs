@@ -287,23 +287,34 @@ async fn hbone(
     let opened = Box::pin(open_stream(shared, pod, &key, &authority, &headers)).await;
     drop((key, headers));
     let (mut h2s, _guard) = opened?;
+    relay_logged(shared, app, &mut h2s, log).await;
+    Ok(())
+}
+
+/// Reports `app`'s connection open, relays it over `h2s` until both
+/// directions end, and writes its access line (a failure resets both
+/// sides).
+pub(super) async fn relay_logged(
+    shared: &Shared,
+    app: &mut TcpStream,
+    h2s: &mut H2Stream,
+    log: &mut AccessLog<'_>,
+) {
     log.open(shared);
-    match super::relay::relay(app, &mut h2s).await {
+    match super::relay::relay(app, h2s).await {
         Ok((sent, received)) => {
             log.bytes_sent = sent;
             log.bytes_received = received;
             log.outcome = Outcome::Success;
-            log.emit(shared);
         }
         Err(e) => {
             h2s.reset(h2::Reason::CANCEL);
             reset(app);
             log.outcome = Outcome::Failed;
             log.reason = Some(e.to_string());
-            log.emit(shared);
         }
     }
-    Ok(())
+    log.emit(shared);
 }
 
 /// Where a connection to `dst` goes: `dst` itself, or, when it is a
@@ -471,6 +482,53 @@ pub(super) async fn connect_stream(
     Ok((H2Stream::new(send_stream, body), parts.headers))
 }
 
+/// HBONE's client handshakes over `io` (a TCP connection, or a CONNECT
+/// stream for double HBONE's inner one) to the peer at `addr`: mTLS with
+/// `config` (no SNI; ALPN h2 required), then HTTP/2, each bounded by the
+/// handshake timeout and named by `what` when it runs out. Returns the
+/// connection's halves and the peer's SPIFFE id.
+pub(super) async fn handshake<IO>(
+    shared: &Shared,
+    config: Arc<rustls::ClientConfig>,
+    io: IO,
+    addr: SocketAddr,
+    what: (&'static str, &'static str),
+) -> Result<
+    (
+        SendRequest<Bytes>,
+        h2::client::Connection<tokio_rustls::client::TlsStream<IO>, Bytes>,
+        Option<String>,
+    ),
+    OutboundError,
+>
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let handshake_timeout = shared.config.handshake_timeout;
+    let timed_out = |what| OutboundError::Timeout {
+        what,
+        after: handshake_timeout,
+    };
+    // No SNI is sent (enable_sni is off); the name only satisfies the API.
+    let server_name = ServerName::IpAddress(addr.ip().into());
+    let tls = tokio::time::timeout(
+        handshake_timeout,
+        tokio_rustls::TlsConnector::from(config).connect(server_name, io),
+    )
+    .await
+    .map_err(|_| timed_out(what.0))?
+    .map_err(|source| OutboundError::Handshake { addr, source })?;
+    if tls.get_ref().1.alpn_protocol() != Some(crate::tls::ALPN_H2) {
+        return Err(OutboundError::NoH2 { addr });
+    }
+    let peer = crate::tls::peer_identity(tls.get_ref().1);
+    let (send, connection) =
+        tokio::time::timeout(handshake_timeout, shared.config.h2.client().handshake(tls))
+            .await
+            .map_err(|_| timed_out(what.1))??;
+    Ok((send, connection, peer))
+}
+
 /// Opens a new HBONE connection from the pod to the destination's 15008 and
 /// adds it to the pool, returning a stream slot on it.
 async fn connect(
@@ -487,27 +545,14 @@ async fn connect(
         .connect(addr, shared.config.connect_timeout)
         .await
         .map_err(|source| OutboundError::Connect { addr, source })?;
-    let handshake_timeout = shared.config.handshake_timeout;
-    let timed_out = |what| OutboundError::Timeout {
-        what,
-        after: handshake_timeout,
-    };
-    // No SNI is sent (enable_sni is off); the name only satisfies the API.
-    let server_name = ServerName::IpAddress(key.dst_ip.into());
-    let tls = tokio::time::timeout(
-        handshake_timeout,
-        tokio_rustls::TlsConnector::from(config).connect(server_name, tcp),
+    let (send, mut connection, _) = handshake(
+        shared,
+        config,
+        tcp,
+        addr,
+        ("TLS handshake", "HTTP/2 handshake"),
     )
-    .await
-    .map_err(|_| timed_out("TLS handshake"))?
-    .map_err(|source| OutboundError::Handshake { addr, source })?;
-    if tls.get_ref().1.alpn_protocol() != Some(crate::tls::ALPN_H2) {
-        return Err(OutboundError::NoH2 { addr });
-    }
-    let (send, mut connection) =
-        tokio::time::timeout(handshake_timeout, shared.config.h2.client().handshake(tls))
-            .await
-            .map_err(|_| timed_out("HTTP/2 handshake"))??;
+    .await?;
     let ping_pong = connection.ping_pong();
     tracing::debug!(dst = %key.dst, %addr, src = %key.src, "new HBONE connection");
     Ok(pod.pool.insert(
