@@ -366,6 +366,18 @@ impl WorkloadStore {
             .max_by_key(|w| rank(w, network))
     }
 
+    /// The workload behind an address that comes with its network (a
+    /// service endpoint's, a waypoint's or gateway's address): exactly on
+    /// `network`, never another network's pod that reuses the address; as
+    /// [`WorkloadStore::by_ip`] where no network is named.
+    pub fn by_ip_on(&self, network: &str, ip: IpAddr) -> Option<&Workload> {
+        if network.is_empty() {
+            self.by_ip(ip)
+        } else {
+            self.by_network_ip(network, ip).map(Arc::as_ref)
+        }
+    }
+
     /// The workloads scheduled on `node`, in key order.
     pub fn on_node<'a>(&'a self, node: &'a str) -> impl Iterator<Item = &'a Workload> + 'a {
         self.iter().filter(move |w| w.node == node)

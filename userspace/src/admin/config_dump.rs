@@ -290,7 +290,7 @@ fn service(
         .endpoints
         .iter()
         .map(|e| {
-            let workload = store.by_ip(e.ip);
+            let workload = store.by_ip_on(&e.network, e.ip);
             let network = workload.map(|w| w.network.as_str()).unwrap_or("");
             let workload_uid = match (workload, &e.pod) {
                 (Some(w), _) => uid(w),

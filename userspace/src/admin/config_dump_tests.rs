@@ -506,3 +506,38 @@ fn rfc3339_formats_utc() {
     assert_eq!(rfc3339(4_102_444_799), "2099-12-31T23:59:59Z");
     assert_eq!(rfc3339(-1), "1969-12-31T23:59:59Z");
 }
+
+#[test]
+fn an_endpoint_names_the_workload_on_its_own_network() {
+    // Two networks reuse 198.18.5.5; the service's endpoint is net-b's.
+    let at = |name: &str, network: &str| Workload {
+        name: name.into(),
+        namespace: "default".into(),
+        uid: format!("Kubernetes//Pod/default/{name}"),
+        ips: vec![ip("198.18.5.5")],
+        network: network.into(),
+        ..Default::default()
+    };
+    let mut store = WorkloadStore::on_network("net-a");
+    store.replace_all(vec![at("here", "net-a"), at("there", "net-b")]);
+    let mut endpoint = Endpoint::new(ip("198.18.5.5"), None);
+    endpoint.network = "net-b".into();
+    let web = Service {
+        name: "web".into(),
+        namespace: "default".into(),
+        hostname: "web.default.svc.cluster.local".into(),
+        endpoints: vec![endpoint],
+        ..Default::default()
+    };
+    let origin = |_: &str, _: &str| Origin {
+        source: "istiod".into(),
+        version: None,
+    };
+    let dumped = service(&web, &store, &origin);
+    let keys: Vec<_> = dumped.endpoints.keys().map(String::as_str).collect();
+    assert_eq!(
+        keys,
+        ["Kubernetes//Pod/default/there:net-b/198.18.5.5"],
+        "{dumped:?}"
+    );
+}

@@ -340,13 +340,15 @@ fn via(
     })
 }
 
-/// Whether `workload` is one of the resolved waypoint's endpoints (by
-/// address or by the workload behind the endpoint).
+/// Whether `workload` is one of the resolved waypoint's endpoints: the
+/// workload behind an endpoint (name and network: two networks may reuse
+/// both a name and an address), or by address where the endpoint's
+/// workload is unknown.
 fn is_member(resolved: &Resolved<'_>, workload: &Workload) -> bool {
-    resolved
-        .members
-        .iter()
-        .any(|(ip, w, _)| workload.ips.contains(ip) || w.is_some_and(|w| w.key() == workload.key()))
+    resolved.members.iter().any(|(ip, w, _)| match w {
+        Some(w) => w.key() == workload.key() && w.network == workload.network,
+        None => workload.ips.contains(ip),
+    })
 }
 
 /// Inbound at an enrolled waypoint: the port of the local workload
@@ -402,7 +404,7 @@ fn resolve<'a>(
             if let Some(service) = store.services().iter().find(|s| s.vips.contains(ip)) {
                 return Ok(members_of(store, service, network));
             }
-            match store.by_ip(*ip) {
+            match store.by_ip_on(network, *ip) {
                 Some(w) => Ok(Resolved {
                     name: format!("{} ({ip})", w.key()),
                     members: vec![(*ip, Some(w), true)],
@@ -449,7 +451,7 @@ fn members_of<'a>(
         members: service
             .endpoints
             .iter()
-            .map(|e| (e.ip, store.by_ip(e.ip), e.ready))
+            .map(|e| (e.ip, store.by_ip_on(&e.network, e.ip), e.ready))
             .collect(),
         sans: service.san_uris(),
         allow_unhealthy: service.allows_unhealthy(),

@@ -393,6 +393,7 @@ fn a_waypoint_on_another_network_goes_through_its_gateway_and_is_never_dialled_d
     // A waypoint named by an address on another network.
     let mut bed = Bed::new();
     bed.workload_mut("client").network = "net-a".into();
+    bed.workload_mut("waypoint-1").network = "net-b".into();
     bed.workload_mut("server").waypoint = Some(GatewayAddress {
         destination: GatewayDestination::Address {
             network: "net-b".into(),
@@ -405,6 +406,7 @@ fn a_waypoint_on_another_network_goes_through_its_gateway_and_is_never_dialled_d
     assert_eq!(f.target, WorkloadKey::new("default", "server"));
     assert!(f.detail.contains("on network net-b"), "{f}");
     // The same address on our network is dialled.
+    bed.workload_mut("waypoint-1").network = "net-a".into();
     bed.workload_mut("server").waypoint = Some(GatewayAddress {
         destination: GatewayDestination::Address {
             network: "net-a".into(),
@@ -414,6 +416,65 @@ fn a_waypoint_on_another_network_goes_through_its_gateway_and_is_never_dialled_d
     });
     let hop = hop(route_from(&bed.store(), "client", "198.18.2.10:8080", 0));
     assert_eq!(hop.gateway, addr("198.18.3.10:15008"));
+}
+
+#[test]
+fn a_pod_here_that_reuses_a_remote_waypoints_address_is_not_the_waypoint() {
+    // The waypoint's replicas are on net-b; net-a (ours) reuses
+    // 198.18.3.10 for an unrelated pod. That pod is neither dialled and
+    // trusted as the waypoint nor let past it as one of its replicas.
+    let mut bed = Bed::new();
+    bed.workload_mut("client").network = "net-a".into();
+    let mut gateway = workload("eastwest", "eastwest-gw", "198.18.9.1");
+    gateway.network = "net-b".into();
+    bed.workloads.push(gateway);
+    for name in ["waypoint-1", "waypoint-2"] {
+        let replica = bed.workload_mut(name);
+        replica.network = "net-b".into();
+        replica.network_gateway = Some(GatewayAddress {
+            destination: GatewayDestination::Address {
+                network: "net-b".into(),
+                ip: ip("198.18.9.1"),
+            },
+            hbone_mtls_port: 15008,
+        });
+    }
+    for e in &mut bed.service_mut("waypoint").endpoints {
+        e.network = "net-b".into();
+    }
+    bed.service_mut("web").hostname = "web.default.svc.cluster.local".into();
+    let mut impostor = workload("local-pod", "local-sa", "198.18.3.10");
+    impostor.network = "net-a".into();
+    bed.workloads.push(impostor);
+    // This node is on net-a: a lookup by address alone prefers net-a's pod.
+    let on_net_a = |bed: &Bed| {
+        let mut store = WorkloadStore::on_network("net-a");
+        store.replace_all(bed.workloads.clone());
+        store.replace_services(bed.services.clone());
+        store
+    };
+    let store = on_net_a(&bed);
+    for pick in 0..4 {
+        let Route::ThroughGateway(through) = route_from(&store, "client", "198.19.100.1:80", pick)
+        else {
+            panic!("pick {pick}: not through net-b's gateway");
+        };
+        assert_eq!(through.gateway, addr("198.18.9.1:15008"));
+    }
+    let Route::ThroughGateway(_) = route_from(&store, "local-pod", "198.19.100.1:80", 0) else {
+        panic!("the pod that reuses a replica's address went around the waypoint");
+    };
+    // The same pod named by address on net-b is not ours either.
+    bed.workload_mut("server").waypoint = Some(GatewayAddress {
+        destination: GatewayDestination::Address {
+            network: "net-b".into(),
+            ip: ip("198.18.3.10"),
+        },
+        hbone_mtls_port: 15008,
+    });
+    let f = failure(route_from(&on_net_a(&bed), "client", "198.18.2.10:8080", 0));
+    assert_eq!(f.reason, FailureReason::OtherNetwork);
+    assert!(f.detail.contains("default/waypoint-1"), "{f}");
 }
 
 #[test]
