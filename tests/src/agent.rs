@@ -29,7 +29,7 @@ mod spawn;
 mod waits;
 mod workloads;
 
-pub use layout::{AgentNetns, http, http_at};
+pub use layout::{AgentNetns, http, http_at, http_over};
 pub use mesh_node::MeshNode;
 use pin_dir::sweep_stale_pins;
 pub use pin_dir::{BPF_ROOT, PinDir};
@@ -345,6 +345,18 @@ impl Agent {
     /// Everything the agent logged so far.
     pub fn logs(&self) -> String {
         fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    /// `GET path` on the agent's admin API (loopback of its netns): the
+    /// status code and body.
+    pub fn admin_get(&self, path: &str) -> Result<(u16, String)> {
+        let (addr, target) = (self.endpoints.admin, path.to_owned());
+        self.netns
+            .run(&self.node, move || {
+                let stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+                http_over(stream, "GET", &target)
+            })?
+            .map_err(|e| TestbedError::io(format!("GET {addr}{path}"), e))
     }
 
     /// The agent's view of its node, from its admin API.

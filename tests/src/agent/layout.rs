@@ -96,9 +96,18 @@ pub fn http_at(
     method: &str,
     path: &str,
 ) -> std::io::Result<(u16, String)> {
-    let mut stream = node
+    let stream = node
         .connect_tcp(addr, Duration::from_secs(5))
         .map_err(|e| std::io::Error::other(e.to_string()))?;
+    http_over(stream, method, path)
+}
+
+/// One plain HTTP/1.0 exchange on a connected `stream` (see [`http`]).
+pub fn http_over(
+    mut stream: std::net::TcpStream,
+    method: &str,
+    path: &str,
+) -> std::io::Result<(u16, String)> {
     stream.set_read_timeout(Some(Duration::from_secs(20)))?;
     write!(
         stream,

@@ -54,6 +54,10 @@ pub const TUNNELED: &str = "through-gateway.default.svc.cluster.local:80";
 pub const TUNNELED_TO_WAYPOINT: &str = "wp-through-gateway.default.svc.cluster.local:80";
 /// A service whose only endpoint has no address (the gateway reaches it).
 pub const TUNNELED_ADDRESSLESS: &str = "addressless.default.svc.cluster.local:80";
+/// A service's VIP and port whose canary waypoint, in a weighted set, is
+/// the bed's stand-in: as a waypoint, it passes the CONNECT's stream on
+/// to the server's echo port (plain TCP, as a waypoint's L4 forward).
+pub const CANARY_AUTHORITY: &str = "198.19.100.56:80";
 const WAIT: Duration = Duration::from_secs(30);
 
 /// Which implementation serves the server workload.
@@ -81,6 +85,9 @@ pub struct Run {
     /// Whether the peer said ready before the probes: waited for (bounded)
     /// when it ACKed both types, one look otherwise.
     pub ready: bool,
+    /// The server-side proxy's `/config_dump` once it settled (what
+    /// `istioctl ztunnel-config` reads), or why there is none.
+    pub config_dump: std::result::Result<serde_json::Value, String>,
     /// The peer's log, for failure messages.
     pub logs: String,
 }
@@ -136,9 +143,11 @@ impl Bed {
             SpiffeId::for_service_account(&TrustDomain::default(), "istio-system", GATEWAY_SA),
             [TUNNELED, TUNNELED_TO_WAYPOINT, TUNNELED_ADDRESSLESS]
                 .into_iter()
-                .map(|authority| Tunnel {
+                .map(|authority| (authority, 15008))
+                .chain([(CANARY_AUTHORITY, 8080)])
+                .map(|(authority, port)| Tunnel {
                     authority: authority.into(),
-                    target: (SERVER_IP, 15008).into(),
+                    target: (SERVER_IP, port).into(),
                 })
                 .collect(),
         )?;
@@ -238,6 +247,7 @@ impl Bed {
         server_side.istiod.release();
         let (addresses, authorizations, then_addresses, ready) = server_side.settle().await?;
         let observed = self.probe_rows(&case.rows).await;
+        let config_dump = tokio::task::block_in_place(|| server_side.proxy.config_dump());
         let mut logs = server_side.proxy.logs();
         let (mut outbound, mut dns) = (Vec::new(), Vec::new());
         let gateway_before = self.gateway.received().len();
@@ -264,6 +274,7 @@ impl Bed {
                 seen.split_off(gateway_before.min(seen.len()))
             },
             ready,
+            config_dump,
             logs,
         })
     }
@@ -451,6 +462,19 @@ impl Proxy {
             Proxy::Ztunnel(zt) => zt.logs(),
             Proxy::Shunt(agent) => agent.logs(),
         }
+    }
+
+    /// Its `/config_dump`, parsed.
+    fn config_dump(&self) -> std::result::Result<serde_json::Value, String> {
+        let (code, body) = match self {
+            Proxy::Ztunnel(zt) => zt.admin_get("/config_dump"),
+            Proxy::Shunt(agent) => agent.admin_get("/config_dump"),
+        }
+        .map_err(|e| e.to_string())?;
+        if code != 200 {
+            return Err(format!("GET /config_dump: {code} {body}"));
+        }
+        serde_json::from_str(&body).map_err(|e| format!("/config_dump is not JSON: {e}"))
     }
 }
 

@@ -94,6 +94,9 @@ pub struct Case {
     /// allowed outbound row, each for this authority, from the client's
     /// identity; none when `None`.
     pub gateway_authority: Option<&'static str>,
+    /// The host those CONNECTs' `forwarded` names (the service the client
+    /// addressed); `None`: the authority's host.
+    pub forwarded_host: Option<&'static str>,
 }
 
 impl Case {
@@ -119,6 +122,7 @@ impl Case {
             server_network: "",
             server_gateway: None,
             gateway_authority: None,
+            forwarded_host: None,
         }
     }
 }

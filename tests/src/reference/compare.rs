@@ -137,7 +137,7 @@ fn gateway_mismatches(peer: Peer, case: &Case, run: &Run) -> Vec<String> {
                 case.name, case.gateway_authority
             ));
         }
-        if let Some(wrong) = connect_headers_differ(seen) {
+        if let Some(wrong) = connect_headers_differ(seen, case.forwarded_host) {
             out.push(format!("{peer:?} | {} | {wrong}", case.name));
         }
     }
@@ -146,10 +146,11 @@ fn gateway_mismatches(peer: Peer, case: &Case, run: &Run) -> Vec<String> {
 
 /// How the outer CONNECT's headers differ from ztunnel's, if they do:
 /// `baggage` naming the client pod, `forwarded` its address and port
-/// quoted and the service's host, `traceparent` version 00, not sampled.
-fn connect_headers_differ(seen: &crate::waypoint::Received) -> Option<String> {
+/// quoted and the service's host (`host`, else the authority's),
+/// `traceparent` version 00, not sampled.
+fn connect_headers_differ(seen: &crate::waypoint::Received, host: Option<&str>) -> Option<String> {
     let baggage = "k8s.cluster.name=Kubernetes,k8s.namespace.name=default,k8s.pod.name=client,service.name=client,service.version=latest";
-    let host = seen.authority.rsplit_once(':').map_or("", |(h, _)| h);
+    let host = host.unwrap_or_else(|| seen.authority.rsplit_once(':').map_or("", |(h, _)| h));
     let forwarded = seen.header("forwarded").unwrap_or_default();
     let forwarded_right = forwarded
         .strip_prefix(&format!("for=\"{CLIENT_IP}:"))

@@ -109,6 +109,11 @@ impl Ztunnel {
     pub fn readiness(&self) -> Option<u16> {
         self.process.readiness()
     }
+
+    /// `GET path` on its admin port: the status code and body.
+    pub fn admin_get(&self, path: &str) -> Result<(u16, String)> {
+        self.process.admin_get(path)
+    }
 }
 
 /// The pod's inbound TCP, except HBONE's 15008, to ztunnel's plaintext

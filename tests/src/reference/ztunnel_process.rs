@@ -22,6 +22,10 @@ use crate::{Cgroup, Pod, Result, TestbedError, poll::until};
 const READINESS: SocketAddr =
     SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 15021);
 
+/// ztunnel's admin port (`/config_dump`), on the pod netns' loopback.
+const ADMIN: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 15000);
+
 /// How often its readiness port or log is looked at.
 const EVERY: Duration = Duration::from_millis(50);
 
@@ -106,6 +110,14 @@ impl ZtunnelProcess {
     /// Readiness's answer now, if it answers.
     pub(super) fn readiness(&self) -> Option<u16> {
         self.pod.run(|| ready_in_netns(READINESS)).ok()?.ok()
+    }
+
+    /// `GET path` on its admin port (127.0.0.1:15000 in its pod): the
+    /// status code and body.
+    pub(super) fn admin_get(&self, path: &str) -> Result<(u16, String)> {
+        let stream = self.pod.connect_tcp(ADMIN, Duration::from_secs(2))?;
+        crate::agent::http_over(stream, "GET", path)
+            .map_err(|e| TestbedError::io(format!("GET {ADMIN}{path}"), e))
     }
 
     /// Polls readiness (bounded) until its status code passes `done`;

@@ -18,7 +18,7 @@ use crate::{
             ApplicationTunnelDump, CertDump, CertsDump, ConfigDump, EndpointDump, EnrolledDump,
             GatewayDump, LoadBalancerDump, LocalityDump, MatchDump, NodeDump, Origin, PolicyDump,
             PolicyExtra, ServiceAccountDump, ServiceDump, SourcesDump, StringMatchDump,
-            WorkloadDump, WorkloadExtra, WorkloadInfoDump, WorkloadStateDump,
+            WeightedWaypointDump, WorkloadDump, WorkloadExtra, WorkloadInfoDump, WorkloadStateDump,
         },
     },
     authz::{Action, Match, Policy, PolicySet, Scope, StringMatch},
@@ -361,6 +361,14 @@ fn service(
             .into(),
         }),
         waypoint: s.waypoint.as_ref().map(gateway),
+        weighted_waypoints: s
+            .weighted_waypoints
+            .iter()
+            .map(|w| WeightedWaypointDump {
+                destination: gateway(&w.destination),
+                weight: w.weight,
+            })
+            .collect(),
         endpoints,
         subject_alt_names: s.subject_alt_names.clone(),
         ip_families: match (v4, v6) {

@@ -541,3 +541,43 @@ fn an_endpoint_names_the_workload_on_its_own_network() {
         "{dumped:?}"
     );
 }
+
+#[test]
+fn a_weighted_set_of_waypoints_dumps_as_ztunnels() {
+    let by_host = |host: &str| GatewayAddress {
+        destination: GatewayDestination::Hostname {
+            namespace: "default".into(),
+            hostname: host.into(),
+        },
+        hbone_mtls_port: 15008,
+    };
+    let mut svc = web();
+    svc.waypoint = Some(by_host("primary.default.svc.cluster.local"));
+    svc.weighted_waypoints = vec![
+        crate::state::WeightedWaypoint {
+            destination: by_host("primary.default.svc.cluster.local"),
+            weight: 90,
+        },
+        crate::state::WeightedWaypoint {
+            destination: by_host("canary.default.svc.cluster.local"),
+            weight: 10,
+        },
+    ];
+    let origin = |_: &str, _: &str| Origin {
+        source: "istiod".into(),
+        version: None,
+    };
+    let dumped =
+        serde_json::to_value(service(&svc, &WorkloadStore::new(), &origin)).expect("serialises");
+    assert_eq!(
+        dumped["weightedWaypoints"],
+        json!([
+            {"destination": {"destination": "default/primary.default.svc.cluster.local", "hboneMtlsPort": 15008}, "weight": 90},
+            {"destination": {"destination": "default/canary.default.svc.cluster.local", "hboneMtlsPort": 15008}, "weight": 10},
+        ])
+    );
+    // None: no key (ztunnel skips an empty set).
+    let plain =
+        serde_json::to_value(service(&web(), &WorkloadStore::new(), &origin)).expect("serialises");
+    assert!(plain.get("weightedWaypoints").is_none(), "{plain}");
+}

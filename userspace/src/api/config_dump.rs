@@ -95,6 +95,14 @@ pub struct GatewayDump {
     pub hbone_mtls_port: u16,
 }
 
+/// One waypoint of a service's weighted set.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WeightedWaypointDump {
+    pub destination: GatewayDump,
+    pub weight: u32,
+}
+
 /// `protocol` is `NONE` or `PROXY`; `port` 0 means the connection's own.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -158,6 +166,9 @@ pub struct ServiceDump {
     pub load_balancer: Option<LoadBalancerDump>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waypoint: Option<GatewayDump>,
+    /// The weighted set (a canary between waypoints), as ztunnel dumps it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub weighted_waypoints: Vec<WeightedWaypointDump>,
     /// Keyed `<workload uid>:<network>/<ip>`.
     pub endpoints: BTreeMap<String, EndpointDump>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

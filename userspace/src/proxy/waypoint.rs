@@ -188,19 +188,30 @@ pub fn route(
     pick: usize,
 ) -> Route {
     if let Some(service) = store.services().by_addr(dst) {
-        // Addressed to a service: only the service's waypoint counts.
-        return match &service.waypoint {
-            Some(gateway) => via(
-                store,
-                trust_domain,
-                source,
-                gateway,
-                (Bound::Service, service.key()),
-                dst,
-                pick,
-            ),
-            None => Route::Direct,
+        // Addressed to a service: only the service's waypoint counts, or
+        // one of its weighted set, chosen per connection.
+        let Some((gateway, replica_pick)) = service.waypoint_for(pick) else {
+            return Route::Direct;
         };
+        // Any waypoint of the set sending to the service it serves goes
+        // direct, whichever one this connection would have taken.
+        if !service.weighted_waypoints.is_empty()
+            && let Some(source) = source
+            && service
+                .waypoints()
+                .any(|g| resolve(store, &g.destination).is_ok_and(|r| is_member(&r, source)))
+        {
+            return Route::Direct;
+        }
+        return via(
+            store,
+            trust_domain,
+            source,
+            gateway,
+            (Bound::Service, service.key()),
+            dst,
+            replica_pick,
+        );
     }
     match store.by_ip(dst.ip()) {
         Some(workload) => match &workload.waypoint {
@@ -373,6 +384,9 @@ pub fn inbound_port(
                 .find(|p| p.port == authority.port())
                 .and_then(|p| p.target_port)
                 .unwrap_or(authority.port());
+            // The primary only, as ztunnel's inbound checks `svc.waypoint`:
+            // a canary of a weighted set is an Envoy that serves 15008
+            // itself, never an enrolled pod.
             (service.waypoint.as_ref()?, port)
         }
         None => (

@@ -80,8 +80,7 @@ impl MeshLocalTable {
             // Locality load balancing (STRICT / FAILOVER) depends on the
             // client, which the kernel's per-VIP choice does not know: the
             // proxy chooses for those.
-            if service.waypoint.is_some() || service.is_passthrough() || service.ranks_by_locality()
-            {
+            if service.has_waypoint() || service.is_passthrough() || service.ranks_by_locality() {
                 continue;
             }
             for vip in &service.vips {
@@ -237,6 +236,18 @@ mod tests {
         );
         ready_only.endpoints[1].ready = false;
         let empty = service("empty", "198.19.100.5", &[]);
+        // A weighted set of waypoints alone (a canary) binds it as well.
+        let mut canary = service("canary", "198.19.100.7", &["198.18.1.10"]);
+        canary.weighted_waypoints = vec![crate::state::WeightedWaypoint {
+            destination: GatewayAddress {
+                destination: GatewayDestination::Address {
+                    network: String::new(),
+                    ip: "198.18.1.98".parse().expect("ip"),
+                },
+                hbone_mtls_port: 15008,
+            },
+            weight: 1,
+        }];
         // A workload of another network at a local pod's address: not
         // that pod.
         let mut elsewhere = service("elsewhere", "198.19.100.6", &["198.18.1.10"]);
@@ -248,6 +259,7 @@ mod tests {
             &ready_only,
             &empty,
             &elsewhere,
+            &canary,
         ]);
         let vip = |s: &str| -> SocketAddr { s.parse().expect("addr") };
         assert_eq!(

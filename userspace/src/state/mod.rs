@@ -16,10 +16,10 @@ pub use owner::{ApplicationTunnel, ApplicationTunnelProtocol, WorkloadType, pod_
 pub use pod_state::PodState;
 pub use service::{
     Endpoint, GatewayOnlyEndpoint, HealthPolicy, IpFamilies, LoadBalancing, LoadBalancingMode,
-    LoadBalancingScope, Service, ServicePort, Visibility,
+    LoadBalancingScope, Service, ServicePort, Visibility, WeightedWaypoint,
 };
 pub use service_store::ServiceStore;
-pub use weighted::weighted_pick;
+pub use weighted::{weighted_pick, weighted_pick_counted};
 
 use std::{collections::BTreeMap, fmt, net::IpAddr, path::PathBuf, str::FromStr};
 

@@ -11,7 +11,7 @@ use std::{
     net::{IpAddr, SocketAddr},
 };
 
-use super::{GatewayAddress, Place, WorkloadKey, weighted_pick};
+use super::{GatewayAddress, Place, WorkloadKey, weighted_pick, weighted_pick_counted};
 
 /// A service with at least one cluster IP.
 ///
@@ -37,6 +37,11 @@ pub struct Service {
     pub subject_alt_names: Vec<String>,
     /// The waypoint that serves the service (L7), if any.
     pub waypoint: Option<GatewayAddress>,
+    /// A weighted set of waypoints (xDS `weighted_waypoints`: a canary
+    /// between two waypoints). Each connection takes one in proportion to
+    /// its weight ([`Service::waypoint_for`]); empty, or every weight 0:
+    /// `waypoint` alone (istiod keeps the primary there).
+    pub weighted_waypoints: Vec<WeightedWaypoint>,
     /// How endpoints are preferred; `None`: any ready endpoint.
     pub load_balancing: Option<LoadBalancing>,
     /// The one service that owns its hostname when several share it (xDS
@@ -52,6 +57,14 @@ pub struct Service {
     /// with no address): never dialled, never in DNS or the kernel's
     /// tables; only `proxy/network_gateway.rs` looks at them.
     pub gateway_only: Vec<GatewayOnlyEndpoint>,
+}
+
+/// One waypoint of a service's weighted set and its share of
+/// connections (`weight / sum of weights`; 0: described, sent nothing).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WeightedWaypoint {
+    pub destination: GatewayAddress,
+    pub weight: u32,
 }
 
 /// A backend of a service that has no address: only its network's
@@ -194,6 +207,36 @@ impl Endpoint {
 impl Service {
     pub fn key(&self) -> WorkloadKey {
         WorkloadKey::new(&self.namespace, &self.name)
+    }
+
+    /// Whether a waypoint serves it: its own, or a weighted set.
+    pub fn has_waypoint(&self) -> bool {
+        self.waypoint.is_some() || !self.weighted_waypoints.is_empty()
+    }
+
+    /// Every waypoint that may serve it: the weighted set's, then its own.
+    pub fn waypoints(&self) -> impl Iterator<Item = &GatewayAddress> {
+        self.weighted_waypoints
+            .iter()
+            .map(|w| &w.destination)
+            .chain(&self.waypoint)
+    }
+
+    /// The waypoint connection number `n` goes to, and a counter of its own
+    /// for choosing among that waypoint's replicas: from the weighted set
+    /// in proportion to the weights (interleaved weighted round robin;
+    /// ztunnel samples at random), else, with no set or every weight 0,
+    /// the service's own waypoint.
+    pub fn waypoint_for(&self, n: usize) -> Option<(&GatewayAddress, usize)> {
+        let positive: Vec<&WeightedWaypoint> = self
+            .weighted_waypoints
+            .iter()
+            .filter(|w| w.weight > 0)
+            .collect();
+        match weighted_pick_counted(&positive, |w| w.weight, n) {
+            Some((chosen, taken)) => Some((&chosen.destination, taken)),
+            None => self.waypoint.as_ref().map(|w| (w, n)),
+        }
     }
 
     /// Its `subject_alt_names` as `spiffe://` URIs (istiod may send them

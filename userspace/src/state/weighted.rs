@@ -18,11 +18,23 @@
 /// Weights are divided by their greatest common divisor first, so
 /// `{2, 2}` is the same round robin as `{1, 1}`.
 pub fn weighted_pick<T>(items: &[T], weight: impl Fn(&T) -> u32, n: usize) -> Option<&T> {
+    weighted_pick_counted(items, weight, n).map(|(item, _)| item)
+}
+
+/// [`weighted_pick`], with how many of the picks `0..n` took the same
+/// candidate: a counter of its own, for a second choice inside it (a
+/// replica of the chosen waypoint) that walks evenly instead of
+/// repeating the first choice's pattern.
+pub fn weighted_pick_counted<T>(
+    items: &[T],
+    weight: impl Fn(&T) -> u32,
+    n: usize,
+) -> Option<(&T, usize)> {
     let first = weight(items.first()?);
     // The common case (every capacity 1, or all equal): plain round robin,
     // with no allocation on the connection's path.
     if items.iter().all(|i| weight(i) == first) {
-        return items.get(n % items.len());
+        return Some((items.get(n % items.len())?, n / items.len()));
     }
     let mut weights: Vec<u64> = items.iter().map(|i| u64::from(weight(i))).collect();
     if weights.iter().all(|w| *w == 0) {
@@ -52,7 +64,14 @@ pub fn weighted_pick<T>(items: &[T], weight: impl Fn(&T) -> u32, n: usize) -> Op
         .filter(|(_, w)| **w > round)
         .nth(usize::try_from(offset).ok()?)
         .map(|(i, _)| i)?;
-    items.get(index)
+    // Each earlier cycle took it its weight's worth of times; this cycle,
+    // once in each round before this one.
+    let cycles = (n as u64) / total;
+    let before = cycles.saturating_mul(weights[index]).saturating_add(round);
+    Some((
+        items.get(index)?,
+        usize::try_from(before).unwrap_or(usize::MAX),
+    ))
 }
 
 fn gcd(a: u64, b: u64) -> u64 {
@@ -94,6 +113,20 @@ mod tests {
         assert_eq!(picks(&[0, 1, 0, 2], 6), "bddbdd");
         assert_eq!(picks(&[0, 0], 4), "abab");
         assert_eq!(picks(&[], 2), "--");
+    }
+
+    #[test]
+    fn each_pick_says_how_often_its_candidate_was_taken_before() {
+        for weights in [&[1u32, 1, 1][..], &[3, 1], &[2, 1, 3], &[0, 2, 5]] {
+            let items: Vec<(usize, u32)> = weights.iter().copied().enumerate().collect();
+            let mut taken = vec![0usize; items.len()];
+            for n in 0..200 {
+                let ((i, _), before) =
+                    weighted_pick_counted(&items, |(_, w)| *w, n).expect("a candidate");
+                assert_eq!(before, taken[*i], "weights {weights:?}, pick {n}");
+                taken[*i] += 1;
+            }
+        }
     }
 
     #[test]

@@ -230,16 +230,22 @@ impl Derived {
                 }
             }
             Entry::Service(s) => {
-                if let Some(GatewayAddress {
-                    destination:
-                        GatewayDestination::Hostname {
-                            namespace,
-                            hostname,
-                        },
-                    ..
-                }) = &s.waypoint
-                {
-                    let waypoint = format!("{namespace}/{hostname}");
+                // Its own waypoint and the weighted set's, each named once.
+                let named: std::collections::BTreeSet<String> = s
+                    .waypoints()
+                    .filter_map(|g| match g {
+                        GatewayAddress {
+                            destination:
+                                GatewayDestination::Hostname {
+                                    namespace,
+                                    hostname,
+                                },
+                            ..
+                        } => Some(format!("{namespace}/{hostname}")),
+                        _ => None,
+                    })
+                    .collect();
+                for waypoint in named {
                     if !self.services_by_key.contains_key(&waypoint) {
                         out.push(format!(
                             "service {} names waypoint {waypoint}, which istiod has not sent",

@@ -16,7 +16,8 @@ use shunt_proto::istio::workload as pb;
 use super::{FieldError, ip_from_bytes, port, workload::gateway};
 use crate::state::{
     Endpoint, GatewayOnlyEndpoint, HealthPolicy, IpFamilies, LoadBalancing, LoadBalancingMode,
-    LoadBalancingScope, Service, ServicePort, Visibility, Workload, WorkloadStatus,
+    LoadBalancingScope, Service, ServicePort, Visibility, WeightedWaypoint, Workload,
+    WorkloadStatus,
 };
 
 /// Translates one service (without endpoints: see [`attach_endpoints`]).
@@ -65,6 +66,24 @@ pub(crate) fn translate(s: pb::Service) -> Result<Service, FieldError> {
         .as_ref()
         .map(|g| gateway(g).map_err(|e| e.under("waypoint")))
         .transpose()?;
+    // As ztunnel: an entry without a destination, or with one that does
+    // not translate, refuses the service.
+    let weighted_waypoints = s
+        .weighted_waypoints
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let field = format!("weighted_waypoints[{i}].destination");
+            let destination = w
+                .destination
+                .as_ref()
+                .ok_or_else(|| FieldError::new(field.clone(), "missing"))?;
+            Ok(WeightedWaypoint {
+                destination: gateway(destination).map_err(|e| e.under(&field))?,
+                weight: w.weight,
+            })
+        })
+        .collect::<Result<Vec<_>, FieldError>>()?;
     let load_balancing = s.load_balancing.as_ref().map(load_balancing).transpose()?;
     let ip_families = match pb::IpFamilies::try_from(s.ip_families) {
         Ok(pb::IpFamilies::Ipv4Only) => IpFamilies::V4Only,
@@ -97,6 +116,7 @@ pub(crate) fn translate(s: pb::Service) -> Result<Service, FieldError> {
         vip_networks,
         subject_alt_names: s.subject_alt_names,
         waypoint,
+        weighted_waypoints,
         load_balancing,
         canonical: s.canonical,
         ip_families,
@@ -226,19 +246,22 @@ pub(crate) fn attach_endpoints<'a>(
             push_endpoints(&mut services[i], w, ports);
         }
     }
-    let waypoint_hosts: Vec<(usize, String)> = services
+    // Its own waypoint and the weighted set's, each named once.
+    let waypoint_hosts: std::collections::BTreeSet<(usize, String)> = services
         .iter()
         .enumerate()
-        .filter_map(|(i, s)| match &s.waypoint {
-            Some(crate::state::GatewayAddress {
-                destination:
-                    crate::state::GatewayDestination::Hostname {
-                        namespace,
-                        hostname,
-                    },
-                ..
-            }) => Some((i, format!("{namespace}/{hostname}"))),
-            _ => None,
+        .flat_map(|(i, s)| {
+            s.waypoints().filter_map(move |g| match g {
+                crate::state::GatewayAddress {
+                    destination:
+                        crate::state::GatewayDestination::Hostname {
+                            namespace,
+                            hostname,
+                        },
+                    ..
+                } => Some((i, format!("{namespace}/{hostname}"))),
+                _ => None,
+            })
         })
         .collect();
     for (i, waypoint) in waypoint_hosts {
@@ -343,6 +366,70 @@ mod tests {
         assert_eq!(lb.routing_preference, [LoadBalancingScope::Zone]);
         assert_eq!(lb.health_policy, HealthPolicy::OnlyHealthy);
         assert!(s.canonical);
+    }
+
+    #[test]
+    fn a_weighted_set_of_waypoints_lands_and_a_bad_entry_refuses_the_service() {
+        let waypoint = |host: &str| pb::GatewayAddress {
+            destination: Some(pb::gateway_address::Destination::Hostname(
+                pb::NamespacedHostname {
+                    namespace: "default".into(),
+                    hostname: host.into(),
+                },
+            )),
+            hbone_mtls_port: 15008,
+        };
+        let mut p = proto();
+        p.waypoint = Some(waypoint("primary.default.svc.cluster.local"));
+        p.weighted_waypoints = vec![
+            pb::WeightedWaypoint {
+                destination: Some(waypoint("primary.default.svc.cluster.local")),
+                weight: 90,
+            },
+            pb::WeightedWaypoint {
+                destination: Some(waypoint("canary.default.svc.cluster.local")),
+                weight: 10,
+            },
+        ];
+        let s = translate(p.clone()).expect("valid");
+        let weights: Vec<(String, u32)> = s
+            .weighted_waypoints
+            .iter()
+            .map(|w| match &w.destination.destination {
+                crate::state::GatewayDestination::Hostname {
+                    namespace,
+                    hostname,
+                } => (format!("{namespace}/{hostname}"), w.weight),
+                other => panic!("a hostname was sent, got {other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            weights,
+            [
+                ("default/primary.default.svc.cluster.local".to_string(), 90),
+                ("default/canary.default.svc.cluster.local".to_string(), 10)
+            ]
+        );
+        assert!(s.waypoint.is_some() && s.has_waypoint());
+        // Unsampled shares, for the warnings: both named once.
+        let warnings = attach_endpoints(&mut [s], std::iter::empty());
+        assert_eq!(warnings.len(), 2, "{warnings:?}");
+        // As ztunnel: an entry without a destination, or with a bad one,
+        // refuses the whole service, named.
+        let mut missing = p.clone();
+        missing.weighted_waypoints[1].destination = None;
+        let e = translate(missing).expect_err("no destination");
+        assert_eq!(
+            (e.field.as_str(), e.reason.as_str()),
+            ("weighted_waypoints[1].destination", "missing")
+        );
+        let mut bad = p;
+        bad.weighted_waypoints[0].destination = Some(pb::GatewayAddress::default());
+        let e = translate(bad).expect_err("no destination inside");
+        assert!(
+            e.field.starts_with("weighted_waypoints[0].destination."),
+            "{e:?}"
+        );
     }
 
     #[test]

@@ -2,15 +2,16 @@
 //! endpoint (the server, on node-b) is on another node than the client
 //! (node-a), reached through the client's proxy; and by network: the
 //! server on another network than the client, with and without a network
-//! gateway (one that does not answer: neither peer gets through it).
+//! gateway (one that does not answer: neither peer gets through it); and
+//! a service's weighted set of waypoints (a waypoint canary).
 
 use shunt_proto::istio::workload::{self as wl, load_balancing};
 
 use super::{Case, OutboundRow};
 use crate::reference::{
     bed::{
-        GATEWAY_IP, GATEWAY_SA, SERVER_IP, SERVER_SA, TUNNELED, TUNNELED_ADDRESSLESS,
-        TUNNELED_TO_WAYPOINT,
+        CANARY_AUTHORITY, GATEWAY_IP, GATEWAY_SA, SERVER_IP, SERVER_SA, TUNNELED,
+        TUNNELED_ADDRESSLESS, TUNNELED_TO_WAYPOINT,
     },
     probe::Outcome::{self, Allowed, Refused},
     resources::{encode, pod, service},
@@ -95,7 +96,99 @@ pub fn cases() -> Vec<Case> {
         waypoint_through_gateway(),
         addressless_through_gateway(),
         same_address_elsewhere(),
+        weighted_waypoints(
+            "a weighted set of waypoints, all on the canary",
+            [0, 1],
+            Allowed,
+        ),
+        weighted_waypoints(
+            "a weighted set of waypoints, every weight 0: the primary alone",
+            [0, 0],
+            Refused,
+        ),
     ]
+}
+
+/// A service (`canary-target`, the server its endpoint) whose primary
+/// `waypoint` is `wp-primary`, a waypoint service without endpoints
+/// (connections there fail on both peers), and whose weighted set (as
+/// istiod sends a waypoint canary) gives `weights` to `[wp-primary,
+/// wp-canary]`. The canary's only endpoint is the bed's stand-in, here a
+/// workload of the client's network: it sees each CONNECT the client's
+/// proxy sends it and passes the stream on to the server's echo port. A
+/// set whose weights are all 0 is not sampled: the primary alone (ztunnel's
+/// `sample_weighted_waypoint`).
+fn weighted_waypoints(name: &'static str, weights: [u32; 2], expect: Outcome) -> Case {
+    let key = "default/canary-target.default.svc.cluster.local";
+    let vip = [198, 19, 100, 56];
+    debug_assert_eq!(CANARY_AUTHORITY, "198.19.100.56:80");
+    let mut case = case(name, "canary-target", key, vip, None, expect);
+    let by_host = |host: &str| wl::GatewayAddress {
+        destination: Some(wl::gateway_address::Destination::Hostname(
+            wl::NamespacedHostname {
+                namespace: "default".into(),
+                hostname: host.into(),
+            },
+        )),
+        hbone_mtls_port: 15008,
+    };
+    let (primary, canary) = (
+        "wp-primary.default.svc.cluster.local",
+        "wp-canary.default.svc.cluster.local",
+    );
+    let mut target = service(
+        "canary-target",
+        "canary-target.default.svc.cluster.local",
+        vip,
+    );
+    if let Some(wl::address::Type::Service(svc)) = &mut target.r#type {
+        svc.waypoint = Some(by_host(primary));
+        svc.weighted_waypoints = [primary, canary]
+            .into_iter()
+            .zip(weights)
+            .map(|(host, weight)| wl::WeightedWaypoint {
+                destination: Some(by_host(host)),
+                weight,
+            })
+            .collect();
+    }
+    let waypoint_service = |name: &str, host: &str, vip: [u8; 4]| {
+        let mut address = service(name, host, vip);
+        if let Some(wl::address::Type::Service(svc)) = &mut address.r#type {
+            svc.ports = vec![wl::Port {
+                service_port: 15008,
+                target_port: 15008,
+                ..Default::default()
+            }];
+        }
+        address
+    };
+    let mut stand_in = pod("wp-canary-0", GATEWAY_SA, GATEWAY_IP, "node-b");
+    stand_in.uid = "Kubernetes//Pod/istio-system/wp-canary-0".into();
+    stand_in.namespace = "istio-system".into();
+    stand_in.services.insert(
+        format!("default/{canary}"),
+        wl::PortList {
+            ports: vec![wl::Port {
+                service_port: 15008,
+                target_port: 15008,
+                ..Default::default()
+            }],
+        },
+    );
+    case.addresses = vec![
+        encode(target),
+        encode(waypoint_service("wp-primary", primary, [198, 19, 100, 57])),
+        encode(waypoint_service("wp-canary", canary, [198, 19, 100, 58])),
+        encode(wl::Address {
+            r#type: Some(wl::address::Type::Workload(stand_in)),
+        }),
+    ];
+    if expect == Allowed {
+        case.gateway_authority = Some(CANARY_AUTHORITY);
+        case.forwarded_host = Some("canary-target.default.svc.cluster.local");
+    }
+    case
 }
 
 /// The server on `network2` behind the bed's east-west gateway (a

@@ -79,6 +79,7 @@ fn raw_case(
         server_network: "",
         server_gateway: None,
         gateway_authority: None,
+        forwarded_host: None,
     }
 }
 

@@ -2,7 +2,7 @@
 //! formats.
 
 use super::*;
-use crate::state::{DataplaneMode, Endpoint, ServicePort};
+use crate::state::{DataplaneMode, Endpoint, ServicePort, WeightedWaypoint};
 
 const WAYPOINT_HOST: &str = "waypoint.default.svc.cluster.local";
 
@@ -416,6 +416,97 @@ fn a_waypoint_on_another_network_goes_through_its_gateway_and_is_never_dialled_d
     });
     let hop = hop(route_from(&bed.store(), "client", "198.18.2.10:8080", 0));
     assert_eq!(hop.gateway, addr("198.18.3.10:15008"));
+}
+
+/// The bed with a canary waypoint service (`canary`, one replica
+/// `canary-1` at 198.18.3.20) and `web`'s weighted set giving `weights`
+/// to `[waypoint, canary]`; `web.waypoint` stays the primary, as istiod
+/// sends it.
+fn with_canary(weights: [u32; 2]) -> Bed {
+    let mut bed = Bed::new();
+    let mut canary = service("canary", "198.19.100.8", 15008, &["198.18.3.20"]);
+    canary.hostname = "canary.default.svc.cluster.local".into();
+    bed.services.push(canary);
+    bed.workloads
+        .push(workload("canary-1", "canary-waypoint", "198.18.3.20"));
+    bed.service_mut("web").weighted_waypoints = [WAYPOINT_HOST, "canary.default.svc.cluster.local"]
+        .into_iter()
+        .zip(weights)
+        .map(|(host, weight)| WeightedWaypoint {
+            destination: by_hostname(host),
+            weight,
+        })
+        .collect();
+    bed
+}
+
+#[test]
+fn a_weighted_set_of_waypoints_shares_connections_by_weight() {
+    // 3 : 1 over eight connections: six to the primary, taking its two
+    // replicas in turn, two to the canary.
+    let store = with_canary([3, 1]).store();
+    let gateways: Vec<String> = (0..8)
+        .map(|n| hop(route_from(&store, "client", "198.19.100.1:80", n)).gateway)
+        .map(|g| g.ip().to_string())
+        .collect();
+    let count = |ip: &str| gateways.iter().filter(|g| *g == ip).count();
+    assert_eq!(
+        (
+            count("198.18.3.10"),
+            count("198.18.3.11"),
+            count("198.18.3.20")
+        ),
+        (3, 3, 2),
+        "{gateways:?}"
+    );
+    // The canary's hop is checked against the canary's identity, with the
+    // VIP as authority.
+    let canary = (0..4)
+        .map(|n| hop(route_from(&store, "client", "198.19.100.1:80", n)))
+        .find(|h| h.gateway == addr("198.18.3.20:15008"))
+        .expect("a connection to the canary");
+    assert_eq!(
+        canary.identity.as_str(),
+        "spiffe://cluster.local/ns/default/sa/canary-waypoint"
+    );
+    assert_eq!(canary.authority, addr("198.19.100.1:80"));
+    assert_eq!(canary.target, WorkloadKey::new("default", "web"));
+    // All on the canary.
+    let store = with_canary([0, 5]).store();
+    for n in 0..4 {
+        let hop = hop(route_from(&store, "client", "198.19.100.1:80", n));
+        assert_eq!(hop.gateway, addr("198.18.3.20:15008"), "connection {n}");
+    }
+    // Every weight 0: not sampled, the primary alone (ztunnel).
+    let store = with_canary([0, 0]).store();
+    for n in 0..4 {
+        let hop = hop(route_from(&store, "client", "198.19.100.1:80", n));
+        assert_ne!(hop.gateway, addr("198.18.3.20:15008"), "connection {n}");
+    }
+}
+
+#[test]
+fn a_waypoint_of_the_set_sends_to_its_service_directly() {
+    // Either waypoint of the set, whichever one the connection would take.
+    let store = with_canary([1, 1]).store();
+    for source in ["canary-1", "waypoint-1"] {
+        for n in 0..4 {
+            assert_eq!(
+                route_from(&store, source, "198.19.100.1:80", n),
+                Route::Direct,
+                "{source}, connection {n}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_chosen_canary_istiod_did_not_send_fails_never_bypasses() {
+    let mut bed = with_canary([0, 1]);
+    bed.services.retain(|s| s.name != "canary");
+    let f = failure(route_from(&bed.store(), "client", "198.19.100.1:80", 0));
+    assert_eq!(f.reason, FailureReason::Unresolved);
+    assert_eq!(f.target, WorkloadKey::new("default", "web"));
 }
 
 #[test]
