@@ -287,7 +287,16 @@ fn assert_config_dump(dump: &Value, client: &Pod, server: &Pod, sick: &Pod) {
     assert_eq!(server_dump["node"], "node-b");
     assert_eq!(server_dump["clusterId"], "Kubernetes");
     assert_eq!(server_dump["status"], "Healthy");
-    assert_eq!(server_dump["services"][WEB]["80"], 0, "{server_dump}");
+    assert_eq!(
+        server_dump["services"],
+        serde_json::json!([WEB]),
+        "{server_dump}"
+    );
+    assert_eq!(
+        server_dump["shunt"]["servicePorts"][WEB]["80"], 0,
+        "{server_dump}"
+    );
+    assert_eq!(server_dump["networkMode"], "Standard");
     assert_eq!(server_dump["shunt"]["source"], "istiod");
     assert_eq!(server_dump["shunt"]["version"], "1");
     assert_eq!(workload("sick")["status"], "Unhealthy");

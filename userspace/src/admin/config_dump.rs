@@ -28,7 +28,7 @@ use crate::{
     state::{
         ApplicationTunnelProtocol, GatewayAddress, GatewayDestination, HealthPolicy,
         LoadBalancingMode, LoadBalancingScope, PodState, Service, SpiffeId, TrustDomain,
-        TunnelProtocol, Workload, WorkloadStatus,
+        TunnelProtocol, Visibility, Workload, WorkloadStatus,
     },
     store::WorkloadStore,
 };
@@ -210,6 +210,12 @@ fn workload(
             TunnelProtocol::None => "TCP",
         }
         .into(),
+        network_mode: if w.host_network {
+            "HostNetwork"
+        } else {
+            "Standard"
+        }
+        .into(),
         name: w.name.clone(),
         namespace: w.namespace.clone(),
         service_account: w.service_account.clone(),
@@ -243,7 +249,7 @@ fn workload(
             port: (t.port != 0).then_some(t.port),
         }),
         capacity: w.capacity,
-        services: w.services.clone(),
+        services: w.services.keys().cloned().collect(),
         shunt: WorkloadExtra {
             identity: w.identity(td).to_string(),
             dataplane_mode: w.dataplane_mode.to_string(),
@@ -252,6 +258,7 @@ fn workload(
             policies: policies
                 .map(|set| set.applicable_names(w))
                 .unwrap_or_default(),
+            service_ports: w.services.clone(),
             origin: origin("workload", &w.uid),
         },
     }
@@ -377,6 +384,12 @@ fn service(
             (false, true) => Some("IPv6".into()),
             (false, false) => None,
         },
+        canonical: s.canonical,
+        visibility: match s.visibility {
+            Visibility::Public => "Public",
+            Visibility::Namespace => "Namespace",
+        }
+        .into(),
         shunt: origin("service", &name),
     }
 }

@@ -240,6 +240,7 @@ fn a_fixed_snapshot_dumps_as_ztunnel_does() {
             "identity": "spiffe://cluster.local/ns/default/sa/web",
             "dataplaneMode": "ambient",
             "policies": ["default/allow-client"],
+            "servicePorts": {"default/web.default.svc.cluster.local": {"80": 8080}},
         });
         for (k, v) in origin.as_object().expect("object") {
             shunt[k] = v.clone();
@@ -249,6 +250,7 @@ fn a_fixed_snapshot_dumps_as_ztunnel_does() {
             "workloadIps": [if name == "web-0" { "198.18.2.2" } else { "198.18.2.3" }],
             "waypoint": {"destination": "default/waypoint.default.svc.cluster.local", "hboneMtlsPort": 15008},
             "protocol": "HBONE",
+            "networkMode": "Standard",
             "name": name,
             "namespace": "default",
             "serviceAccount": "web",
@@ -260,19 +262,20 @@ fn a_fixed_snapshot_dumps_as_ztunnel_does() {
             "locality": {"region": "r1", "zone": "z1", "subzone": ""},
             "node": "node-b",
             "status": status,
-            "hostname": "",
             "authorizationPolicies": ["default/allow-client"],
-            "nativeTunnel": name == "web-0",
+            "nativeTunnel": true,
             "applicationTunnel": if name == "web-0" { json!({"protocol": "PROXY"}) } else { Value::Null },
             "capacity": 2,
-            "services": {"default/web.default.svc.cluster.local": {"80": 8080}},
+            // A list, as ztunnel's (and Kiali's reader) has it.
+            "services": ["default/web.default.svc.cluster.local"],
             "shunt": shunt,
         });
         if name != "web-0" {
-            // Absent, not null, when istiod sent none.
-            dump.as_object_mut()
-                .expect("object")
-                .remove("applicationTunnel");
+            // Absent, not null or false, when istiod sent none (ztunnel
+            // skips them).
+            let fields = dump.as_object_mut().expect("object");
+            fields.remove("applicationTunnel");
+            fields.remove("nativeTunnel");
         }
         dump
     };
@@ -282,6 +285,7 @@ fn a_fixed_snapshot_dumps_as_ztunnel_does() {
                 "uid": "Kubernetes//Pod/default/client",
                 "workloadIps": ["198.18.1.2"],
                 "protocol": "HBONE",
+                "networkMode": "Standard",
                 "name": "client",
                 "namespace": "default",
                 "serviceAccount": "sleep",
@@ -292,8 +296,6 @@ fn a_fixed_snapshot_dumps_as_ztunnel_does() {
                 "clusterId": "",
                 "node": "node-a",
                 "status": "Healthy",
-                "hostname": "",
-                "nativeTunnel": false,
                 "capacity": 1,
                 "shunt": {
                     "identity": "spiffe://cluster.local/ns/default/sa/sleep",
@@ -308,6 +310,7 @@ fn a_fixed_snapshot_dumps_as_ztunnel_does() {
                 "uid": "Kubernetes//Pod/default/outsider",
                 "workloadIps": ["198.18.1.3"],
                 "protocol": "HBONE",
+                "networkMode": "Standard",
                 "name": "outsider",
                 "namespace": "default",
                 "serviceAccount": "default",
@@ -318,8 +321,6 @@ fn a_fixed_snapshot_dumps_as_ztunnel_does() {
                 "clusterId": "",
                 "node": "node-a",
                 "status": "Healthy",
-                "hostname": "",
-                "nativeTunnel": false,
                 "capacity": 1,
                 "shunt": {
                     "identity": "spiffe://cluster.local/ns/default/sa/default",
@@ -361,6 +362,8 @@ fn a_fixed_snapshot_dumps_as_ztunnel_does() {
             },
             "subjectAltNames": ["cluster.local/ns/default/sa/web"],
             "ipFamilies": "IPv4",
+            "canonical": false,
+            "visibility": "Public",
             "shunt": {"source": "istiod", "version": "3"},
         }],
         "policies": [{

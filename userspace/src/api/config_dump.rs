@@ -48,6 +48,8 @@ pub struct WorkloadDump {
     pub network_gateway: Option<GatewayDump>,
     /// `HBONE` or `TCP`.
     pub protocol: String,
+    /// `Standard`, or `HostNetwork` for a pod on its node's network.
+    pub network_mode: String,
     pub name: String,
     pub namespace: String,
     pub service_account: String,
@@ -68,10 +70,12 @@ pub struct WorkloadDump {
     pub network: String,
     /// `Healthy` or `Unhealthy`.
     pub status: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub hostname: String,
     /// The policies istiod bound to it by selector (`namespace/name`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub authorization_policies: Vec<String>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub native_tunnel: bool,
     /// How deliveries to it are wrapped (istiod's `application_tunnel`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -79,10 +83,11 @@ pub struct WorkloadDump {
     /// Its weight in endpoint and waypoint choice (istiod's `capacity`; 1
     /// when unset).
     pub capacity: u32,
-    /// The services it backs: `namespace/hostname` → service port → target
-    /// port (0: the service's own).
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub services: BTreeMap<String, BTreeMap<u16, u16>>,
+    /// The services it backs, `namespace/hostname` (a list, as ztunnel's
+    /// dump and the tools that read it have it; the ports are under
+    /// `shunt.servicePorts`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub services: Vec<String>,
     pub shunt: WorkloadExtra,
 }
 
@@ -137,6 +142,10 @@ pub struct WorkloadExtra {
     /// whatever its scope.
     #[serde(default)]
     pub policies: Vec<String>,
+    /// The services it backs: `namespace/hostname` → service port → target
+    /// port (0: the service's own).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub service_ports: BTreeMap<String, BTreeMap<u16, u16>>,
     #[serde(flatten)]
     pub origin: Origin,
 }
@@ -171,11 +180,18 @@ pub struct ServiceDump {
     pub weighted_waypoints: Vec<WeightedWaypointDump>,
     /// Keyed `<workload uid>:<network>/<ip>`.
     pub endpoints: BTreeMap<String, EndpointDump>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    /// Always present, empty too (ztunnel's).
+    #[serde(default)]
     pub subject_alt_names: Vec<String>,
     /// `IPv4`, `IPv6` or `Dual`, from the VIPs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ip_families: Option<String>,
+    /// It owns its hostname when several services share it (istiod's).
+    #[serde(default)]
+    pub canonical: bool,
+    /// Who may resolve it by name: `Public` or `Namespace`.
+    #[serde(default)]
+    pub visibility: String,
     pub shunt: Origin,
 }
 
