@@ -41,11 +41,6 @@ use crate::{
     store::WorkloadStore,
 };
 
-/// The cluster name ztunnel reports when none is configured (its
-/// `CLUSTER_ID` default), used in `baggage` when the source workload does
-/// not name its cluster.
-pub const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
-
 /// Where an outbound connection goes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Route {
@@ -481,7 +476,7 @@ fn members_of<'a>(
 /// or a source that names no owner), canonical service name and revision.
 pub fn baggage(source: &Workload) -> String {
     let cluster = if source.cluster_id.is_empty() {
-        DEFAULT_CLUSTER_ID
+        crate::state::DEFAULT_CLUSTER_ID
     } else {
         &source.cluster_id
     };

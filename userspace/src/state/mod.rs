@@ -376,6 +376,14 @@ pub enum GatewayDestination {
     Hostname { namespace: String, hostname: String },
 }
 
+/// A workload's service account when its source names none: what
+/// Kubernetes gives a pod, and ztunnel a workload istiod sends without one.
+pub const DEFAULT_SERVICE_ACCOUNT: &str = "default";
+
+/// The cluster a workload belongs to when its source names none (ztunnel's
+/// `CLUSTER_ID` default).
+pub const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
+
 /// The label Istio puts on the pods of a waypoint it deploys (label, value).
 /// istio-cni and ztunnel never capture such a pod, whatever its dataplane
 /// mode: the waypoint's own Envoy serves HBONE on 15008.

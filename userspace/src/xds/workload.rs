@@ -143,7 +143,13 @@ pub(crate) fn translate(w: pb::Workload, resource_name: &str) -> Result<Workload
     Ok(Workload {
         name: w.name,
         namespace: w.namespace,
-        service_account: w.service_account,
+        // As ztunnel: a workload without one (a WorkloadEntry) speaks as
+        // the namespace's `default` account, and belongs to `Kubernetes`.
+        service_account: if w.service_account.is_empty() {
+            crate::state::DEFAULT_SERVICE_ACCOUNT.into()
+        } else {
+            w.service_account
+        },
         ips,
         node: w.node,
         // Only the node-local pod source knows where a pod's netns is.
@@ -164,7 +170,11 @@ pub(crate) fn translate(w: pb::Workload, resource_name: &str) -> Result<Workload
         canonical_name: w.canonical_name,
         canonical_revision: w.canonical_revision,
         network: w.network,
-        cluster_id: w.cluster_id,
+        cluster_id: if w.cluster_id.is_empty() {
+            crate::state::DEFAULT_CLUSTER_ID.into()
+        } else {
+            w.cluster_id
+        },
         status,
         waypoint,
         authorization_policies: w.authorization_policies,
@@ -334,6 +344,19 @@ mod tests {
         let waypoint = w.waypoint.expect("waypoint");
         assert_eq!(waypoint.hbone_mtls_port, DEFAULT_HBONE_PORT);
         assert_eq!(w.locality.map(|l| l.zone), Some("z".into()));
+    }
+
+    #[test]
+    fn no_service_account_or_cluster_are_ztunnels_defaults() {
+        let mut p = proto();
+        p.service_account.clear();
+        p.cluster_id.clear();
+        let w = translate(p, "res-name").expect("valid");
+        assert_eq!(
+            w.identity(&TrustDomain::default()).as_str(),
+            "spiffe://example.org/ns/default/sa/default"
+        );
+        assert_eq!(w.cluster_id, "Kubernetes");
     }
 
     #[test]

@@ -14,8 +14,8 @@ use tracing::warn;
 use super::enablement::Enablement;
 
 use crate::state::{
-    DNS_CAPTURE_ANNOTATION, DataplaneMode, FAST_PATH_ANNOTATION, SPLICE_ANNOTATION, Workload,
-    WorkloadKey,
+    DEFAULT_SERVICE_ACCOUNT, DNS_CAPTURE_ANNOTATION, DataplaneMode, FAST_PATH_ANNOTATION,
+    SPLICE_ANNOTATION, Workload, WorkloadKey,
 };
 
 /// The label that puts a pod (or every pod of a namespace) in the mesh.
@@ -26,8 +26,6 @@ pub const REDIRECTION_ANNOTATION: &str = "ambient.istio.io/redirection";
 /// Present on pods that run an Istio sidecar: those are never captured here
 /// (their sidecar already captures them), as in Istio.
 pub const SIDECAR_STATUS_ANNOTATION: &str = "sidecar.istio.io/status";
-/// A pod's service account when its spec names none (Kubernetes' default).
-pub const DEFAULT_SERVICE_ACCOUNT: &str = "default";
 
 /// What the agent needs to know about one pod.
 #[derive(Clone, Debug, PartialEq, Eq)]
