@@ -96,15 +96,12 @@ pub(crate) fn translate(s: pb::Service) -> Result<Service, FieldError> {
             ));
         }
     };
+    // An unknown value is public, never a refused service: ztunnel chose
+    // to fail open here ("Safer ServiceEntry"), so the service stays
+    // reachable on both.
     let visibility = match pb::service::Visibility::try_from(s.visibility) {
-        Ok(pb::service::Visibility::Public) => Visibility::Public,
         Ok(pb::service::Visibility::Namespace) => Visibility::Namespace,
-        Err(_) => {
-            return Err(FieldError::new(
-                "visibility",
-                format!("unknown value {}", s.visibility),
-            ));
-        }
+        Ok(pb::service::Visibility::Public) | Err(_) => Visibility::Public,
     };
     Ok(Service {
         name: s.name,
@@ -430,6 +427,13 @@ mod tests {
             e.field.starts_with("weighted_waypoints[0].destination."),
             "{e:?}"
         );
+    }
+
+    #[test]
+    fn an_unknown_visibility_is_public_as_ztunnels() {
+        let mut p = proto();
+        p.visibility = 7;
+        assert_eq!(translate(p).expect("kept").visibility, Visibility::Public);
     }
 
     #[test]

@@ -22,6 +22,7 @@ use crate::reference::{
 const FRESH_VIP: [u8; 4] = [198, 19, 100, 43];
 const EXT_A_VIP: [u8; 4] = [198, 19, 100, 41];
 const EXT_B_VIP: [u8; 4] = [198, 19, 100, 42];
+const LATER_VIP: [u8; 4] = [198, 19, 100, 59];
 
 fn to(dst: [u8; 4], expect: crate::reference::probe::Outcome) -> OutboundRow {
     OutboundRow {
@@ -132,6 +133,19 @@ pub fn cases() -> Vec<Case> {
     );
     two_hosts.server_services = vec!["default/a.ext.example.com", "default/b.ext.example.com"];
     two_hosts.outbound = vec![to(EXT_A_VIP, Allowed), to(EXT_B_VIP, Allowed)];
+    // A visibility istiod may add later: ztunnel keeps the service,
+    // public (it fails open there), and ACKs.
+    let mut unknown_visibility = service("later", "later.default.svc.cluster.local", LATER_VIP);
+    if let Some(wl::address::Type::Service(svc)) = &mut unknown_visibility.r#type {
+        svc.visibility = 7;
+    }
+    let mut later_visibility = case(
+        "a Service with a visibility value from a later istiod",
+        vec![unknown_visibility],
+        XdsAnswer::Ack,
+    );
+    later_visibility.server_services = vec!["default/later.default.svc.cluster.local"];
+    later_visibility.outbound = vec![to(LATER_VIP, Allowed)];
     // Item 5: the client calls the pod by IP; only mutual TLS with the
     // client's identity is allowed in, so a lost HBONE mapping shows.
     let mut entry_then_call = case(
@@ -182,5 +196,6 @@ pub fn cases() -> Vec<Case> {
         // Item 5: one Service per ServiceEntry host, same namespace/name:
         // both VIPs reach the server.
         two_hosts,
+        later_visibility,
     ]
 }
