@@ -21,7 +21,7 @@ use shunt_testbed::{
 const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
 
 /// A workload with a network gateway and a service with SANs; a weighted
-/// set of waypoints; policies; hostNetwork pods.
+/// set of waypoints; a ServiceEntry's CIDR; policies; hostNetwork pods.
 fn cases() -> Vec<Case> {
     let by_name = |cases: Vec<Case>, name: &str| {
         cases
@@ -34,6 +34,10 @@ fn cases() -> Vec<Case> {
         by_name(
             routing::cases(),
             "a weighted set of waypoints, all on the canary",
+        ),
+        by_name(
+            routing::cases(),
+            "an address in a ServiceEntry's CIDR, bound to a waypoint",
         ),
         by_name(authz::cases(), "ALLOW serviceAccounts [default/sleep]"),
         by_name(xds::cases(), "two hostNetwork pods on the node's IP"),

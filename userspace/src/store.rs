@@ -5,7 +5,7 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
-    net::IpAddr,
+    net::{IpAddr, SocketAddr},
     sync::Arc,
 };
 
@@ -322,6 +322,18 @@ impl WorkloadStore {
     /// The services, looked up by `VIP:port` (see [`ServiceStore`]).
     pub fn services(&self) -> &ServiceStore {
         &self.services
+    }
+
+    /// The service a connection to `dst` addresses, as ztunnel finds it: a
+    /// VIP's; else, when no workload owns the address, one whose address
+    /// range holds it (a ServiceEntry's CIDR).
+    pub fn service_for(&self, dst: SocketAddr) -> Option<&Arc<Service>> {
+        self.services.by_addr(dst).or_else(|| {
+            if !self.services.has_ranges() || self.by_ip.contains_key(&dst.ip()) {
+                return None;
+            }
+            self.services.by_range(dst)
+        })
     }
 
     /// The workload named `key`; of several (a pod and a WorkloadEntry of

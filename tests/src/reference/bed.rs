@@ -58,6 +58,9 @@ pub const TUNNELED_ADDRESSLESS: &str = "addressless.default.svc.cluster.local:80
 /// the bed's stand-in: as a waypoint, it passes the CONNECT's stream on
 /// to the server's echo port (plain TCP, as a waypoint's L4 forward).
 pub const CANARY_AUTHORITY: &str = "198.19.100.56:80";
+/// An address in a service's range (a ServiceEntry's CIDR) whose waypoint
+/// is the stand-in, and its port.
+pub const RANGE_AUTHORITY: &str = "198.19.200.7:80";
 const WAIT: Duration = Duration::from_secs(30);
 
 /// Which implementation serves the server workload.
@@ -144,7 +147,7 @@ impl Bed {
             [TUNNELED, TUNNELED_TO_WAYPOINT, TUNNELED_ADDRESSLESS]
                 .into_iter()
                 .map(|authority| (authority, 15008))
-                .chain([(CANARY_AUTHORITY, 8080)])
+                .chain([(CANARY_AUTHORITY, 8080), (RANGE_AUTHORITY, 8080)])
                 .map(|(authority, port)| Tunnel {
                     authority: authority.into(),
                     target: (SERVER_IP, port).into(),
@@ -355,6 +358,11 @@ impl Bed {
                 "shunt-x1",
                 "--pod-namespace",
                 "istio-system",
+                // The agent's default (the harness turns it off unless a
+                // test says): the kernel may send a connect around the
+                // proxy, and the outcomes must still be ztunnel's.
+                "--fast-path",
+                "on",
             ],
         )?;
         agent.wait_for("its pod enrolled", WAIT, mesh_pods_enrolled)?;

@@ -15,9 +15,9 @@ use crate::{
     api::{
         XdsStatus,
         config_dump::{
-            ApplicationTunnelDump, CertDump, CertsDump, ConfigDump, EndpointDump, EnrolledDump,
-            GatewayDump, LoadBalancerDump, LocalityDump, MatchDump, NodeDump, Origin, PolicyDump,
-            PolicyExtra, ServiceAccountDump, ServiceDump, SourcesDump, StringMatchDump,
+            ApplicationTunnelDump, CertDump, CertsDump, CidrDump, ConfigDump, EndpointDump,
+            EnrolledDump, GatewayDump, LoadBalancerDump, LocalityDump, MatchDump, NodeDump, Origin,
+            PolicyDump, PolicyExtra, ServiceAccountDump, ServiceDump, SourcesDump, StringMatchDump,
             WeightedWaypointDump, WorkloadDump, WorkloadExtra, WorkloadInfoDump, WorkloadStateDump,
         },
     },
@@ -332,6 +332,14 @@ fn service(
             .vips
             .iter()
             .map(|ip| network_address(vip_network(ip), *ip))
+            .collect(),
+        cidr_vips: s
+            .vip_ranges
+            .iter()
+            .map(|r| CidrDump {
+                network: r.network.clone(),
+                cidr: r.to_string(),
+            })
             .collect(),
         ports: s
             .ports

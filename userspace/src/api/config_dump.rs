@@ -100,6 +100,13 @@ pub struct GatewayDump {
     pub hbone_mtls_port: u16,
 }
 
+/// An address range of a service: `cidr` as `addr/prefix`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CidrDump {
+    pub network: String,
+    pub cidr: String,
+}
+
 /// One waypoint of a service's weighted set.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -169,6 +176,9 @@ pub struct ServiceDump {
     pub hostname: String,
     /// `network/ip` (`/10.96.0.10` on the local network).
     pub vips: Vec<String>,
+    /// Address ranges (a ServiceEntry's CIDR), as ztunnel dumps them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cidr_vips: Vec<CidrDump>,
     /// Service port → target port (0: each endpoint's own).
     pub ports: BTreeMap<u16, u16>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

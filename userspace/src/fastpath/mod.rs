@@ -13,9 +13,10 @@
 //!   store owner (`app::store::own_store`): after each applied cluster view
 //!   it derives the set of destinations the proxy must see
 //!   ([`table::destinations`]) and writes it, additions before removals,
-//!   then turns the table on. A set too large for the table or a failed
-//!   write turns it off first (logged, counted): every connect goes back
-//!   to the proxy.
+//!   then turns the table on. A set too large for the table, a service
+//!   addressed by a range (a CIDR: the table holds single addresses) or a
+//!   failed write turns it off first (logged, counted): every connect goes
+//!   back to the proxy.
 //! - [`report::report_events`] — reads the kernel's events and turns them
 //!   into what the proxy would have reported for a passthrough connection.
 //!

@@ -40,10 +40,34 @@ pub async fn write_table(
 ) {
     metrics.table_valid.set(0);
     let mut written: Option<BTreeSet<IpAddr>> = None;
+    let mut off_for_ranges = false;
     loop {
         let view = *applied.borrow_and_update();
-        if view > 0 {
-            let wanted = destinations(&store.read().unwrap_or_else(|p| p.into_inner()));
+        let wanted = (view > 0).then(|| {
+            let store = store.read().unwrap_or_else(|p| p.into_inner());
+            // The table holds single addresses: a service reached by a
+            // range (a ServiceEntry's CIDR) cannot be listed, and a
+            // missing entry would send its connects around the proxy
+            // (and its waypoint). Off while any is known.
+            (!store.services().has_ranges()).then(|| destinations(&store))
+        });
+        if let Some(None) = wanted {
+            if !off_for_ranges || table.is_valid() {
+                written = None;
+                match table.invalidate() {
+                    Ok(()) => {
+                        metrics.invalidated("address_ranges");
+                        info!(
+                            view,
+                            "fast-path table off: a service is addressed by a range (a CIDR), which the kernel's table cannot hold; every connect of an enrolled pod goes through the proxy"
+                        );
+                        off_for_ranges = true;
+                    }
+                    Err(e) => error!(view, error = %e, "cannot turn the fast-path table off"),
+                }
+            }
+        } else if let Some(Some(wanted)) = wanted {
+            off_for_ranges = false;
             if written.as_ref() != Some(&wanted) || !table.is_valid() {
                 match table.sync(&wanted) {
                     Ok(report) => {

@@ -169,8 +169,7 @@ impl WorkloadLookup for RwLock<WorkloadStore> {
     fn service_at(&self, dst: SocketAddr) -> Option<Arc<Service>> {
         self.read()
             .unwrap_or_else(|p| p.into_inner())
-            .services()
-            .by_addr(dst)
+            .service_for(dst)
             .cloned()
     }
 

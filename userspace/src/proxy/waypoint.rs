@@ -182,7 +182,7 @@ pub fn route(
     dst: SocketAddr,
     pick: usize,
 ) -> Route {
-    if let Some(service) = store.services().by_addr(dst) {
+    if let Some(service) = store.service_for(dst) {
         // Addressed to a service: only the service's waypoint counts, or
         // one of its weighted set, chosen per connection.
         let Some((gateway, replica_pick)) = service.waypoint_for(pick) else {

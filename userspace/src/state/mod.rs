@@ -16,7 +16,7 @@ pub use owner::{ApplicationTunnel, ApplicationTunnelProtocol, WorkloadType, pod_
 pub use pod_state::PodState;
 pub use service::{
     Endpoint, GatewayOnlyEndpoint, HealthPolicy, IpFamilies, LoadBalancing, LoadBalancingMode,
-    LoadBalancingScope, Service, ServicePort, Visibility, WeightedWaypoint,
+    LoadBalancingScope, Service, ServicePort, VipRange, Visibility, WeightedWaypoint,
 };
 pub use service_store::ServiceStore;
 pub use weighted::{weighted_pick, weighted_pick_counted};

@@ -32,6 +32,11 @@ pub struct Service {
     /// The network of each VIP that is not on the local network (the
     /// local one, empty in xDS, is the default and not listed).
     pub vip_networks: BTreeMap<IpAddr, String>,
+    /// Ranges of addresses that reach it (a ServiceEntry's CIDR, which
+    /// istiod sends as an address with a shorter `length`): a destination
+    /// in one that no workload owns and no VIP names is this service
+    /// ([`ServiceStore::by_range`](super::ServiceStore::by_range)).
+    pub vip_ranges: Vec<VipRange>,
     /// Identities the endpoints may present besides their own (SPIFFE URIs
     /// without the scheme, as istiod sends them).
     pub subject_alt_names: Vec<String>,
@@ -57,6 +62,50 @@ pub struct Service {
     /// with no address): never dialled, never in DNS or the kernel's
     /// tables; only `proxy/network_gateway.rs` looks at them.
     pub gateway_only: Vec<GatewayOnlyEndpoint>,
+}
+
+/// A range of addresses (`addr/prefix`, host bits zero) and the network
+/// istiod names for it (empty: the local one).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VipRange {
+    pub addr: IpAddr,
+    pub prefix: u8,
+    pub network: String,
+}
+
+impl VipRange {
+    /// `addr/prefix` with the host bits cleared; `None` when `prefix` is
+    /// longer than the family's address.
+    pub fn new(addr: IpAddr, prefix: u8, network: String) -> Option<Self> {
+        let masked = match addr {
+            IpAddr::V4(v4) if prefix <= 32 => {
+                // A shift by the whole width (prefix 0) is no bits at all.
+                let mask = u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0);
+                IpAddr::from((u32::from(v4) & mask).to_be_bytes())
+            }
+            IpAddr::V6(v6) if prefix <= 128 => {
+                let mask = u128::MAX.checked_shl(128 - u32::from(prefix)).unwrap_or(0);
+                IpAddr::from((u128::from(v6) & mask).to_be_bytes())
+            }
+            _ => return None,
+        };
+        Some(Self {
+            addr: masked,
+            prefix,
+            network,
+        })
+    }
+
+    /// Whether `ip` is in the range (same family only).
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        VipRange::new(ip, self.prefix, String::new()).is_some_and(|r| r.addr == self.addr)
+    }
+}
+
+impl std::fmt::Display for VipRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
 }
 
 /// One waypoint of a service's weighted set and its share of
@@ -411,6 +460,64 @@ mod tests {
             endpoints: Vec::new(),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_range_holds_the_addresses_under_its_prefix() {
+        let r = VipRange::new(ip("198.19.200.77"), 24, String::new()).expect("valid");
+        assert_eq!(r.to_string(), "198.19.200.0/24", "host bits cleared");
+        assert!(r.contains(ip("198.19.200.0")) && r.contains(ip("198.19.200.255")));
+        assert!(!r.contains(ip("198.19.201.1")));
+        assert!(!r.contains(ip("::ffff:198.19.200.1")), "another family");
+        let everything = VipRange::new(ip("10.1.2.3"), 0, String::new()).expect("valid");
+        assert!(everything.contains(ip("192.0.2.1")));
+        let v6 = VipRange::new(ip("fd00::1:2"), 112, String::new()).expect("valid");
+        assert_eq!(v6.to_string(), "fd00::1:0/112");
+        assert!(v6.contains(ip("fd00::1:ffff")) && !v6.contains(ip("fd00::2:0")));
+        assert_eq!(VipRange::new(ip("10.0.0.0"), 33, String::new()), None);
+        assert_eq!(VipRange::new(ip("fd00::"), 129, String::new()), None);
+    }
+
+    #[test]
+    fn a_range_lookup_takes_the_longest_prefix_then_the_canonical_service() {
+        let ranged = |name: &str, cidr: (&str, u8), canonical: bool| Service {
+            name: name.into(),
+            namespace: "default".into(),
+            hostname: format!("{name}.example.com"),
+            ports: vec![ServicePort {
+                port: 80,
+                target_port: Some(80),
+            }],
+            vip_ranges: vec![VipRange::new(ip(cidr.0), cidr.1, String::new()).expect("valid")],
+            canonical,
+            ..Default::default()
+        };
+        let mut store = ServiceStore::default();
+        store.replace_all(vec![
+            ranged("wide", ("198.19.0.0", 16), false),
+            ranged("narrow", ("198.19.200.0", 24), false),
+            ranged("narrow-canonical", ("198.19.200.0", 24), true),
+        ]);
+        let at = |store: &ServiceStore, a: &str| store.by_range(addr(a)).map(|s| s.name.clone());
+        assert_eq!(
+            at(&store, "198.19.200.7:80").as_deref(),
+            Some("narrow-canonical")
+        );
+        assert_eq!(at(&store, "198.19.7.7:80").as_deref(), Some("wide"));
+        assert_eq!(
+            at(&store, "198.19.200.7:81"),
+            None,
+            "a port it does not serve"
+        );
+        assert_eq!(at(&store, "198.20.0.1:80"), None);
+        assert!(store.by_addr(addr("198.19.200.7:80")).is_none(), "no VIP");
+        // Removed one at a time, the index follows.
+        let canonical = store.by_range(addr("198.19.200.7:80")).expect("one").id();
+        store.remove(&canonical);
+        assert_eq!(at(&store, "198.19.200.7:80").as_deref(), Some("narrow"));
+        assert!(store.has_ranges());
+        store.replace_all(Vec::<Service>::new());
+        assert!(!store.has_ranges() && at(&store, "198.19.7.7:80").is_none());
     }
 
     #[test]

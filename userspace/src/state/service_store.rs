@@ -3,7 +3,7 @@
 //! [`ServiceStore::remove`]) or replaced whole.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap},
     net::SocketAddr,
     sync::Arc,
 };
@@ -28,6 +28,9 @@ pub struct ServiceStore {
     /// hostname → namespace → service, for services that have a hostname
     /// (how waypoints are named). Nested so a lookup borrows its `&str`s.
     by_hostname: HashMap<String, HashMap<String, WorkloadKey>>,
+    /// The services that have address ranges (few: ServiceEntries with a
+    /// CIDR), so a range lookup scans only them.
+    ranged: BTreeSet<WorkloadKey>,
 }
 
 impl ServiceStore {
@@ -91,11 +94,17 @@ impl ServiceStore {
                 .or_default()
                 .insert(s.namespace.clone(), id.clone());
         }
+        let ranged = next
+            .iter()
+            .filter(|(_, s)| !s.vip_ranges.is_empty())
+            .map(|(id, _)| id.clone())
+            .collect();
         Self {
             by_id: next,
             by_name,
             by_addr,
             by_hostname,
+            ranged,
         }
     }
 
@@ -124,6 +133,7 @@ impl ServiceStore {
     /// the next claimant, as [`ServiceStore::from_services`] would give it.
     pub fn remove(&mut self, id: &WorkloadKey) -> Option<Arc<Service>> {
         let old = self.by_id.remove(id)?;
+        self.ranged.remove(id);
         let key = old.key();
         if let Some(ids) = self.by_name.get_mut(&key) {
             ids.retain(|other| other != id);
@@ -160,6 +170,9 @@ impl ServiceStore {
 
     /// Adds `service`'s names and addresses to the indexes (not to `by_id`).
     fn index(&mut self, id: &WorkloadKey, service: &Service) {
+        if !service.vip_ranges.is_empty() {
+            self.ranged.insert(id.clone());
+        }
         let names = self.by_name.entry(service.key()).or_default();
         if !names.contains(id) {
             names.push(id.clone());
@@ -198,6 +211,35 @@ impl ServiceStore {
     /// The service whose VIP and port `dst` is.
     pub fn by_addr(&self, dst: SocketAddr) -> Option<&Arc<Service>> {
         self.by_addr.get(&dst).and_then(|id| self.by_id.get(id))
+    }
+
+    /// The service whose address range holds `dst`'s address and that
+    /// serves its port, for a destination no workload owns and no VIP
+    /// names ([`ServiceStore::by_addr`] first): the longest prefix, then
+    /// the one istiod marks `canonical`, then the greatest id (ztunnel
+    /// also prefers the client's namespace; this lookup does not know the
+    /// client).
+    pub fn by_range(&self, dst: SocketAddr) -> Option<&Arc<Service>> {
+        self.ranged
+            .iter()
+            .filter_map(|id| self.by_id.get(id).map(|s| (id, s)))
+            .filter(|(_, s)| s.ports.iter().any(|p| p.port == dst.port()))
+            .filter_map(|(id, s)| {
+                let longest = s
+                    .vip_ranges
+                    .iter()
+                    .filter(|r| r.contains(dst.ip()))
+                    .map(|r| r.prefix)
+                    .max()?;
+                Some(((longest, s.canonical, id), s))
+            })
+            .max_by(|(a, _), (b, _)| a.cmp(b))
+            .map(|(_, s)| s)
+    }
+
+    /// Whether any service has an address range.
+    pub fn has_ranges(&self) -> bool {
+        !self.ranged.is_empty()
     }
 
     /// A service named `key` (namespace/name); of several of one name (a
@@ -244,6 +286,7 @@ fn indexed_alike(a: &Service, b: &Service) -> bool {
     a.key() == b.key()
         && a.hostname == b.hostname
         && a.vips == b.vips
+        && a.vip_ranges.is_empty() == b.vip_ranges.is_empty()
         && a.ports.len() == b.ports.len()
         && a.ports.iter().zip(&b.ports).all(|(x, y)| x.port == y.port)
 }

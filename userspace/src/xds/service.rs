@@ -16,7 +16,7 @@ use shunt_proto::istio::workload as pb;
 use super::{FieldError, ip_from_bytes, port, workload::gateway};
 use crate::state::{
     Endpoint, GatewayOnlyEndpoint, HealthPolicy, IpFamilies, LoadBalancing, LoadBalancingMode,
-    LoadBalancingScope, Service, ServicePort, Visibility, WeightedWaypoint, Workload,
+    LoadBalancingScope, Service, ServicePort, VipRange, Visibility, WeightedWaypoint, Workload,
     WorkloadStatus,
 };
 
@@ -33,8 +33,25 @@ pub(crate) fn translate(s: pb::Service) -> Result<Service, FieldError> {
     }
     let mut vips = Vec::with_capacity(s.addresses.len());
     let mut vip_networks = BTreeMap::new();
+    let mut vip_ranges = Vec::new();
     for (i, a) in s.addresses.iter().enumerate() {
         let ip = ip_from_bytes(&a.address, format!("addresses[{i}].address"))?;
+        // A `length` short of the whole address: a range (a ServiceEntry's
+        // CIDR), as ztunnel reads it.
+        let whole = if ip.is_ipv4() { 32 } else { 128 };
+        if let Some(length) = a.length.filter(|l| *l != whole) {
+            let range = u8::try_from(length)
+                .ok()
+                .and_then(|prefix| VipRange::new(ip, prefix, a.network.clone()))
+                .ok_or_else(|| {
+                    FieldError::new(
+                        format!("addresses[{i}].length"),
+                        format!("{length} is longer than the address ({whole} bits)"),
+                    )
+                })?;
+            vip_ranges.push(range);
+            continue;
+        }
         if let Some(first) = vips.iter().position(|known| *known == ip) {
             return Err(FieldError::new(
                 format!("addresses[{i}].address"),
@@ -111,6 +128,7 @@ pub(crate) fn translate(s: pb::Service) -> Result<Service, FieldError> {
         endpoints: Vec::new(),
         hostname: s.hostname,
         vip_networks,
+        vip_ranges,
         subject_alt_names: s.subject_alt_names,
         waypoint,
         weighted_waypoints,
@@ -427,6 +445,30 @@ mod tests {
             e.field.starts_with("weighted_waypoints[0].destination."),
             "{e:?}"
         );
+    }
+
+    #[test]
+    fn an_address_with_a_shorter_length_is_a_range() {
+        let mut p = proto();
+        p.addresses.push(pb::NetworkAddress {
+            network: String::new(),
+            address: vec![198, 19, 200, 0],
+            length: Some(24),
+        });
+        // The whole address's length is a plain VIP.
+        p.addresses.push(pb::NetworkAddress {
+            network: String::new(),
+            address: vec![198, 19, 100, 3],
+            length: Some(32),
+        });
+        let s = translate(p.clone()).expect("valid");
+        let ranges: Vec<String> = s.vip_ranges.iter().map(ToString::to_string).collect();
+        assert_eq!(ranges, ["198.19.200.0/24"]);
+        assert!(s.vips.contains(&"198.19.100.3".parse().expect("ip")));
+        assert!(!s.vips.contains(&"198.19.200.0".parse().expect("ip")));
+        p.addresses[2].length = Some(40);
+        let e = translate(p).expect_err("longer than IPv4");
+        assert_eq!(e.field, "addresses[2].length");
     }
 
     #[test]

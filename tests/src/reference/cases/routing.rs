@@ -3,14 +3,15 @@
 //! (node-a), reached through the client's proxy; and by network: the
 //! server on another network than the client, with and without a network
 //! gateway (one that does not answer: neither peer gets through it); and
-//! a service's weighted set of waypoints (a waypoint canary).
+//! a service's weighted set of waypoints (a waypoint canary); and an
+//! address in a ServiceEntry's CIDR bound to a waypoint.
 
 use shunt_proto::istio::workload::{self as wl, load_balancing};
 
 use super::{Case, OutboundRow};
 use crate::reference::{
     bed::{
-        CANARY_AUTHORITY, GATEWAY_IP, GATEWAY_SA, SERVER_IP, SERVER_SA, TUNNELED,
+        CANARY_AUTHORITY, GATEWAY_IP, GATEWAY_SA, RANGE_AUTHORITY, SERVER_IP, SERVER_SA, TUNNELED,
         TUNNELED_ADDRESSLESS, TUNNELED_TO_WAYPOINT,
     },
     probe::Outcome::{self, Allowed, Refused},
@@ -106,6 +107,7 @@ pub fn cases() -> Vec<Case> {
             [0, 0],
             Refused,
         ),
+        range_through_waypoint(),
     ]
 }
 
@@ -132,10 +134,7 @@ fn weighted_waypoints(name: &'static str, weights: [u32; 2], expect: Outcome) ->
         )),
         hbone_mtls_port: 15008,
     };
-    let (primary, canary) = (
-        "wp-primary.default.svc.cluster.local",
-        "wp-canary.default.svc.cluster.local",
-    );
+    let (primary, canary) = ("wp-primary.default.svc.cluster.local", STAND_IN_WAYPOINT);
     let mut target = service(
         "canary-target",
         "canary-target.default.svc.cluster.local",
@@ -152,22 +151,44 @@ fn weighted_waypoints(name: &'static str, weights: [u32; 2], expect: Outcome) ->
             })
             .collect();
     }
-    let waypoint_service = |name: &str, host: &str, vip: [u8; 4]| {
-        let mut address = service(name, host, vip);
-        if let Some(wl::address::Type::Service(svc)) = &mut address.r#type {
-            svc.ports = vec![wl::Port {
-                service_port: 15008,
-                target_port: 15008,
-                ..Default::default()
-            }];
-        }
-        address
-    };
+    case.addresses = vec![
+        encode(target),
+        encode(waypoint_service("wp-primary", primary, [198, 19, 100, 57])),
+    ];
+    case.addresses.extend(stand_in_waypoint());
+    if expect == Allowed {
+        case.gateway_authority = Some(CANARY_AUTHORITY);
+        case.forwarded_host = Some("canary-target.default.svc.cluster.local");
+    }
+    case
+}
+
+/// The host of the waypoint service whose only endpoint is the bed's
+/// stand-in.
+const STAND_IN_WAYPOINT: &str = "wp-canary.default.svc.cluster.local";
+
+/// A waypoint service (HBONE port 15008) at `vip`.
+fn waypoint_service(name: &str, host: &str, vip: [u8; 4]) -> wl::Address {
+    let mut address = service(name, host, vip);
+    if let Some(wl::address::Type::Service(svc)) = &mut address.r#type {
+        svc.ports = vec![wl::Port {
+            service_port: 15008,
+            target_port: 15008,
+            ..Default::default()
+        }];
+    }
+    address
+}
+
+/// The waypoint service [`STAND_IN_WAYPOINT`] and its one replica, the
+/// bed's stand-in: a workload of the client's network that sees each
+/// CONNECT sent to it and passes the stream on to the server's echo port.
+fn stand_in_waypoint() -> Vec<shunt_proto::envoy::service::discovery::v3::Resource> {
     let mut stand_in = pod("wp-canary-0", GATEWAY_SA, GATEWAY_IP, "node-b");
     stand_in.uid = "Kubernetes//Pod/istio-system/wp-canary-0".into();
     stand_in.namespace = "istio-system".into();
     stand_in.services.insert(
-        format!("default/{canary}"),
+        format!("default/{STAND_IN_WAYPOINT}"),
         wl::PortList {
             ports: vec![wl::Port {
                 service_port: 15008,
@@ -176,18 +197,53 @@ fn weighted_waypoints(name: &'static str, weights: [u32; 2], expect: Outcome) ->
             }],
         },
     );
-    case.addresses = vec![
-        encode(target),
-        encode(waypoint_service("wp-primary", primary, [198, 19, 100, 57])),
-        encode(waypoint_service("wp-canary", canary, [198, 19, 100, 58])),
+    vec![
+        encode(waypoint_service(
+            "wp-canary",
+            STAND_IN_WAYPOINT,
+            [198, 19, 100, 58],
+        )),
         encode(wl::Address {
             r#type: Some(wl::address::Type::Workload(stand_in)),
         }),
-    ];
-    if expect == Allowed {
-        case.gateway_authority = Some(CANARY_AUTHORITY);
-        case.forwarded_host = Some("canary-target.default.svc.cluster.local");
+    ]
+}
+
+/// A ServiceEntry's CIDR (198.19.200.0/24, which istiod sends as an
+/// address of length 24) bound to a waypoint, the bed's stand-in: as an
+/// egress waypoint, it gets the client's connection to an address in the
+/// range (CONNECT for that address), which no workload owns and no VIP
+/// names. ztunnel matches the range; shunt too, and its kernel fast path
+/// must not send the connect around the proxy.
+fn range_through_waypoint() -> Case {
+    let mut case = Case::authz(
+        "an address in a ServiceEntry's CIDR, bound to a waypoint",
+        Vec::new(),
+        Vec::new(),
+    );
+    let mut entry = service("cidr-egress", "cidr.example.com", [198, 19, 200, 0]);
+    if let Some(wl::address::Type::Service(svc)) = &mut entry.r#type {
+        svc.addresses[0].length = Some(24);
+        svc.waypoint = Some(wl::GatewayAddress {
+            destination: Some(wl::gateway_address::Destination::Hostname(
+                wl::NamespacedHostname {
+                    namespace: "default".into(),
+                    hostname: STAND_IN_WAYPOINT.into(),
+                },
+            )),
+            hbone_mtls_port: 15008,
+        });
     }
+    case.addresses = vec![encode(entry)];
+    case.addresses.extend(stand_in_waypoint());
+    debug_assert_eq!(RANGE_AUTHORITY, "198.19.200.7:80");
+    case.outbound = vec![OutboundRow {
+        dst: [198, 19, 200, 7],
+        port: 80,
+        expect: Allowed,
+    }];
+    case.gateway_authority = Some(RANGE_AUTHORITY);
+    case.forwarded_host = Some("cidr.example.com");
     case
 }
 

@@ -2,7 +2,7 @@
 //! formats.
 
 use super::*;
-use crate::state::{DataplaneMode, Endpoint, ServicePort, WeightedWaypoint};
+use crate::state::{DataplaneMode, Endpoint, Service, ServicePort, WeightedWaypoint};
 
 const WAYPOINT_HOST: &str = "waypoint.default.svc.cluster.local";
 
@@ -438,6 +438,42 @@ fn with_canary(weights: [u32; 2]) -> Bed {
         })
         .collect();
     bed
+}
+
+#[test]
+fn an_address_in_a_services_range_goes_to_its_waypoint_unless_a_workload_owns_it() {
+    // A ServiceEntry's CIDR bound to the waypoint (an egress waypoint).
+    let mut bed = Bed::new();
+    bed.services.push(Service {
+        name: "egress".into(),
+        namespace: "default".into(),
+        hostname: "egress.example.com".into(),
+        ports: vec![ServicePort {
+            port: 443,
+            target_port: Some(443),
+        }],
+        vip_ranges: vec![
+            crate::state::VipRange::new(ip("198.18.0.0"), 16, String::new()).expect("range"),
+        ],
+        waypoint: Some(by_hostname(WAYPOINT_HOST)),
+        ..Default::default()
+    });
+    let store = bed.store();
+    let hop = hop(route_from(&store, "client", "198.18.77.7:443", 0));
+    assert_eq!(hop.target, WorkloadKey::new("default", "egress"));
+    assert_eq!(hop.authority, addr("198.18.77.7:443"));
+    assert_eq!(hop.gateway, addr("198.18.3.10:15008"));
+    // A port the service does not serve: not it.
+    assert_eq!(
+        route_from(&store, "client", "198.18.77.7:80", 0),
+        Route::Direct
+    );
+    // The server's own address is in the range too: the workload wins,
+    // as in ztunnel's lookup (workloads, then VIPs, then ranges).
+    assert_eq!(
+        route_from(&store, "client", "198.18.2.10:443", 0),
+        Route::Direct
+    );
 }
 
 #[test]
