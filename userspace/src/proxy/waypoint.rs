@@ -371,7 +371,7 @@ pub fn inbound_port(
     authority: SocketAddr,
 ) -> Option<u16> {
     let waypoint = store.get(waypoint)?;
-    let (gateway, port) = match store.services().by_addr(authority) {
+    let (gateway, port) = match store.service_for(authority) {
         Some(service) => {
             let port = service
                 .ports

@@ -468,6 +468,12 @@ fn an_address_in_a_services_range_goes_to_its_waypoint_unless_a_workload_owns_it
         route_from(&store, "client", "198.18.77.7:80", 0),
         Route::Direct
     );
+    // Its waypoint, if enrolled here, takes such a CONNECT in.
+    let replica = WorkloadKey::new("default", "waypoint-1");
+    assert_eq!(
+        inbound_port(&store, &replica, addr("198.18.77.7:443")),
+        Some(443)
+    );
     // The server's own address is in the range too: the workload wins,
     // as in ztunnel's lookup (workloads, then VIPs, then ranges).
     assert_eq!(
