@@ -324,15 +324,17 @@ impl WorkloadStore {
         &self.services
     }
 
-    /// The service a connection to `dst` addresses, as ztunnel finds it: a
-    /// VIP's; else, when no workload owns the address, one whose address
-    /// range holds it (a ServiceEntry's CIDR).
-    pub fn service_for(&self, dst: SocketAddr) -> Option<&Arc<Service>> {
-        self.services.by_addr(dst).or_else(|| {
+    /// The service a connection to `dst` from a client in `client_ns`
+    /// addresses, as ztunnel finds it: a VIP's (of the services sharing
+    /// it, those the client may see, its own namespace's first); else,
+    /// when no workload owns the address, one whose address range holds it
+    /// (a ServiceEntry's CIDR). `None` namespace: any (inbound).
+    pub fn service_for(&self, dst: SocketAddr, client_ns: Option<&str>) -> Option<&Arc<Service>> {
+        self.services.by_addr_from(dst, client_ns).or_else(|| {
             if !self.services.has_ranges() || self.by_ip.contains_key(&dst.ip()) {
                 return None;
             }
-            self.services.by_range(dst)
+            self.services.by_range(dst, client_ns)
         })
     }
 

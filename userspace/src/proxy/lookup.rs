@@ -21,8 +21,9 @@ pub trait WorkloadLookup: Send + Sync {
     /// Shared: a connection takes a pointer, not a copy.
     fn workload_by_ip(&self, ip: IpAddr) -> Option<Arc<Workload>>;
 
-    /// The service whose cluster IP and port `dst` is.
-    fn service_at(&self, dst: SocketAddr) -> Option<Arc<Service>>;
+    /// The service a client of namespace `client_ns` addresses at `dst`
+    /// (a VIP and port, or an address in a service's range).
+    fn service_at(&self, dst: SocketAddr, client_ns: &str) -> Option<Arc<Service>>;
 
     /// The target of connection number `n` from `client` (a local pod's
     /// address) to `dst`, one of `service`'s VIPs and ports: a ready
@@ -166,10 +167,10 @@ impl WorkloadLookup for RwLock<WorkloadStore> {
             .cloned()
     }
 
-    fn service_at(&self, dst: SocketAddr) -> Option<Arc<Service>> {
+    fn service_at(&self, dst: SocketAddr, client_ns: &str) -> Option<Arc<Service>> {
         self.read()
             .unwrap_or_else(|p| p.into_inner())
-            .service_for(dst)
+            .service_for(dst, Some(client_ns))
             .cloned()
     }
 

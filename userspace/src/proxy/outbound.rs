@@ -107,7 +107,7 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
         shared
             .workloads
             .waypoint_plan(&shared.config.trust_domain, &pod.key, client, dst, n);
-    let service = shared.workloads.service_at(dst);
+    let service = shared.workloads.service_at(dst, &pod.key.namespace);
     let headers = waypoint::connect_headers(
         baggage.as_deref(),
         SocketAddr::new(client, peer.port()),

@@ -182,7 +182,7 @@ pub fn route(
     dst: SocketAddr,
     pick: usize,
 ) -> Route {
-    if let Some(service) = store.service_for(dst) {
+    if let Some(service) = store.service_for(dst, source.map(|s| s.namespace.as_str())) {
         // Addressed to a service: only the service's waypoint counts, or
         // one of its weighted set, chosen per connection.
         let Some((gateway, replica_pick)) = service.waypoint_for(pick) else {
@@ -371,7 +371,7 @@ pub fn inbound_port(
     authority: SocketAddr,
 ) -> Option<u16> {
     let waypoint = store.get(waypoint)?;
-    let (gateway, port) = match store.service_for(authority) {
+    let (gateway, port) = match store.service_for(authority, None) {
         Some(service) => {
             let port = service
                 .ports

@@ -76,11 +76,27 @@ impl MeshLocalTable {
     /// over every endpoint. Weights are the endpoints' capacities (all 1
     /// when every capacity is 0, as the proxy does; at most 65,536).
     pub fn add_services<'a>(&mut self, services: impl IntoIterator<Item = &'a Service>) {
+        let services: Vec<&Service> = services.into_iter().collect();
+        // A VIP and port two services share (ServiceEntries of two
+        // namespaces) is the one the client's namespace sees: the proxy's
+        // choice, like a service visible in its own namespace only.
+        let mut claims: BTreeMap<SocketAddr, usize> = BTreeMap::new();
+        for service in &services {
+            for vip in &service.vips {
+                for port in &service.ports {
+                    *claims.entry(SocketAddr::new(*vip, port.port)).or_default() += 1;
+                }
+            }
+        }
         for service in services {
             // Locality load balancing (STRICT / FAILOVER) depends on the
             // client, which the kernel's per-VIP choice does not know: the
             // proxy chooses for those.
-            if service.has_waypoint() || service.is_passthrough() || service.ranks_by_locality() {
+            if service.has_waypoint()
+                || service.is_passthrough()
+                || service.ranks_by_locality()
+                || service.visibility == crate::state::Visibility::Namespace
+            {
                 continue;
             }
             for vip in &service.vips {
@@ -89,6 +105,9 @@ impl MeshLocalTable {
                 }
                 for port in &service.ports {
                     let dialled = SocketAddr::new(*vip, port.port);
+                    if claims.get(&dialled).is_some_and(|n| *n > 1) {
+                        continue;
+                    }
                     let targets = service.ready_targets(dialled);
                     if targets.is_empty()
                         || targets.len() > MAX_MESH_SERVICE_ENDPOINTS
@@ -248,6 +267,14 @@ mod tests {
             },
             weight: 1,
         }];
+        // Two services at one VIP and port (two namespaces'), and one
+        // visible in its own namespace only: the client's namespace
+        // decides, so the proxy does.
+        let shared_a = service("shared", "198.19.100.8", &["198.18.1.10"]);
+        let mut shared_b = service("shared", "198.19.100.8", &["198.18.1.11"]);
+        shared_b.namespace = "other".into();
+        let mut private = service("private", "198.19.100.9", &["198.18.1.10"]);
+        private.visibility = crate::state::Visibility::Namespace;
         // A workload of another network at a local pod's address: not
         // that pod.
         let mut elsewhere = service("elsewhere", "198.19.100.6", &["198.18.1.10"]);
@@ -260,6 +287,9 @@ mod tests {
             &empty,
             &elsewhere,
             &canary,
+            &shared_a,
+            &shared_b,
+            &private,
         ]);
         let vip = |s: &str| -> SocketAddr { s.parse().expect("addr") };
         assert_eq!(

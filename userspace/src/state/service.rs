@@ -258,6 +258,12 @@ impl Service {
         WorkloadKey::new(&self.namespace, &self.name)
     }
 
+    /// Whether a client in `namespace` may find it (by name or address):
+    /// every namespace, unless its visibility is its own namespace only.
+    pub fn visible_to(&self, namespace: &str) -> bool {
+        self.visibility != Visibility::Namespace || self.namespace == namespace
+    }
+
     /// Whether a waypoint serves it: its own, or a weighted set.
     pub fn has_waypoint(&self) -> bool {
         self.waypoint.is_some() || !self.weighted_waypoints.is_empty()
@@ -498,7 +504,8 @@ mod tests {
             ranged("narrow", ("198.19.200.0", 24), false),
             ranged("narrow-canonical", ("198.19.200.0", 24), true),
         ]);
-        let at = |store: &ServiceStore, a: &str| store.by_range(addr(a)).map(|s| s.name.clone());
+        let at =
+            |store: &ServiceStore, a: &str| store.by_range(addr(a), None).map(|s| s.name.clone());
         assert_eq!(
             at(&store, "198.19.200.7:80").as_deref(),
             Some("narrow-canonical")
@@ -512,12 +519,70 @@ mod tests {
         assert_eq!(at(&store, "198.20.0.1:80"), None);
         assert!(store.by_addr(addr("198.19.200.7:80")).is_none(), "no VIP");
         // Removed one at a time, the index follows.
-        let canonical = store.by_range(addr("198.19.200.7:80")).expect("one").id();
+        let canonical = store
+            .by_range(addr("198.19.200.7:80"), None)
+            .expect("one")
+            .id();
         store.remove(&canonical);
         assert_eq!(at(&store, "198.19.200.7:80").as_deref(), Some("narrow"));
         assert!(store.has_ranges());
         store.replace_all(Vec::<Service>::new());
         assert!(!store.has_ranges() && at(&store, "198.19.7.7:80").is_none());
+    }
+
+    #[test]
+    fn a_shared_vip_is_the_clients_namespaces_then_the_visible_one() {
+        let at = |ns: &str, visibility: Visibility, canonical: bool| Service {
+            name: "overlap".into(),
+            namespace: ns.into(),
+            hostname: "overlap.example.com".into(),
+            vips: vec![ip("198.19.100.60")],
+            ports: vec![ServicePort {
+                port: 80,
+                target_port: Some(80),
+            }],
+            visibility,
+            canonical,
+            ..Default::default()
+        };
+        let vip = addr("198.19.100.60:80");
+        let mut store = ServiceStore::default();
+        store.replace_all(vec![
+            at("alpha", Visibility::Public, false),
+            at("beta", Visibility::Namespace, false),
+        ]);
+        let from = |store: &ServiceStore, ns: Option<&str>| {
+            store.by_addr_from(vip, ns).map(|s| s.namespace.clone())
+        };
+        assert_eq!(from(&store, Some("alpha")).as_deref(), Some("alpha"));
+        assert_eq!(
+            from(&store, Some("beta")).as_deref(),
+            Some("beta"),
+            "its own"
+        );
+        assert_eq!(
+            from(&store, Some("gamma")).as_deref(),
+            Some("alpha"),
+            "beta's is not visible to gamma"
+        );
+        assert_eq!(from(&store, None).as_deref(), Some("beta"), "greatest id");
+        // A canonical one wins over a greater id outside the client's
+        // namespace.
+        store.replace_all(vec![
+            at("alpha", Visibility::Public, true),
+            at("beta", Visibility::Public, false),
+        ]);
+        assert_eq!(from(&store, Some("gamma")).as_deref(), Some("alpha"));
+        assert_eq!(from(&store, Some("beta")).as_deref(), Some("beta"));
+        // One alone, not visible: none.
+        store.remove(&at("alpha", Visibility::Public, true).id());
+        store.upsert(std::sync::Arc::new(at(
+            "beta",
+            Visibility::Namespace,
+            false,
+        )));
+        assert_eq!(from(&store, Some("gamma")), None);
+        assert_eq!(from(&store, Some("beta")).as_deref(), Some("beta"));
     }
 
     #[test]

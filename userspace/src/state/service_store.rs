@@ -24,7 +24,9 @@ pub struct ServiceStore {
     /// namespace/name → ids (a headless service's pods are published by
     /// its name).
     by_name: HashMap<WorkloadKey, Vec<WorkloadKey>>,
-    by_addr: HashMap<SocketAddr, WorkloadKey>,
+    /// `VIP:port` → every service claiming it, ids ascending (ServiceEntries
+    /// of two namespaces may share an address).
+    by_addr: HashMap<SocketAddr, Vec<WorkloadKey>>,
     /// hostname → namespace → service, for services that have a hostname
     /// (how waypoints are named). Nested so a lookup borrows its `&str`s.
     by_hostname: HashMap<String, HashMap<String, WorkloadKey>>,
@@ -73,17 +75,13 @@ impl ServiceStore {
                 tracing::warn!(service = %old.id(), "service listed twice; keeping the last");
             }
         }
-        let mut by_addr = HashMap::new();
+        let mut by_addr: HashMap<SocketAddr, Vec<WorkloadKey>> = HashMap::new();
         let mut by_name: HashMap<WorkloadKey, Vec<WorkloadKey>> = HashMap::new();
+        // In id order: each claimant list comes out ascending.
         for (id, s) in &next {
             by_name.entry(s.key()).or_default().push(id.clone());
-            for vip in &s.vips {
-                for port in &s.ports {
-                    let addr = SocketAddr::new(*vip, port.port);
-                    if let Some(other) = by_addr.insert(addr, id.clone()) {
-                        tracing::warn!(%addr, service = %id, other = %other, "VIP and port claimed by two services");
-                    }
-                }
+            for addr in addrs(s) {
+                by_addr.entry(addr).or_default().push(id.clone());
             }
         }
         // One entry per namespace and hostname: that is the id.
@@ -142,19 +140,11 @@ impl ServiceStore {
             }
         }
         for addr in addrs(&old) {
-            if self.by_addr.get(&addr) != Some(id) {
-                continue;
-            }
-            self.by_addr.remove(&addr);
-            // Rare (two services on one VIP:port): a scan is fine here.
-            let next = self
-                .by_id
-                .iter()
-                .rev()
-                .find(|(_, s)| addrs(s).any(|a| a == addr))
-                .map(|(other, _)| other.clone());
-            if let Some(next) = next {
-                self.by_addr.insert(addr, next);
+            if let Some(ids) = self.by_addr.get_mut(&addr) {
+                ids.retain(|other| other != id);
+                if ids.is_empty() {
+                    self.by_addr.remove(&addr);
+                }
             }
         }
         if let Some(in_namespaces) = self.by_hostname.get_mut(&old.hostname)
@@ -178,18 +168,9 @@ impl ServiceStore {
             names.push(id.clone());
         }
         for addr in addrs(service) {
-            match self.by_addr.get(&addr) {
-                Some(other) if other == id => {}
-                Some(other) => {
-                    tracing::warn!(%addr, service = %id, other = %other, "VIP and port claimed by two services");
-                    // The greater id keeps it, whatever the order.
-                    if id > other {
-                        self.by_addr.insert(addr, id.clone());
-                    }
-                }
-                None => {
-                    self.by_addr.insert(addr, id.clone());
-                }
+            let ids = self.by_addr.entry(addr).or_default();
+            if let Err(at) = ids.binary_search(id) {
+                ids.insert(at, id.clone());
             }
         }
         if !service.hostname.is_empty() {
@@ -210,20 +191,44 @@ impl ServiceStore {
 
     /// The service whose VIP and port `dst` is.
     pub fn by_addr(&self, dst: SocketAddr) -> Option<&Arc<Service>> {
-        self.by_addr.get(&dst).and_then(|id| self.by_id.get(id))
+        self.by_addr
+            .get(&dst)
+            .and_then(|ids| ids.last())
+            .and_then(|id| self.by_id.get(id))
+    }
+
+    /// [`ServiceStore::by_addr`] as a client in namespace `client_ns` finds
+    /// it, as ztunnel chooses among services sharing an address: only
+    /// those visible to it, then one of its own namespace, then the one
+    /// istiod marks `canonical`, then the greatest id. `None` namespace: no
+    /// visibility filter (an inbound lookup).
+    pub fn by_addr_from(&self, dst: SocketAddr, client_ns: Option<&str>) -> Option<&Arc<Service>> {
+        let ids = self.by_addr.get(&dst)?;
+        if let [only] = ids.as_slice() {
+            // The common case: one service, no ranking.
+            return self
+                .by_id
+                .get(only)
+                .filter(|s| client_ns.is_none_or(|ns| s.visible_to(ns)));
+        }
+        ids.iter()
+            .filter_map(|id| self.by_id.get(id).map(|s| (id, s)))
+            .filter(|(_, s)| client_ns.is_none_or(|ns| s.visible_to(ns)))
+            .max_by_key(|(id, s)| (Some(s.namespace.as_str()) == client_ns, s.canonical, *id))
+            .map(|(_, s)| s)
     }
 
     /// The service whose address range holds `dst`'s address and that
     /// serves its port, for a destination no workload owns and no VIP
-    /// names ([`ServiceStore::by_addr`] first): the longest prefix, then
-    /// the one istiod marks `canonical`, then the greatest id (ztunnel
-    /// also prefers the client's namespace; this lookup does not know the
-    /// client).
-    pub fn by_range(&self, dst: SocketAddr) -> Option<&Arc<Service>> {
+    /// names ([`ServiceStore::by_addr_from`] first), as ztunnel ranks
+    /// them: visible to the client, then of its namespace, the longest
+    /// prefix, the one istiod marks `canonical`, the greatest id.
+    pub fn by_range(&self, dst: SocketAddr, client_ns: Option<&str>) -> Option<&Arc<Service>> {
         self.ranged
             .iter()
             .filter_map(|id| self.by_id.get(id).map(|s| (id, s)))
             .filter(|(_, s)| s.ports.iter().any(|p| p.port == dst.port()))
+            .filter(|(_, s)| client_ns.is_none_or(|ns| s.visible_to(ns)))
             .filter_map(|(id, s)| {
                 let longest = s
                     .vip_ranges
@@ -231,7 +236,8 @@ impl ServiceStore {
                     .filter(|r| r.contains(dst.ip()))
                     .map(|r| r.prefix)
                     .max()?;
-                Some(((longest, s.canonical, id), s))
+                let own = Some(s.namespace.as_str()) == client_ns;
+                Some(((own, longest, s.canonical, id), s))
             })
             .max_by(|(a, _), (b, _)| a.cmp(b))
             .map(|(_, s)| s)

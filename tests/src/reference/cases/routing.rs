@@ -108,7 +108,41 @@ pub fn cases() -> Vec<Case> {
             Refused,
         ),
         range_through_waypoint(),
+        shared_vip(),
     ]
+}
+
+/// Two namespaces' ServiceEntries for one host at one VIP, as istiod sends
+/// them: `other`'s is bound to a waypoint istiod does not know (a
+/// connection there fails), the client's own namespace's (`default`) has
+/// the server as endpoint. ztunnel takes the client's namespace's.
+fn shared_vip() -> Case {
+    let vip = [198, 19, 100, 60];
+    let key = "default/shared.example.com";
+    let mut case = case(
+        "two namespaces' ServiceEntries at one VIP: the client's namespace's",
+        "shared",
+        key,
+        vip,
+        None,
+        Allowed,
+    );
+    case.addresses = vec![encode(service("shared", "shared.example.com", vip))];
+    let mut elsewhere = service("shared", "shared.example.com", vip);
+    if let Some(wl::address::Type::Service(svc)) = &mut elsewhere.r#type {
+        svc.namespace = "other".into();
+        svc.waypoint = Some(wl::GatewayAddress {
+            destination: Some(wl::gateway_address::Destination::Hostname(
+                wl::NamespacedHostname {
+                    namespace: "other".into(),
+                    hostname: "missing-waypoint.other.svc.cluster.local".into(),
+                },
+            )),
+            hbone_mtls_port: 15008,
+        });
+    }
+    case.addresses.push(encode(elsewhere));
+    case
 }
 
 /// A service (`canary-target`, the server its endpoint) whose primary
