@@ -378,6 +378,14 @@ pub struct AgentArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = 10)]
     pub handshake_timeout: u64,
 
+    /// Certificate revocation lists (PEM, or one DER list), as ztunnel's
+    /// `CRL_PATH` (Istio's `istio-ca-crl`): a peer whose chain a list
+    /// revokes fails the handshake, both ways. Read at start (a file that
+    /// cannot be used stops the agent) and again when it changes (a bad
+    /// one keeps the last good lists). Unset: no revocation check.
+    #[arg(long, env = "CRL_PATH", value_name = "FILE")]
+    pub crl_path: Option<PathBuf>,
+
     /// Health-probe source address (kubelet probes, as Istio's
     /// 169.254.7.127) whose inbound traffic always reaches the application.
     #[arg(long, value_name = "IP", default_value = "169.254.7.127")]

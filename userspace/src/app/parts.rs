@@ -193,6 +193,19 @@ pub(super) async fn start_proxy(
         .map_err(AgentError::Identity)?;
     let identities = crate::identity::IdentityManager::new(ca, Default::default());
     let store = Arc::new(RwLock::new(WorkloadStore::on_network(&args.network)));
+    let revocations = match &args.crl_path {
+        Some(path) => {
+            let loaded = crate::identity::crl::Revocations::load(path)?;
+            info!(path = %path.display(), lists = loaded.current().len(), "certificate revocation lists loaded: every handshake checks them");
+            // Runs for the agent's life; a change applies to new handshakes.
+            tokio::spawn(crate::identity::crl::watch(
+                loaded.clone(),
+                CRL_RELOAD_EVERY,
+            ));
+            loaded
+        }
+        None => crate::identity::crl::Revocations::none(),
+    };
     let config = crate::proxy::ProxyConfig {
         trust_domain: trust_domain.clone(),
         inbound_plaintext: args.inbound_plaintext,
@@ -203,6 +216,7 @@ pub(super) async fn start_proxy(
         },
         handshake_timeout: Duration::from_secs(args.handshake_timeout.max(1)),
         network: args.network.clone(),
+        revocations,
         ..Default::default()
     };
     let proxy =
@@ -210,6 +224,9 @@ pub(super) async fn start_proxy(
     info!(ca = ?args.ca, ca_dir = %args.ca_dir.display(), inbound_plaintext = %args.inbound_plaintext, preserve_source = ?args.preserve_source, "proxy ready: pods get listeners on 15001, 15006 and 15008 as they enrol");
     Ok(ProxyParts { proxy, store })
 }
+
+/// How often the revocation list file is looked at for a change.
+const CRL_RELOAD_EVERY: Duration = Duration::from_secs(5);
 
 /// Raises the soft open-files limit to the hard one (a proxy needs two fds
 /// per connection and one more per HBONE stream) and logs the figures.

@@ -13,6 +13,7 @@
 //! process, so the same path serves both CAs.
 
 pub mod ca;
+pub mod crl;
 pub mod istio;
 mod manager;
 

@@ -115,6 +115,9 @@ pub struct ProxyConfig {
     /// An inbound CONNECT whose `x-forwarded-network` names another came
     /// through that network's gateway.
     pub network: String,
+    /// The certificate revocation lists every handshake checks
+    /// (`--crl-path`; none by default).
+    pub revocations: Arc<crate::identity::crl::Revocations>,
 }
 
 impl Default for ProxyConfig {
@@ -130,6 +133,7 @@ impl Default for ProxyConfig {
             preserve_source: false,
             limits: LimitsConfig::default(),
             network: String::new(),
+            revocations: crate::identity::crl::Revocations::none(),
         }
     }
 }
@@ -233,7 +237,8 @@ impl Proxy {
         workloads: Arc<dyn WorkloadLookup>,
         original_dst: Arc<dyn OriginalDst>,
     ) -> Result<Self, ProxyError> {
-        let roots = TrustRoots::new(&identities.roots())?;
+        let roots =
+            TrustRoots::new(&identities.roots())?.with_revocations(config.revocations.clone());
         let limits = limits::Limits::new(config.limits.clone());
         Ok(Self {
             shared: Arc::new(Shared {
