@@ -18,6 +18,8 @@
 
 #[path = "support/fake_apiserver.rs"]
 mod fake_apiserver;
+#[path = "support/loopback.rs"]
+mod loopback;
 
 use std::{
     path::{Path, PathBuf},
@@ -167,11 +169,7 @@ impl Bed {
     /// DaemonSet's name and namespace), on this test's pins and cgroup.
     fn start_agent(&self, mode: &str) -> (ChildGuard, PathBuf) {
         let kubeconfig = self.server.write_kubeconfig(self.dir.path());
-        let free_port = || {
-            std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .expect("a free loopback port")
-        };
+        let free_port = loopback::private_addr;
         let log_path = self.dir.path().join("agent.log");
         let log = std::fs::File::create(&log_path).expect("log file");
         let child = Command::new(env!("CARGO_BIN_EXE_shunt"))

@@ -3,7 +3,11 @@
 //! HBONE terminator and whose port 9000 answers plaintext), the in-test
 //! API server, and the `shunt agent` binary serving `--cni-socket`,
 //! chaining shunt-cni into containerd's CNI configuration.
+
 #![allow(dead_code)]
+
+#[path = "loopback.rs"]
+mod loopback;
 
 use std::{
     net::SocketAddr,
@@ -108,11 +112,7 @@ impl CniBed {
         let pods_cgroup = Cgroup::create(&topo, "pods").expect("cgroup");
         let ctd = Containerd::start(&node, &cgroup, &CniNetwork::on(&node)).await;
 
-        let free_port = || {
-            std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .expect("a free loopback port")
-        };
+        let free_port = loopback::private_addr;
         let (admin, metrics, readiness) = (free_port(), free_port(), free_port());
         let pin_dir = PathBuf::from(format!("/sys/fs/bpf/{}-cni", topo.prefix()));
         let ca_dir = dir.path().join("ca");

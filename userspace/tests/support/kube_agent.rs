@@ -6,6 +6,9 @@
 
 #![allow(dead_code)] // each binary uses what it needs
 
+#[path = "loopback.rs"]
+mod loopback;
+
 use std::{
     net::SocketAddr,
     path::{Path, PathBuf},
@@ -141,11 +144,7 @@ pub fn spawn_agent_binary(
     dir: &Path,
     extra: &[&str],
 ) -> AgentProcess {
-    let free_port = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free loopback port")
-    };
+    let free_port = loopback::private_addr;
     let (admin, metrics, readiness) = (free_port(), free_port(), free_port());
     let log_path = dir.join("agent.log");
     let log = std::fs::File::create(&log_path).expect("log file");
