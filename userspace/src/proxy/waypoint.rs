@@ -189,11 +189,13 @@ pub fn route(
             return Route::Direct;
         };
         // Any waypoint of the set sending to the service it serves goes
-        // direct, whichever one this connection would have taken.
+        // direct, whichever one this connection would have taken (`via`
+        // checks the chosen one).
         if !service.weighted_waypoints.is_empty()
             && let Some(source) = source
             && service
                 .waypoints()
+                .filter(|g| *g != gateway)
                 .any(|g| resolve(store, &g.destination).is_ok_and(|r| is_member(&r, source)))
         {
             return Route::Direct;

@@ -277,6 +277,20 @@ impl Service {
             .chain(&self.waypoint)
     }
 
+    /// The waypoints named by hostname (its own and the weighted set's),
+    /// as `namespace/hostname`, each once: what must be a known service.
+    pub fn waypoint_hostnames(&self) -> std::collections::BTreeSet<String> {
+        self.waypoints()
+            .filter_map(|g| match &g.destination {
+                super::GatewayDestination::Hostname {
+                    namespace,
+                    hostname,
+                } => Some(format!("{namespace}/{hostname}")),
+                super::GatewayDestination::Address { .. } => None,
+            })
+            .collect()
+    }
+
     /// The waypoint connection number `n` goes to, and a counter of its own
     /// for choosing among that waypoint's replicas: from the weighted set
     /// in proportion to the weights (interleaved weighted round robin;

@@ -11,7 +11,7 @@ use std::{
 };
 
 use super::service::{push_endpoints, service_key};
-use crate::state::{GatewayAddress, GatewayDestination, Service, Workload};
+use crate::state::{Service, Workload};
 
 /// One Address resource before and after a response (`None`: absent).
 pub(super) struct Change {
@@ -230,22 +230,7 @@ impl Derived {
                 }
             }
             Entry::Service(s) => {
-                // Its own waypoint and the weighted set's, each named once.
-                let named: std::collections::BTreeSet<String> = s
-                    .waypoints()
-                    .filter_map(|g| match g {
-                        GatewayAddress {
-                            destination:
-                                GatewayDestination::Hostname {
-                                    namespace,
-                                    hostname,
-                                },
-                            ..
-                        } => Some(format!("{namespace}/{hostname}")),
-                        _ => None,
-                    })
-                    .collect();
-                for waypoint in named {
+                for waypoint in s.waypoint_hostnames() {
                     if !self.services_by_key.contains_key(&waypoint) {
                         out.push(format!(
                             "service {} names waypoint {waypoint}, which istiod has not sent",

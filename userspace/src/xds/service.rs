@@ -261,23 +261,10 @@ pub(crate) fn attach_endpoints<'a>(
             push_endpoints(&mut services[i], w, ports);
         }
     }
-    // Its own waypoint and the weighted set's, each named once.
-    let waypoint_hosts: std::collections::BTreeSet<(usize, String)> = services
+    let waypoint_hosts: Vec<(usize, String)> = services
         .iter()
         .enumerate()
-        .flat_map(|(i, s)| {
-            s.waypoints().filter_map(move |g| match g {
-                crate::state::GatewayAddress {
-                    destination:
-                        crate::state::GatewayDestination::Hostname {
-                            namespace,
-                            hostname,
-                        },
-                    ..
-                } => Some((i, format!("{namespace}/{hostname}"))),
-                _ => None,
-            })
-        })
+        .flat_map(|(i, s)| s.waypoint_hostnames().into_iter().map(move |h| (i, h)))
         .collect();
     for (i, waypoint) in waypoint_hosts {
         if !index.contains_key(&waypoint) {
