@@ -79,6 +79,75 @@ impl TrustRoots {
     }
 }
 
+/// One connection's watch on the revocation lists: made before its TLS
+/// handshake, so that a reload during the handshake is seen, then armed
+/// with the chain the peer presented ([`until_revoked`]).
+#[derive(Debug)]
+pub struct RevocationWatch {
+    roots: TrustRoots,
+    reloads: tokio::sync::watch::Receiver<u64>,
+    /// `client_auth` for an inbound peer, `server_auth` for an outbound one.
+    usage: webpki::KeyUsage,
+}
+
+impl TrustRoots {
+    /// A watch for one connection whose peer is checked for `usage`;
+    /// `None` without `--crl-path` (nothing can be revoked).
+    pub fn revocation_watch(&self, usage: webpki::KeyUsage) -> Option<RevocationWatch> {
+        Some(RevocationWatch {
+            roots: self.clone(),
+            reloads: self.revocations.subscribe()?,
+            usage,
+        })
+    }
+}
+
+/// Resolves once a reloaded list revokes a certificate of the chain the
+/// peer presented in `tls` (as ztunnel: the whole chain, checked again at
+/// the time of the handshake, so an expiry never ends a connection here);
+/// never without a watch. The chain is copied only when watched.
+///
+/// Each open connection checks its own chain on a reload: lists change
+/// seldom, and then every connection costs one chain verification.
+pub fn until_revoked(
+    watch: Option<RevocationWatch>,
+    tls: &rustls::CommonState,
+) -> impl std::future::Future<Output = ()> + Send + 'static + use<> {
+    let armed = watch.and_then(|w| Some((w, tls.peer_certificates()?.to_vec())));
+    until_chain_revoked(armed, UnixTime::now())
+}
+
+/// [`until_revoked`] of a chain (leaf first) accepted at `established`.
+pub(crate) async fn until_chain_revoked(
+    armed: Option<(RevocationWatch, Vec<CertificateDer<'static>>)>,
+    established: UnixTime,
+) {
+    let Some((mut watch, chain)) = armed else {
+        return std::future::pending().await;
+    };
+    let Some((leaf, intermediates)) = chain.split_first() else {
+        return std::future::pending().await;
+    };
+    while watch.reloads.changed().await.is_ok() {
+        let verdict = verify_chain(&watch.roots, leaf, intermediates, established, watch.usage);
+        if matches!(
+            verdict,
+            Err(TlsError::InvalidCertificate(CertificateError::Revoked))
+        ) {
+            return;
+        }
+    }
+    std::future::pending().await
+}
+
+/// Whether a handshake failed because this side found the peer's chain
+/// revoked (ztunnel's `crl_policy_rejections`; not the peer's alert).
+pub fn failed_on_revocation(e: &std::io::Error) -> bool {
+    e.get_ref()
+        .and_then(|inner| inner.downcast_ref::<TlsError>())
+        .is_some_and(|e| matches!(e, TlsError::InvalidCertificate(CertificateError::Revoked)))
+}
+
 /// The SPIFFE id of a leaf certificate: its single `spiffe://` URI SAN.
 pub fn spiffe_id_of(cert: &CertificateDer<'_>) -> Result<String, String> {
     let (_, parsed) = x509_parser::parse_x509_certificate(cert)

@@ -196,8 +196,13 @@ pub(super) async fn start_proxy(
     let revocations = match &args.crl_path {
         Some(path) => {
             let loaded = crate::identity::crl::Revocations::load(path)?;
-            info!(path = %path.display(), lists = loaded.current().len(), "certificate revocation lists loaded: every handshake checks them");
-            // Runs for the agent's life; a change applies to new handshakes.
+            if loaded.waiting() {
+                warn!(path = %path.display(), "no certificate revocation list file yet: nothing is revoked until it appears");
+            } else {
+                info!(path = %path.display(), lists = loaded.current().len(), "certificate revocation lists loaded: every handshake checks them");
+            }
+            // Runs for the agent's life; a change applies to new handshakes
+            // and open connections.
             tokio::spawn(crate::identity::crl::watch(
                 loaded.clone(),
                 CRL_RELOAD_EVERY,

@@ -1,25 +1,28 @@
 //! Certificate revocation lists (ztunnel's `CRL_PATH`, Istio's
 //! `istio-ca-crl`): a peer whose certificate, or any certificate of its
-//! chain, a list revokes fails the TLS handshake, inbound and outbound.
+//! chain, a list revokes fails the TLS handshake, inbound and outbound,
+//! and an open HBONE connection to or from it is closed when a reloaded
+//! list revokes it (`tls::RevocationWatch`).
 //!
-//! One file of PEM (or DER) CRLs, read at start (a file that cannot be
-//! read or parsed stops the agent, named; an empty one revokes nothing)
-//! and read again when it changes
-//! ([`watch`]): a new list applies to new handshakes; a list that does not
-//! parse is logged and the last good one stays. Checked as ztunnel checks
-//! them (`tls/revocation.rs`): the whole chain, a certificate no list
-//! speaks for passes, an expired list still counts.
-//!
-//! Limitation: connections already open when a list revokes their peer
-//! stay open (ztunnel closes them).
+//! One file of PEM (or DER) CRLs, read at start and read again when it
+//! changes ([`watch`]). A file that is missing at start revokes nothing
+//! until it appears (as ztunnel: the ConfigMap that holds it may be
+//! mounted later); one that cannot be read or parsed at start stops the
+//! agent, named; an empty one revokes nothing. A new list applies to new
+//! handshakes and open connections; a list that does not parse, or a file
+//! that went away, is logged and the last good lists stay. Checked as
+//! ztunnel checks them (`tls/revocation.rs`): the whole chain, a
+//! certificate no list speaks for passes, an expired list still counts.
 
 use std::{
+    io::ErrorKind,
     path::{Path, PathBuf},
     sync::{Arc, RwLock},
     time::{Duration, SystemTime},
 };
 
 use rustls_pki_types::{CertificateRevocationListDer, pem::PemObject};
+use tokio::sync::watch;
 use webpki::{CertRevocationList, OwnedCertRevocationList};
 
 /// What is wrong with a revocation list file.
@@ -36,14 +39,29 @@ pub enum CrlError {
         index: usize,
         reason: String,
     },
+    #[error("the CRL file {path} is gone")]
+    Gone { path: PathBuf },
 }
 
 /// The revocation lists in force, shared by every TLS verifier; replaced
 /// whole on reload.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Revocations {
     lists: RwLock<Arc<Vec<CertRevocationList<'static>>>>,
     source: Option<Source>,
+    /// Bumped on every reload that put new lists in force: open
+    /// connections check their peer again ([`Revocations::subscribe`]).
+    generation: watch::Sender<u64>,
+}
+
+impl Default for Revocations {
+    fn default() -> Self {
+        Self {
+            lists: Default::default(),
+            source: None,
+            generation: watch::Sender::new(0),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -52,8 +70,9 @@ struct Source {
     seen: RwLock<Stamp>,
 }
 
-/// A file's modification time and length: what says it changed.
-type Stamp = (Option<SystemTime>, u64);
+/// A file's modification time and length, `None` while there is no file:
+/// what says it changed.
+type Stamp = Option<(Option<SystemTime>, u64)>;
 
 impl Revocations {
     /// No lists: nothing is revoked.
@@ -61,21 +80,44 @@ impl Revocations {
         Arc::new(Self::default())
     }
 
-    /// The lists in `path`, read now.
+    /// The lists in `path`, read now; none yet if there is no such file
+    /// (see [`Revocations::waiting`]).
     pub fn load(path: &Path) -> Result<Arc<Self>, CrlError> {
-        let (lists, seen) = read(path)?;
+        let (lists, seen) = match read(path) {
+            Ok(read) => read,
+            Err(CrlError::Read { source, .. }) if source.kind() == ErrorKind::NotFound => {
+                (Vec::new(), None)
+            }
+            Err(e) => return Err(e),
+        };
         Ok(Arc::new(Self {
             lists: RwLock::new(Arc::new(lists)),
             source: Some(Source {
                 path: path.to_owned(),
                 seen: RwLock::new(seen),
             }),
+            generation: watch::Sender::new(0),
         }))
+    }
+
+    /// Whether a file is named but has not been there yet (nothing is
+    /// revoked until it appears).
+    pub fn waiting(&self) -> bool {
+        self.source
+            .as_ref()
+            .is_some_and(|s| s.seen.read().unwrap_or_else(|p| p.into_inner()).is_none())
+            && self.current().is_empty()
     }
 
     /// The lists in force now.
     pub fn current(&self) -> Arc<Vec<CertRevocationList<'static>>> {
         self.lists.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Told of every reload from now on; `None` without a file (nothing
+    /// will ever be revoked).
+    pub fn subscribe(&self) -> Option<watch::Receiver<u64>> {
+        self.source.as_ref().map(|_| self.generation.subscribe())
     }
 
     /// Reads the file again if it changed since the last read: `Ok(true)`
@@ -91,8 +133,14 @@ impl Revocations {
         // Seen even when it does not parse: the same bad file is reported
         // once, not at every look.
         *source.seen.write().unwrap_or_else(|p| p.into_inner()) = now;
+        if now.is_none() {
+            return Err(CrlError::Gone {
+                path: source.path.clone(),
+            });
+        }
         let (lists, _) = read(&source.path)?;
         *self.lists.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(lists);
+        self.generation.send_modify(|g| *g += 1);
         Ok(true)
     }
 
@@ -113,7 +161,7 @@ pub async fn watch(revocations: Arc<Revocations>, every: Duration) {
             Ok(true) => tracing::info!(
                 path = ?revocations.path(),
                 lists = revocations.current().len(),
-                "certificate revocation lists reloaded: new handshakes check them"
+                "certificate revocation lists reloaded: new handshakes and open connections check them"
             ),
             Ok(false) => {}
             Err(e) => {
@@ -123,15 +171,21 @@ pub async fn watch(revocations: Arc<Revocations>, every: Duration) {
     }
 }
 
+/// `None` when there is no file.
 fn stamp(path: &Path) -> Result<Stamp, CrlError> {
-    let meta = std::fs::metadata(path).map_err(|source| CrlError::Read {
-        path: path.to_owned(),
-        source,
-    })?;
-    Ok((meta.modified().ok(), meta.len()))
+    match std::fs::metadata(path) {
+        Ok(meta) => Ok(Some((meta.modified().ok(), meta.len()))),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(CrlError::Read {
+            path: path.to_owned(),
+            source,
+        }),
+    }
 }
 
 fn read(path: &Path) -> Result<(Vec<CertRevocationList<'static>>, Stamp), CrlError> {
+    // Before the read: a change between the two is read again at the next
+    // look rather than missed.
     let seen = stamp(path)?;
     let bytes = std::fs::read(path).map_err(|source| CrlError::Read {
         path: path.to_owned(),

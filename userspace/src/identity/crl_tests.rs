@@ -1,5 +1,6 @@
 //! Revocation lists: a revoked peer fails the chain check both ways, a
-//! new file applies, a bad one keeps the last good lists.
+//! new file applies, a bad one keeps the last good lists, a missing one is
+//! waited for, an open connection learns of its peer's revocation.
 
 use rcgen::{
     BasicConstraints, CertificateParams, CertificateRevocationListParams, ExtendedKeyUsagePurpose,
@@ -141,11 +142,40 @@ fn a_changed_file_applies_and_a_bad_one_keeps_the_last_good_lists() {
 }
 
 #[test]
-fn a_missing_file_is_refused_at_load_naming_it_an_empty_one_revokes_nothing() {
+fn a_missing_file_revokes_nothing_until_it_appears() {
+    let ca = ca();
+    let seven = leaf(&ca, "a", 7);
     let dir = tempfile::tempdir().expect("dir");
-    let missing = dir.path().join("missing.pem");
-    let e = Revocations::load(&missing).expect_err("no file");
-    assert!(e.to_string().contains("missing.pem"), "{e}");
+    let path = dir.path().join("ca-crl.pem");
+    let revocations = Revocations::load(&path).expect("a missing file is waited for");
+    assert!(revocations.waiting());
+    let roots = TrustRoots::new(std::slice::from_ref(&ca.root))
+        .expect("roots")
+        .with_revocations(revocations.clone());
+    assert_eq!(accepted(&roots, &seven), [Ok(()), Ok(())]);
+    assert!(!revocations.reload_if_changed().expect("still none"));
+    std::fs::write(&path, crl(&ca, 1, &[7])).expect("write");
+    assert!(revocations.reload_if_changed().expect("appeared"));
+    assert!(!revocations.waiting());
+    assert!(accepted(&roots, &seven)[0].is_err());
+    // Gone again: named, and the lists stay in force.
+    std::fs::remove_file(&path).expect("remove");
+    let e = revocations.reload_if_changed().expect_err("gone");
+    assert!(e.to_string().contains("is gone"), "{e}");
+    assert!(accepted(&roots, &seven)[0].is_err(), "still revoked");
+    // Reported once, not at every look.
+    assert!(!revocations.reload_if_changed().expect("still gone"));
+}
+
+#[test]
+fn an_unreadable_file_is_refused_at_load_naming_it_an_empty_one_revokes_nothing() {
+    let dir = tempfile::tempdir().expect("dir");
+    // A directory where the file should be: it exists, it cannot be read.
+    let e = Revocations::load(dir.path()).expect_err("not a file");
+    assert!(
+        e.to_string().contains(&dir.path().display().to_string()),
+        "{e}"
+    );
     // An empty one (a ConfigMap key with no list yet) revokes nothing.
     let empty = dir.path().join("empty.pem");
     std::fs::write(&empty, "").expect("write");
@@ -154,5 +184,42 @@ fn a_missing_file_is_refused_at_load_naming_it_an_empty_one_revokes_nothing() {
             .expect("loads")
             .current()
             .is_empty()
+    );
+}
+
+/// An open connection's watch ends when a reload revokes its peer's chain,
+/// not on a reload that revokes someone else, nor without lists.
+#[test]
+fn an_open_connection_learns_its_peer_was_revoked_on_reload() {
+    use futures::FutureExt as _;
+    let ca = ca();
+    let (seven, eight) = (leaf(&ca, "a", 7), leaf(&ca, "b", 8));
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("ca-crl.pem");
+    std::fs::write(&path, "").expect("write");
+    let revocations = Revocations::load(&path).expect("loads");
+    let roots = TrustRoots::new(std::slice::from_ref(&ca.root))
+        .expect("roots")
+        .with_revocations(revocations.clone());
+    let watch = |cert: &CertificateDer<'static>| {
+        let w = roots
+            .revocation_watch(webpki::KeyUsage::client_auth())
+            .expect("lists are configured");
+        Box::pin(crate::tls::until_chain_revoked(
+            Some((w, vec![cert.clone()])),
+            UnixTime::now(),
+        ))
+    };
+    let (mut on_seven, mut on_eight) = (watch(&seven), watch(&eight));
+    assert!((&mut on_seven).now_or_never().is_none(), "nothing reloaded");
+    std::fs::write(&path, crl(&ca, 1, &[7])).expect("write");
+    assert!(revocations.reload_if_changed().expect("reloaded"));
+    assert!((&mut on_seven).now_or_never().is_some(), "seven is revoked");
+    assert!((&mut on_eight).now_or_never().is_none(), "eight is not");
+    // Without lists there is nothing to watch.
+    let open = TrustRoots::new(std::slice::from_ref(&ca.root)).expect("roots");
+    assert!(
+        open.revocation_watch(webpki::KeyUsage::client_auth())
+            .is_none()
     );
 }

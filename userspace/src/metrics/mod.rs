@@ -200,6 +200,7 @@ impl Metrics {
         if let Some(snapshot) = snapshot {
             let registry = snapshot.registry(self.inner.kube.get().map(Arc::as_ref));
             let _ = text::encode_registry(&mut out, &registry);
+            let _ = text::encode_registry(&mut out, &snapshot.istio_registry());
         }
         // The log writer's drops (issue 19: it never blocks the data path).
         let mut log = Registry::default();

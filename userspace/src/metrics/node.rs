@@ -72,6 +72,35 @@ impl NodeGauges {
         }
     }
 
+    /// The proxy's series of Istio's own names: ztunnel's
+    /// `istio_crl_policy_rejections_total{reporter}`, a series once a
+    /// reporter counted one, as ztunnel's family.
+    pub(super) fn istio_registry(&self) -> Registry {
+        let mut registry = Registry::with_prefix("istio");
+        let rejections = Family::<ReporterLabels, Counter>::default();
+        if let Some(proxy) = &self.proxy {
+            let counts = &proxy.crl_rejections;
+            for (reporter, count) in [
+                ("source", counts.source),
+                ("destination", counts.destination),
+            ] {
+                if count > 0 {
+                    rejections
+                        .get_or_create(&ReporterLabels {
+                            reporter: reporter.into(),
+                        })
+                        .inc_by(count);
+                }
+            }
+        }
+        registry.register(
+            "crl_policy_rejections",
+            "The total number of connections rejected due to CRL certificate revocation (unstable)",
+            rejections,
+        );
+        registry
+    }
+
     pub(super) fn registry(&self, kube: Option<&SourceStats>) -> Registry {
         let mut registry = Registry::with_prefix("shunt");
 
@@ -345,6 +374,11 @@ struct WaypointFailureLabels {
     namespace: String,
     name: String,
     reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReporterLabels {
+    reporter: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

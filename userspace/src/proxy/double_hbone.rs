@@ -19,7 +19,7 @@ use super::{
     h2::H2Stream,
     h2_io::H2Io,
     network_gateway::GatewayHop,
-    outbound::{OutboundError, connect_stream, handshake, open_stream, relay_logged},
+    outbound::{Handshaken, OutboundError, connect_stream, handshake, open_stream, relay_logged},
     pool::{PoolKey, StreamGuard},
     reset,
 };
@@ -94,7 +94,12 @@ async fn open(
         &hop.final_identity,
         &hop.final_also_accept,
     )?;
-    let (send, connection, peer) = handshake(
+    let Handshaken {
+        send,
+        connection,
+        peer,
+        revoked,
+    } = handshake(
         shared,
         config,
         H2Io::new(outer),
@@ -103,10 +108,21 @@ async fn open(
     )
     .await?;
     // The inner connection carries this one stream: it ends when the
-    // stream and `send` are dropped, or with the outer stream.
+    // stream and `send` are dropped, or with the outer stream, or when a
+    // reloaded list revokes the destination's certificate.
+    let crl_rejections = shared.crl_rejections.clone();
+    let destination = hop.final_identity.clone();
     tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!(error = %e, "inner HBONE connection ended");
+        // Polled only when a list was reloaded, not per frame.
+        let revoked = super::on_wake::OnWake::new(revoked);
+        tokio::select! {
+            ended = connection => if let Err(e) = ended {
+                tracing::debug!(error = %e, "inner HBONE connection ended");
+            },
+            () = revoked => {
+                crl_rejections.outbound();
+                tracing::warn!(dst = %destination, "inner HBONE connection closed: a reloaded revocation list revokes the peer's certificate");
+            }
         }
     });
     let mut inner_headers = headers;

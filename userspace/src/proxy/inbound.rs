@@ -140,6 +140,10 @@ async fn serve_connection(
     let first_request_by = tokio::time::Instant::now() + handshake_timeout;
     // The handshakes are boxed, and so freed once done: the connection's
     // task then keeps only what serving its streams needs.
+    // Before the handshake: a list reloaded during it is seen.
+    let revocation = shared
+        .roots
+        .revocation_watch(webpki::KeyUsage::client_auth());
     let handshake = Box::pin(tokio::time::timeout(
         handshake_timeout,
         tokio_rustls::TlsAcceptor::from(config).accept(tcp),
@@ -156,6 +160,9 @@ async fn serve_connection(
     let tls = match handshake {
         Ok(Ok(tls)) => tls,
         Ok(Err(e)) => {
+            if crate::tls::failed_on_revocation(&e) {
+                shared.crl_rejections.inbound();
+            }
             log.refusal = Some(RefusalReason::Tls);
             log.reason = Some(format!("TLS handshake: {e}"));
             log.emit(&shared);
@@ -181,6 +188,9 @@ async fn serve_connection(
         return;
     }
     log.src_identity = peer_identity.as_deref();
+    // Polled only when a list was reloaded (`on_wake.rs`).
+    let revoked = OnWake::new(crate::tls::until_revoked(revocation, tls.get_ref().1));
+    tokio::pin!(revoked);
     // h2's own refusals are seen in the frames it writes.
     let context = H2Context {
         shared: shared.clone(),
@@ -263,9 +273,24 @@ async fn serve_connection(
                 conn.graceful_shutdown();
                 going_away = true;
             }
+            () = &mut revoked => {
+                // A security event, as ztunnel treats it: GOAWAY and the
+                // streams in flight cut, not drained.
+                shared.crl_rejections.inbound();
+                tracing::warn!(pod = %pod.key, src = %peer, peer_identity = peer_identity.as_deref().unwrap_or("-"), "HBONE connection closed: a reloaded revocation list revokes the peer's certificate");
+                conn.abrupt_shutdown(h2::Reason::NO_ERROR);
+                // Bounded: a peer that reads nothing does not hold it open.
+                let closed = std::future::poll_fn(|cx| conn.poll_closed(cx));
+                let _ = tokio::time::timeout(GOAWAY_FLUSH, closed).await;
+                break;
+            }
         }
     }
 }
+
+/// How long a connection closed on a revocation waits for its GOAWAY to
+/// be written before the socket is dropped.
+const GOAWAY_FLUSH: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The 200 to a CONNECT: with the `baggage` of the workload at `target`
 /// (ztunnel's response baggage, `ENABLE_RESPONSE_BAGGAGE`, on by

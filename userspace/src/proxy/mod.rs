@@ -212,6 +212,18 @@ pub struct ProxyStats {
     /// (`shunt_waypoint_failures_total`), by service or workload and reason.
     #[serde(default)]
     pub waypoint_failures: Vec<WaypointFailureCount>,
+    /// Connections refused or closed on a revoked peer chain
+    /// (`istio_crl_policy_rejections_total`).
+    #[serde(default)]
+    pub crl_rejections: CrlRejections,
+}
+
+/// `istio_crl_policy_rejections_total` by `reporter`: this side as the
+/// client (`source`, outbound) or the server (`destination`, inbound).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CrlRejections {
+    pub source: u64,
+    pub destination: u64,
 }
 
 /// The proxy. Cheap to clone (shared); all methods take `&self`.
@@ -253,6 +265,7 @@ impl Proxy {
                 draining: CancellationToken::new(),
                 abort: CancellationToken::new(),
                 counters: Counters::default(),
+                crl_rejections: Default::default(),
                 limits,
                 service_picks: AtomicUsize::new(0),
                 waypoint_failures: Default::default(),
@@ -319,6 +332,7 @@ impl Proxy {
                 .sum(),
             refusals: self.shared.limits.refusals(),
             waypoint_failures: self.shared.waypoint_failures.snapshot(),
+            crl_rejections: self.shared.crl_rejections.snapshot(),
         }
     }
 

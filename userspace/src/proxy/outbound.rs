@@ -482,25 +482,28 @@ pub(super) async fn connect_stream(
     Ok((H2Stream::new(send_stream, body), parts.headers))
 }
 
+/// An HBONE client connection, handshaken.
+pub(super) struct Handshaken<IO, R> {
+    pub send: SendRequest<Bytes>,
+    pub connection: h2::client::Connection<tokio_rustls::client::TlsStream<IO>, Bytes>,
+    /// The peer's SPIFFE id.
+    pub peer: Option<String>,
+    /// Resolves once a reloaded revocation list revokes the peer's chain:
+    /// the connection must then be closed (`tls::until_revoked`).
+    pub revoked: R,
+}
+
 /// HBONE's client handshakes over `io` (a TCP connection, or a CONNECT
 /// stream for double HBONE's inner one) to the peer at `addr`: mTLS with
 /// `config` (no SNI; ALPN h2 required), then HTTP/2, each bounded by the
-/// handshake timeout and named by `what` when it runs out. Returns the
-/// connection's halves and the peer's SPIFFE id.
+/// handshake timeout and named by `what` when it runs out.
 pub(super) async fn handshake<IO>(
     shared: &Shared,
     config: Arc<rustls::ClientConfig>,
     io: IO,
     addr: SocketAddr,
     what: (&'static str, &'static str),
-) -> Result<
-    (
-        SendRequest<Bytes>,
-        h2::client::Connection<tokio_rustls::client::TlsStream<IO>, Bytes>,
-        Option<String>,
-    ),
-    OutboundError,
->
+) -> Result<Handshaken<IO, impl Future<Output = ()> + Send + 'static + use<IO>>, OutboundError>
 where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
@@ -509,6 +512,10 @@ where
         what,
         after: handshake_timeout,
     };
+    // Before the handshake: a list reloaded during it is seen.
+    let revocation = shared
+        .roots
+        .revocation_watch(webpki::KeyUsage::server_auth());
     // No SNI is sent (enable_sni is off); the name only satisfies the API.
     let server_name = ServerName::IpAddress(addr.ip().into());
     let tls = tokio::time::timeout(
@@ -517,16 +524,27 @@ where
     )
     .await
     .map_err(|_| timed_out(what.0))?
-    .map_err(|source| OutboundError::Handshake { addr, source })?;
+    .map_err(|source| {
+        if crate::tls::failed_on_revocation(&source) {
+            shared.crl_rejections.outbound();
+        }
+        OutboundError::Handshake { addr, source }
+    })?;
     if tls.get_ref().1.alpn_protocol() != Some(crate::tls::ALPN_H2) {
         return Err(OutboundError::NoH2 { addr });
     }
     let peer = crate::tls::peer_identity(tls.get_ref().1);
+    let revoked = crate::tls::until_revoked(revocation, tls.get_ref().1);
     let (send, connection) =
         tokio::time::timeout(handshake_timeout, shared.config.h2.client().handshake(tls))
             .await
             .map_err(|_| timed_out(what.1))??;
-    Ok((send, connection, peer))
+    Ok(Handshaken {
+        send,
+        connection,
+        peer,
+        revoked,
+    })
 }
 
 /// Opens a new HBONE connection from the pod to the destination's 15008 and
@@ -545,7 +563,12 @@ async fn connect(
         .connect(addr, shared.config.connect_timeout)
         .await
         .map_err(|source| OutboundError::Connect { addr, source })?;
-    let (send, mut connection, _) = handshake(
+    let Handshaken {
+        send,
+        mut connection,
+        revoked,
+        ..
+    } = handshake(
         shared,
         config,
         tcp,
@@ -559,10 +582,14 @@ async fn connect(
         key,
         send,
         connection,
-        ping_pong,
-        shared.config.h2.clone(),
-        shared.config.pool_idle_timeout,
-        shared.draining.clone(),
-        shared.abort.clone(),
+        super::pool::Driving {
+            ping_pong,
+            settings: shared.config.h2.clone(),
+            idle_timeout: shared.config.pool_idle_timeout,
+            draining: shared.draining.clone(),
+            abort: shared.abort.clone(),
+            revoked,
+            crl_rejections: shared.crl_rejections.clone(),
+        },
     ))
 }

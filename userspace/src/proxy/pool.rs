@@ -34,6 +34,7 @@ use tokio_util::sync::CancellationToken;
 use super::{
     h2::{H2Settings, keepalive},
     on_wake::OnWake,
+    shared::CrlRejectionCounters,
 };
 use crate::state::SpiffeId;
 
@@ -86,6 +87,19 @@ impl Drop for StreamGuard {
             self.conn.became_idle.notify_one();
         }
     }
+}
+
+/// What drives a pooled connection besides its frames.
+pub(crate) struct Driving<R> {
+    pub ping_pong: Option<h2::PingPong>,
+    pub settings: H2Settings,
+    pub idle_timeout: Duration,
+    pub draining: CancellationToken,
+    pub abort: CancellationToken,
+    /// Resolves when a reloaded revocation list revokes the peer's chain
+    /// (`tls::until_revoked`); counted in `crl_rejections`.
+    pub revoked: R,
+    pub crl_rejections: Arc<CrlRejectionCounters>,
 }
 
 #[derive(Default)]
@@ -151,21 +165,26 @@ impl Pool {
 
     /// Adds a freshly handshaken connection, with one stream slot taken for
     /// the caller, and spawns the task that drives it.
-    #[allow(clippy::too_many_arguments)]
-    pub fn insert<C>(
+    pub fn insert<C, R>(
         &self,
         key: &PoolKey,
         send: SendRequest<Bytes>,
         connection: C,
-        ping_pong: Option<h2::PingPong>,
-        settings: H2Settings,
-        idle_timeout: Duration,
-        draining: CancellationToken,
-        abort: CancellationToken,
+        driving: Driving<R>,
     ) -> (SendRequest<Bytes>, StreamGuard)
     where
         C: Future<Output = Result<(), h2::Error>> + Send + 'static,
+        R: Future<Output = ()> + Send + 'static,
     {
+        let Driving {
+            ping_pong,
+            settings,
+            idle_timeout,
+            draining,
+            abort,
+            revoked,
+            crl_rejections,
+        } = driving;
         let conn = Arc::new(PooledConn {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
             send: send.clone(),
@@ -198,6 +217,13 @@ impl Pool {
                     e = ping => format!("keepalive: {e}"),
                     () = idle => "idle".to_string(),
                     _ = abort.cancelled() => "proxy stopped".to_string(),
+                    () = revoked => {
+                        // Dropped, not drained: the streams in flight are
+                        // cut (a security event, as ztunnel treats it).
+                        crl_rejections.outbound();
+                        tracing::warn!(dst = %key.dst, dst_ip = %key.dst_ip, src = %key.src, "HBONE connection closed: a reloaded revocation list revokes the peer's certificate");
+                        "peer certificate revoked".to_string()
+                    }
                 }
             });
             let why = tokio::select! {

@@ -34,11 +34,15 @@ async fn pooled(
         &key(),
         send,
         connection,
-        None,
-        H2Settings::default(),
-        IDLE_TIMEOUT,
-        draining.clone(),
-        CancellationToken::new(),
+        Driving {
+            ping_pong: None,
+            settings: H2Settings::default(),
+            idle_timeout: IDLE_TIMEOUT,
+            draining: draining.clone(),
+            abort: CancellationToken::new(),
+            revoked: std::future::pending(),
+            crl_rejections: Default::default(),
+        },
     );
     (guard, theirs)
 }

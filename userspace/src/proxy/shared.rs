@@ -6,7 +6,7 @@ use std::{
     net::{IpAddr, SocketAddr},
     sync::{
         Arc, OnceLock, RwLock,
-        atomic::{AtomicU64, AtomicUsize},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
     },
 };
 
@@ -31,6 +31,35 @@ pub(super) struct Counters {
     pub(super) failed: AtomicU64,
     pub(super) bytes_out: AtomicU64,
     pub(super) bytes_in: AtomicU64,
+}
+
+/// Connections this side refused or closed because a revocation list
+/// names the peer's chain (`istio_crl_policy_rejections_total`), as the
+/// client (`reporter="source"`) and as the server (`"destination"`).
+/// Shared with the pools' connection tasks.
+#[derive(Debug, Default)]
+pub(crate) struct CrlRejectionCounters {
+    as_source: AtomicU64,
+    as_destination: AtomicU64,
+}
+
+impl CrlRejectionCounters {
+    /// An outbound connection refused or closed on a revoked server chain.
+    pub fn outbound(&self) {
+        self.as_source.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An inbound connection refused or closed on a revoked client chain.
+    pub fn inbound(&self) {
+        self.as_destination.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> super::CrlRejections {
+        super::CrlRejections {
+            source: self.as_source.load(Ordering::Relaxed),
+            destination: self.as_destination.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// One enrolled pod's proxy state.
@@ -107,6 +136,7 @@ pub(crate) struct Shared {
     /// Cancelled when the drain grace period ends: everything stops.
     pub abort: CancellationToken,
     pub(super) counters: Counters,
+    pub(super) crl_rejections: Arc<CrlRejectionCounters>,
     /// Per-source and fd limits on inbound connections; refusals by reason.
     pub(crate) limits: limits::Limits,
     /// Connections to service VIPs so far: which endpoint the next one gets
