@@ -300,6 +300,25 @@ fn chart_values_do_what_they_say() {
     // in ztunnel's chart; xdsAddress wins when given.
     assert_eq!(args["--ca-address"], "istiod-canary.mesh.svc:15012");
     assert_eq!(args["--xds-address"], "xds.example:15012");
+    // istiod's CRL ConfigMap, optional (no plugged-in CA list: no file), at
+    // the directory --crl-path names, as Istio's sidecars mount it.
+    assert_eq!(args["--crl-path"], "/var/run/secrets/istio/crl/ca-crl.pem");
+    let crl_volume = spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "istio-ca-crl")
+        .and_then(|v| v.config_map.clone())
+        .expect("a ConfigMap volume istio-ca-crl");
+    assert_eq!(crl_volume.name, "istio-ca-crl");
+    assert_eq!(crl_volume.optional, Some(true));
+    let crl_mount = agent
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == "istio-ca-crl")
+        .map(|m| m.mount_path.clone());
+    assert_eq!(crl_mount.as_deref(), Some("/var/run/secrets/istio/crl"));
     let selector = spec.node_selector.clone().unwrap_or_default();
     assert_eq!(selector.get("pool").map(String::as_str), Some("mesh"));
     assert_eq!(

@@ -234,6 +234,7 @@ fn istio_overlay_points_the_agent_at_istiod_and_changes_nothing_else() {
             "--ca-address",
             "--ca-root-cert",
             "--ca-token-file",
+            "--crl-path",
             "--xds-address",
             "--xds-root-cert",
             "--xds-token"
@@ -271,7 +272,8 @@ fn istio_overlay_points_the_agent_at_istiod_and_changes_nothing_else() {
         }
     }
 
-    // The volumes: the built-in CA's Secret gone, istiod's root and token in.
+    // The volumes: the built-in CA's Secret gone, istiod's root, its
+    // revocation lists (optional) and the token in.
     let names = |s: &PodSpec| -> BTreeSet<String> {
         s.volumes.iter().flatten().map(|v| v.name.clone()).collect()
     };
@@ -284,9 +286,11 @@ fn istio_overlay_points_the_agent_at_istiod_and_changes_nothing_else() {
         ["ca".to_string()].into()
     );
     assert_eq!(
-        vols.difference(&base_vols).count(),
-        2,
-        "root cert and token"
+        vols.difference(&base_vols).cloned().collect::<BTreeSet<_>>(),
+        ["istiod-ca-cert", "istio-ca-crl", "istio-token"]
+            .map(String::from)
+            .into(),
+        "root cert, revocation lists and token"
     );
     assert!(
         !spec.volumes.iter().flatten().any(|v| v.secret.is_some()),
