@@ -216,6 +216,21 @@ fn crl_rejections(agent: &Agent, reporter: &str) -> Option<u64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
+/// `istio_tcp_connections_closed_total` of `reporter` with
+/// `response_flags="CERT_REVOKED"` (ztunnel's flag for a stream cut on a
+/// revoked certificate), summed; `None` while there is no such series.
+fn cut_on_revocation(agent: &Agent, reporter: &str) -> Option<u64> {
+    let (_, metrics) = tokio::task::block_in_place(|| agent.metrics()).ok()?;
+    let reporter = format!("reporter=\"{reporter}\"");
+    let counts: Vec<u64> = metrics
+        .lines()
+        .filter(|l| l.starts_with("istio_tcp_connections_closed_total{"))
+        .filter(|l| l.contains(&reporter) && l.contains("response_flags=\"CERT_REVOKED\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+        .collect();
+    (!counts.is_empty()).then(|| counts.iter().sum())
+}
+
 /// Sends `ping` and waits for it back: `Ok` when echoed, else how the
 /// stream ended.
 async fn ping(send: &mut SendStream<Bytes>, recv: &mut RecvStream) -> Result<(), String> {
@@ -297,6 +312,18 @@ async fn an_open_connection_from_a_revoked_peer_is_closed_on_reload() {
         agent
             .logs()
             .contains("a reloaded revocation list revokes the peer's certificate"),
+        "{}",
+        agent.logs()
+    );
+    // The stream's own record says why it ended, as ztunnel's does.
+    assert_eq!(
+        cut_on_revocation(&agent, "destination"),
+        Some(1),
+        "{}",
+        agent.logs()
+    );
+    assert!(
+        agent.logs().contains("result=\"revoked\""),
         "{}",
         agent.logs()
     );
@@ -415,6 +442,12 @@ async fn a_pooled_connection_to_a_revoked_server_is_closed_on_reload() {
     );
     assert_eq!(
         crl_rejections(&agent, "source"),
+        Some(1),
+        "{}",
+        agent.logs()
+    );
+    assert_eq!(
+        cut_on_revocation(&agent, "source"),
         Some(1),
         "{}",
         agent.logs()

@@ -77,6 +77,11 @@ impl TrustRoots {
             ..self
         }
     }
+
+    /// Whether a list can ever revoke a peer (`--crl-path` given).
+    pub fn revokes(&self) -> bool {
+        self.revocations.path().is_some()
+    }
 }
 
 /// One connection's watch on the revocation lists: made before its TLS

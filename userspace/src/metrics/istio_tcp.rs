@@ -325,6 +325,8 @@ impl ConnectionObserver for TcpObserver {
             ConnectionOutcome::Denied => "DENY",
             // Any other refusal or failure is one of reaching the target.
             ConnectionOutcome::Refused | ConnectionOutcome::Failed => "CONNECT",
+            // ztunnel's flag for a connection cut on a revoked certificate.
+            ConnectionOutcome::Revoked => "CERT_REVOKED",
         };
         let labels = if flags == "-" {
             open

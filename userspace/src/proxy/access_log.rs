@@ -17,6 +17,9 @@ pub(crate) enum Outcome {
     /// Refused by an authorization policy.
     Denied,
     Failed,
+    /// Cut because a reloaded revocation list revoked the HBONE
+    /// connection's peer (ztunnel's `CERT_REVOKED`).
+    Revoked,
 }
 
 impl Outcome {
@@ -26,6 +29,7 @@ impl Outcome {
             Outcome::Refused => "refused",
             Outcome::Denied => "denied",
             Outcome::Failed => "failed",
+            Outcome::Revoked => "revoked",
         }
     }
 }
@@ -154,6 +158,7 @@ impl<'a> AccessLog<'a> {
                     Outcome::Refused => ConnectionOutcome::Refused,
                     Outcome::Denied => ConnectionOutcome::Denied,
                     Outcome::Failed => ConnectionOutcome::Failed,
+                    Outcome::Revoked => ConnectionOutcome::Revoked,
                 },
             };
             observer.closed(&info, &close);
@@ -178,7 +183,7 @@ impl<'a> AccessLog<'a> {
                         _ => RefusalReason::Request,
                     }));
             }
-            Outcome::Failed => {
+            Outcome::Failed | Outcome::Revoked => {
                 c.failed.fetch_add(1, Ordering::Relaxed);
             }
         }

@@ -40,7 +40,13 @@ pub(super) async fn serve(
     // Boxed: the handshakes' state is freed once the streams are open
     // (see `hbone` in outbound.rs).
     let opened = Box::pin(open(shared, pod, &hop, headers)).await;
-    let (mut inner, peer, answer, _outer_guard) = match opened {
+    let Opened {
+        mut inner,
+        peer,
+        answer,
+        outer_guard,
+        inner_cut,
+    } = match opened {
         Ok(streams) => streams,
         Err(e) => {
             log.outcome = match e {
@@ -66,18 +72,39 @@ pub(super) async fn serve(
         .then(|| super::Baggage::from_headers(&answer));
     drop(answer);
     log.derived_destination = derived.as_ref();
-    relay_logged(shared, &mut app, &mut inner, &mut log).await;
+    // Either hop's peer revoked (the gateway's or the destination's) cuts
+    // the stream, as ztunnel races both.
+    let outer_cut = outer_guard.conn.cert_revoked.clone();
+    let cut = async {
+        tokio::select! {
+            () = super::cut_by_revocation(outer_cut.as_ref()) => {}
+            () = super::cut_by_revocation(inner_cut.as_ref()) => {}
+        }
+    };
+    relay_logged(shared, &mut app, &mut inner, &mut log, cut).await;
 }
 
-/// The inner CONNECT stream, the destination's identity, the headers of
-/// its answer, and the outer stream's pool slot (held while the
-/// connection lives).
+/// What [`open`] sets up.
+struct Opened {
+    /// The inner CONNECT stream.
+    inner: H2Stream,
+    /// The destination's identity, as the inner handshake proved it.
+    peer: String,
+    /// The headers of the inner CONNECT's answer.
+    answer: HeaderMap,
+    /// The outer stream's pool slot (held while the connection lives).
+    outer_guard: StreamGuard,
+    /// Cancelled when the inner connection is closed on a revocation of
+    /// the destination (only with revocation lists).
+    inner_cut: Option<tokio_util::sync::CancellationToken>,
+}
+
 async fn open(
     shared: &Shared,
     pod: &PodState,
     hop: &GatewayHop,
     headers: HeaderMap,
-) -> Result<(H2Stream, String, HeaderMap, StreamGuard), OutboundError> {
+) -> Result<Opened, OutboundError> {
     let key = PoolKey {
         src: pod.identity.clone(),
         dst: hop.gateway_identity.clone(),
@@ -112,6 +139,11 @@ async fn open(
     // reloaded list revokes the destination's certificate.
     let crl_rejections = shared.crl_rejections.clone();
     let destination = hop.final_identity.clone();
+    let inner_cut = shared
+        .roots
+        .revokes()
+        .then(tokio_util::sync::CancellationToken::new);
+    let cut = inner_cut.clone();
     tokio::spawn(async move {
         // Polled only when a list was reloaded, not per frame.
         let revoked = super::on_wake::OnWake::new(revoked);
@@ -121,6 +153,9 @@ async fn open(
             },
             () = revoked => {
                 crl_rejections.outbound();
+                if let Some(cut) = &cut {
+                    cut.cancel();
+                }
                 tracing::warn!(dst = %destination, "inner HBONE connection closed: a reloaded revocation list revokes the peer's certificate");
             }
         }
@@ -131,5 +166,11 @@ async fn open(
         inner_headers.insert(super::inbound::X_FORWARDED_NETWORK, network);
     }
     let (inner, answer) = connect_stream(shared, send, &hop.authority, &inner_headers).await?;
-    Ok((inner, peer.unwrap_or_default(), answer, guard))
+    Ok(Opened {
+        inner,
+        peer: peer.unwrap_or_default(),
+        answer,
+        outer_guard: guard,
+        inner_cut,
+    })
 }

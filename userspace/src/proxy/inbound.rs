@@ -144,6 +144,11 @@ async fn serve_connection(
     let revocation = shared
         .roots
         .revocation_watch(webpki::KeyUsage::client_auth());
+    // Cancelled before the connection is closed on a revocation: its
+    // streams then say so (only with revocation lists).
+    let cert_revoked = revocation
+        .as_ref()
+        .map(|_| tokio_util::sync::CancellationToken::new());
     let handshake = Box::pin(tokio::time::timeout(
         handshake_timeout,
         tokio_rustls::TlsAcceptor::from(config).accept(tcp),
@@ -254,8 +259,9 @@ async fn serve_connection(
                     }
                     let span = tracing::debug_span!("stream", peer_identity = peer_identity.as_deref().unwrap_or("-"));
                     let (shared2, peer_identity) = (shared.clone(), peer_identity.clone());
+                    let cut = cert_revoked.clone();
                     super::accept::spawn_tracked(&shared, move || {
-                        serve_stream(shared2, arrival, peer, peer_identity, request, respond).instrument(span)
+                        serve_stream(shared2, arrival, peer, peer_identity, cut, request, respond).instrument(span)
                     });
                 }
                 Some(Err(e)) => {
@@ -277,6 +283,9 @@ async fn serve_connection(
                 // A security event, as ztunnel treats it: GOAWAY and the
                 // streams in flight cut, not drained.
                 shared.crl_rejections.inbound();
+                if let Some(cut) = &cert_revoked {
+                    cut.cancel();
+                }
                 tracing::warn!(pod = %pod.key, src = %peer, peer_identity = peer_identity.as_deref().unwrap_or("-"), "HBONE connection closed: a reloaded revocation list revokes the peer's certificate");
                 conn.abrupt_shutdown(h2::Reason::NO_ERROR);
                 // Bounded: a peer that reads nothing does not hold it open.
@@ -328,6 +337,7 @@ pub(super) async fn serve_stream(
     arrival: SocketAddr,
     peer: SocketAddr,
     peer_identity: Option<Arc<str>>,
+    cert_revoked: Option<tokio_util::sync::CancellationToken>,
     request: Request<RecvStream>,
     mut respond: SendResponse<Bytes>,
 ) {
@@ -404,14 +414,27 @@ pub(super) async fn serve_stream(
     };
     let mut h2s = H2Stream::new(send, request.into_body());
     log.open(&shared);
-    // Polled only when the policies changed, not per relayed read.
+    // Polled only when the policies changed or the connection's peer was
+    // revoked, not per relayed read.
     let revoked = OnWake::new(super::revoked(
         &shared,
         changes,
         &target_pod.key,
         connection,
     ));
+    let cut = OnWake::new(super::cut_by_revocation(cert_revoked.as_ref()));
     let copied = tokio::select! {
+        // The cut first: the connection's end, which follows it, must not
+        // read as a plain failure.
+        biased;
+        () = cut => {
+            h2s.reset(h2::Reason::CANCEL);
+            super::reset(&upstream);
+            log.outcome = Outcome::Revoked;
+            log.reason = Some(super::CERT_REVOKED.into());
+            log.emit(&shared);
+            return;
+        }
         // (application → peer, peer → application)
         copied = super::relay::relay(&mut upstream, &mut h2s) => copied,
         decision = revoked => {

@@ -397,6 +397,21 @@ pub(crate) async fn revoked(
     std::future::pending().await
 }
 
+/// Resolves once `cut` is cancelled: a reloaded revocation list revoked the
+/// peer of the HBONE connection a stream rides on, which is closed next
+/// (the stream's line and metrics then say `CERT_REVOKED`, as ztunnel's);
+/// never without one (no `--crl-path`).
+pub(crate) async fn cut_by_revocation(cut: Option<&CancellationToken>) {
+    match cut {
+        Some(cut) => cut.cancelled().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The access-log reason of a stream [`cut_by_revocation`].
+pub(crate) const CERT_REVOKED: &str =
+    "closed: a reloaded revocation list revokes the HBONE connection's peer certificate";
+
 /// Makes `stream` close with RST, so the other side sees a failure rather
 /// than a clean EOF.
 pub(crate) fn reset(stream: &tokio::net::TcpStream) {

@@ -85,6 +85,9 @@ pub enum ConnectionOutcome {
     Denied,
     /// Failed after being accepted (upstream unreachable, reset).
     Failed,
+    /// Cut because a reloaded revocation list revoked the peer of its
+    /// HBONE connection (`response_flags="CERT_REVOKED"`, as ztunnel).
+    Revoked,
 }
 
 /// One connection, as the proxy knows it.

@@ -286,22 +286,41 @@ async fn hbone(
     let authority = authority.to_string();
     let opened = Box::pin(open_stream(shared, pod, &key, &authority, &headers)).await;
     drop((key, headers));
-    let (mut h2s, _guard) = opened?;
-    relay_logged(shared, app, &mut h2s, log).await;
+    let (mut h2s, guard) = opened?;
+    let cut = super::cut_by_revocation(guard.conn.cert_revoked.as_ref());
+    relay_logged(shared, app, &mut h2s, log, cut).await;
     Ok(())
 }
 
 /// Reports `app`'s connection open, relays it over `h2s` until both
-/// directions end, and writes its access line (a failure resets both
-/// sides).
+/// directions end or `cut` resolves (the HBONE connection's peer revoked:
+/// `proxy::cut_by_revocation`), and writes its access line (a failure
+/// resets both sides).
 pub(super) async fn relay_logged(
     shared: &Shared,
     app: &mut TcpStream,
     h2s: &mut H2Stream,
     log: &mut AccessLog<'_>,
+    cut: impl Future<Output = ()>,
 ) {
     log.open(shared);
-    match super::relay::relay(app, h2s).await {
+    // Polled only once it fired, not per relayed read.
+    let cut = super::on_wake::OnWake::new(cut);
+    let relayed = tokio::select! {
+        // The cut first: the connection's end, which follows it, must not
+        // read as a plain failure.
+        biased;
+        () = cut => {
+            h2s.reset(h2::Reason::CANCEL);
+            reset(app);
+            log.outcome = Outcome::Revoked;
+            log.reason = Some(super::CERT_REVOKED.into());
+            log.emit(shared);
+            return;
+        }
+        relayed = super::relay::relay(app, h2s) => relayed,
+    };
+    match relayed {
         Ok((sent, received)) => {
             log.bytes_sent = sent;
             log.bytes_received = received;
@@ -590,6 +609,10 @@ async fn connect(
             abort: shared.abort.clone(),
             revoked,
             crl_rejections: shared.crl_rejections.clone(),
+            cert_revoked: shared
+                .roots
+                .revokes()
+                .then(tokio_util::sync::CancellationToken::new),
         },
     ))
 }

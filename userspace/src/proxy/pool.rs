@@ -60,6 +60,10 @@ pub(crate) struct PooledConn {
     /// is not waiting yet, so no end is missed).
     became_idle: Notify,
     epoch: Instant,
+    /// Cancelled before the connection is dropped on a revocation of its
+    /// peer, for its streams to say so (`proxy::cut_by_revocation`); only
+    /// with revocation lists.
+    pub cert_revoked: Option<CancellationToken>,
 }
 
 impl PooledConn {
@@ -97,9 +101,11 @@ pub(crate) struct Driving<R> {
     pub draining: CancellationToken,
     pub abort: CancellationToken,
     /// Resolves when a reloaded revocation list revokes the peer's chain
-    /// (`tls::until_revoked`); counted in `crl_rejections`.
+    /// (`tls::until_revoked`); counted in `crl_rejections`, and
+    /// `cert_revoked` is cancelled.
     pub revoked: R,
     pub crl_rejections: Arc<CrlRejectionCounters>,
+    pub cert_revoked: Option<CancellationToken>,
 }
 
 #[derive(Default)]
@@ -184,6 +190,7 @@ impl Pool {
             abort,
             revoked,
             crl_rejections,
+            cert_revoked,
         } = driving;
         let conn = Arc::new(PooledConn {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
@@ -193,6 +200,7 @@ impl Pool {
             idle_since_ms: AtomicU64::new(0),
             became_idle: Notify::new(),
             epoch: Instant::now(),
+            cert_revoked,
         });
         let kp = self.key_pool(key);
         kp.conns
@@ -221,6 +229,9 @@ impl Pool {
                         // Dropped, not drained: the streams in flight are
                         // cut (a security event, as ztunnel treats it).
                         crl_rejections.outbound();
+                        if let Some(cut) = &driven.cert_revoked {
+                            cut.cancel();
+                        }
                         tracing::warn!(dst = %key.dst, dst_ip = %key.dst_ip, src = %key.src, "HBONE connection closed: a reloaded revocation list revokes the peer's certificate");
                         "peer certificate revoked".to_string()
                     }

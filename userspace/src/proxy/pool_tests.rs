@@ -42,6 +42,7 @@ async fn pooled(
             abort: CancellationToken::new(),
             revoked: std::future::pending(),
             crl_rejections: Default::default(),
+            cert_revoked: None,
         },
     );
     (guard, theirs)

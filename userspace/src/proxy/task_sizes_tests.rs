@@ -57,7 +57,7 @@ fn inbound_stream_task_keeps_no_setup_state() {
     let size = size_of_output(
         |s: Arc<Shared>, a: SocketAddr, p: Option<Arc<str>>, r: Stream| {
             until_aborted(CancellationToken::new(), move || {
-                inbound::serve_stream(s, a, a, p, r.0, r.1).instrument(tracing::Span::none())
+                inbound::serve_stream(s, a, a, p, None, r.0, r.1).instrument(tracing::Span::none())
             })
         },
     );

@@ -286,7 +286,9 @@ fn istio_overlay_points_the_agent_at_istiod_and_changes_nothing_else() {
         ["ca".to_string()].into()
     );
     assert_eq!(
-        vols.difference(&base_vols).cloned().collect::<BTreeSet<_>>(),
+        vols.difference(&base_vols)
+            .cloned()
+            .collect::<BTreeSet<_>>(),
         ["istiod-ca-cert", "istio-ca-crl", "istio-token"]
             .map(String::from)
             .into(),
