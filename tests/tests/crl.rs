@@ -93,39 +93,20 @@ fn crl_revoking(ca_dir: &std::path::Path, serial: SerialNumber) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_peer_is_refused_once_the_list_names_it() {
-    require_root().expect("kernel tests need root");
-    let mut topo = Topology::new("crl").expect("topology");
-    topo.add_node("node-a").expect("node");
-    let server = topo.add_pod("node-a", "server").expect("pod");
-    let node = topo.node("node-a").expect("node").clone();
-    let lists = tempfile::tempdir().expect("dir");
-    let crl_file = lists.path().join("ca-crl.pem");
-    std::fs::write(&crl_file, "").expect("empty list file");
-    let yaml = workloads_yaml(&[WorkloadSpec::for_pod(&server, true)]);
-    let crl_arg = crl_file.display().to_string();
-    let mut agent = tokio::task::block_in_place(|| {
-        let mut agent = Agent::start(
-            &topo,
-            &node,
-            &yaml,
-            &["--redirect", "ebpf", "--crl-path", &crl_arg],
-        )?;
-        agent.wait_for("the server enrolled", TIMEOUT, mesh_pods_enrolled)?;
-        Ok::<_, shunt_testbed::TestbedError>(agent)
-    })
-    .expect("agent");
-    let _echo = EchoServer::on(&server, 8080).expect("echo");
-    let ca = MeshCa::from_dir(agent.ca_dir()).expect("the agent's CA");
-    let peer = |sa: &str| {
-        ca.credentials(&SpiffeId::for_service_account(
-            &TrustDomain::default(),
-            "default",
-            sa,
-        ))
-        .expect("certificate")
-    };
-    let (revoked, kept) = (peer("revoked"), peer("kept"));
-    let server_id = SpiffeId::for_service_account(&TrustDomain::default(), "default", "sa-server");
+    // Bound, not `..`: the topology, the list's directory and the echo
+    // live as long as the test.
+    let ServerBed {
+        _topo,
+        _lists,
+        _echo,
+        mut agent,
+        node,
+        server,
+        crl_file,
+        revoked,
+        kept,
+        server_id,
+    } = server_bed("crl");
     let hbone = SocketAddr::from((server.ip(), 15008));
     let echo_at = SocketAddr::from((server.ip(), 8080));
     for (name, who) in [("revoked", &revoked), ("kept", &kept)] {
@@ -134,16 +115,7 @@ async fn a_revoked_peer_is_refused_once_the_list_names_it() {
             .unwrap_or_else(|e| panic!("{name} before the list: {e}\n{}", agent.logs()));
     }
 
-    let (_, parsed) = x509_parser::parse_x509_certificate(&revoked.cert.chain()[0])
-        .expect("the peer's certificate parses");
-    let serial = SerialNumber::from(parsed.tbs_certificate.raw_serial().to_vec());
-    std::fs::write(&crl_file, crl_revoking(agent.ca_dir(), serial)).expect("write the list");
-    tokio::task::block_in_place(|| {
-        agent.wait_for_log("the list reloaded", TIMEOUT, |logs| {
-            logs.contains("certificate revocation lists reloaded")
-        })
-    })
-    .expect("reload");
+    revoke(&mut agent, &crl_file, &revoked.cert.chain()[0]);
 
     let refused = reach(&node, hbone, &revoked, &server_id, echo_at).await;
     let why = refused.expect_err("the revoked peer got through");
@@ -163,9 +135,72 @@ async fn a_revoked_peer_is_refused_once_the_list_names_it() {
         "{}",
         agent.logs()
     );
+    // And as ztunnel counts a revocation.
+    assert_eq!(
+        crl_rejections(&agent, "destination"),
+        Some(1),
+        "{}",
+        agent.logs()
+    );
     reach(&node, hbone, &kept, &server_id, echo_at)
         .await
         .unwrap_or_else(|e| panic!("kept after the list: {e}\n{}", agent.logs()));
+}
+
+/// One node whose agent (`--crl-path`, an empty list now) serves a
+/// server pod with an echo on 8080, and two mesh peers of the agent's CA
+/// that reach it from the node.
+struct ServerBed {
+    agent: Agent,
+    _echo: EchoServer,
+    node: shunt_testbed::Node,
+    server: shunt_testbed::Pod,
+    crl_file: std::path::PathBuf,
+    revoked: Credentials,
+    kept: Credentials,
+    server_id: SpiffeId,
+    _lists: tempfile::TempDir,
+    _topo: Topology,
+}
+
+fn server_bed(name: &str) -> ServerBed {
+    require_root().expect("kernel tests need root");
+    let mut topo = Topology::new(name).expect("topology");
+    topo.add_node("node-a").expect("node");
+    let server = topo.add_pod("node-a", "server").expect("pod");
+    let node = topo.node("node-a").expect("node").clone();
+    let lists = tempfile::tempdir().expect("dir");
+    let crl_file = lists.path().join("ca-crl.pem");
+    let agent = start_agent(
+        &topo,
+        &node,
+        &[WorkloadSpec::for_pod(&server, true)],
+        &crl_file,
+    );
+    let echo = EchoServer::on(&server, 8080).expect("echo");
+    let ca = MeshCa::from_dir(agent.ca_dir()).expect("the agent's CA");
+    ServerBed {
+        revoked: mesh_peer(&ca, "revoked"),
+        kept: mesh_peer(&ca, "kept"),
+        server_id: SpiffeId::for_service_account(&TrustDomain::default(), "default", "sa-server"),
+        agent,
+        _echo: echo,
+        node,
+        server,
+        crl_file,
+        _lists: lists,
+        _topo: topo,
+    }
+}
+
+/// Credentials of service account `sa` in `default`, from `ca`.
+fn mesh_peer(ca: &MeshCa, sa: &str) -> Credentials {
+    ca.credentials(&SpiffeId::for_service_account(
+        &TrustDomain::default(),
+        "default",
+        sa,
+    ))
+    .expect("certificate")
 }
 
 /// An agent on `node` serving `workloads`, reading `crl_file` (empty now).
@@ -251,31 +286,20 @@ async fn ping(send: &mut SendStream<Bytes>, recv: &mut RecvStream) -> Result<(),
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_connection_from_a_revoked_peer_is_closed_on_reload() {
-    require_root().expect("kernel tests need root");
-    let mut topo = Topology::new("crl-open").expect("topology");
-    topo.add_node("node-a").expect("node");
-    let server = topo.add_pod("node-a", "server").expect("pod");
-    let node = topo.node("node-a").expect("node").clone();
-    let lists = tempfile::tempdir().expect("dir");
-    let crl_file = lists.path().join("ca-crl.pem");
-    let mut agent = start_agent(
-        &topo,
-        &node,
-        &[WorkloadSpec::for_pod(&server, true)],
-        &crl_file,
-    );
-    let _echo = EchoServer::on(&server, 8080).expect("echo");
-    let ca = MeshCa::from_dir(agent.ca_dir()).expect("the agent's CA");
-    let peer = |sa: &str| {
-        ca.credentials(&SpiffeId::for_service_account(
-            &TrustDomain::default(),
-            "default",
-            sa,
-        ))
-        .expect("certificate")
-    };
-    let (revoked, kept) = (peer("revoked"), peer("kept"));
-    let server_id = SpiffeId::for_service_account(&TrustDomain::default(), "default", "sa-server");
+    // Bound, not `..`: the topology, the list's directory and the echo
+    // live as long as the test.
+    let ServerBed {
+        _topo,
+        _lists,
+        _echo,
+        mut agent,
+        node,
+        server,
+        crl_file,
+        revoked,
+        kept,
+        server_id,
+    } = server_bed("crl-open");
     let hbone = SocketAddr::from((server.ip(), 15008));
     let echo_at = SocketAddr::from((server.ip(), 8080)).to_string();
     let mut open = Vec::new();
@@ -383,13 +407,7 @@ async fn a_pooled_connection_to_a_revoked_server_is_closed_on_reload() {
         &crl_file,
     );
     let ca = MeshCa::from_dir(agent.ca_dir()).expect("the agent's CA");
-    let server_creds = ca
-        .credentials(&SpiffeId::for_service_account(
-            &TrustDomain::default(),
-            "default",
-            "sa-server",
-        ))
-        .expect("certificate");
+    let server_creds = mesh_peer(&ca, "sa-server");
     let listener = server
         .listen_tcp(SocketAddr::from((server.ip(), 15008)))
         .expect("listen");
