@@ -445,7 +445,10 @@ pub struct AgentArgs {
 
     /// PEM root certificate(s) of the mesh: the Istio CA's serving
     /// certificate must chain to them, and so must the workload certificates
-    /// it issues (peers check against the same roots). Only for --ca istio.
+    /// it issues (peers check against the same roots). Looked at every 5 s:
+    /// a changed file (a root rotation) applies to the next call to the CA
+    /// and to new handshakes; a bad one keeps the roots in force. Only for
+    /// --ca istio.
     #[arg(
         long,
         value_name = "FILE",
@@ -474,8 +477,8 @@ pub struct AgentArgs {
     pub xds_address: Option<String>,
 
     /// PEM root certificate(s) istiod's serving certificate must chain to
-    /// (the mesh root; the istio-ca-root-cert ConfigMap). Only with
-    /// --xds-address.
+    /// (the mesh root; the istio-ca-root-cert ConfigMap), read again for
+    /// every (re)connect. Only with --xds-address.
     #[arg(
         long,
         value_name = "FILE",

@@ -43,31 +43,38 @@ pub enum TlsConfigError {
     Rustls(#[from] TlsError),
 }
 
-/// The mesh's trust anchors, parsed once, and the revocation lists in
-/// force (none unless `--crl-path`: `identity::crl`).
+/// The mesh's trust anchors, parsed once per set, and the revocation lists
+/// in force (none unless `--crl-path`: `identity::crl`). Clones share both:
+/// [`TrustRoots::replace`] (a root rotation) reaches every verifier, and
+/// each handshake reads the set in force when it checks a chain.
 #[derive(Clone, Debug)]
 pub struct TrustRoots {
-    anchors: Arc<Vec<TrustAnchor<'static>>>,
+    anchors: Arc<std::sync::RwLock<Arc<Vec<TrustAnchor<'static>>>>>,
     revocations: Arc<Revocations>,
 }
 
 impl TrustRoots {
     pub fn new(roots: &[CertificateDer<'_>]) -> Result<Self, TlsConfigError> {
-        if roots.is_empty() {
-            return Err(TlsConfigError::NoRoots);
-        }
-        let anchors = roots
-            .iter()
-            .map(|r| {
-                webpki::anchor_from_trusted_cert(r)
-                    .map(|a| a.to_owned())
-                    .map_err(|e| TlsConfigError::BadRoot(e.to_string()))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
-            anchors: Arc::new(anchors),
+            anchors: Arc::new(std::sync::RwLock::new(Arc::new(anchors(roots)?))),
             revocations: Revocations::none(),
         })
+    }
+
+    /// Trusts `roots` from now on, instead of the set before (which stays
+    /// if `roots` is unusable). Connections already open are not checked
+    /// again.
+    pub fn replace(&self, roots: &[CertificateDer<'_>]) -> Result<(), TlsConfigError> {
+        let anchors = Arc::new(anchors(roots)?);
+        *self.anchors.write().unwrap_or_else(|p| p.into_inner()) = anchors;
+        Ok(())
+    }
+
+    fn current(&self) -> Arc<Vec<TrustAnchor<'static>>> {
+        self.anchors
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// The same roots, checking chains against `revocations` too.
@@ -153,6 +160,20 @@ pub fn failed_on_revocation(e: &std::io::Error) -> bool {
         .is_some_and(|e| matches!(e, TlsError::InvalidCertificate(CertificateError::Revoked)))
 }
 
+fn anchors(roots: &[CertificateDer<'_>]) -> Result<Vec<TrustAnchor<'static>>, TlsConfigError> {
+    if roots.is_empty() {
+        return Err(TlsConfigError::NoRoots);
+    }
+    roots
+        .iter()
+        .map(|r| {
+            webpki::anchor_from_trusted_cert(r)
+                .map(|a| a.to_owned())
+                .map_err(|e| TlsConfigError::BadRoot(e.to_string()))
+        })
+        .collect()
+}
+
 /// The SPIFFE id of a leaf certificate: its single `spiffe://` URI SAN.
 pub fn spiffe_id_of(cert: &CertificateDer<'_>) -> Result<String, String> {
     let (_, parsed) = x509_parser::parse_x509_certificate(cert)
@@ -204,7 +225,7 @@ fn verify_chain(
         });
     ee.verify_for_usage(
         provider().signature_verification_algorithms.all,
-        &roots.anchors,
+        &roots.current(),
         intermediates,
         now,
         usage,

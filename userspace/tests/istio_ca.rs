@@ -545,3 +545,47 @@ async fn setup_errors_name_the_file_or_address() {
         .expect_err("no token");
     assert!(err.to_string().contains("no-token"), "{err}");
 }
+
+/// A root rotation without a restart (as ztunnel's root reload): the
+/// client trusts the root file it started with; istiod now serves a
+/// certificate of a new root, which it fails. The root file gains the new
+/// root beside the old (how Istio's ConfigMap carries a rotation), and the
+/// next call, over a channel made anew, is signed; `roots()` has both.
+#[tokio::test]
+async fn a_rotated_root_file_is_used_for_the_next_call() {
+    let old = Pki::new();
+    let new = Pki::new();
+    let server = start_ca(&new, new.ca.clone(), Answer::Honest).await;
+    let ca = IstioCa::connect(old.config(server.addr))
+        .await
+        .expect("client starts");
+    let cart = id("shop", "cart");
+    ca.sign(sign_request(&cart, Duration::from_secs(600)))
+        .await
+        .expect_err("istiod's certificate is of a root not yet trusted");
+    assert!(!ca.reload_roots().expect("unchanged file"), "no change yet");
+
+    let bundle = format!("{}{}", old.files.root_cert_pem, new.files.root_cert_pem);
+    std::fs::write(old.root_file(), bundle).expect("rotate the root file");
+    assert!(ca.reload_roots().expect("the new bundle parses"));
+    assert_eq!(
+        CertificateAuthority::roots(&ca).len(),
+        2,
+        "old and new root"
+    );
+    let chain = ca
+        .sign(sign_request(&cart, Duration::from_secs(600)))
+        .await
+        .expect("signed once the new root is trusted");
+    assert!(!chain.is_empty());
+    assert!(!ca.reload_roots().expect("unchanged since"), "read once");
+
+    // A broken file: named, and the bundle in force stays.
+    std::fs::write(old.root_file(), "not a certificate").expect("break it");
+    let e = ca.reload_roots().expect_err("does not parse");
+    assert!(e.to_string().contains("root-cert.pem"), "{e}");
+    assert_eq!(CertificateAuthority::roots(&ca).len(), 2, "still both");
+    ca.sign(sign_request(&cart, Duration::from_secs(600)))
+        .await
+        .expect("still signed with the roots in force");
+}

@@ -9,7 +9,7 @@ use std::{
 };
 
 use tokio::sync::watch;
-use tracing::{Instrument as _, info, info_span, warn};
+use tracing::{Instrument as _, error, info, info_span, warn};
 
 use super::{AgentError, ProxyParts};
 use crate::{
@@ -226,12 +226,50 @@ pub(super) async fn start_proxy(
     };
     let proxy =
         Proxy::new(config, identities, store.clone(), original_dst).map_err(AgentError::Proxy)?;
+    if args.ca == crate::identity::CaKind::Istio {
+        // Runs for the agent's life: a root rotation (istiod's
+        // istio-ca-root-cert gaining a new root) without a restart.
+        tokio::spawn(watch_roots(proxy.clone(), ROOTS_RELOAD_EVERY));
+    }
     info!(ca = ?args.ca, ca_dir = %args.ca_dir.display(), inbound_plaintext = %args.inbound_plaintext, preserve_source = ?args.preserve_source, "proxy ready: pods get listeners on 15001, 15006 and 15008 as they enrol");
     Ok(ProxyParts { proxy, store })
 }
 
 /// How often the revocation list file is looked at for a change.
 const CRL_RELOAD_EVERY: Duration = Duration::from_secs(5);
+/// How often the Istio CA's root file is looked at for a change.
+const ROOTS_RELOAD_EVERY: Duration = Duration::from_secs(5);
+
+/// Looks at the CA's root file every `every`; when it changed, the channel
+/// to istiod and the proxy's trust anchors take its roots (as ztunnel's
+/// root reload). A file that went away or does not parse is logged once and
+/// the roots in force stay.
+async fn watch_roots(proxy: Proxy, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let identities = proxy.identities();
+        match identities.reload_roots() {
+            Ok(false) => {}
+            Ok(true) => {
+                let roots = identities.roots();
+                match proxy.replace_roots(&roots) {
+                    Ok(()) => info!(
+                        roots = roots.len(),
+                        "mesh root certificates reloaded: istiod and new handshakes are checked against them"
+                    ),
+                    Err(e) => {
+                        error!(error = %e, "mesh root certificates reloaded but unusable for handshakes; the ones in force stay")
+                    }
+                }
+            }
+            Err(e) => {
+                error!(error = %e, "mesh root certificates not reloaded; the ones in force stay")
+            }
+        }
+    }
+}
 
 /// Raises the soft open-files limit to the hard one (a proxy needs two fds
 /// per connection and one more per HBONE stream) and logs the figures.

@@ -16,8 +16,18 @@
 //!
 //! The answer is not trusted blindly: the leaf must carry exactly the
 //! requested SPIFFE id, certify the CSR's key and chain to the root file.
+//!
+//! The root file is read again when it changes ([`IstioCa::reload_roots`],
+//! as ztunnel since its #1775): a root rotation (istiod's ConfigMap gaining
+//! the new root beside the old) then reaches the channel to istiod and the
+//! mesh's trust anchors without a restart.
 
-use std::{collections::BTreeMap, path::PathBuf, time::Duration};
+use std::{
+    collections::BTreeMap,
+    path::PathBuf,
+    sync::{Mutex, RwLock},
+    time::{Duration, SystemTime},
+};
 
 use prost_types::{Struct, Value, value::Kind};
 use rustls_pki_types::{CertificateDer, UnixTime};
@@ -118,12 +128,29 @@ pub enum IstioCaError {
 /// A client of the Istio CA. Cheap to share: tonic's channel multiplexes
 /// calls over one HTTP/2 connection and reconnects by itself.
 pub struct IstioCa {
-    client: IstioCertificateServiceClient<Channel>,
+    /// The channel and the roots it checks istiod against: replaced whole
+    /// when the root file changes.
+    trust: RwLock<Trust>,
     address: String,
     token_file: PathBuf,
     cluster_id: Option<AsciiMetadataValue>,
     root_file: PathBuf,
+    /// The root file's modification time and length when last read.
+    root_seen: Mutex<RootStamp>,
+    connect_timeout: Duration,
+    request_timeout: Duration,
+}
+
+struct Trust {
+    client: IstioCertificateServiceClient<Channel>,
     roots: Vec<CertificateDer<'static>>,
+}
+
+type RootStamp = Option<(Option<SystemTime>, u64)>;
+
+fn root_stamp(path: &std::path::Path) -> RootStamp {
+    let meta = std::fs::metadata(path).ok()?;
+    Some((meta.modified().ok(), meta.len()))
 }
 
 impl std::fmt::Debug for IstioCa {
@@ -132,7 +159,7 @@ impl std::fmt::Debug for IstioCa {
             .field("address", &self.address)
             .field("token_file", &self.token_file)
             .field("root_file", &self.root_file)
-            .field("roots", &self.roots.len())
+            .field("roots", &CertificateAuthority::roots(self).len())
             .finish_non_exhaustive()
     }
 }
@@ -145,27 +172,8 @@ impl IstioCa {
     /// never work and is an error.
     pub async fn connect(config: IstioCaConfig) -> Result<Self, IstioCaError> {
         let address = normalize_address(&config.address)?;
-        let root_pem =
-            std::fs::read(&config.root_cert).map_err(|source| IstioCaError::RootCertFile {
-                path: config.root_cert.clone(),
-                source,
-            })?;
-        let root_invalid = |reason: String| IstioCaError::RootCertInvalid {
-            path: config.root_cert.clone(),
-            reason,
-        };
-        let roots = std::str::from_utf8(&root_pem)
-            .map_err(|e| root_invalid(format!("not PEM text: {e}")))
-            .and_then(|text| parse_certs(text).map_err(root_invalid))?;
-        if roots.is_empty() {
-            return Err(root_invalid("holds no CERTIFICATE block".into()));
-        }
-        // Each root must be usable as a webpki trust anchor, or every issued
-        // certificate would later fail verification for an obscure reason.
-        for (i, root) in roots.iter().enumerate() {
-            webpki::anchor_from_trusted_cert(root)
-                .map_err(|e| root_invalid(format!("certificate #{i} is not a usable root: {e}")))?;
-        }
+        let root_seen = root_stamp(&config.root_cert);
+        let (root_pem, roots) = read_roots(&config.root_cert)?;
 
         let cluster_id = config
             .cluster_id
@@ -178,27 +186,12 @@ impl IstioCa {
             })
             .transpose()?;
 
-        let tls_err = |e: tonic::transport::Error| IstioCaError::Tls {
-            address: address.clone(),
-            reason: error_chain(&e),
-        };
-        // Only the given roots: the CA is the mesh's, never a public one.
-        let tls = ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(&root_pem))
-            .timeout(config.connect_timeout);
-        let endpoint = Endpoint::from_shared(address.clone())
-            .map_err(|e| IstioCaError::Address {
-                address: address.clone(),
-                reason: error_chain(&e),
-            })?
-            .tls_config(tls)
-            .map_err(tls_err)?
-            .connect_timeout(config.connect_timeout)
-            .timeout(config.request_timeout)
-            // Notice a silently dead connection (a restarted istiod pod
-            // behind a stale conntrack entry) before the next renewal.
-            .http2_keep_alive_interval(Duration::from_secs(30))
-            .keep_alive_timeout(Duration::from_secs(10));
+        let endpoint = endpoint(
+            &address,
+            &root_pem,
+            config.connect_timeout,
+            config.request_timeout,
+        )?;
         let channel = match endpoint.connect().await {
             Ok(channel) => {
                 tracing::info!(%address, root = %config.root_cert.display(), "connected to the Istio CA");
@@ -211,13 +204,44 @@ impl IstioCa {
             }
         };
         Ok(Self {
-            client: IstioCertificateServiceClient::new(channel),
+            trust: RwLock::new(Trust {
+                client: IstioCertificateServiceClient::new(channel),
+                roots,
+            }),
             address,
             token_file: config.token_file,
             cluster_id,
             root_file: config.root_cert,
-            roots,
+            root_seen: Mutex::new(root_seen),
+            connect_timeout: config.connect_timeout,
+            request_timeout: config.request_timeout,
         })
+    }
+
+    /// Reads the root file again if it changed since the last read:
+    /// `Ok(true)` when its roots are now the ones istiod and the mesh's
+    /// peers are checked against (the channel to istiod is made anew, and
+    /// connects at its next call). A file that went away or does not parse
+    /// is an error, reported once, and the last good roots stay.
+    pub fn reload_roots(&self) -> Result<bool, IstioCaError> {
+        let now = root_stamp(&self.root_file);
+        {
+            let mut seen = self.root_seen.lock().unwrap_or_else(|p| p.into_inner());
+            if *seen == now {
+                return Ok(false);
+            }
+            *seen = now;
+        }
+        let (root_pem, roots) = read_roots(&self.root_file)?;
+        let endpoint = endpoint(
+            &self.address,
+            &root_pem,
+            self.connect_timeout,
+            self.request_timeout,
+        )?;
+        let client = IstioCertificateServiceClient::new(endpoint.connect_lazy());
+        *self.trust.write().unwrap_or_else(|p| p.into_inner()) = Trust { client, roots };
+        Ok(true)
     }
 
     /// The CA's URL as used.
@@ -273,9 +297,13 @@ impl IstioCa {
             call.metadata_mut().insert("clusterid", cluster_id.clone());
         }
         // The generated client needs `&mut self`; clones share the channel.
-        let response = self
+        let mut client = self
+            .trust
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
             .client
-            .clone()
+            .clone();
+        let response = client
             .create_certificate(call)
             .await
             .map_err(|status| self.call_error(identity, &status))?;
@@ -349,14 +377,14 @@ impl IstioCa {
 
         // Peers verify against the same roots: a leaf that does not chain to
         // them would fail every handshake, so refuse it here, clearly.
-        let anchors = self
-            .roots
+        let roots = CertificateAuthority::roots(self);
+        let anchors = roots
             .iter()
             .filter_map(|r| webpki::anchor_from_trusted_cert(r).ok())
             .collect::<Vec<_>>();
         let rest: Vec<CertificateDer<'static>> = chain[1..]
             .iter()
-            .filter(|c| !self.roots.contains(c))
+            .filter(|c| !roots.contains(c))
             .cloned()
             .collect();
         let end_entity = webpki::EndEntityCert::try_from(leaf)
@@ -404,8 +432,73 @@ impl CertificateAuthority for IstioCa {
     }
 
     fn roots(&self) -> Vec<CertificateDer<'static>> {
-        self.roots.clone()
+        self.trust
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .roots
+            .clone()
     }
+
+    fn reload_roots(&self) -> Result<bool, IdentityError> {
+        Ok(IstioCa::reload_roots(self)?)
+    }
+}
+
+/// The root file's PEM and its roots, each usable as a trust anchor.
+fn read_roots(
+    path: &std::path::Path,
+) -> Result<(Vec<u8>, Vec<CertificateDer<'static>>), IstioCaError> {
+    let root_pem = std::fs::read(path).map_err(|source| IstioCaError::RootCertFile {
+        path: path.to_owned(),
+        source,
+    })?;
+    let root_invalid = |reason: String| IstioCaError::RootCertInvalid {
+        path: path.to_owned(),
+        reason,
+    };
+    let roots = std::str::from_utf8(&root_pem)
+        .map_err(|e| root_invalid(format!("not PEM text: {e}")))
+        .and_then(|text| parse_certs(text).map_err(root_invalid))?;
+    if roots.is_empty() {
+        return Err(root_invalid("holds no CERTIFICATE block".into()));
+    }
+    // Each root must be usable as a webpki trust anchor, or every issued
+    // certificate would later fail verification for an obscure reason.
+    for (i, root) in roots.iter().enumerate() {
+        webpki::anchor_from_trusted_cert(root)
+            .map_err(|e| root_invalid(format!("certificate #{i} is not a usable root: {e}")))?;
+    }
+    Ok((root_pem, roots))
+}
+
+/// The channel's endpoint: TLS to `address` trusting only `root_pem`.
+fn endpoint(
+    address: &str,
+    root_pem: &[u8],
+    connect_timeout: Duration,
+    request_timeout: Duration,
+) -> Result<Endpoint, IstioCaError> {
+    // Only the given roots: the CA is the mesh's, never a public one.
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(root_pem))
+        .timeout(connect_timeout);
+    let endpoint =
+        Endpoint::from_shared(address.to_owned()).map_err(|e| IstioCaError::Address {
+            address: address.to_owned(),
+            reason: error_chain(&e),
+        })?;
+    Ok(endpoint
+        .tls_config(tls)
+        .map_err(|e| IstioCaError::Tls {
+            address: address.to_owned(),
+            reason: error_chain(&e),
+        })?
+        .connect_timeout(connect_timeout)
+        .timeout(request_timeout)
+        // Notice a silently dead connection (a restarted istiod pod
+        // behind a stale conntrack entry) before the next renewal.
+        .http2_keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_timeout(Duration::from_secs(10)))
 }
 
 /// `https://host:port` from what the user gave. Plain `http` is refused: the

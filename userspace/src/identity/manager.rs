@@ -308,6 +308,12 @@ impl IdentityManager {
     pub fn roots(&self) -> Vec<CertificateDer<'static>> {
         self.inner.ca.roots()
     }
+
+    /// Has the CA read its roots again if their source changed; `Ok(true)`
+    /// when [`IdentityManager::roots`] has new ones.
+    pub fn reload_roots(&self) -> Result<bool, IdentityError> {
+        self.inner.ca.reload_roots()
+    }
 }
 
 /// The life of one identity: issue, wait until half-life, renew; on failure

@@ -50,6 +50,12 @@ pub trait CertificateAuthority: Send + Sync + 'static {
     fn sign(&self, request: SignRequest) -> SignFuture<'_>;
     /// The roots peers' chains must reach (the mesh's trust anchors).
     fn roots(&self) -> Vec<CertificateDer<'static>>;
+    /// Reads the roots again if their source changed: `Ok(true)` when
+    /// [`CertificateAuthority::roots`] has new ones. A CA whose roots never
+    /// change keeps the default.
+    fn reload_roots(&self) -> Result<bool, IdentityError> {
+        Ok(false)
+    }
 }
 
 /// Errors from issuing, loading or checking certificates.

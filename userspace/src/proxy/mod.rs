@@ -311,6 +311,16 @@ impl Proxy {
         &self.shared.identities
     }
 
+    /// Checks peers' chains against `roots` from now on (a root rotation:
+    /// [`IdentityManager::reload_roots`]); an unusable set leaves the one
+    /// in force.
+    pub fn replace_roots(
+        &self,
+        roots: &[rustls_pki_types::CertificateDer<'_>],
+    ) -> Result<(), crate::tls::TlsConfigError> {
+        self.shared.roots.replace(roots)
+    }
+
     pub fn stats(&self) -> ProxyStats {
         let c = &self.shared.counters;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);

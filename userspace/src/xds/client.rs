@@ -64,41 +64,46 @@ pub struct XdsSource {
     status: XdsStatusHandle,
 }
 
+/// The channel's endpoint: TLS to `address` trusting only the roots in
+/// `config.root_cert` as the file is now.
+fn endpoint(config: &XdsConfig, address: &str) -> Result<Endpoint, XdsError> {
+    let root_err = |reason: String| XdsError::RootCert {
+        path: config.root_cert.clone(),
+        reason,
+    };
+    let root_pem = std::fs::read(&config.root_cert).map_err(|e| root_err(e.to_string()))?;
+    let blocks = pem::parse_many(&root_pem).map_err(|e| root_err(format!("not PEM: {e}")))?;
+    if !blocks.iter().any(|b| b.tag() == "CERTIFICATE") {
+        return Err(root_err("holds no CERTIFICATE block".into()));
+    }
+    // Only the mesh root: istiod's certificate is never a public one.
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&root_pem))
+        .timeout(config.connect_timeout);
+    Ok(Endpoint::from_shared(address.to_owned())
+        .map_err(|e| XdsError::Address {
+            address: config.address.clone(),
+            reason: error_chain(&e),
+        })?
+        .tls_config(tls)
+        .map_err(|e| XdsError::Tls {
+            address: address.to_owned(),
+            reason: error_chain(&e),
+        })?
+        .connect_timeout(config.connect_timeout)
+        // No request timeout: the stream lives as long as istiod keeps it.
+        // Keep-alives notice a silently dead peer instead.
+        .http2_keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .keep_alive_while_idle(true))
+}
+
 impl XdsSource {
     /// Checks the address and root file and prepares the TLS channel; does
     /// not connect (the agent must start before istiod is reachable).
     pub fn new(config: XdsConfig) -> Result<Self, XdsError> {
         let address = normalize_address(&config.address)?;
-        let root_err = |reason: String| XdsError::RootCert {
-            path: config.root_cert.clone(),
-            reason,
-        };
-        let root_pem = std::fs::read(&config.root_cert).map_err(|e| root_err(e.to_string()))?;
-        let blocks = pem::parse_many(&root_pem).map_err(|e| root_err(format!("not PEM: {e}")))?;
-        if !blocks.iter().any(|b| b.tag() == "CERTIFICATE") {
-            return Err(root_err("holds no CERTIFICATE block".into()));
-        }
-        let tls_err = |e: tonic::transport::Error| XdsError::Tls {
-            address: address.clone(),
-            reason: error_chain(&e),
-        };
-        // Only the mesh root: istiod's certificate is never a public one.
-        let tls = ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(&root_pem))
-            .timeout(config.connect_timeout);
-        let endpoint = Endpoint::from_shared(address.clone())
-            .map_err(|e| XdsError::Address {
-                address: config.address.clone(),
-                reason: error_chain(&e),
-            })?
-            .tls_config(tls)
-            .map_err(tls_err)?
-            .connect_timeout(config.connect_timeout)
-            // No request timeout: the stream lives as long as istiod keeps
-            // it. Keep-alives notice a silently dead peer instead.
-            .http2_keep_alive_interval(Duration::from_secs(30))
-            .keep_alive_timeout(Duration::from_secs(10))
-            .keep_alive_while_idle(true);
+        let endpoint = endpoint(&config, &address)?;
         let status = XdsStatusHandle::default();
         status.set(XdsState::new(&address, config.node.id()).status());
         Ok(Self {
@@ -145,7 +150,14 @@ impl XdsSource {
             Ok(bearer) => bearer,
             Err(error) => return StreamEnd::failed(error),
         };
-        let channel = match self.endpoint.connect().await {
+        // The root file as it is now (a root rotation reaches the next
+        // connection, as the token does); the one read at start if it went
+        // bad.
+        let endpoint = endpoint(&self.config, &self.address).unwrap_or_else(|e| {
+            warn!(error = %e, "the root file read at start is used for this connection");
+            self.endpoint.clone()
+        });
+        let channel = match endpoint.connect().await {
             Ok(channel) => channel,
             Err(e) => {
                 return StreamEnd::failed(format!(
