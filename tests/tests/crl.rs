@@ -1,13 +1,15 @@
 //! Certificate revocation lists (`--crl-path`, ztunnel's `CRL_PATH`) on
-//! the real agent, with an empty list file at start:
+//! the real agent:
 //!
-//! - two peers holding mesh certificates both reach the server pod over
-//!   HBONE; a CRL of the mesh CA revoking one of them is written to the
-//!   file; once the agent says it reloaded, that peer's handshake fails and
-//!   the other's still passes;
-//! - inbound: both peers hold a stream open; the list revokes one, and its
-//!   connection is closed while the other's keeps echoing
-//!   (`istio_crl_policy_rejections_total{reporter="destination"}`);
+//! - started with a file that does not parse, the agent names it and
+//!   serves; two peers holding mesh certificates both reach the server pod
+//!   over HBONE; a CRL of the mesh CA revoking one of them is written to
+//!   the file; once the agent says it reloaded, that peer's handshake fails
+//!   and the other's still passes;
+//! - inbound (an empty file at start): both peers hold a stream open; the
+//!   list revokes one, and its connection is closed while the other's
+//!   keeps echoing (`istio_crl_policy_rejections_total{reporter=
+//!   "destination"}`);
 //! - outbound: a pod's pooled HBONE connection to a server on another node
 //!   (a stand-in HBONE server, no agent there) carries an open connection
 //!   of the pod; the list revokes the server's certificate, and the pooled
@@ -36,6 +38,9 @@ use shunt_testbed::{
 };
 
 const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A PEM block that is no CRL (a ConfigMap written wrong).
+const NOT_A_LIST: &str = "-----BEGIN X509 CRL-----\nbm90IGEgY3Js\n-----END X509 CRL-----\n";
 
 /// One HBONE stream from `peer` to the server's echo port: `Ok` when it
 /// echoes, else why not.
@@ -106,7 +111,16 @@ async fn a_revoked_peer_is_refused_once_the_list_names_it() {
         revoked,
         kept,
         server_id,
-    } = server_bed("crl");
+    } = server_bed("crl", NOT_A_LIST);
+    // A list that does not parse at start is named, and revokes nothing:
+    // the agent serves (stopping would stop the node's mesh traffic).
+    assert!(
+        agent
+            .logs()
+            .contains("certificate revocation lists unusable"),
+        "{}",
+        agent.logs()
+    );
     let hbone = SocketAddr::from((server.ip(), 15008));
     let echo_at = SocketAddr::from((server.ip(), 8080));
     for (name, who) in [("revoked", &revoked), ("kept", &kept)] {
@@ -163,7 +177,7 @@ struct ServerBed {
     _topo: Topology,
 }
 
-fn server_bed(name: &str) -> ServerBed {
+fn server_bed(name: &str, initial_list: &str) -> ServerBed {
     require_root().expect("kernel tests need root");
     let mut topo = Topology::new(name).expect("topology");
     topo.add_node("node-a").expect("node");
@@ -176,6 +190,7 @@ fn server_bed(name: &str) -> ServerBed {
         &node,
         &[WorkloadSpec::for_pod(&server, true)],
         &crl_file,
+        initial_list,
     );
     let echo = EchoServer::on(&server, 8080).expect("echo");
     let ca = MeshCa::from_dir(agent.ca_dir()).expect("the agent's CA");
@@ -203,14 +218,16 @@ fn mesh_peer(ca: &MeshCa, sa: &str) -> Credentials {
     .expect("certificate")
 }
 
-/// An agent on `node` serving `workloads`, reading `crl_file` (empty now).
+/// An agent on `node` serving `workloads`, reading `crl_file`, which
+/// holds `initial` now.
 fn start_agent(
     topo: &Topology,
     node: &shunt_testbed::Node,
     workloads: &[WorkloadSpec],
     crl_file: &std::path::Path,
+    initial: &str,
 ) -> Agent {
-    std::fs::write(crl_file, "").expect("empty list file");
+    std::fs::write(crl_file, initial).expect("list file");
     let yaml = workloads_yaml(workloads);
     let crl_arg = crl_file.display().to_string();
     tokio::task::block_in_place(|| {
@@ -299,7 +316,7 @@ async fn an_open_connection_from_a_revoked_peer_is_closed_on_reload() {
         revoked,
         kept,
         server_id,
-    } = server_bed("crl-open");
+    } = server_bed("crl-open", "");
     let hbone = SocketAddr::from((server.ip(), 15008));
     let echo_at = SocketAddr::from((server.ip(), 8080)).to_string();
     let mut open = Vec::new();
@@ -405,6 +422,7 @@ async fn a_pooled_connection_to_a_revoked_server_is_closed_on_reload() {
             WorkloadSpec::for_pod(&server, true),
         ],
         &crl_file,
+        "",
     );
     let ca = MeshCa::from_dir(agent.ca_dir()).expect("the agent's CA");
     let server_creds = mesh_peer(&ca, "sa-server");

@@ -380,9 +380,11 @@ pub struct AgentArgs {
 
     /// Certificate revocation lists (PEM, or one DER list), as ztunnel's
     /// `CRL_PATH` (Istio's `istio-ca-crl`): a peer whose chain a list
-    /// revokes fails the handshake, both ways. Read at start (a file that
-    /// cannot be used stops the agent) and again when it changes (a bad
-    /// one keeps the last good lists). Unset: no revocation check.
+    /// revokes fails the handshake, both ways, and open HBONE connections
+    /// to or from it are closed when a list names it. Read at start (a
+    /// missing or unusable file revokes nothing until a good one appears,
+    /// logged) and again when it changes (a bad one keeps the last good
+    /// lists). Unset: no revocation check.
     #[arg(long, env = "CRL_PATH", value_name = "FILE")]
     pub crl_path: Option<PathBuf>,
 

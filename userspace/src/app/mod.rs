@@ -80,8 +80,6 @@ pub enum AgentError {
     Thread(std::io::Error),
     #[error("identity: {0}")]
     Identity(crate::identity::IdentityError),
-    #[error("certificate revocation lists: {0}")]
-    Crl(#[from] crate::identity::crl::CrlError),
     #[error("istiod xDS source: {0}")]
     Xds(#[from] crate::xds::XdsError),
     #[error(

@@ -195,8 +195,10 @@ pub(super) async fn start_proxy(
     let store = Arc::new(RwLock::new(WorkloadStore::on_network(&args.network)));
     let revocations = match &args.crl_path {
         Some(path) => {
-            let loaded = crate::identity::crl::Revocations::load(path)?;
-            if loaded.waiting() {
+            let (loaded, unusable) = crate::identity::crl::Revocations::load_or_wait(path);
+            if let Some(e) = unusable {
+                error!(error = %e, "certificate revocation lists unusable: nothing is revoked until a good file is written");
+            } else if loaded.waiting() {
                 warn!(path = %path.display(), "no certificate revocation list file yet: nothing is revoked until it appears");
             } else {
                 info!(path = %path.display(), lists = loaded.current().len(), "certificate revocation lists loaded: every handshake checks them");

@@ -7,12 +7,15 @@
 //! One file of PEM (or DER) CRLs, read at start and read again when it
 //! changes ([`watch`]). A file that is missing at start revokes nothing
 //! until it appears (as ztunnel: the ConfigMap that holds it may be
-//! mounted later); one that cannot be read or parsed at start stops the
-//! agent, named; an empty one revokes nothing. A new list applies to new
-//! handshakes and open connections; a list that does not parse, or a file
-//! that went away, is logged and the last good lists stay. Checked as
-//! ztunnel checks them (`tls/revocation.rs`): the whole chain, a
-//! certificate no list speaks for passes, an expired list still counts.
+//! mounted later); one that cannot be read or parsed at start is an error,
+//! named, and revokes nothing until a good one is written ([`Revocations::
+//! load_or_wait`]; ztunnel then runs without lists for good; stopping
+//! the agent would stop the node's mesh traffic); an empty one revokes
+//! nothing. A new list applies to new handshakes and open connections; a
+//! list that does not parse, or a file that went away, is logged and the
+//! last good lists stay. Checked as ztunnel checks them
+//! (`tls/revocation.rs`): the whole chain, a certificate no list speaks
+//! for passes, an expired list still counts.
 
 use std::{
     io::ErrorKind,
@@ -98,6 +101,27 @@ impl Revocations {
             }),
             generation: watch::Sender::new(0),
         }))
+    }
+
+    /// [`Revocations::load`], but a file that cannot be read or parsed
+    /// revokes nothing for now, its error returned for the caller to
+    /// report: the next change of the file is read as any reload.
+    pub fn load_or_wait(path: &Path) -> (Arc<Self>, Option<CrlError>) {
+        match Self::load(path) {
+            Ok(loaded) => (loaded, None),
+            Err(e) => (
+                Arc::new(Self {
+                    lists: RwLock::new(Arc::new(Vec::new())),
+                    source: Some(Source {
+                        path: path.to_owned(),
+                        // Seen as it is: reported now, not at every look.
+                        seen: RwLock::new(stamp(path).ok().flatten()),
+                    }),
+                    generation: watch::Sender::new(0),
+                }),
+                Some(e),
+            ),
+        }
     }
 
     /// Whether a file is named but has not been there yet (nothing is

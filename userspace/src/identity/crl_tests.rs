@@ -223,3 +223,32 @@ fn an_open_connection_learns_its_peer_was_revoked_on_reload() {
             .is_none()
     );
 }
+
+/// At start, a file that does not parse is named and revokes nothing; the
+/// next good file applies as any reload.
+#[test]
+fn an_unusable_file_at_start_revokes_nothing_until_a_good_one() {
+    let ca = ca();
+    let seven = leaf(&ca, "a", 7);
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("ca-crl.pem");
+    std::fs::write(
+        &path,
+        "-----BEGIN X509 CRL-----\nbm90IGEgY3Js\n-----END X509 CRL-----\n",
+    )
+    .expect("write");
+    let (revocations, error) = Revocations::load_or_wait(&path);
+    let e = error.expect("the bad file is named");
+    assert!(e.to_string().contains("ca-crl.pem"), "{e}");
+    let roots = TrustRoots::new(std::slice::from_ref(&ca.root))
+        .expect("roots")
+        .with_revocations(revocations.clone());
+    assert_eq!(accepted(&roots, &seven), [Ok(()), Ok(())]);
+    assert!(
+        !revocations.reload_if_changed().expect("unchanged"),
+        "reported at start, not again"
+    );
+    std::fs::write(&path, crl(&ca, 1, &[7])).expect("write");
+    assert!(revocations.reload_if_changed().expect("a good file"));
+    assert!(accepted(&roots, &seven)[0].is_err());
+}
