@@ -8,10 +8,10 @@
 //! changes ([`watch`]). A file that is missing at start revokes nothing
 //! until it appears (as ztunnel: the ConfigMap that holds it may be
 //! mounted later); one that cannot be read or parsed at start is an error,
-//! named, and revokes nothing until a good one is written ([`Revocations::
-//! load_or_wait`]; ztunnel then runs without lists for good; stopping
-//! the agent would stop the node's mesh traffic); an empty one revokes
-//! nothing. A new list applies to new handshakes and open connections; a
+//! named, and revokes nothing until a good one is written
+//! ([`Revocations::load_or_wait`]; ztunnel then runs without lists for
+//! good; stopping the agent would stop the node's mesh traffic); an empty
+//! one revokes nothing. A new list applies to new handshakes and open connections; a
 //! list that does not parse, or a file that went away, is logged and the
 //! last good lists stay. Checked as ztunnel checks them
 //! (`tls/revocation.rs`): the whole chain, a certificate no list speaks
