@@ -272,3 +272,32 @@ pub async fn pump_to_socket(
     }
     to.shutdown().await.map_err(|e| e.to_string())
 }
+
+/// One HBONE stream from `node` to `hbone` (a pod's 15008) as `peer`,
+/// expecting the server to be `server_id`, with CONNECT to `echo_at` (an
+/// echo server): `Ok` when `ping` comes back, else why not (the handshake's
+/// alert, the answer's status, the stream's end).
+pub async fn ping_through(
+    node: &crate::Node,
+    hbone: std::net::SocketAddr,
+    peer: &Credentials,
+    server_id: &SpiffeId,
+    echo_at: std::net::SocketAddr,
+) -> std::result::Result<(), String> {
+    let tcp = node.connect_tcp(hbone, STEP).map_err(|e| e.to_string())?;
+    tcp.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let tcp = TcpStream::from_std(tcp).map_err(|e| e.to_string())?;
+    let authority = echo_at.to_string();
+    let (mut send, mut recv) =
+        connect_to(tcp, &peer.cert, &peer.roots, server_id, &authority, &[]).await?;
+    send.send_data(Bytes::from_static(b"ping"), false)
+        .map_err(|e| e.to_string())?;
+    let echoed = tokio::time::timeout(STEP, recv.data())
+        .await
+        .map_err(|_| "no echo in time".to_string())?
+        .ok_or("stream ended")?
+        .map_err(|e| e.to_string())?;
+    (&echoed[..] == b"ping")
+        .then_some(())
+        .ok_or_else(|| format!("echoed {echoed:?}"))
+}

@@ -33,7 +33,7 @@ use shunt_testbed::{
     Cgroup, Topology,
     agent::{Agent, WorkloadSpec, mesh_pods_enrolled, workloads_yaml},
     apps::{EchoServer, TestApp, ok},
-    hbone::{Credentials, MeshCa, connect_to},
+    hbone::{Credentials, MeshCa, connect_to, ping_through},
     require_root,
 };
 
@@ -41,35 +41,6 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A PEM block that is no CRL (a ConfigMap written wrong).
 const NOT_A_LIST: &str = "-----BEGIN X509 CRL-----\nbm90IGEgY3Js\n-----END X509 CRL-----\n";
-
-/// One HBONE stream from `peer` to the server's echo port: `Ok` when it
-/// echoes, else why not.
-async fn reach(
-    node: &shunt_testbed::Node,
-    hbone: SocketAddr,
-    peer: &Credentials,
-    server_id: &SpiffeId,
-    echo_at: SocketAddr,
-) -> Result<(), String> {
-    let tcp = node
-        .connect_tcp(hbone, TIMEOUT)
-        .map_err(|e| e.to_string())?;
-    tcp.set_nonblocking(true).map_err(|e| e.to_string())?;
-    let tcp = tokio::net::TcpStream::from_std(tcp).map_err(|e| e.to_string())?;
-    let authority = echo_at.to_string();
-    let (mut send, mut recv) =
-        connect_to(tcp, &peer.cert, &peer.roots, server_id, &authority, &[]).await?;
-    send.send_data(Bytes::from_static(b"ping"), false)
-        .map_err(|e| e.to_string())?;
-    let echoed = tokio::time::timeout(TIMEOUT, recv.data())
-        .await
-        .map_err(|_| "no echo in time".to_string())?
-        .ok_or("stream ended")?
-        .map_err(|e| e.to_string())?;
-    (&echoed[..] == b"ping")
-        .then_some(())
-        .ok_or_else(|| format!("echoed {echoed:?}"))
-}
 
 /// A CRL of the agent's CA (its `--ca-dir` files) revoking `serial`, PEM.
 fn crl_revoking(ca_dir: &std::path::Path, serial: SerialNumber) -> String {
@@ -98,20 +69,10 @@ fn crl_revoking(ca_dir: &std::path::Path, serial: SerialNumber) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_peer_is_refused_once_the_list_names_it() {
-    // Bound, not `..`: the topology, the list's directory and the echo
-    // live as long as the test.
-    let ServerBed {
-        _topo,
-        _lists,
-        _echo,
-        mut agent,
-        node,
-        server,
-        crl_file,
-        revoked,
-        kept,
-        server_id,
-    } = server_bed("crl", NOT_A_LIST);
+    let mut bed = server_bed("crl", NOT_A_LIST);
+    let (node, server) = (bed.node.clone(), bed.server.clone());
+    let (revoked, kept, server_id) = (bed.revoked.clone(), bed.kept.clone(), bed.server_id.clone());
+    let agent = &mut bed.agent;
     // A list that does not parse at start is named, and revokes nothing:
     // the agent serves (stopping would stop the node's mesh traffic).
     assert!(
@@ -124,14 +85,14 @@ async fn a_revoked_peer_is_refused_once_the_list_names_it() {
     let hbone = SocketAddr::from((server.ip(), 15008));
     let echo_at = SocketAddr::from((server.ip(), 8080));
     for (name, who) in [("revoked", &revoked), ("kept", &kept)] {
-        reach(&node, hbone, who, &server_id, echo_at)
+        ping_through(&node, hbone, who, &server_id, echo_at)
             .await
             .unwrap_or_else(|e| panic!("{name} before the list: {e}\n{}", agent.logs()));
     }
 
-    revoke(&mut agent, &crl_file, &revoked.cert.chain()[0]);
+    revoke(agent, &bed.crl_file, &revoked.cert.chain()[0]);
 
-    let refused = reach(&node, hbone, &revoked, &server_id, echo_at).await;
+    let refused = ping_through(&node, hbone, &revoked, &server_id, echo_at).await;
     let why = refused.expect_err("the revoked peer got through");
     // The agent's alert: the handshake ends on the revocation.
     assert!(why.contains("CertificateRevoked"), "{why}");
@@ -144,19 +105,19 @@ async fn a_revoked_peer_is_refused_once_the_list_names_it() {
             .and_then(|v| v.trim().parse().ok())
     };
     assert_eq!(
-        tokio::task::block_in_place(|| tls_refusals(&agent)),
+        tokio::task::block_in_place(|| tls_refusals(agent)),
         Some(1),
         "{}",
         agent.logs()
     );
     // And as ztunnel counts a revocation.
     assert_eq!(
-        crl_rejections(&agent, "destination"),
+        crl_rejections(agent, "destination"),
         Some(1),
         "{}",
         agent.logs()
     );
-    reach(&node, hbone, &kept, &server_id, echo_at)
+    ping_through(&node, hbone, &kept, &server_id, echo_at)
         .await
         .unwrap_or_else(|e| panic!("kept after the list: {e}\n{}", agent.logs()));
 }
@@ -165,6 +126,7 @@ async fn a_revoked_peer_is_refused_once_the_list_names_it() {
 /// server pod with an echo on 8080, and two mesh peers of the agent's CA
 /// that reach it from the node.
 struct ServerBed {
+    // Dropped in this order: the agent first, the topology last.
     agent: Agent,
     _echo: EchoServer,
     node: shunt_testbed::Node,
@@ -303,20 +265,10 @@ async fn ping(send: &mut SendStream<Bytes>, recv: &mut RecvStream) -> Result<(),
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_connection_from_a_revoked_peer_is_closed_on_reload() {
-    // Bound, not `..`: the topology, the list's directory and the echo
-    // live as long as the test.
-    let ServerBed {
-        _topo,
-        _lists,
-        _echo,
-        mut agent,
-        node,
-        server,
-        crl_file,
-        revoked,
-        kept,
-        server_id,
-    } = server_bed("crl-open", "");
+    let mut bed = server_bed("crl-open", "");
+    let (node, server) = (bed.node.clone(), bed.server.clone());
+    let (revoked, kept, server_id) = (bed.revoked.clone(), bed.kept.clone(), bed.server_id.clone());
+    let agent = &mut bed.agent;
     let hbone = SocketAddr::from((server.ip(), 15008));
     let echo_at = SocketAddr::from((server.ip(), 8080)).to_string();
     let mut open = Vec::new();
@@ -333,9 +285,9 @@ async fn an_open_connection_from_a_revoked_peer_is_closed_on_reload() {
     }
     let (mut kept_send, mut kept_recv) = open.pop().expect("kept");
     let (mut revoked_send, mut revoked_recv) = open.pop().expect("revoked");
-    assert_eq!(crl_rejections(&agent, "destination"), None);
+    assert_eq!(crl_rejections(agent, "destination"), None);
 
-    revoke(&mut agent, &crl_file, &revoked.cert.chain()[0]);
+    revoke(agent, &bed.crl_file, &revoked.cert.chain()[0]);
     // The event: the revoked peer's stream ends without an answer.
     let ended = ping(&mut revoked_send, &mut revoked_recv).await;
     let why = ended.expect_err("the revoked peer's open stream still echoes");
@@ -344,7 +296,7 @@ async fn an_open_connection_from_a_revoked_peer_is_closed_on_reload() {
         .await
         .unwrap_or_else(|e| panic!("the kept peer's stream: {e}\n{}", agent.logs()));
     assert_eq!(
-        crl_rejections(&agent, "destination"),
+        crl_rejections(agent, "destination"),
         Some(1),
         "{}",
         agent.logs()
@@ -358,7 +310,7 @@ async fn an_open_connection_from_a_revoked_peer_is_closed_on_reload() {
     );
     // The stream's own record says why it ended, as ztunnel's does.
     assert_eq!(
-        cut_on_revocation(&agent, "destination"),
+        cut_on_revocation(agent, "destination"),
         Some(1),
         "{}",
         agent.logs()

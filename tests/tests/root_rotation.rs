@@ -12,13 +12,12 @@
 
 use std::{net::SocketAddr, time::Duration};
 
-use bytes::Bytes;
 use shunt::state::{SpiffeId, TrustDomain};
 use shunt_testbed::{
     Topology,
     agent::{Agent, WorkloadSpec, mesh_pods_enrolled, workloads_yaml},
     apps::EchoServer,
-    hbone::{Credentials, connect_to},
+    hbone::{Credentials, ping_through},
     reference::{
         istiod::{Istiod, Snapshot},
         pki::Pki,
@@ -35,25 +34,15 @@ async fn reach(
     server: &shunt_testbed::Pod,
     peer: &Credentials,
 ) -> Result<(), String> {
-    let tcp = node
-        .connect_tcp(SocketAddr::from((server.ip(), 15008)), TIMEOUT)
-        .map_err(|e| e.to_string())?;
-    tcp.set_nonblocking(true).map_err(|e| e.to_string())?;
-    let tcp = tokio::net::TcpStream::from_std(tcp).map_err(|e| e.to_string())?;
     let server_id = SpiffeId::for_service_account(&TrustDomain::default(), "default", "sa-server");
-    let authority = SocketAddr::from((server.ip(), 8080)).to_string();
-    let (mut send, mut recv) =
-        connect_to(tcp, &peer.cert, &peer.roots, &server_id, &authority, &[]).await?;
-    send.send_data(Bytes::from_static(b"ping"), false)
-        .map_err(|e| e.to_string())?;
-    let echoed = tokio::time::timeout(TIMEOUT, recv.data())
-        .await
-        .map_err(|_| "no echo in time".to_string())?
-        .ok_or("stream ended")?
-        .map_err(|e| e.to_string())?;
-    (&echoed[..] == b"ping")
-        .then_some(())
-        .ok_or_else(|| format!("echoed {echoed:?}"))
+    ping_through(
+        node,
+        SocketAddr::from((server.ip(), 15008)),
+        peer,
+        &server_id,
+        SocketAddr::from((server.ip(), 8080)),
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
