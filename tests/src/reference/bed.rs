@@ -153,7 +153,11 @@ impl Bed {
                     target: (SERVER_IP, port).into(),
                 })
                 .collect(),
-        )?;
+        );
+        // The stand-in holds its CA in memory once started: the files go,
+        // whether it started or not.
+        let _ = std::fs::remove_dir_all(&gateway_ca);
+        let gateway = gateway?;
         Ok(Bed {
             pki,
             testapp: testapp.to_path_buf(),
