@@ -21,7 +21,7 @@ use std::{
     io::ErrorKind,
     path::{Path, PathBuf},
     sync::{Arc, RwLock},
-    time::{Duration, SystemTime},
+    time::Duration,
 };
 
 use rustls_pki_types::{CertificateRevocationListDer, pem::PemObject};
@@ -73,9 +73,7 @@ struct Source {
     seen: RwLock<Stamp>,
 }
 
-/// A file's modification time and length, `None` while there is no file:
-/// what says it changed.
-type Stamp = Option<(Option<SystemTime>, u64)>;
+use super::FileStamp as Stamp;
 
 impl Revocations {
     /// No lists: nothing is revoked.
@@ -197,14 +195,10 @@ pub async fn watch(revocations: Arc<Revocations>, every: Duration) {
 
 /// `None` when there is no file.
 fn stamp(path: &Path) -> Result<Stamp, CrlError> {
-    match std::fs::metadata(path) {
-        Ok(meta) => Ok(Some((meta.modified().ok(), meta.len()))),
-        Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(CrlError::Read {
-            path: path.to_owned(),
-            source,
-        }),
-    }
+    super::file_stamp(path).map_err(|source| CrlError::Read {
+        path: path.to_owned(),
+        source,
+    })
 }
 
 fn read(path: &Path) -> Result<(Vec<CertRevocationList<'static>>, Stamp), CrlError> {

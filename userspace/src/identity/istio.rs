@@ -26,7 +26,7 @@ use std::{
     collections::BTreeMap,
     path::PathBuf,
     sync::{Mutex, RwLock},
-    time::{Duration, SystemTime},
+    time::Duration,
 };
 
 use prost_types::{Struct, Value, value::Kind};
@@ -40,7 +40,9 @@ use tonic::{
     transport::{Certificate, Channel, ClientTlsConfig, Endpoint},
 };
 
-use super::{CertificateAuthority, IdentityError, SignFuture, SignRequest, ca::parse_certs};
+use super::{
+    CertificateAuthority, FileStamp, IdentityError, SignFuture, SignRequest, ca::parse_certs,
+};
 use crate::state::SpiffeId;
 
 /// The metadata key under which ztunnel names the workload it asks for.
@@ -136,7 +138,7 @@ pub struct IstioCa {
     cluster_id: Option<AsciiMetadataValue>,
     root_file: PathBuf,
     /// The root file's modification time and length when last read.
-    root_seen: Mutex<RootStamp>,
+    root_seen: Mutex<FileStamp>,
     connect_timeout: Duration,
     request_timeout: Duration,
 }
@@ -146,11 +148,10 @@ struct Trust {
     roots: Vec<CertificateDer<'static>>,
 }
 
-type RootStamp = Option<(Option<SystemTime>, u64)>;
-
-fn root_stamp(path: &std::path::Path) -> RootStamp {
-    let meta = std::fs::metadata(path).ok()?;
-    Some((meta.modified().ok(), meta.len()))
+/// The root file's stamp; an unreadable file counts as absent (the read
+/// that follows names the error).
+fn root_stamp(path: &std::path::Path) -> FileStamp {
+    super::file_stamp(path).ok().flatten()
 }
 
 impl std::fmt::Debug for IstioCa {

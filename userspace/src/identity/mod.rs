@@ -25,6 +25,19 @@ use rustls_pki_types::CertificateDer;
 
 use crate::state::{SpiffeId, TrustDomain};
 
+/// A file's modification time and length, `None` while there is no file:
+/// what says a watched file (the revocation lists, the CA's roots) changed.
+pub(crate) type FileStamp = Option<(Option<std::time::SystemTime>, u64)>;
+
+/// The [`FileStamp`] of `path` now.
+pub(crate) fn file_stamp(path: &Path) -> std::io::Result<FileStamp> {
+    match std::fs::metadata(path) {
+        Ok(meta) => Ok(Some((meta.modified().ok(), meta.len()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// What the manager asks a CA for.
 #[derive(Clone, Debug)]
 pub struct SignRequest {
