@@ -11,6 +11,11 @@ use crate::maps;
 /// more turns the fast path off (every flow back through the proxy).
 pub const MAX_FAST_PATH_DESTINATIONS: u32 = 65536;
 
+/// Address ranges the proxy must see, at most (ServiceEntry CIDRs, both
+/// families): the size of [`maps::FAST_PATH_RANGES`]. A view with more
+/// turns the fast path off.
+pub const MAX_FAST_PATH_RANGES: u32 = 4096;
+
 /// Fast-path connections tracked at once, from connect() to close (LRU: an
 /// entry left by a connect that never reached the SYN is evicted, never
 /// leaks; see `ebpf/src/passthrough.rs`).
@@ -43,7 +48,7 @@ impl FastPathDest {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FastPathState {
-    /// [`FastPathState::VALID`].
+    /// [`FastPathState::VALID`], [`FastPathState::RANGES`].
     pub flags: u32,
     /// How many times the table was made valid (for logs and tests).
     pub generation: u32,
@@ -54,6 +59,10 @@ impl FastPathState {
     /// a destination missing from it may go direct. Off, every connect of
     /// an enrolled pod goes to the proxy as without the fast path.
     pub const VALID: u32 = 1;
+    /// [`maps::FAST_PATH_RANGES`] holds at least one range: a connect whose
+    /// destination misses the address table is looked up there too (a
+    /// range holding it goes to the proxy). Off, the lookup is skipped.
+    pub const RANGES: u32 = 2;
 }
 
 /// What connect() left for sockops about a connect that went direct

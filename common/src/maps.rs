@@ -50,6 +50,11 @@ pub const POLICY_REFUSALS: &str = "SHUNT_POLICY_REFUSALS";
 /// other goes direct when the fast path is on and the table valid.
 /// Written only by the agent's fast-path table writer.
 pub const FAST_PATH_DESTS: &str = "SHUNT_FP_DESTS";
+/// `LpmTrie<FastPathDest, u32>`: every address range the proxy must see
+/// (a ServiceEntry's CIDR; IPv4 as IPv4-mapped IPv6, its prefix + 96);
+/// a connect into one goes to the proxy. Same single writer as
+/// [`FAST_PATH_DESTS`].
+pub const FAST_PATH_RANGES: &str = "SHUNT_FP_RANGES";
 /// `Array<FastPathState>` with one entry: whether the destination table
 /// is complete (`FastPathState::VALID`). Same single writer.
 pub const FAST_PATH_STATE: &str = "SHUNT_FP_STATE";
@@ -110,7 +115,7 @@ pub const HOST_PROBES: &str = "SHUNT_HOST_PROBES";
 pub const HOST_PROBE_STATS: &str = "SHUNT_HOST_PROBE_STATS";
 
 /// Every map the agent pins (and every pod's program instance shares).
-pub const ALL: [&str; 31] = [
+pub const ALL: [&str; 32] = [
     ENROLLED,
     POD_COUNTERS,
     POD_CONFIG,
@@ -126,6 +131,7 @@ pub const ALL: [&str; 31] = [
     POLICY_DENIALS,
     POLICY_REFUSALS,
     FAST_PATH_DESTS,
+    FAST_PATH_RANGES,
     FAST_PATH_STATE,
     FAST_PATH_SOCKS,
     FAST_PATH_EVENTS,

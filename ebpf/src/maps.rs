@@ -4,14 +4,14 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf, SockHash},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf, SockHash},
 };
 use shunt_common::{
     FAST_PATH_EVENTS_BYTES, FastPathDest, FastPathSock, FastPathState, FastPathStats, GlobalConfig,
     HostProbe, HostProbeKey, HostProbeNode, HostProbeStats, MAX_DNS_SOCKETS,
-    MAX_FAST_PATH_DESTINATIONS, MAX_FAST_PATH_SOCKETS, MAX_HOST_PROBES, MAX_ORIGINAL_DSTS,
-    MAX_PODS, MAX_PROBE_TARGETS, MAX_SPLICE_SOCKETS, OriginalDst, PodAddrs, PodConfig, PodCounters,
-    PodRecord, PodSlot, SockKey, SpliceFlow, SpliceKey,
+    MAX_FAST_PATH_DESTINATIONS, MAX_FAST_PATH_RANGES, MAX_FAST_PATH_SOCKETS, MAX_HOST_PROBES,
+    MAX_ORIGINAL_DSTS, MAX_PODS, MAX_PROBE_TARGETS, MAX_SPLICE_SOCKETS, OriginalDst, PodAddrs,
+    PodConfig, PodCounters, PodRecord, PodSlot, SockKey, SpliceFlow, SpliceKey,
 };
 
 /// netns cookie → slot: which namespaces are enrolled.
@@ -79,6 +79,13 @@ pub static SPLICE_KEYS: LruHashMap<u64, SpliceKey> =
 #[map(name = "SHUNT_FP_DESTS")]
 pub static FAST_PATH_DESTS: HashMap<FastPathDest, u32> =
     HashMap::with_max_entries(MAX_FAST_PATH_DESTINATIONS, 0);
+
+/// Address ranges the proxy must see (see `passthrough.rs`): the longest
+/// prefix holding a destination. Allocated per entry (the kernel requires
+/// it of this map type), so an unused table costs no memory.
+#[map(name = "SHUNT_FP_RANGES")]
+pub static FAST_PATH_RANGES: LpmTrie<FastPathDest, u32> =
+    LpmTrie::with_max_entries(MAX_FAST_PATH_RANGES, 0);
 
 /// Whether the destination table may be used (one entry).
 #[map(name = "SHUNT_FP_STATE")]

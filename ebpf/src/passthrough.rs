@@ -6,7 +6,9 @@
 //!
 //! The decision needs userspace's word twice: the pod allows it
 //! (`PodConfig::FAST_PATH`) and the destination table is complete
-//! (`FastPathState::VALID`). Here a *missing* entry sends a flow direct, so
+//! (`FastPathState::VALID`): the addresses (`SHUNT_FP_DESTS`) and the
+//! address ranges (`SHUNT_FP_RANGES`, a ServiceEntry's CIDR, longest
+//! prefix) the proxy must see. Here a *missing* entry sends a flow direct, so
 //! an incomplete table must not be used: userspace turns the switch off
 //! before anything that could leave it incomplete, and on only once it holds
 //! the whole set. Every failure here (no state, no record kept) sends the
@@ -40,6 +42,7 @@ use aya_ebpf::{
         BPF_TCP_FIN_WAIT1, BPF_TCP_FIN_WAIT2, BPF_TCP_LAST_ACK,
     },
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns},
+    maps::lpm_trie::Key,
     programs::{SockAddrContext, SockOpsContext},
 };
 use shunt_common::{
@@ -47,7 +50,8 @@ use shunt_common::{
 };
 
 use crate::maps::{
-    FAST_PATH_DESTS, FAST_PATH_EVENTS, FAST_PATH_SOCKS, FAST_PATH_STATE, FAST_PATH_STATS,
+    FAST_PATH_DESTS, FAST_PATH_EVENTS, FAST_PATH_RANGES, FAST_PATH_SOCKS, FAST_PATH_STATE,
+    FAST_PATH_STATS,
 };
 
 const AF_INET: u32 = 2;
@@ -59,7 +63,8 @@ const WAKE_AT_BYTES: u64 = 32 * 1024;
 
 /// Called by connect4/6 for a connect they would redirect: true when it
 /// goes direct instead (the pod allows the fast path, the table is valid,
-/// `dst` is not in it, and the connection's record was kept for sockops).
+/// `dst` is neither in it nor in one of its ranges, and the connection's
+/// record was kept for sockops).
 /// `dst` as the table keys it (IPv4 mapped into IPv6).
 #[inline(always)]
 pub fn goes_direct(
@@ -74,15 +79,19 @@ pub fn goes_direct(
     let Some(stats) = stats() else {
         return false;
     };
-    let valid = FAST_PATH_STATE
-        .get(0)
-        .is_some_and(|s| s.flags & FastPathState::VALID != 0);
-    if !valid {
+    let flags = FAST_PATH_STATE.get(0).map_or(0, |s| s.flags);
+    if flags & FastPathState::VALID == 0 {
         stats.table_invalid += 1;
         return false;
     }
     // SAFETY: plain value read out of the map.
     if unsafe { FAST_PATH_DESTS.get(dst) }.is_some() {
+        return false;
+    }
+    // A ServiceEntry's CIDR: the proxy must see a connect into it (its
+    // service, its waypoint). The trie is looked up only while it holds
+    // a range, so a node without any pays nothing for it.
+    if flags & FastPathState::RANGES != 0 && FAST_PATH_RANGES.get(Key::new(128, *dst)).is_some() {
         return false;
     }
     // SAFETY: the helpers only read the socket behind the context.

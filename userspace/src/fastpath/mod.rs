@@ -9,14 +9,14 @@
 //! Two tasks, both started by `app/`:
 //!
 //! - [`table::write_table`] — the one writer of the destination table and
-//!   its valid switch (`SHUNT_FP_DESTS`, `SHUNT_FP_STATE`). It is fed by the
+//!   its valid switch (`SHUNT_FP_DESTS`, `SHUNT_FP_RANGES`,
+//!   `SHUNT_FP_STATE`). It is fed by the
 //!   store owner (`app::store::own_store`): after each applied cluster view
 //!   it derives the set of destinations the proxy must see
 //!   ([`table::destinations`]) and writes it, additions before removals,
-//!   then turns the table on. A set too large for the table, a service
-//!   addressed by a range (a CIDR: the table holds single addresses) or a
-//!   failed write turns it off first (logged, counted): every connect goes
-//!   back to the proxy.
+//!   then turns the table on. A set too large for the table (addresses
+//!   or ranges) or a failed write turns it off first (logged, counted):
+//!   every connect goes back to the proxy.
 //! - [`report::report_events`] — reads the kernel's events and turns them
 //!   into what the proxy would have reported for a passthrough connection.
 //!

@@ -11,22 +11,39 @@ use std::{
 use tokio::sync::watch;
 use tracing::{error, info};
 
-use crate::{metrics::FastPathMetrics, redirect::ebpf::DestinationTable, store::WorkloadStore};
+use crate::{
+    metrics::FastPathMetrics,
+    redirect::ebpf::{DestinationTable, ProxyDestinations},
+    store::WorkloadStore,
+};
 
 /// Every destination the proxy must see, as the proxy's outbound path
 /// decides (`proxy/outbound.rs`): the addresses of mesh workloads (any
 /// node; those the proxy reaches over HBONE) and of any workload bound to
-/// a waypoint (the proxy sends it there, `proxy/waypoint.rs`), and every
+/// a waypoint (the proxy sends it there, `proxy/waypoint.rs`), every
 /// service VIP (the proxy resolves them to an endpoint or their waypoint,
-/// mesh or not), both families. A waypoint-bound destination never goes
-/// direct.
-pub fn destinations(store: &WorkloadStore) -> BTreeSet<IpAddr> {
+/// mesh or not), and every service's address range (a ServiceEntry's
+/// CIDR: a connect into it is that service's), both families. A
+/// waypoint-bound destination never goes direct.
+///
+/// A range is sent to the proxy whole, whatever its ports and even where
+/// a workload owns an address in it (the proxy then carries that connect
+/// as passthrough, as it would without the fast path): the kernel's table
+/// is keyed by address alone, and the proxy's answer is never wrong.
+pub fn destinations(store: &WorkloadStore) -> ProxyDestinations {
     let workloads = store
         .iter()
         .filter(|w| w.wants_mesh() || w.waypoint.is_some())
         .flat_map(|w| w.ips.iter().copied());
     let vips = store.services().iter().flat_map(|s| s.vips.iter().copied());
-    workloads.chain(vips).map(|ip| ip.to_canonical()).collect()
+    let addresses: BTreeSet<IpAddr> = workloads.chain(vips).map(|ip| ip.to_canonical()).collect();
+    let ranges = store
+        .services()
+        .iter()
+        .flat_map(|s| s.vip_ranges.iter())
+        .map(|r| (r.addr, r.prefix))
+        .collect();
+    ProxyDestinations { addresses, ranges }
 }
 
 /// Writes the table after each cluster view the store owner applied
@@ -39,43 +56,24 @@ pub async fn write_table(
     metrics: FastPathMetrics,
 ) {
     metrics.table_valid.set(0);
-    let mut written: Option<BTreeSet<IpAddr>> = None;
-    let mut off_for_ranges = false;
+    let mut written: Option<ProxyDestinations> = None;
     loop {
         let view = *applied.borrow_and_update();
-        let wanted = (view > 0).then(|| {
-            let store = store.read().unwrap_or_else(|p| p.into_inner());
-            // The table holds single addresses: a service reached by a
-            // range (a ServiceEntry's CIDR) cannot be listed, and a
-            // missing entry would send its connects around the proxy
-            // (and its waypoint). Off while any is known.
-            (!store.services().has_ranges()).then(|| destinations(&store))
-        });
-        if let Some(None) = wanted {
-            if !off_for_ranges || table.is_valid() {
-                written = None;
-                match table.invalidate() {
-                    Ok(()) => {
-                        metrics.invalidated("address_ranges");
-                        info!(
-                            view,
-                            "fast-path table off: a service is addressed by a range (a CIDR), which the kernel's table cannot hold; every connect of an enrolled pod goes through the proxy"
-                        );
-                        off_for_ranges = true;
-                    }
-                    Err(e) => error!(view, error = %e, "cannot turn the fast-path table off"),
-                }
-            }
-        } else if let Some(Some(wanted)) = wanted {
-            off_for_ranges = false;
+        if view > 0 {
+            let wanted = {
+                let store = store.read().unwrap_or_else(|p| p.into_inner());
+                destinations(&store)
+            };
             if written.as_ref() != Some(&wanted) || !table.is_valid() {
                 match table.sync(&wanted) {
                     Ok(report) => {
                         metrics.table_valid.set(1);
                         metrics.destinations.set(report.entries as i64);
+                        metrics.ranges.set(report.ranges as i64);
                         info!(
                             view,
                             destinations = report.entries,
+                            ranges = report.ranges,
                             added = report.added,
                             removed = report.removed,
                             "fast-path table written and in use: connects to any other destination go direct"
@@ -130,6 +128,7 @@ mod tests {
             ..Default::default()
         }]);
         let set: Vec<String> = destinations(&store)
+            .addresses
             .iter()
             .map(|ip| ip.to_string())
             .collect();
@@ -153,9 +152,47 @@ mod tests {
         let mut store = WorkloadStore::new();
         store.replace_all([bound]);
         let set: Vec<String> = destinations(&store)
+            .addresses
             .iter()
             .map(|ip| ip.to_string())
             .collect();
         assert_eq!(set, ["198.18.2.12"]);
+    }
+
+    #[test]
+    fn every_service_range_goes_to_the_proxy_whole() {
+        use crate::state::VipRange;
+        let range = |ip: &str, prefix| {
+            VipRange::new(ip.parse().expect("ip"), prefix, String::new()).expect("range")
+        };
+        let mut store = WorkloadStore::new();
+        store.replace_services([
+            Service {
+                name: "egress".into(),
+                namespace: "default".into(),
+                vips: vec!["198.18.100.3".parse().expect("ip")],
+                vip_ranges: vec![range("198.19.7.77", 24), range("fd00:7::1", 64)],
+                ..Default::default()
+            },
+            Service {
+                name: "other".into(),
+                namespace: "other".into(),
+                vip_ranges: vec![range("198.19.7.0", 24), range("10.0.0.0", 0)],
+                ..Default::default()
+            },
+        ]);
+        let wanted = destinations(&store);
+        let ranges: Vec<String> = wanted
+            .ranges
+            .iter()
+            .map(|(ip, prefix)| format!("{ip}/{prefix}"))
+            .collect();
+        assert_eq!(
+            ranges,
+            ["0.0.0.0/0", "198.19.7.0/24", "fd00:7::/64"],
+            "each range once, host bits cleared"
+        );
+        let addresses: Vec<String> = wanted.addresses.iter().map(ToString::to_string).collect();
+        assert_eq!(addresses, ["198.18.100.3"], "a ranged service's VIP too");
     }
 }

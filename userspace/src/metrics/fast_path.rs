@@ -21,6 +21,7 @@ pub struct ReasonLabel {
 pub struct FastPathMetrics {
     pub table_valid: Gauge,
     pub destinations: Gauge,
+    pub ranges: Gauge,
     pub invalidations: Family<ReasonLabel, Counter>,
     pub direct: Counter,
     pub proxied: Family<ReasonLabel, Counter>,
@@ -63,6 +64,11 @@ impl FastPathMetrics {
             "fast_path_destinations",
             "Destinations (mesh workload IPs, service VIPs) in the fast-path table",
             self.destinations.clone(),
+        );
+        shunt.register(
+            "fast_path_ranges",
+            "Address ranges (ServiceEntry CIDRs) in the fast-path table: a connect into one goes through the proxy",
+            self.ranges.clone(),
         );
         shunt.register(
             "fast_path_table_invalidations",

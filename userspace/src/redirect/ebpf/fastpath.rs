@@ -1,22 +1,25 @@
 //! The kernel side of the passthrough fast path (`ebpf/src/passthrough.rs`
-//! explains the datapath): the destination table and its valid switch
-//! ([`DestinationTable`], whose only user is the agent's table writer,
-//! `fastpath::table`), the event ring buffer ([`FastPathEvents`], read by
-//! the reporter, `fastpath::report`) and the programs' counters
-//! ([`FastPathCounters`]). Each opens its pinned maps by path, after the
-//! redirector loaded (and so pinned) them.
+//! explains the datapath): the destination table (addresses and address
+//! ranges) and its valid switch ([`DestinationTable`], whose only user is
+//! the agent's table writer, `fastpath::table`), the event ring buffer
+//! ([`FastPathEvents`], read by the reporter, `fastpath::report`) and the
+//! programs' counters ([`FastPathCounters`]). Each opens its pinned maps
+//! by path, after the redirector loaded (and so pinned) them.
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     net::IpAddr,
     os::fd::{AsRawFd, RawFd},
     path::{Path, PathBuf},
 };
 
-use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, PerCpuArray, RingBuf};
+use aya::maps::{
+    Array, HashMap as BpfHashMap, Map, MapData, MapError, PerCpuArray, RingBuf,
+    lpm_trie::{Key, LpmTrie},
+};
 use shunt_common::{
     FastPathDest, FastPathEvent, FastPathState, FastPathStats, MAX_FAST_PATH_DESTINATIONS,
-    MeshLocalStats, maps,
+    MAX_FAST_PATH_RANGES, MeshLocalStats, maps,
 };
 
 use super::LoadError;
@@ -29,9 +32,19 @@ pub enum TableError {
         "{wanted} destinations the proxy must see, more than the table's {limit} (--fast-path-max-destinations, at most {MAX_FAST_PATH_DESTINATIONS})"
     )]
     TooLarge { wanted: usize, limit: usize },
+    #[error(
+        "{wanted} address ranges (ServiceEntry CIDRs) the proxy must see, more than the table's {MAX_FAST_PATH_RANGES}"
+    )]
+    TooManyRanges { wanted: usize },
     #[error("writing {dest} into {}: {source}", maps::FAST_PATH_DESTS)]
     Write {
         dest: IpAddr,
+        #[source]
+        source: MapError,
+    },
+    #[error("writing {}/{} into {}: {source}", range.0, range.1, maps::FAST_PATH_RANGES)]
+    WriteRange {
+        range: (IpAddr, u8),
         #[source]
         source: MapError,
     },
@@ -44,24 +57,38 @@ impl TableError {
     pub fn reason(&self) -> &'static str {
         match self {
             TableError::TooLarge { .. } => "too_large",
-            TableError::Write { .. } => "write_error",
+            TableError::TooManyRanges { .. } => "too_many_ranges",
+            TableError::Write { .. } | TableError::WriteRange { .. } => "write_error",
             TableError::State(_) => "state_error",
         }
     }
 }
 
-/// What one [`DestinationTable::sync`] did.
+/// Every destination the proxy must see: single addresses, and address
+/// ranges (`addr/prefix`, host bits zero) for which the longest prefix
+/// holding a destination sends it to the proxy.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ProxyDestinations {
+    pub addresses: BTreeSet<IpAddr>,
+    pub ranges: BTreeSet<(IpAddr, u8)>,
+}
+
+/// What one [`DestinationTable::sync`] did (addresses and ranges together).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SyncReport {
     pub added: usize,
     pub removed: usize,
-    /// Entries now in the table.
+    /// Addresses now in the table.
     pub entries: usize,
+    /// Ranges now in the table.
+    pub ranges: usize,
 }
 
-/// `SHUNT_FP_DESTS` and `SHUNT_FP_STATE`, through the agent's own handles.
+/// `SHUNT_FP_DESTS`, `SHUNT_FP_RANGES` and `SHUNT_FP_STATE`, through the
+/// agent's own handles.
 pub struct DestinationTable {
     dests: BpfHashMap<MapData, FastPathDest, u32>,
+    ranges: LpmTrie<MapData, FastPathDest, u32>,
     state: Array<MapData, FastPathState>,
     /// Most entries written (`--fast-path-max-destinations`).
     limit: usize,
@@ -74,10 +101,13 @@ impl DestinationTable {
     pub fn open(pin_dir: &Path, limit: u32) -> Result<Self, LoadError> {
         let dests = BpfHashMap::try_from(Map::HashMap(open(pin_dir, maps::FAST_PATH_DESTS)?))
             .map_err(|e| map_error(maps::FAST_PATH_DESTS, e))?;
+        let ranges = LpmTrie::try_from(Map::LpmTrie(open(pin_dir, maps::FAST_PATH_RANGES)?))
+            .map_err(|e| map_error(maps::FAST_PATH_RANGES, e))?;
         let state = Array::try_from(Map::Array(open(pin_dir, maps::FAST_PATH_STATE)?))
             .map_err(|e| map_error(maps::FAST_PATH_STATE, e))?;
         let mut table = Self {
             dests,
+            ranges,
             state,
             limit: limit.min(MAX_FAST_PATH_DESTINATIONS) as usize,
             generation: 0,
@@ -90,14 +120,7 @@ impl DestinationTable {
 
     /// Turns the table off: from now on every connect goes to the proxy.
     pub fn invalidate(&mut self) -> Result<(), MapError> {
-        self.state.set(
-            0,
-            FastPathState {
-                flags: 0,
-                generation: self.generation,
-            },
-            0,
-        )
+        self.set_flags(0)
     }
 
     /// Whether the table is on.
@@ -109,54 +132,122 @@ impl DestinationTable {
 
     /// Makes the table hold exactly `wanted` and turns it on. Additions are
     /// written before removals (a destination that joins the mesh is in the
-    /// table before one that left is taken out). A set larger than the limit
-    /// or a failed write turns the table off first and returns the error;
-    /// a removal that fails only leaves an extra entry (that destination
-    /// keeps going through the proxy) and is retried on the next sync.
-    pub fn sync(&mut self, wanted: &BTreeSet<IpAddr>) -> Result<SyncReport, TableError> {
-        if wanted.len() > self.limit {
+    /// table before one that left is taken out), and the switch that makes
+    /// the kernel look ranges up is on before the first range is written.
+    /// A set larger than a limit or a failed write turns the table off
+    /// first and returns the error; a removal that fails only leaves an
+    /// extra entry (that destination keeps going through the proxy) and is
+    /// retried on the next sync.
+    pub fn sync(&mut self, wanted: &ProxyDestinations) -> Result<SyncReport, TableError> {
+        if wanted.addresses.len() > self.limit {
             self.invalidate().map_err(TableError::State)?;
             return Err(TableError::TooLarge {
-                wanted: wanted.len(),
+                wanted: wanted.addresses.len(),
                 limit: self.limit,
             });
         }
+        if wanted.ranges.len() > MAX_FAST_PATH_RANGES as usize {
+            self.invalidate().map_err(TableError::State)?;
+            return Err(TableError::TooManyRanges {
+                wanted: wanted.ranges.len(),
+            });
+        }
         let present: BTreeSet<FastPathDest> = self.dests.keys().filter_map(Result::ok).collect();
-        let wanted_keys: Vec<(IpAddr, FastPathDest)> =
-            wanted.iter().map(|ip| (*ip, key_of(*ip))).collect();
-        let mut report = SyncReport::default();
-        for (ip, key) in &wanted_keys {
-            if present.contains(key) {
-                continue;
-            }
+        let present_ranges: BTreeSet<(u32, FastPathDest)> = self
+            .ranges
+            .keys()
+            .filter_map(Result::ok)
+            .map(|k| (k.prefix_len(), k.data()))
+            .collect();
+        if !wanted.ranges.is_empty() {
+            let valid = if self.is_valid() {
+                FastPathState::VALID
+            } else {
+                0
+            };
+            self.set_flags(valid | FastPathState::RANGES)
+                .map_err(TableError::State)?;
+        }
+        let keys: BTreeMap<FastPathDest, IpAddr> = wanted
+            .addresses
+            .iter()
+            .map(|ip| (key_of(*ip), *ip))
+            .collect();
+        let range_keys: BTreeMap<(u32, FastPathDest), (IpAddr, u8)> = wanted
+            .ranges
+            .iter()
+            .map(|range| (range_key_of(range.0, range.1), *range))
+            .collect();
+        // Additions, addresses then ranges; any failure turns the table off.
+        let mut added = (0, 0);
+        for (key, ip) in keys.iter().filter(|(k, _)| !present.contains(k)) {
             if let Err(source) = self.dests.insert(key, 0u32, 0) {
                 self.invalidate().map_err(TableError::State)?;
                 return Err(TableError::Write { dest: *ip, source });
             }
-            report.added += 1;
+            added.0 += 1;
         }
-        let keep: BTreeSet<FastPathDest> = wanted_keys.iter().map(|(_, k)| *k).collect();
-        for key in present.difference(&keep) {
+        for (key, range) in range_keys
+            .iter()
+            .filter(|(k, _)| !present_ranges.contains(k))
+        {
+            if let Err(source) = self.ranges.insert(&Key::new(key.0, key.1), 0u32, 0) {
+                self.invalidate().map_err(TableError::State)?;
+                return Err(TableError::WriteRange {
+                    range: *range,
+                    source,
+                });
+            }
+            added.1 += 1;
+        }
+        // Removals; one that fails leaves its entry for the next sync.
+        let mut removed = (0, 0);
+        for key in present.iter().filter(|k| !keys.contains_key(k)) {
             match self.dests.remove(key) {
-                Ok(()) => report.removed += 1,
+                Ok(()) => removed.0 += 1,
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot remove a destination from the fast-path table; it keeps going through the proxy")
                 }
             }
         }
-        report.entries = present.len() + report.added - report.removed;
+        for key in present_ranges
+            .iter()
+            .filter(|k| !range_keys.contains_key(k))
+        {
+            match self.ranges.remove(&Key::new(key.0, key.1)) {
+                Ok(()) => removed.1 += 1,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot remove an address range from the fast-path table; it keeps going through the proxy")
+                }
+            }
+        }
+        let report = SyncReport {
+            added: added.0 + added.1,
+            removed: removed.0 + removed.1,
+            entries: present.len() + added.0 - removed.0,
+            ranges: present_ranges.len() + added.1 - removed.1,
+        };
         self.generation = self.generation.wrapping_add(1);
-        self.state
-            .set(
-                0,
-                FastPathState {
-                    flags: FastPathState::VALID,
-                    generation: self.generation,
-                },
-                0,
-            )
+        // A range a removal left keeps the kernel looking ranges up.
+        let ranges = if report.ranges > 0 {
+            FastPathState::RANGES
+        } else {
+            0
+        };
+        self.set_flags(FastPathState::VALID | ranges)
             .map_err(TableError::State)?;
         Ok(report)
+    }
+
+    fn set_flags(&mut self, flags: u32) -> Result<(), MapError> {
+        self.state.set(
+            0,
+            FastPathState {
+                flags,
+                generation: self.generation,
+            },
+            0,
+        )
     }
 }
 
@@ -172,6 +263,17 @@ pub fn key_of(ip: IpAddr) -> FastPathDest {
         *word = u32::from_ne_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
     }
     FastPathDest { addr }
+}
+
+/// The range table's key of `addr/prefix`: IPv4 mapped into IPv6 as
+/// [`key_of`], its prefix moved past the 96 bits of the mapping.
+pub fn range_key_of(addr: IpAddr, prefix: u8) -> (u32, FastPathDest) {
+    let prefix = u32::from(prefix);
+    let prefix = match addr {
+        IpAddr::V4(_) => 96 + prefix.min(32),
+        IpAddr::V6(_) => prefix.min(128),
+    };
+    (prefix, key_of(addr))
 }
 
 /// The events the programs send (opened, closed), read through the pinned
@@ -293,5 +395,19 @@ mod tests {
         let v6: IpAddr = "fd00::10".parse().expect("ip");
         assert_ne!(key_of(v6), from_connect4);
         assert_eq!(key_of(v6).addr[0], u32::from_ne_bytes([0xfd, 0, 0, 0]));
+    }
+
+    #[test]
+    fn an_ipv4_range_is_keyed_past_the_mapping() {
+        let (prefix, key) = range_key_of("198.19.7.0".parse().expect("ip"), 24);
+        assert_eq!(prefix, 120, "96 bits of ::ffff:0:0/96, then the 24");
+        assert_eq!(key, key_of("198.19.7.0".parse().expect("ip")));
+        let (prefix, key) = range_key_of("fd00:7::".parse().expect("ip"), 64);
+        assert_eq!(
+            (prefix, key.addr[0]),
+            (64, u32::from_ne_bytes([0xfd, 0, 0, 7]))
+        );
+        // Everything IPv4 is the mapping's /96, not all of IPv6.
+        assert_eq!(range_key_of("0.0.0.0".parse().expect("ip"), 0).0, 96);
     }
 }

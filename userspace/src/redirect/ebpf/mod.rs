@@ -64,7 +64,7 @@ use aya::{
 };
 pub use cgroup::cgroup2_mount;
 pub use fastpath::{
-    DestinationTable, FastPathCounters, FastPathEvents, SyncReport, TableError,
+    DestinationTable, FastPathCounters, FastPathEvents, ProxyDestinations, SyncReport, TableError,
     key_of as fast_path_key,
 };
 pub use load::{EbpfOptions, LoadError};

@@ -112,6 +112,7 @@ pub fn on_new_layout(name: &str) -> Option<&'static str> {
         maps::PROBE_TARGETS => "rewritten from the agent's state as each listed pod is enrolled",
         maps::POLICY_VERDICTS
         | maps::FAST_PATH_DESTS
+        | maps::FAST_PATH_RANGES
         | maps::FAST_PATH_STATE
         | maps::MESH_LOCAL_DESTS
         | maps::MESH_LOCAL_SOURCES
@@ -407,6 +408,11 @@ fn layout(name: &str) -> Option<(usize, usize)> {
         // A ring buffer has neither keys nor values.
         maps::POLICY_REFUSALS => (0, 0),
         maps::FAST_PATH_DESTS => (size_of::<FastPathDest>(), size_of::<u32>()),
+        // The trie's key: a 32-bit prefix length, then the address.
+        maps::FAST_PATH_RANGES => (
+            size_of::<u32>() + size_of::<FastPathDest>(),
+            size_of::<u32>(),
+        ),
         maps::FAST_PATH_STATE => (size_of::<u32>(), size_of::<FastPathState>()),
         maps::FAST_PATH_SOCKS => (size_of::<u64>(), size_of::<FastPathSock>()),
         // A ring buffer has neither keys nor values.
