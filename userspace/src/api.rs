@@ -59,6 +59,9 @@ pub struct FastPathStatus {
     pub table_valid: bool,
     /// Destinations (mesh workload IPs, service VIPs) in flow 1's table.
     pub destinations: u64,
+    /// Address ranges (ServiceEntry CIDRs) in flow 1's table.
+    #[serde(default)]
+    pub ranges: u64,
     /// Flow 2 is on.
     pub mesh_local_on: bool,
     /// Why flow 2 is off (absent while it is on).

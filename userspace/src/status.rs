@@ -309,7 +309,12 @@ fn render_fast_path(out: &mut String, status: &NodeStatus) {
         );
         return;
     }
-    let table = if fast.table_valid {
+    let table = if fast.table_valid && fast.ranges > 0 {
+        format!(
+            "table valid, {} destinations, {} address ranges",
+            fast.destinations, fast.ranges
+        )
+    } else if fast.table_valid {
         format!("table valid, {} destinations", fast.destinations)
     } else {
         "table NOT valid (every connect goes to the proxy)".to_string()
@@ -406,6 +411,7 @@ mod tests {
                 enabled: true,
                 table_valid: true,
                 destinations: 7,
+                ranges: 0,
                 mesh_local_on: false,
                 mesh_local_off_reason: Some("--fast-path off".into()),
                 passthrough_connections: 5,

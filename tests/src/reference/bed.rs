@@ -515,9 +515,17 @@ impl Side {
 }
 
 /// Polls the agent's readiness (bounded); false when it never says 200.
+/// Ready, it then waits for its fast-path table in use: otherwise every
+/// connect would still go to the proxy, and a row could not show the
+/// kernel sending one around it.
 fn wait_ready(agent: &Agent, timeout: Duration) -> bool {
     crate::poll::until(timeout, Duration::from_millis(50), || {
         matches!(agent.readiness(), Ok((200, _))).then_some(())
     })
     .is_some()
+        && crate::poll::until(timeout, Duration::from_millis(50), || {
+            let fast = agent.status().ok()?.fast_path?;
+            (!fast.enabled || fast.table_valid).then_some(())
+        })
+        .is_some()
 }

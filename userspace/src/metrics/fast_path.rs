@@ -140,6 +140,7 @@ impl FastPathMetrics {
             enabled,
             table_valid: enabled && self.table_valid.get() == 1,
             destinations: u64::try_from(self.destinations.get()).unwrap_or(0),
+            ranges: u64::try_from(self.ranges.get()).unwrap_or(0),
             mesh_local_on,
             mesh_local_off_reason,
             passthrough_connections: self.direct.get(),
