@@ -33,6 +33,7 @@ use shunt_testbed::{
     apps::{EchoServer, TestApp},
     poll::eventually,
     require_root,
+    scrape::{metrics, sample},
 };
 use tokio::task::block_in_place as blocking;
 
@@ -154,6 +155,23 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone_in_ebp
         || agent_a.logs(),
     )
     .await;
+
+    // What Istio's ztunnel dashboard charts, under ztunnel's names: the
+    // node proxy's version, its pod proxies, the xDS stream's messages.
+    let text = blocking(|| metrics(&node_a, &agent_a));
+    for (name, labels, value) in [
+        ("istio_build", vec![("component", "ztunnel")], Some(1.0)),
+        ("workload_manager_active_proxy_count", vec![], Some(1.0)),
+        ("workload_manager_proxies_started_total", vec![], Some(1.0)),
+        ("workload_manager_pending_proxy_count", vec![], Some(0.0)),
+        (
+            "istio_xds_message_total",
+            vec![("url", ADDRESS_TYPE_URL)],
+            Some(1.0),
+        ),
+    ] {
+        assert_eq!(sample(&text, name, &labels), value, "{name}:\n{text}");
+    }
 
     let server_app = EchoServer::on(&server, 8080).expect("echo");
     let sick_app = EchoServer::on(&sick, 8080).expect("echo");

@@ -27,7 +27,8 @@ use shunt::{
     control::{ClusterDelta, ClusterView, NodePods, SourceSink},
     state::{TrustDomain, TunnelProtocol, WorkloadStatus},
     xds::{
-        ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL, XdsConfig, XdsSource, XdsStatus, XdsStatusHandle,
+        ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL, XdsConfig, XdsMetrics, XdsSource, XdsStatus,
+        XdsStatusHandle,
     },
 };
 use shunt_proto::istio::{security as security_pb, workload as workload_pb};
@@ -87,6 +88,8 @@ struct Running {
     sink: Arc<Recorder>,
     status: XdsStatusHandle,
     task: tokio::task::JoinHandle<()>,
+    /// The source's metrics, registered as the agent registers them.
+    metrics: prometheus_client::registry::Registry,
 }
 
 impl Drop for Running {
@@ -99,14 +102,34 @@ impl Running {
     fn status(&self) -> XdsStatus {
         self.status.snapshot()
     }
+
+    /// The value of the series `line_start` (name and labels) in the
+    /// source's exposition, 0 when absent.
+    fn sample(&self, line_start: &str) -> u64 {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &self.metrics).expect("encode");
+        text.lines()
+            .find_map(|l| l.strip_prefix(line_start)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or(0)
+    }
 }
 
 fn start_source(config: XdsConfig) -> Running {
-    let source = XdsSource::new(config).expect("valid xDS settings");
+    let xds_metrics = Arc::new(XdsMetrics::default());
+    let mut metrics = prometheus_client::registry::Registry::default();
+    xds_metrics.register(metrics.sub_registry_with_prefix("istio"));
+    let source = XdsSource::new(config)
+        .expect("valid xDS settings")
+        .with_metrics(xds_metrics);
     let status = source.status();
     let sink = Arc::new(Recorder::default());
     let task = tokio::spawn(source.run(sink.clone()));
-    Running { sink, status, task }
+    Running {
+        sink,
+        status,
+        task,
+        metrics,
+    }
 }
 
 fn vip() -> SocketAddr {
@@ -527,9 +550,18 @@ async fn a_reconnect_sends_the_versions_held_and_applies_only_the_difference() {
     let pki = Pki::new();
     let server = FakeIstiod::start(&pki).await;
     let running = synced_source(&pki, &server, pki.config(server.addr)).await;
+    let address_messages = format!("istio_xds_message_total{{url=\"{ADDRESS_TYPE_URL}\"}}");
+    let address_bytes = format!("istio_xds_message_bytes_total{{url=\"{ADDRESS_TYPE_URL}\"}}");
+    assert_eq!(running.sample(&address_messages), 1, "one Address push");
+    assert!(running.sample(&address_bytes) > 100, "its four resources");
 
     server.disconnect();
     let initial = server.initial_requests(2).await;
+    // UNAVAILABLE without a transport reason: ztunnel's "Error".
+    assert_eq!(
+        running.sample("istio_xds_connection_terminations_total{reason=\"Error\"}"),
+        1
+    );
     let versions = &initial[ADDRESS_TYPE_URL].initial_resource_versions;
     let expected: HashMap<String, String> = [
         "Kubernetes//Pod/default/client",
@@ -572,6 +604,11 @@ async fn a_reconnect_sends_the_versions_held_and_applies_only_the_difference() {
     );
     assert_eq!(view.policies.len(), 1, "policies held across the reconnect");
     assert_eq!(running.status().connections, 2);
+    assert_eq!(
+        running.sample(&address_messages),
+        2,
+        "counted across streams"
+    );
 }
 
 #[tokio::test]
@@ -598,6 +635,10 @@ async fn while_istiod_is_away_nothing_is_dropped() {
         running.sink.published(),
         published,
         "nothing republished while away"
+    );
+    assert!(
+        running.sample("istio_xds_connection_terminations_total{reason=\"ConnectionError\"}") >= 1,
+        "a refused connect is a connection error"
     );
     assert_eq!(running.sink.last().as_ref(), Some(&before));
     assert!(running.sink.is_synced(), "readiness kept");

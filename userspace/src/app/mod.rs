@@ -175,6 +175,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
         (OnOff::Off, _) => None,
     };
     let metrics = crate::metrics::Metrics::new();
+    let xds = xds.map(|source| source.with_metrics(metrics.xds().clone()));
     let mut node_agent = NodeAgent::new(
         args.node_name.clone(),
         trust_domain.clone(),

@@ -36,7 +36,7 @@ use std::{
 
 use prometheus_client::{
     encoding::text,
-    metrics::{counter::Counter, histogram::Histogram},
+    metrics::{counter::Counter, gauge::Gauge, histogram::Histogram},
     registry::Registry,
 };
 
@@ -73,6 +73,8 @@ struct Inner {
     dns: Arc<crate::dns::DnsMetrics>,
     /// The ZDS server's (`--proxy ztunnel`; `crate::inpod` records them).
     zds: crate::inpod::ZdsMetrics,
+    /// The istiod stream's (`crate::xds` records them, ztunnel's names).
+    xds: Arc<crate::xds::XdsMetrics>,
     /// The Kubernetes source's counters, once it runs.
     kube: OnceLock<Arc<SourceStats>>,
 }
@@ -116,6 +118,9 @@ impl Metrics {
         );
         let dns = Arc::new(crate::dns::DnsMetrics::default());
         dns.register(istio);
+        let xds = Arc::new(crate::xds::XdsMetrics::default());
+        xds.register(istio);
+        register_build(istio);
         let enrolment_seconds = Histogram::new([
             0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
         ]);
@@ -144,6 +149,7 @@ impl Metrics {
                 fast_path,
                 dns,
                 zds,
+                xds,
                 kube: OnceLock::new(),
             }),
         }
@@ -167,6 +173,11 @@ impl Metrics {
     /// The ZDS server's metrics (`--proxy ztunnel`).
     pub fn zds(&self) -> &crate::inpod::ZdsMetrics {
         &self.inner.zds
+    }
+
+    /// The istiod stream's metrics (`--xds-address`).
+    pub fn xds(&self) -> &Arc<crate::xds::XdsMetrics> {
+        &self.inner.xds
     }
 
     /// The DNS proxy's metrics, shared by every pod's DNS server.
@@ -201,6 +212,7 @@ impl Metrics {
             let registry = snapshot.registry(self.inner.kube.get().map(Arc::as_ref));
             let _ = text::encode_registry(&mut out, &registry);
             let _ = text::encode_registry(&mut out, &snapshot.istio_registry());
+            let _ = text::encode_registry(&mut out, &snapshot.workload_manager_registry());
         }
         // The log writer's drops (issue 19: it never blocks the data path).
         let mut log = Registry::default();
@@ -220,6 +232,27 @@ impl Metrics {
     pub fn scrape(&self, node: &NodeSnapshot) -> String {
         self.encode(Some(&NodeGauges::of(node)))
     }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+struct BuildLabels {
+    component: &'static str,
+    tag: &'static str,
+}
+
+/// `istio_build{component="ztunnel",tag}` 1, as ztunnel: shunt fills the
+/// node proxy's role, and Istio's dashboards list the node proxies'
+/// versions by that component. The tag is shunt's own version, so a
+/// reader sees which implementation runs.
+fn register_build(istio: &mut Registry) {
+    let build = prometheus_client::metrics::family::Family::<BuildLabels, Gauge>::default();
+    build
+        .get_or_create(&BuildLabels {
+            component: "ztunnel",
+            tag: concat!("shunt-", env!("CARGO_PKG_VERSION")),
+        })
+        .set(1);
+    istio.register("build", "Istio component build info", build);
 }
 
 /// Serves `/metrics` until the process exits.
@@ -309,5 +342,46 @@ mod tests {
             );
         }
         assert_eq!(text.matches("# EOF").count(), 1);
+        assert!(
+            !text.contains("workload_manager_"),
+            "no pod proxies without the builtin proxy:\n{text}"
+        );
+    }
+
+    #[test]
+    fn the_node_proxy_reports_as_ztunnel_does() {
+        let metrics = Metrics::new();
+        let snapshot = NodeGauges {
+            mode: "ebpf".into(),
+            pods_by_state: [("enrolled", 2), ("pending", 1)].into_iter().collect(),
+            enrolled: vec![],
+            certificates: Default::default(),
+            proxy: Some(crate::proxy::ProxyStats {
+                pods_served: 2,
+                proxies_started: 3,
+                proxies_stopped: 1,
+                ..Default::default()
+            }),
+            synced: true,
+            ready: true,
+            kernel_denials: vec![],
+        };
+        let text = metrics.encode(Some(&snapshot));
+        let build = format!(
+            "istio_build{{component=\"ztunnel\",tag=\"shunt-{}\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        );
+        for line in [
+            build.as_str(),
+            "workload_manager_active_proxy_count 2",
+            "workload_manager_pending_proxy_count 1",
+            "workload_manager_proxies_started_total 3",
+            "workload_manager_proxies_stopped_total 1",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line:?} missing in\n{text}"
+            );
+        }
     }
 }

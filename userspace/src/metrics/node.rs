@@ -101,6 +101,49 @@ impl NodeGauges {
         registry
     }
 
+    /// ztunnel's `workload_manager_*` (its pod proxies, which Istio's
+    /// ztunnel dashboard charts): the pods the builtin proxy serves, those
+    /// waiting to be enrolled, and the proxies started and stopped. Empty
+    /// without the builtin proxy (`--proxy ztunnel`: the stock ztunnel
+    /// reports its own).
+    pub(super) fn workload_manager_registry(&self) -> Registry {
+        let mut registry = Registry::with_prefix("workload_manager");
+        let Some(proxy) = &self.proxy else {
+            return registry;
+        };
+        let gauge = |value: i64| {
+            let g = Gauge::<i64>::default();
+            g.set(value);
+            g
+        };
+        let counter = |value: u64| {
+            let c = Counter::<u64>::default();
+            c.inc_by(value);
+            c
+        };
+        registry.register(
+            "active_proxy_count",
+            "The total number current workloads with active proxies (unstable)",
+            gauge(i64::try_from(proxy.pods_served).unwrap_or(i64::MAX)),
+        );
+        registry.register(
+            "pending_proxy_count",
+            "The total number current workloads with pending proxies (unstable)",
+            gauge(self.pods_by_state.get("pending").copied().unwrap_or(0)),
+        );
+        registry.register(
+            "proxies_started",
+            "The total number of proxies that were started (unstable)",
+            counter(proxy.proxies_started),
+        );
+        registry.register(
+            "proxies_stopped",
+            "The total number of proxies that were stopped (unstable)",
+            counter(proxy.proxies_stopped),
+        );
+        registry
+    }
+
     pub(super) fn registry(&self, kube: Option<&SourceStats>) -> Registry {
         let mut registry = Registry::with_prefix("shunt");
 

@@ -216,6 +216,14 @@ pub struct ProxyStats {
     /// (`istio_crl_policy_rejections_total`).
     #[serde(default)]
     pub crl_rejections: CrlRejections,
+    /// Pods served now, and pods whose listeners were started and retired
+    /// since the proxy started (`workload_manager_*`, ztunnel's names).
+    #[serde(default)]
+    pub pods_served: usize,
+    #[serde(default)]
+    pub proxies_started: u64,
+    #[serde(default)]
+    pub proxies_stopped: u64,
 }
 
 /// `istio_crl_policy_rejections_total` by `reporter`: this side as the
@@ -343,6 +351,14 @@ impl Proxy {
             refusals: self.shared.limits.refusals(),
             waypoint_failures: self.shared.waypoint_failures.snapshot(),
             crl_rejections: self.shared.crl_rejections.snapshot(),
+            pods_served: self
+                .shared
+                .pods
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .len(),
+            proxies_started: load(&c.proxies_started),
+            proxies_stopped: load(&c.proxies_stopped),
         }
     }
 

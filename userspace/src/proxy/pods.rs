@@ -172,6 +172,10 @@ impl Proxy {
             let pod = state.clone();
             tokio::spawn(accept_loop(shared, pod, kind, listener));
         }
+        self.shared
+            .counters
+            .proxies_started
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let old = {
             let mut pods = self.shared.pods.write().unwrap_or_else(|p| p.into_inner());
             let mut by_ip = self
@@ -286,6 +290,10 @@ impl Proxy {
 fn retire(shared: &Shared, pod: &PodState) {
     pod.listeners.cancel();
     shared.identities.unregister(&pod.identity);
+    shared
+        .counters
+        .proxies_stopped
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// The errors binding an IPv6 address gives where the netns (or the

@@ -31,6 +31,10 @@ pub(super) struct Counters {
     pub(super) failed: AtomicU64,
     pub(super) bytes_out: AtomicU64,
     pub(super) bytes_in: AtomicU64,
+    /// Pods whose listeners were started (a re-serve counts again) and
+    /// retired: ztunnel's `workload_manager_proxies_{started,stopped}`.
+    pub(super) proxies_started: AtomicU64,
+    pub(super) proxies_stopped: AtomicU64,
 }
 
 /// Connections this side refused or closed because a revocation list

@@ -33,7 +33,9 @@ use tonic::{
 use tracing::{debug, info, warn};
 
 use super::{
-    ResourceType, SOURCE_NAME, XdsConfig, node_message,
+    ResourceType, SOURCE_NAME, XdsConfig,
+    metrics::{Termination, XdsMetrics},
+    node_message,
     state::{XdsState, XdsStatusHandle},
 };
 use crate::{control::SourceSink, identity::istio::error_chain};
@@ -62,6 +64,7 @@ pub struct XdsSource {
     address: String,
     endpoint: Endpoint,
     status: XdsStatusHandle,
+    metrics: Arc<XdsMetrics>,
 }
 
 /// The channel's endpoint: TLS to `address` trusting only the roots in
@@ -111,7 +114,14 @@ impl XdsSource {
             address,
             endpoint,
             status,
+            metrics: Arc::default(),
         })
+    }
+
+    /// Records the stream's messages and ends in `metrics` (the agent's
+    /// registry holds them) instead of a set of its own.
+    pub fn with_metrics(self, metrics: Arc<XdsMetrics>) -> Self {
+        Self { metrics, ..self }
     }
 
     /// The connection's and resources' status, kept current while running.
@@ -132,6 +142,7 @@ impl XdsSource {
                 backoff.reset();
             }
             let wait = backoff.next();
+            self.metrics.terminated(end.reason);
             warn!(address = %self.address, error = %end.error, retry_in = ?wait,
                 "xDS stream to istiod ended; everything received is kept until it is back");
             state.record_disconnected(end.error);
@@ -148,7 +159,7 @@ impl XdsSource {
     ) -> StreamEnd {
         let bearer = match read_bearer(&self.config.token_file) {
             Ok(bearer) => bearer,
-            Err(error) => return StreamEnd::failed(error),
+            Err(error) => return StreamEnd::failed(error, Termination::Error),
         };
         // The root file as it is now (a root rotation reaches the next
         // connection, as the token does); the one read at start if it went
@@ -160,11 +171,14 @@ impl XdsSource {
         let channel = match endpoint.connect().await {
             Ok(channel) => channel,
             Err(e) => {
-                return StreamEnd::failed(format!(
-                    "cannot connect to istiod at {}: {}",
-                    self.address,
-                    error_chain(&e)
-                ));
+                return StreamEnd::failed(
+                    format!(
+                        "cannot connect to istiod at {}: {}",
+                        self.address,
+                        error_chain(&e)
+                    ),
+                    Termination::ConnectionError,
+                );
             }
         };
         let mut client = AggregatedDiscoveryServiceClient::new(channel)
@@ -190,7 +204,11 @@ impl XdsSource {
         request.metadata_mut().insert("authorization", bearer);
         let mut stream = match client.delta_aggregated_resources(request).await {
             Ok(response) => response.into_inner(),
-            Err(status) => return StreamEnd::failed(describe(&status)),
+            // As ztunnel (whose channel connects on this call): a stream
+            // that does not open is a connection error, whatever its status.
+            Err(status) => {
+                return StreamEnd::failed(describe(&status), Termination::ConnectionError);
+            }
         };
         state.record_connected();
         self.status.set(state.status());
@@ -200,18 +218,21 @@ impl XdsSource {
             match stream.message().await {
                 Ok(Some(response)) => {
                     progressed = true;
+                    self.metrics.received(&response);
                     self.handle(response, state, sink, synced_reported, &requests);
                 }
                 Ok(None) => {
                     return StreamEnd {
                         error: "istiod closed the stream".into(),
                         progressed,
+                        reason: Termination::Complete,
                     };
                 }
                 Err(status) => {
                     return StreamEnd {
                         error: describe(&status),
                         progressed,
+                        reason: Termination::of_status(&status),
                     };
                 }
             }
@@ -310,13 +331,16 @@ impl XdsSource {
 struct StreamEnd {
     error: String,
     progressed: bool,
+    /// `istio_xds_connection_terminations_total`'s reason.
+    reason: Termination,
 }
 
 impl StreamEnd {
-    fn failed(error: String) -> Self {
+    fn failed(error: String, reason: Termination) -> Self {
         Self {
             error,
             progressed: false,
+            reason,
         }
     }
 }

@@ -22,6 +22,7 @@
 pub mod authorization;
 pub mod client;
 mod derived;
+pub mod metrics;
 pub mod service;
 pub mod state;
 pub mod workload;
@@ -29,6 +30,7 @@ pub mod workload;
 use std::{fmt, net::IpAddr, path::PathBuf, time::Duration};
 
 pub use client::{XdsError, XdsSource};
+pub use metrics::{Termination, XdsMetrics};
 pub use state::{XdsState, XdsStatus, XdsStatusHandle, XdsSummary};
 
 /// `istio.workload.Address`: workloads and services.
