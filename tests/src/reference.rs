@@ -7,14 +7,15 @@
 //! ([`ztunnel_peer`]). [`ztunnel_node`] runs that binary as the node's
 //! in-pod proxy, served over ZDS by the agent; both run it through
 //! [`ztunnel_process`]. [`config_dump`] holds shunt's `/config_dump`
-//! against ztunnel's recorded one. Not to be confused with the ZDS
-//! stand-in `ztunnel.rs`.
+//! against ztunnel's recorded one, [`metrics`] its `/metrics`. Not to be
+//! confused with the ZDS stand-in `ztunnel.rs`.
 
 pub mod bed;
 pub mod cases;
 pub mod compare;
 pub mod config_dump;
 pub mod istiod;
+pub mod metrics;
 pub mod pki;
 pub mod probe;
 pub mod resources;

@@ -91,6 +91,9 @@ pub struct Run {
     /// The server-side proxy's `/config_dump` once it settled (what
     /// `istioctl ztunnel-config` reads), or why there is none.
     pub config_dump: std::result::Result<serde_json::Value, String>,
+    /// The server-side proxy's `/metrics` after the rows, or why there is
+    /// none.
+    pub metrics: std::result::Result<String, String>,
     /// The peer's log, for failure messages.
     pub logs: String,
 }
@@ -189,6 +192,10 @@ impl Bed {
             self.server.node().name(),
         );
         server.network = case.server_network.into();
+        if case.deployed {
+            deployed(&mut client, "sleep", "v1", "zone-a1");
+            deployed(&mut server, "httpbin", "v2", "zone-a2");
+        }
         server.network_gateway = case.server_gateway.map(|ip| {
             use shunt_proto::istio::workload as wl;
             wl::GatewayAddress {
@@ -255,6 +262,7 @@ impl Bed {
         let (addresses, authorizations, then_addresses, ready) = server_side.settle().await?;
         let observed = self.probe_rows(&case.rows).await;
         let config_dump = tokio::task::block_in_place(|| server_side.proxy.config_dump());
+        let metrics = tokio::task::block_in_place(|| server_side.proxy.metrics());
         let mut logs = server_side.proxy.logs();
         let (mut outbound, mut dns) = (Vec::new(), Vec::new());
         let gateway_before = self.gateway.received().len();
@@ -282,6 +290,7 @@ impl Bed {
             },
             ready,
             config_dump,
+            metrics,
             logs,
         })
     }
@@ -476,6 +485,19 @@ impl Proxy {
         }
     }
 
+    /// Its `/metrics` text.
+    fn metrics(&self) -> std::result::Result<String, String> {
+        let (code, body) = match self {
+            Proxy::Ztunnel(zt) => zt.metrics_get(),
+            Proxy::Shunt(agent) => agent.metrics(),
+        }
+        .map_err(|e| e.to_string())?;
+        if code != 200 {
+            return Err(format!("GET /metrics: {code} {body}"));
+        }
+        Ok(body)
+    }
+
     /// Its `/config_dump`, parsed.
     fn config_dump(&self) -> std::result::Result<serde_json::Value, String> {
         let (code, body) = match self {
@@ -512,6 +534,20 @@ impl Side {
         };
         Ok((addresses, authorizations, then, ready))
     }
+}
+
+/// `w` as istiod sends a pod of Deployment `app` labelled `app` and
+/// `version`, in region `region-a` and `zone`.
+fn deployed(w: &mut shunt_proto::istio::workload::Workload, app: &str, version: &str, zone: &str) {
+    w.workload_name = app.into();
+    w.workload_type = shunt_proto::istio::workload::WorkloadType::Deployment as i32;
+    w.canonical_name = app.into();
+    w.canonical_revision = version.into();
+    w.locality = Some(shunt_proto::istio::workload::Locality {
+        region: "region-a".into(),
+        zone: zone.into(),
+        subzone: String::new(),
+    });
 }
 
 /// Polls the agent's readiness (bounded); false when it never says 200.

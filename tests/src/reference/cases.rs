@@ -97,6 +97,10 @@ pub struct Case {
     /// The host those CONNECTs' `forwarded` names (the service the client
     /// addressed); `None`: the authority's host.
     pub forwarded_host: Option<&'static str>,
+    /// The server and client as istiod sends the pods of Deployments: an
+    /// owner, a canonical service and revision other than the pod's name,
+    /// and a locality (`false`: each named by its pod alone).
+    pub deployed: bool,
 }
 
 impl Case {
@@ -123,6 +127,7 @@ impl Case {
             server_gateway: None,
             gateway_authority: None,
             forwarded_host: None,
+            deployed: false,
         }
     }
 }

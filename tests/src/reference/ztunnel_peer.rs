@@ -114,6 +114,11 @@ impl Ztunnel {
     pub fn admin_get(&self, path: &str) -> Result<(u16, String)> {
         self.process.admin_get(path)
     }
+
+    /// `GET /metrics` on its stats port: the status code and body.
+    pub fn metrics_get(&self) -> Result<(u16, String)> {
+        self.process.metrics_get()
+    }
 }
 
 /// The pod's inbound TCP, except HBONE's 15008, to ztunnel's plaintext

@@ -26,6 +26,10 @@ const READINESS: SocketAddr =
 const ADMIN: SocketAddr =
     SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 15000);
 
+/// ztunnel's stats port (`/metrics`), on the pod netns' loopback.
+const STATS: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 15020);
+
 /// How often its readiness port or log is looked at.
 const EVERY: Duration = Duration::from_millis(50);
 
@@ -118,6 +122,13 @@ impl ZtunnelProcess {
         let stream = self.pod.connect_tcp(ADMIN, Duration::from_secs(2))?;
         crate::agent::http_over(stream, "GET", path)
             .map_err(|e| TestbedError::io(format!("GET {ADMIN}{path}"), e))
+    }
+
+    /// `GET /metrics` on its stats port (15020 in its pod).
+    pub(super) fn metrics_get(&self) -> Result<(u16, String)> {
+        let stream = self.pod.connect_tcp(STATS, Duration::from_secs(2))?;
+        crate::agent::http_over(stream, "GET", "/metrics")
+            .map_err(|e| TestbedError::io(format!("GET {STATS}/metrics"), e))
     }
 
     /// Polls readiness (bounded) until its status code passes `done`;

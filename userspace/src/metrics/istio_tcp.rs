@@ -32,8 +32,6 @@ const UNKNOWN: &str = "unknown";
 pub type Label = Cow<'static, str>;
 /// Istio's cluster name when none is configured.
 const CLUSTER: &str = "Kubernetes";
-/// Istio's canonical revision when a workload has no revision label.
-const REVISION: &str = "latest";
 
 /// How many distinct sources named by their baggage alone the metrics
 /// keep apart. ztunnel keeps every one, but the baggage is whatever a peer
@@ -91,8 +89,8 @@ impl DerivedSources {
     }
 }
 
-/// Istio's standard labels of its TCP metrics (as ztunnel writes them,
-/// without locality).
+/// Istio's standard labels of its TCP metrics, as ztunnel writes them
+/// (its `CommonTrafficLabels`, locality last).
 #[derive(Clone, Debug, PartialEq, Eq, EncodeLabelSet)]
 pub struct TcpLabels {
     pub reporter: Label,
@@ -118,6 +116,41 @@ pub struct TcpLabels {
     pub request_protocol: Label,
     pub response_flags: Label,
     pub connection_security_policy: Label,
+    #[prometheus(flatten)]
+    pub locality: LocalityLabels,
+}
+
+/// `source_region`, `source_zone`, `destination_region` and
+/// `destination_zone`: present, as in ztunnel, once either end is known
+/// (a workload of the store, or one its baggage names), each `unknown`
+/// when that end or its locality is not; absent otherwise.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LocalityLabels(Option<[Label; 4]>);
+
+impl EncodeLabelSet for LocalityLabels {
+    fn encode(
+        &self,
+        encoder: &mut prometheus_client::encoding::LabelSetEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        let Some(
+            [
+                source_region,
+                source_zone,
+                destination_region,
+                destination_zone,
+            ],
+        ) = &self.0
+        else {
+            return Ok(());
+        };
+        [
+            ("source_region", source_region.as_ref()),
+            ("source_zone", source_zone.as_ref()),
+            ("destination_region", destination_region.as_ref()),
+            ("destination_zone", destination_zone.as_ref()),
+        ]
+        .encode(encoder)
+    }
 }
 
 /// The 23 labels go through foldhash, and the metric family's map (std's
@@ -154,6 +187,7 @@ impl Hash for TcpLabels {
         self.request_protocol.hash(&mut fast);
         self.response_flags.hash(&mut fast);
         self.connection_security_policy.hash(&mut fast);
+        self.locality.hash(&mut fast);
         state.write_u64(fast.finish());
     }
 }
@@ -212,13 +246,21 @@ impl TcpObserver {
                 "destination"
             }
             .into(),
-            source_workload: src.workload.clone(),
+            locality: LocalityLabels((src.known || dst.known).then(|| {
+                [
+                    src.region.clone(),
+                    src.zone.clone(),
+                    dst.region.clone(),
+                    dst.zone.clone(),
+                ]
+            })),
+            source_workload: src.workload,
             source_canonical_service: src.canonical_service,
-            source_canonical_revision: src.revision.clone(),
+            source_canonical_revision: src.revision,
             source_workload_namespace: src.namespace,
             source_principal: principal(c.src_identity),
-            source_app: src.workload,
-            source_version: src.revision,
+            source_app: src.app,
+            source_version: src.version,
             source_cluster: src.cluster,
             destination_service: destination_service.map_or(UNKNOWN.into(), Cow::Owned),
             destination_service_namespace: c
@@ -227,13 +269,13 @@ impl TcpObserver {
             destination_service_name: c
                 .dst_service
                 .map_or(UNKNOWN.into(), |s| s.name.clone().into()),
-            destination_workload: dst.workload.clone(),
+            destination_workload: dst.workload,
             destination_canonical_service: dst.canonical_service,
-            destination_canonical_revision: dst.revision.clone(),
+            destination_canonical_revision: dst.revision,
             destination_workload_namespace: dst.namespace,
             destination_principal: principal(c.dst_identity),
-            destination_app: dst.workload,
-            destination_version: dst.revision,
+            destination_app: dst.app,
+            destination_version: dst.version,
             destination_cluster: dst.cluster,
             request_protocol: "tcp".into(),
             response_flags: flags.into(),
@@ -252,35 +294,67 @@ fn service_hostname(service: &WorkloadKey) -> String {
     )
 }
 
-/// A workload's label values (`unknown` when not known).
+/// A workload's label values (`unknown` when not known), as ztunnel
+/// takes them from a workload (`with_source`, `with_destination`) or
+/// from its baggage (`with_derived_source`, `with_derived_destination`).
 #[derive(Clone, Hash, PartialEq, Eq)]
 struct Named {
+    /// Whether a workload (or its baggage) was found at all.
+    known: bool,
     workload: Label,
     canonical_service: Label,
     namespace: Label,
     revision: Label,
+    app: Label,
+    version: Label,
     cluster: Label,
+    region: Label,
+    zone: Label,
 }
 
 impl Named {
     fn of(workload: Option<&Workload>) -> Self {
-        match workload {
-            // Pods carry no owner or app labels here: the pod name stands
-            // for the workload and its canonical service.
-            Some(w) => Named {
-                workload: w.name.clone().into(),
-                canonical_service: w.name.clone().into(),
-                namespace: w.namespace.clone().into(),
-                revision: REVISION.into(),
-                cluster: CLUSTER.into(),
-            },
-            None => Named {
+        let Some(w) = workload else {
+            return Named {
+                known: false,
                 workload: UNKNOWN.into(),
                 canonical_service: UNKNOWN.into(),
                 namespace: UNKNOWN.into(),
                 revision: UNKNOWN.into(),
+                app: UNKNOWN.into(),
+                version: UNKNOWN.into(),
                 cluster: UNKNOWN.into(),
+                region: UNKNOWN.into(),
+                zone: UNKNOWN.into(),
+            };
+        };
+        let text = |v: &str| -> Label {
+            if v.is_empty() {
+                UNKNOWN.into()
+            } else {
+                Cow::Owned(v.to_owned())
+            }
+        };
+        // The owner (a Deployment's name: istiod's `workload_name`, the
+        // kube source's controller reference; the pod when none), and
+        // the canonical service and revision as Istio derives them.
+        let (canonical, revision) = w.canonical_service();
+        let locality = w.locality.as_ref();
+        Named {
+            known: true,
+            workload: text(w.owner().1),
+            canonical_service: text(canonical),
+            namespace: text(&w.namespace),
+            revision: text(revision),
+            app: text(canonical),
+            version: text(revision),
+            cluster: if w.cluster_id.is_empty() {
+                CLUSTER.into()
+            } else {
+                text(&w.cluster_id)
             },
+            region: text(locality.map_or("", |l| l.region.as_str())),
+            zone: text(locality.map_or("", |l| l.zone.as_str())),
         }
     }
 
@@ -290,11 +364,16 @@ impl Named {
     fn derived(baggage: &Baggage) -> Self {
         let value = |v: &Option<String>| -> Label { v.clone().map_or(UNKNOWN.into(), Cow::Owned) };
         Named {
+            known: true,
             workload: value(&baggage.workload_name),
             canonical_service: value(&baggage.service_name),
             namespace: value(&baggage.namespace),
             revision: value(&baggage.revision),
+            app: value(&baggage.workload_name),
+            version: value(&baggage.revision),
             cluster: value(&baggage.cluster_id),
+            region: value(&baggage.region),
+            zone: value(&baggage.zone),
         }
     }
 }
@@ -446,6 +525,63 @@ mod tests {
             Some("10")
         );
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn a_deployment_pod_is_named_by_its_owner_canonical_service_and_locality() {
+        let mut client = workload("client-7d9f-x2", "198.18.1.2", "a");
+        client.workload_name = "sleep".into();
+        client.canonical_name = "sleep-svc".into();
+        client.canonical_revision = "v1".into();
+        client.cluster_id = "east".into();
+        client.locality = Some(crate::state::Locality {
+            region: "r1".into(),
+            zone: "z1".into(),
+            subzone: String::new(),
+        });
+        let mut store = WorkloadStore::new();
+        store.replace_all([client]);
+        let metrics = Metrics::new();
+        let observer = metrics.connection_observer(Arc::new(RwLock::new(store)));
+        let pod = WorkloadKey::new("default", "client-7d9f-x2");
+        let mut info = ConnectionInfo {
+            direction: Direction::Outbound,
+            pod: Some(&pod),
+            src_addr: SocketAddr::from(([127, 0, 0, 1], 40000)),
+            src_identity: None,
+            dst_addr: "198.18.9.9:80".parse().expect("addr"),
+            dst_identity: None,
+            dst_service: None,
+            derived_source: None,
+            src_through_gateway: false,
+            derived_destination: None,
+        };
+        observer.opened(&info);
+        let text = metrics.encode(None);
+        let labels = [
+            "source_workload=\"sleep\"",
+            "source_canonical_service=\"sleep-svc\"",
+            "source_canonical_revision=\"v1\"",
+            "source_app=\"sleep-svc\"",
+            "source_version=\"v1\"",
+            "source_cluster=\"east\"",
+            "source_region=\"r1\",source_zone=\"z1\",destination_region=\"unknown\",destination_zone=\"unknown\"}",
+        ];
+        assert_eq!(
+            sample(&text, "istio_tcp_connections_opened_total", &labels),
+            Some("1"),
+            "{text}"
+        );
+        // Neither end known: no locality labels at all, as ztunnel.
+        info.pod = None;
+        info.src_addr = "198.18.9.8:5000".parse().expect("addr");
+        observer.opened(&info);
+        let text = metrics.encode(None);
+        let unknown = text
+            .lines()
+            .find(|l| l.contains("source_workload=\"unknown\""))
+            .unwrap_or_else(|| panic!("no series of unknown ends:\n{text}"));
+        assert!(!unknown.contains("region"), "{unknown}");
     }
 
     #[test]

@@ -81,6 +81,7 @@ fn raw_case(
         server_gateway: None,
         gateway_authority: None,
         forwarded_host: None,
+        deployed: false,
     }
 }
 
