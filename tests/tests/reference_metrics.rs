@@ -1,9 +1,12 @@
 //! `/metrics` against ztunnel's for the same xDS and the same probes
 //! (`shunt_testbed::reference::metrics`): each case on a fresh shunt
-//! agent, the server proxy's Istio families (types, every series' labels
-//! and their values) against those recorded from the real ztunnel; and,
-//! when `SHUNT_ZTUNNEL_BIN` names the binary, ztunnel's live ones against
-//! the record (skipped, with the reason printed, otherwise).
+//! agent, Istio's families (types, every series' labels and their
+//! values) of the server's proxy, and of the client's for a case with
+//! outbound rows, against those recorded from the real ztunnel; and, when
+//! `SHUNT_ZTUNNEL_BIN` names the binary, ztunnel's live ones against the
+//! record (skipped, with the reason printed, otherwise). The rows'
+//! outcomes and baggage are checked as the reference tables check them
+//! (in two cases the workloads are Deployments' pods with a locality).
 //! `SHUNT_RECORD_METRICS=1` with the binary writes the records anew.
 //!
 //! Run as root: `SHUNT_BIN=… [SHUNT_ZTUNNEL_BIN=…] cargo test -p
@@ -11,44 +14,64 @@
 
 use std::collections::BTreeSet;
 
-use shunt_testbed::{
-    reference::{
-        bed::{Bed, Peer},
-        cases::{Case, authz},
-        metrics::{mismatches, normalise, record_path},
-        ztunnel_peer::ztunnel_binary,
-    },
-    require_root,
+use shunt_testbed::reference::{
+    bed::{Bed, Peer, Run},
+    cases::{Case, authz, routing},
+    compare,
+    metrics::{Side, mismatches, normalise, record_path},
+    ztunnel_peer::ztunnel_binary,
 };
+use shunt_testbed::require_root;
 
 const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
 
 /// Mutual-TLS streams from three identities and a plaintext connection,
 /// allowed and denied by a policy; in the second, the workloads are pods
 /// of Deployments with a locality (the labels name the owner, the
-/// canonical service and revision, the region and zone).
+/// canonical service and revision, the region and zone); and a client's
+/// connection to a service VIP through its own proxy, whose metrics are
+/// compared too (`reporter="source"`, the service named).
 fn cases() -> Vec<Case> {
     let names = [
         "ALLOW serviceAccounts [default/sleep]",
         "DENY serviceAccounts [default/sleep]",
     ];
-    authz::cases()
+    let mut cases: Vec<Case> = authz::cases()
         .into_iter()
         .filter(|c| names.contains(&c.name))
         .map(|mut c| {
             c.deployed = c.name.starts_with("DENY");
             c
         })
-        .collect()
+        .collect();
+    cases.extend(
+        routing::cases()
+            .into_iter()
+            .filter(|c| c.name == "no load balancing: the endpoint on the other node")
+            .map(|mut c| {
+                c.deployed = true;
+                c
+            }),
+    );
+    cases
 }
 
-fn read_record(case: &Case) -> BTreeSet<String> {
-    let path = record_path(case.name);
+fn read_record(case: &Case, side: Side) -> BTreeSet<String> {
+    let path = record_path(case.name, side);
     std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
         .lines()
         .map(str::to_owned)
         .collect()
+}
+
+/// The sides a run compares, with their expositions.
+fn sides(run: Run) -> Vec<(Side, Result<String, String>)> {
+    let mut sides = vec![(Side::Server, run.metrics)];
+    if let Some(client) = run.client_metrics {
+        sides.push((Side::Client, client));
+    }
+    sides
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -61,7 +84,7 @@ async fn the_istio_families_are_ztunnels() {
     let record = std::env::var_os("SHUNT_RECORD_METRICS").is_some();
     let bed = Bed::new("ref-metrics", std::path::Path::new(TESTAPP)).expect("the bed");
     let cases = cases();
-    assert_eq!(cases.len(), 2, "both cases found");
+    assert_eq!(cases.len(), 3, "every case found");
     let mut failures = Vec::new();
     for case in cases {
         if let Ok(binary) = &ztunnel {
@@ -69,26 +92,35 @@ async fn the_istio_families_are_ztunnels() {
                 .run(Peer::Ztunnel, Some(binary), &case)
                 .await
                 .expect("run");
-            let live = normalise(&run.metrics.expect("ztunnel's /metrics")).expect("parses");
-            if record {
-                let text: String = live.iter().map(|l| format!("{l}\n")).collect();
-                std::fs::write(record_path(case.name), text).expect("writing the record");
-            }
-            if live != read_record(&case) {
-                failures.push(format!(
-                    "{}: ztunnel's metrics are no longer the record; SHUNT_RECORD_METRICS=1 writes it anew",
-                    case.name
-                ));
+            // The rows' outcomes and the baggage as the tables expect.
+            failures.extend(compare::mismatches(Peer::Ztunnel, &case, &run));
+            for (side, text) in sides(run) {
+                let live = normalise(&text.expect("ztunnel's /metrics")).expect("parses");
+                if record {
+                    let text: String = live.iter().map(|l| format!("{l}\n")).collect();
+                    std::fs::write(record_path(case.name, side), text).expect("writing the record");
+                }
+                if live != read_record(&case, side) {
+                    failures.push(format!(
+                        "{} ({side:?}): ztunnel's metrics are no longer the record; SHUNT_RECORD_METRICS=1 writes it anew",
+                        case.name
+                    ));
+                }
             }
         }
-        let recorded = read_record(&case);
         let run = bed.run(Peer::Shunt, None, &case).await.expect("run");
-        let got = normalise(&run.metrics.expect("shunt's /metrics")).expect("parses");
-        failures.extend(
-            mismatches(&recorded, &got)
-                .into_iter()
-                .map(|m| format!("{}: {m}", case.name)),
-        );
+        failures.extend(compare::mismatches(Peer::Shunt, &case, &run));
+        let got = sides(run);
+        let expected_sides = if case.outbound.is_empty() { 1 } else { 2 };
+        assert_eq!(got.len(), expected_sides, "{}", case.name);
+        for (side, text) in got {
+            let got = normalise(&text.expect("shunt's /metrics")).expect("parses");
+            failures.extend(
+                mismatches(&read_record(&case, side), &got)
+                    .into_iter()
+                    .map(|m| format!("{} ({side:?}): {m}", case.name)),
+            );
+        }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -94,6 +94,9 @@ pub struct Run {
     /// The server-side proxy's `/metrics` after the rows, or why there is
     /// none.
     pub metrics: std::result::Result<String, String>,
+    /// The client-side proxy's, after the outbound and DNS rows (`None`:
+    /// the case has none, so no client proxy ran).
+    pub client_metrics: Option<std::result::Result<String, String>>,
     /// The peer's log, for failure messages.
     pub logs: String,
 }
@@ -264,7 +267,7 @@ impl Bed {
         let config_dump = tokio::task::block_in_place(|| server_side.proxy.config_dump());
         let metrics = tokio::task::block_in_place(|| server_side.proxy.metrics());
         let mut logs = server_side.proxy.logs();
-        let (mut outbound, mut dns) = (Vec::new(), Vec::new());
+        let (mut outbound, mut dns, mut client_metrics) = (Vec::new(), Vec::new(), None);
         let gateway_before = self.gateway.received().len();
         if !case.outbound.is_empty() || !case.dns.is_empty() {
             let mut client_side = tokio::task::block_in_place(|| {
@@ -273,6 +276,7 @@ impl Bed {
             client_side.settle().await?;
             outbound = self.probe_outbound(case);
             dns = self.probe_dns(case);
+            client_metrics = Some(tokio::task::block_in_place(|| client_side.proxy.metrics()));
             logs.push_str("\n--- the client's proxy:\n");
             logs.push_str(&client_side.proxy.logs());
         }
@@ -291,6 +295,7 @@ impl Bed {
             ready,
             config_dump,
             metrics,
+            client_metrics,
             logs,
         })
     }

@@ -55,14 +55,15 @@ pub fn mismatches(peer: Peer, case: &Case, run: &Run) -> Vec<String> {
         let mesh = matches!(row.caller, super::probe::Caller::Mesh { .. });
         if mesh
             && seen.outcome == super::probe::Outcome::Allowed
-            && seen.answer_baggage.as_deref() != Some(SERVER_BAGGAGE)
+            && seen.answer_baggage.as_deref() != Some(server_baggage(case))
         {
             out.push(format!(
-                "{peer:?} | {} | {} -> {} | the 200's baggage {:?}, expected {SERVER_BAGGAGE:?}",
+                "{peer:?} | {} | {} -> {} | the 200's baggage {:?}, expected {:?}",
                 case.name,
                 row.caller,
                 target(row),
-                seen.answer_baggage
+                seen.answer_baggage,
+                server_baggage(case)
             ));
         }
     }
@@ -101,9 +102,25 @@ pub fn mismatches(peer: Peer, case: &Case, run: &Run) -> Vec<String> {
     out
 }
 
-/// The server workload's `baggage`, as ztunnel writes it (istiod sends
-/// the server as a pod of `default` whose canonical name is its name).
-const SERVER_BAGGAGE: &str = "k8s.cluster.name=Kubernetes,k8s.namespace.name=default,k8s.pod.name=server,service.name=server,service.version=latest";
+/// The server workload's `baggage`, as ztunnel writes it: istiod sends
+/// the server as a pod of `default` whose canonical name is its name, or
+/// (`Case::deployed`) as a pod of Deployment `httpbin` with a locality.
+fn server_baggage(case: &Case) -> &'static str {
+    if case.deployed {
+        "k8s.cluster.name=Kubernetes,k8s.namespace.name=default,k8s.deployment.name=httpbin,service.name=httpbin,service.version=v2,cloud.region=region-a,cloud.availability_zone=zone-a2"
+    } else {
+        "k8s.cluster.name=Kubernetes,k8s.namespace.name=default,k8s.pod.name=server,service.name=server,service.version=latest"
+    }
+}
+
+/// The client workload's, likewise (Deployment `sleep`).
+fn client_baggage(case: &Case) -> &'static str {
+    if case.deployed {
+        "k8s.cluster.name=Kubernetes,k8s.namespace.name=default,k8s.deployment.name=sleep,service.name=sleep,service.version=v1,cloud.region=region-a,cloud.availability_zone=zone-a1"
+    } else {
+        "k8s.cluster.name=Kubernetes,k8s.namespace.name=default,k8s.pod.name=client,service.name=client,service.version=latest"
+    }
+}
 
 /// What the east-west gateway got against what the case expects: one
 /// outer CONNECT per allowed outbound row, for the case's authority, from
@@ -137,7 +154,8 @@ fn gateway_mismatches(peer: Peer, case: &Case, run: &Run) -> Vec<String> {
                 case.name, case.gateway_authority
             ));
         }
-        if let Some(wrong) = connect_headers_differ(seen, case.forwarded_host) {
+        if let Some(wrong) = connect_headers_differ(seen, case.forwarded_host, client_baggage(case))
+        {
             out.push(format!("{peer:?} | {} | {wrong}", case.name));
         }
     }
@@ -145,11 +163,14 @@ fn gateway_mismatches(peer: Peer, case: &Case, run: &Run) -> Vec<String> {
 }
 
 /// How the outer CONNECT's headers differ from ztunnel's, if they do:
-/// `baggage` naming the client pod, `forwarded` its address and port
-/// quoted and the service's host (`host`, else the authority's),
-/// `traceparent` version 00, not sampled.
-fn connect_headers_differ(seen: &crate::waypoint::Received, host: Option<&str>) -> Option<String> {
-    let baggage = "k8s.cluster.name=Kubernetes,k8s.namespace.name=default,k8s.pod.name=client,service.name=client,service.version=latest";
+/// `baggage` naming the client workload (`baggage`), `forwarded` its
+/// address and port quoted and the service's host (`host`, else the
+/// authority's), `traceparent` version 00, not sampled.
+fn connect_headers_differ(
+    seen: &crate::waypoint::Received,
+    host: Option<&str>,
+    baggage: &str,
+) -> Option<String> {
     let host = host.unwrap_or_else(|| seen.authority.rsplit_once(':').map_or("", |(h, _)| h));
     let forwarded = seen.header("forwarded").unwrap_or_default();
     let forwarded_right = forwarded

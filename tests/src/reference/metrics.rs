@@ -29,15 +29,28 @@ const ANY_VALUE: &[(&str, &str)] = &[
     ("istio_build", "tag"),
 ];
 
-/// Where the record of case `name` lives (in the source tree).
-pub fn record_path(name: &str) -> PathBuf {
+/// Which proxy of a case a record is of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// The server's (`reporter="destination"`).
+    Server,
+    /// The client's, for cases with outbound rows (`reporter="source"`).
+    Client,
+}
+
+/// Where the record of case `name`'s `side` lives (in the source tree).
+pub fn record_path(name: &str, side: Side) -> PathBuf {
     let file: String = name
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
         .collect();
+    let suffix = match side {
+        Side::Server => "",
+        Side::Client => ".client",
+    };
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("src/reference/expected/metrics")
-        .join(format!("{file}.txt"))
+        .join(format!("{file}{suffix}.txt"))
 }
 
 /// The compared part of an exposition, one line each, sorted: `# TYPE`

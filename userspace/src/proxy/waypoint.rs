@@ -475,18 +475,32 @@ fn members_of<'a>(
 /// `baggage` (W3C) describing the source workload, as ztunnel writes it:
 /// cluster, namespace, the workload's owner as `k8s.<type>.name`
 /// (`k8s.deployment.name=ratings-v1`; `k8s.pod.name=<pod>` for a bare pod
-/// or a source that names no owner), canonical service name and revision.
+/// or a source that names no owner), canonical service name and revision,
+/// and its region and zone when it has them (`cloud.region`,
+/// `cloud.availability_zone`).
 pub fn baggage(source: &Workload) -> String {
+    use std::fmt::Write as _;
     let cluster = if source.cluster_id.is_empty() {
         crate::state::DEFAULT_CLUSTER_ID
     } else {
         &source.cluster_id
     };
     let (owner_type, owner_name) = source.owner();
-    format!(
-        "k8s.cluster.name={cluster},k8s.namespace.name={},k8s.{owner_type}.name={owner_name},service.name={},service.version={}",
-        source.namespace, source.canonical_name, source.canonical_revision
-    )
+    let (service, version) = source.canonical_service();
+    let mut out = format!(
+        "k8s.cluster.name={cluster},k8s.namespace.name={},k8s.{owner_type}.name={owner_name},service.name={service},service.version={version}",
+        source.namespace
+    );
+    if let Some(locality) = &source.locality {
+        // Writing into a String cannot fail.
+        if !locality.region.is_empty() {
+            let _ = write!(out, ",cloud.region={}", locality.region);
+        }
+        if !locality.zone.is_empty() {
+            let _ = write!(out, ",cloud.availability_zone={}", locality.zone);
+        }
+    }
+    out
 }
 
 /// `forwarded` (RFC 7239) as ztunnel writes it: the original client's

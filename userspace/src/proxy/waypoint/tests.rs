@@ -803,6 +803,23 @@ fn baggage_names_the_owner_by_its_type() {
 }
 
 #[test]
+fn baggage_carries_the_locality_and_istios_canonical_fallbacks() {
+    let mut w = workload("web-0", "web", "198.18.1.10");
+    w.labels.insert("app".into(), "web".into());
+    w.labels.insert("version".into(), "v3".into());
+    w.locality = Some(crate::state::Locality {
+        region: "r1".into(),
+        zone: String::new(),
+        subzone: "s1".into(),
+    });
+    assert_eq!(
+        baggage(&w),
+        "k8s.cluster.name=Kubernetes,k8s.namespace.name=default,k8s.pod.name=web-0,service.name=web,service.version=v3,cloud.region=r1",
+        "the app and version labels, the region, no empty zone"
+    );
+}
+
+#[test]
 fn forwarded_names_the_client_and_port_quoted_and_the_service_host() {
     let at = |s: &str| s.parse::<SocketAddr>().expect("test address");
     assert_eq!(
