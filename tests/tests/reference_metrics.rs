@@ -16,7 +16,7 @@ use std::collections::BTreeSet;
 
 use shunt_testbed::reference::{
     bed::{Bed, Peer, Run},
-    cases::{Case, authz, routing},
+    cases::{Case, authz, dns, routing},
     compare,
     metrics::{Side, mismatches, normalise, record_path},
     ztunnel_peer::ztunnel_binary,
@@ -30,7 +30,8 @@ const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
 /// of Deployments with a locality (the labels name the owner, the
 /// canonical service and revision, the region and zone); and a client's
 /// connection to a service VIP through its own proxy, whose metrics are
-/// compared too (`reporter="source"`, the service named).
+/// compared too (`reporter="source"`, the service named); DNS questions to
+/// the client's proxy (`istio_dns_requests_total`).
 fn cases() -> Vec<Case> {
     let names = [
         "ALLOW serviceAccounts [default/sleep]",
@@ -48,6 +49,7 @@ fn cases() -> Vec<Case> {
         routing::cases()
             .into_iter()
             .filter(|c| c.name == "no load balancing: the endpoint on the other node")
+            .chain(dns::cases())
             .map(|mut c| {
                 c.deployed = true;
                 c
@@ -84,7 +86,7 @@ async fn the_istio_families_are_ztunnels() {
     let record = std::env::var_os("SHUNT_RECORD_METRICS").is_some();
     let bed = Bed::new("ref-metrics", std::path::Path::new(TESTAPP)).expect("the bed");
     let cases = cases();
-    assert_eq!(cases.len(), 3, "every case found");
+    assert_eq!(cases.len(), 4, "every case found");
     let mut failures = Vec::new();
     for case in cases {
         if let Ok(binary) = &ztunnel {
@@ -111,7 +113,11 @@ async fn the_istio_families_are_ztunnels() {
         let run = bed.run(Peer::Shunt, None, &case).await.expect("run");
         failures.extend(compare::mismatches(Peer::Shunt, &case, &run));
         let got = sides(run);
-        let expected_sides = if case.outbound.is_empty() { 1 } else { 2 };
+        let expected_sides = if case.outbound.is_empty() && case.dns.is_empty() {
+            1
+        } else {
+            2
+        };
         assert_eq!(got.len(), expected_sides, "{}", case.name);
         for (side, text) in got {
             let got = normalise(&text.expect("shunt's /metrics")).expect("parses");
