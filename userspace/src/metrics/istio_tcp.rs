@@ -32,6 +32,8 @@ const UNKNOWN: &str = "unknown";
 pub type Label = Cow<'static, str>;
 /// Istio's cluster name when none is configured.
 const CLUSTER: &str = "Kubernetes";
+/// Istio's canonical revision when a workload has none.
+const REVISION: &str = "latest";
 
 /// How many distinct sources named by their baggage alone the metrics
 /// keep apart. ztunnel keeps every one, but the baggage is whatever a peer
@@ -328,11 +330,14 @@ impl Named {
                 zone: UNKNOWN.into(),
             };
         };
+        // Values every connection repeats (`latest`, the default cluster)
+        // are borrowed, not allocated four times a connection.
         let text = |v: &str| -> Label {
-            if v.is_empty() {
-                UNKNOWN.into()
-            } else {
-                Cow::Owned(v.to_owned())
+            match v {
+                "" => UNKNOWN.into(),
+                REVISION => REVISION.into(),
+                CLUSTER => CLUSTER.into(),
+                _ => Cow::Owned(v.to_owned()),
             }
         };
         // The owner (a Deployment's name: istiod's `workload_name`, the
