@@ -308,8 +308,7 @@ impl Reporter {
                     },
                 };
                 if failed {
-                    self.observer.opened(&info);
-                    self.observer.closed(&info, &close);
+                    self.observer.opened(&info).closed(&close);
                 } else {
                     side.series
                         .closed(close.bytes_to_target, close.bytes_from_target);

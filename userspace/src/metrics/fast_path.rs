@@ -223,7 +223,7 @@ impl KernelConnections {
 /// close) and then kept.
 pub struct TcpSeries {
     labels: super::istio_tcp::TcpLabels,
-    tcp: super::istio_tcp::TcpMetrics,
+    tcp: std::sync::Arc<super::istio_tcp::TcpMetrics>,
     opened: Option<Counter>,
     closed: Option<[Counter; 3]>,
 }

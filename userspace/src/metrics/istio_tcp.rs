@@ -19,7 +19,10 @@ use prometheus_client::{
 };
 
 use crate::{
-    proxy::{Baggage, ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome},
+    proxy::{
+        Baggage, ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome,
+        OpenConnection,
+    },
     state::{Workload, WorkloadKey},
     store::WorkloadStore,
 };
@@ -196,7 +199,7 @@ impl Hash for TcpLabels {
 
 /// Feeds Istio's TCP metrics from the proxy's connections.
 pub(super) struct TcpObserver {
-    pub(super) tcp: TcpMetrics,
+    pub(super) tcp: Arc<TcpMetrics>,
     pub(super) workloads: Arc<RwLock<WorkloadStore>>,
 }
 
@@ -384,24 +387,34 @@ impl Named {
 }
 
 impl ConnectionObserver for TcpObserver {
-    fn opened(&self, connection: &ConnectionInfo<'_>) {
-        self.tcp
-            .opened
-            .get_or_create(&self.labels(connection, "-"))
-            .inc();
+    fn opened(&self, connection: &ConnectionInfo<'_>) -> Box<dyn OpenConnection> {
+        let labels = self.labels(connection, "-");
+        self.tcp.opened.get_or_create(&labels).inc();
+        Box::new(OpenTcp {
+            labels,
+            tcp: self.tcp.clone(),
+        })
     }
+}
 
-    fn closed(&self, connection: &ConnectionInfo<'_>, close: &ConnectionClose) {
+/// An open connection's label set, kept for its close: `..._opened_total`
+/// minus `..._closed_total` of a series is then its open connections, even
+/// when a workload it names changed or left meanwhile.
+struct OpenTcp {
+    labels: TcpLabels,
+    tcp: Arc<TcpMetrics>,
+}
+
+impl OpenConnection for OpenTcp {
+    fn closed(self: Box<Self>, close: &ConnectionClose) {
+        let Self { labels, tcp } = *self;
         // As ztunnel: bytes carry the labels the connection opened with;
         // the close carries how it ended.
-        let open = self.labels(connection, "-");
-        self.tcp
-            .received_bytes
-            .get_or_create(&open)
+        tcp.received_bytes
+            .get_or_create(&labels)
             .inc_by(close.bytes_to_target);
-        self.tcp
-            .sent_bytes
-            .get_or_create(&open)
+        tcp.sent_bytes
+            .get_or_create(&labels)
             .inc_by(close.bytes_from_target);
         let flags = match close.outcome {
             ConnectionOutcome::Success => "-",
@@ -413,14 +426,14 @@ impl ConnectionObserver for TcpObserver {
             ConnectionOutcome::Revoked => "CERT_REVOKED",
         };
         let labels = if flags == "-" {
-            open
+            labels
         } else {
             TcpLabels {
                 response_flags: flags.into(),
-                ..open
+                ..labels
             }
         };
-        self.tcp.closed.get_or_create(&labels).inc();
+        tcp.closed.get_or_create(&labels).inc();
     }
 }
 
@@ -483,7 +496,7 @@ mod tests {
             src_through_gateway: false,
             derived_destination: None,
         };
-        observer.opened(&info);
+        let open = observer.opened(&info);
         let text = metrics.encode(None);
         let labels = [
             "reporter=\"source\"",
@@ -507,15 +520,12 @@ mod tests {
             sample(&text, "istio_tcp_connections_closed_total", &labels),
             None
         );
-        observer.closed(
-            &info,
-            &ConnectionClose {
-                bytes_to_target: 1000,
-                bytes_from_target: 10,
-                duration: Duration::from_millis(5),
-                outcome: ConnectionOutcome::Success,
-            },
-        );
+        open.closed(&ConnectionClose {
+            bytes_to_target: 1000,
+            bytes_from_target: 10,
+            duration: Duration::from_millis(5),
+            outcome: ConnectionOutcome::Success,
+        });
         let text = metrics.encode(None);
         assert_eq!(
             sample(&text, "istio_tcp_connections_closed_total", &labels),
@@ -530,6 +540,63 @@ mod tests {
             Some("10")
         );
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn a_connection_closes_in_the_series_it_opened_in_though_its_peer_left() {
+        let metrics = Metrics::new();
+        let workloads = store();
+        let observer = metrics.connection_observer(workloads.clone());
+        let client = WorkloadKey::new("default", "client");
+        let info = ConnectionInfo {
+            direction: Direction::Outbound,
+            pod: Some(&client),
+            src_addr: "198.18.1.2:40000".parse().expect("addr"),
+            src_identity: Some("spiffe://cluster.local/ns/default/sa/sa-client"),
+            dst_addr: "198.18.2.2:8080".parse().expect("addr"),
+            dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
+            dst_service: None,
+            derived_source: None,
+            src_through_gateway: false,
+            derived_destination: None,
+        };
+        let open = observer.opened(&info);
+        // The destination pod is deleted while the connection lives.
+        let gone = workloads.write().expect("store").remove("default/server");
+        assert!(gone.is_some(), "the store held the server");
+        open.closed(&ConnectionClose {
+            bytes_to_target: 7,
+            bytes_from_target: 3,
+            duration: Duration::from_millis(5),
+            outcome: ConnectionOutcome::Failed,
+        });
+        let text = metrics.encode(None);
+        let server = ["destination_workload=\"server\""];
+        assert_eq!(
+            sample(&text, "istio_tcp_connections_opened_total", &server),
+            Some("1"),
+            "{text}"
+        );
+        // Closed, as it ended, in the series it opened in: a dashboard's
+        // opened minus closed is its open connections, zero now.
+        let closed = [server[0], "response_flags=\"CONNECT\""];
+        assert_eq!(
+            sample(&text, "istio_tcp_connections_closed_total", &closed),
+            Some("1"),
+            "{text}"
+        );
+        assert_eq!(
+            sample(&text, "istio_tcp_received_bytes_total", &server),
+            Some("7")
+        );
+        assert_eq!(
+            sample(&text, "istio_tcp_sent_bytes_total", &server),
+            Some("3")
+        );
+        assert!(
+            !text.contains("destination_workload=\"unknown\""),
+            "no series for a peer unknown at the close: {text}"
+        );
     }
 
     #[test]
@@ -606,14 +673,13 @@ mod tests {
             src_through_gateway: false,
             derived_destination: None,
         };
-        observer.opened(&info);
         let denied = ConnectionClose {
             bytes_to_target: 0,
             bytes_from_target: 0,
             duration: Duration::ZERO,
             outcome: ConnectionOutcome::Denied,
         };
-        observer.closed(&info, &denied);
+        observer.opened(&info).closed(&denied);
         let text = metrics.encode(None);
         let principal = "source_principal=\"spiffe://cluster.local/ns/default/sa/intruder\"";
         assert_eq!(
@@ -785,13 +851,13 @@ mod tests {
     fn sources_named_by_baggage_alone_are_bounded() {
         let metrics = Metrics::new();
         let observer = TcpObserver {
-            tcp: TcpMetrics {
+            tcp: Arc::new(TcpMetrics {
                 derived: DerivedSources {
                     limit: 2,
                     ..DerivedSources::default()
                 },
-                ..metrics.inner.tcp.clone()
-            },
+                ..TcpMetrics::clone(&metrics.inner.tcp)
+            }),
             workloads: store(),
         };
         let server = WorkloadKey::new("default", "server");
@@ -854,15 +920,12 @@ mod tests {
             derived_destination: None,
         };
         // Refused before it was reported open: both at close.
-        observer.closed(
-            &info,
-            &ConnectionClose {
-                bytes_to_target: 0,
-                bytes_from_target: 0,
-                duration: Duration::ZERO,
-                outcome: ConnectionOutcome::Failed,
-            },
-        );
+        observer.opened(&info).closed(&ConnectionClose {
+            bytes_to_target: 0,
+            bytes_from_target: 0,
+            duration: Duration::ZERO,
+            outcome: ConnectionOutcome::Failed,
+        });
         let text = metrics.encode(None);
         let labels = [
             "reporter=\"destination\"",
@@ -880,11 +943,14 @@ mod tests {
             Some("1"),
             "{text}"
         );
-        // Opened is reported by the close when nothing opened it (the
-        // observer contract); here only `closed` was called directly.
+        // Counted open too, in the series it closed in (flags aside).
         assert_eq!(
-            sample(&text, "istio_tcp_connections_opened_total", &labels),
-            None
+            sample(
+                &text,
+                "istio_tcp_connections_opened_total",
+                &[&labels[..], &["response_flags=\"-\""]].concat()
+            ),
+            Some("1")
         );
     }
 }

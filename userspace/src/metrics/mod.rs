@@ -65,7 +65,7 @@ struct Inner {
     /// Everything recorded as it happens (never modified after `new`;
     /// families synchronise themselves).
     registry: Registry,
-    tcp: TcpMetrics,
+    tcp: Arc<TcpMetrics>,
     enrolment_seconds: Histogram,
     repairs: Counter,
     fast_path: FastPathMetrics,
@@ -94,7 +94,7 @@ impl std::fmt::Debug for Metrics {
 impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::default();
-        let tcp = TcpMetrics::default();
+        let tcp = Arc::new(TcpMetrics::default());
         let istio = registry.sub_registry_with_prefix("istio");
         istio.register(
             "tcp_connections_opened",

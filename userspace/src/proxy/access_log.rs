@@ -5,7 +5,8 @@
 use std::{net::SocketAddr, sync::atomic::Ordering, time::Instant};
 
 use super::{
-    ConnectionClose, ConnectionInfo, ConnectionOutcome, Decision, RefusalReason, Shared, observe,
+    ConnectionClose, ConnectionInfo, ConnectionOutcome, Decision, OpenConnection, RefusalReason,
+    Shared, observe,
 };
 use crate::state::WorkloadKey;
 
@@ -54,6 +55,8 @@ pub(crate) struct AccessLog<'a> {
     pub pod: Option<&'a WorkloadKey>,
     /// Whether [`AccessLog::open`] reported the connection open.
     pub opened: bool,
+    /// The observer's record of the open connection, told of its close.
+    pub observed: Option<Box<dyn OpenConnection>>,
     /// The authorization policy that allowed or denied it, if one did.
     pub policy: Option<crate::authz::PolicyKey>,
     /// Why it was refused, for the refusal counter; unset: the proxy's own
@@ -87,6 +90,7 @@ impl<'a> AccessLog<'a> {
             reason: None,
             pod: None,
             opened: false,
+            observed: None,
             policy: None,
             refusal: None,
             quiet: false,
@@ -135,7 +139,7 @@ impl<'a> AccessLog<'a> {
         if !self.opened {
             self.opened = true;
             if let Some(observer) = shared.observer.get() {
-                observer.opened(&self.info());
+                self.observed = Some(observer.opened(&self.info()));
             }
         }
     }
@@ -145,10 +149,13 @@ impl<'a> AccessLog<'a> {
         // metrics; they flush the log first) finds it in the log.
         self.write_line();
         if let Some(observer) = shared.observer.get() {
-            let info = self.info();
-            if !self.opened {
-                observer.opened(&info);
-            }
+            let observed = match self.observed.take() {
+                Some(observed) => Some(observed),
+                // Refused before it opened: reported open at its close.
+                None if !self.opened => Some(observer.opened(&self.info())),
+                // Opened before the observer was set: not recorded.
+                None => None,
+            };
             let close = ConnectionClose {
                 bytes_to_target: self.bytes_sent,
                 bytes_from_target: self.bytes_received,
@@ -161,7 +168,9 @@ impl<'a> AccessLog<'a> {
                     Outcome::Revoked => ConnectionOutcome::Revoked,
                 },
             };
-            observer.closed(&info, &close);
+            if let Some(observed) = observed {
+                observed.closed(&close);
+            }
         }
         self.opened = true;
         let c = &shared.counters;

@@ -48,6 +48,7 @@ pub use limits::{
 };
 pub use observe::{
     ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, Direction,
+    OpenConnection,
 };
 pub use pods::ServedPod;
 pub use policy::{Decision, InboundPlaintextPolicy, PlaintextConnection, authorize};

@@ -138,11 +138,17 @@ pub struct ConnectionClose {
     pub outcome: ConnectionOutcome,
 }
 
-/// Told about every connection the proxy handles. Every `closed` is
-/// preceded by one `opened` for the same connection (a connection refused
-/// early gets both at close). Called on the proxy's tasks: keep it cheap
-/// and never block.
+/// Told about every connection the proxy handles, once when it opens (a
+/// connection refused early: at its close). Called on the proxy's tasks:
+/// keep it cheap and never block.
 pub trait ConnectionObserver: Send + Sync {
-    fn opened(&self, connection: &ConnectionInfo<'_>);
-    fn closed(&self, connection: &ConnectionInfo<'_>, close: &ConnectionClose);
+    /// What the observer keeps of the connection comes back with its
+    /// close: the close is recorded as the open was, even if the workloads
+    /// it names changed meanwhile (ztunnel keeps its labels the same way).
+    fn opened(&self, connection: &ConnectionInfo<'_>) -> Box<dyn OpenConnection>;
+}
+
+/// One connection an observer was told of, until it closes.
+pub trait OpenConnection: Send {
+    fn closed(self: Box<Self>, close: &ConnectionClose);
 }
