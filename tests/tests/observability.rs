@@ -6,6 +6,7 @@
 
 use std::{
     collections::BTreeMap,
+    process::Stdio,
     thread,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
@@ -473,6 +474,49 @@ fn a_mesh_connection_moves_istio_tcp_metrics_on_both_nodes() {
             }
         }
     }
+
+    // A long connection's bytes count as they move, as ztunnel's do, not
+    // at its close: while a second connection to the server lives, each
+    // node's series shows two opens, one close and more bytes each way
+    // than the first connection moved.
+    let mut hold = apps
+        .command(&client, &["hold", &to_server, "--seconds", "120"])
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("hold");
+    for (node, labels, agent) in [
+        (&node_a, &as_source, &agent_a),
+        (&node_b, &as_destination, &agent_b),
+    ] {
+        let m = eventually(
+            "the open connection's bytes to be counted",
+            || {
+                let m = metrics(node);
+                let moved = |family| m.sum(family, labels) > Some(SENT as f64);
+                (m.sum("istio_tcp_connections_opened_total", labels) == Some(2.0)
+                    && moved("istio_tcp_received_bytes_total")
+                    && moved("istio_tcp_sent_bytes_total"))
+                .then_some(m)
+            },
+            || {
+                let m = metrics(node);
+                format!(
+                    "{:#?}\n{:#?}\n{}",
+                    m.samples("istio_tcp_connections_opened_total"),
+                    m.samples("istio_tcp_received_bytes_total"),
+                    agent.logs()
+                )
+            },
+        );
+        assert_eq!(
+            m.sum("istio_tcp_connections_closed_total", labels),
+            Some(1.0),
+            "the second connection is still open"
+        );
+    }
+    // Ours, by PID.
+    let _ = hold.kill();
+    let _ = hold.wait();
 
     // shunt's own, on node-a (kernel counters as a verify pass after the
     // connection read them).

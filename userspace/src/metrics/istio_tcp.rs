@@ -9,7 +9,7 @@ use std::{
     hash::{BuildHasher, Hash, Hasher},
     sync::{
         Arc, Mutex, OnceLock, RwLock,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
 };
 
@@ -390,9 +390,17 @@ impl ConnectionObserver for TcpObserver {
     fn opened(&self, connection: &ConnectionInfo<'_>) -> Box<dyn OpenConnection> {
         let labels = self.labels(connection, "-");
         self.tcp.opened.get_or_create(&labels).inc();
+        // As ztunnel: the byte series exist from the open on, and count
+        // as the bytes move.
+        let received = self.tcp.received_bytes.get_or_create(&labels).clone();
+        let sent = self.tcp.sent_bytes.get_or_create(&labels).clone();
         Box::new(OpenTcp {
             labels,
             tcp: self.tcp.clone(),
+            received,
+            sent,
+            moved_to_target: AtomicU64::new(0),
+            moved_from_target: AtomicU64::new(0),
         })
     }
 }
@@ -403,19 +411,49 @@ impl ConnectionObserver for TcpObserver {
 struct OpenTcp {
     labels: TcpLabels,
     tcp: Arc<TcpMetrics>,
+    /// Its series of `istio_tcp_received_bytes_total` (bytes to the target)
+    /// and `istio_tcp_sent_bytes_total` (from it).
+    received: Counter,
+    sent: Counter,
+    /// What [`OpenConnection::moved`] counted, so the close adds the rest.
+    moved_to_target: AtomicU64,
+    moved_from_target: AtomicU64,
 }
 
 impl OpenConnection for OpenTcp {
+    fn moved(&self, to_target: u64, from_target: u64) {
+        if to_target > 0 {
+            self.received.inc_by(to_target);
+            self.moved_to_target.fetch_add(to_target, Ordering::Relaxed);
+        }
+        if from_target > 0 {
+            self.sent.inc_by(from_target);
+            self.moved_from_target
+                .fetch_add(from_target, Ordering::Relaxed);
+        }
+    }
+
     fn closed(self: Box<Self>, close: &ConnectionClose) {
-        let Self { labels, tcp } = *self;
+        let Self {
+            labels,
+            tcp,
+            received,
+            sent,
+            moved_to_target,
+            moved_from_target,
+        } = *self;
         // As ztunnel: bytes carry the labels the connection opened with;
         // the close carries how it ended.
-        tcp.received_bytes
-            .get_or_create(&labels)
-            .inc_by(close.bytes_to_target);
-        tcp.sent_bytes
-            .get_or_create(&labels)
-            .inc_by(close.bytes_from_target);
+        received.inc_by(
+            close
+                .bytes_to_target
+                .saturating_sub(moved_to_target.into_inner()),
+        );
+        sent.inc_by(
+            close
+                .bytes_from_target
+                .saturating_sub(moved_from_target.into_inner()),
+        );
         let flags = match close.outcome {
             ConnectionOutcome::Success => "-",
             // Istio's flag for a connection an authorization policy denied.
@@ -540,6 +578,50 @@ mod tests {
             Some("10")
         );
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn bytes_count_as_they_move_and_the_close_adds_only_the_rest() {
+        let metrics = Metrics::new();
+        let observer = metrics.connection_observer(store());
+        let client = WorkloadKey::new("default", "client");
+        let info = ConnectionInfo {
+            direction: Direction::Outbound,
+            pod: Some(&client),
+            src_addr: "198.18.1.2:40000".parse().expect("addr"),
+            src_identity: Some("spiffe://cluster.local/ns/default/sa/sa-client"),
+            dst_addr: "198.18.2.2:8080".parse().expect("addr"),
+            dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
+            dst_service: None,
+            derived_source: None,
+            src_through_gateway: false,
+            derived_destination: None,
+        };
+        let open = observer.opened(&info);
+        let series = ["destination_workload=\"server\""];
+        let bytes = |text: &str| {
+            (
+                sample(text, "istio_tcp_received_bytes_total", &series).map(str::to_owned),
+                sample(text, "istio_tcp_sent_bytes_total", &series).map(str::to_owned),
+            )
+        };
+        // The series exist from the open on, as ztunnel's.
+        let text = metrics.encode(None);
+        assert_eq!(bytes(&text), (Some("0".into()), Some("0".into())), "{text}");
+        open.moved(5, 0);
+        open.moved(0, 2);
+        open.moved(1, 0);
+        let text = metrics.encode(None);
+        assert_eq!(bytes(&text), (Some("6".into()), Some("2".into())), "{text}");
+        // The close's totals include what was counted already.
+        open.closed(&ConnectionClose {
+            bytes_to_target: 7,
+            bytes_from_target: 3,
+            duration: Duration::from_millis(5),
+            outcome: ConnectionOutcome::Success,
+        });
+        let text = metrics.encode(None);
+        assert_eq!(bytes(&text), (Some("7".into()), Some("3".into())), "{text}");
     }
 
     #[test]

@@ -423,6 +423,8 @@ pub(super) async fn serve_stream(
         connection,
     ));
     let cut = OnWake::new(super::cut_by_revocation(cert_revoked.as_ref()));
+    // The relay's first socket is the one to the pod, the target.
+    let meter = super::observe::Meter::target_first(log.observed.as_deref());
     let copied = tokio::select! {
         // The cut first: the connection's end, which follows it, must not
         // read as a plain failure.
@@ -436,7 +438,7 @@ pub(super) async fn serve_stream(
             return;
         }
         // (application → peer, peer → application)
-        copied = super::relay::relay(&mut upstream, &mut h2s) => copied,
+        copied = super::relay::relay(&mut upstream, &mut h2s, meter) => copied,
         decision = revoked => {
             // A policy change denies it now: cut both sides.
             h2s.reset(h2::Reason::CANCEL);

@@ -86,8 +86,9 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, tcp: TcpStream, pe
         }
     };
     log.open(&shared);
+    let meter = super::observe::Meter::initiator_first(log.observed.as_deref());
     let copied = tokio::select! {
-        copied = super::relay::relay_tcp(&mut client, &mut upstream) => copied,
+        copied = super::relay::relay_tcp(&mut client, &mut upstream, meter) => copied,
         decision = super::revoked(&shared, changes, &pod.key, authz_connection) => {
             // A policy change denies it now: cut both sides.
             super::reset(&client);

@@ -149,6 +149,65 @@ pub trait ConnectionObserver: Send + Sync {
 }
 
 /// One connection an observer was told of, until it closes.
-pub trait OpenConnection: Send {
+pub trait OpenConnection: Send + Sync {
+    /// Bytes the relay just wrote, one way (to the connection's target)
+    /// or the other: counted as they move, as ztunnel counts them, so a
+    /// long connection's bytes show before it closes.
+    fn moved(&self, to_target: u64, from_target: u64);
+    /// `close` holds the connection's totals: what [`moved`] was not told
+    /// of (a connection the proxy did not relay) is counted here.
+    ///
+    /// [`moved`]: OpenConnection::moved
     fn closed(self: Box<Self>, close: &ConnectionClose);
+}
+
+/// Where a relay counts the bytes it writes: into the open connection's
+/// record, by which way they went. Copy, and empty when no observer is
+/// set.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Meter<'a> {
+    open: Option<&'a dyn OpenConnection>,
+    /// The relay's first socket is the connection's target (inbound: the
+    /// socket to the pod), not its initiator.
+    first_is_target: bool,
+}
+
+impl<'a> Meter<'a> {
+    /// For a relay whose first socket is the connection's initiator's.
+    pub(crate) fn initiator_first(open: Option<&'a dyn OpenConnection>) -> Self {
+        Self {
+            open,
+            first_is_target: false,
+        }
+    }
+
+    /// For a relay whose first socket is the connection's target's.
+    pub(crate) fn target_first(open: Option<&'a dyn OpenConnection>) -> Self {
+        Self {
+            open,
+            first_is_target: true,
+        }
+    }
+
+    /// `n` bytes written from the relay's first socket to its second.
+    pub(crate) fn forward(self, n: u64) {
+        if let Some(open) = self.open {
+            if self.first_is_target {
+                open.moved(0, n);
+            } else {
+                open.moved(n, 0);
+            }
+        }
+    }
+
+    /// `n` bytes written from the relay's second socket to its first.
+    pub(crate) fn back(self, n: u64) {
+        if let Some(open) = self.open {
+            if self.first_is_target {
+                open.moved(n, 0);
+            } else {
+                open.moved(0, n);
+            }
+        }
+    }
 }

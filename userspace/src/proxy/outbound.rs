@@ -306,6 +306,7 @@ pub(super) async fn relay_logged(
     log.open(shared);
     // Polled only once it fired, not per relayed read.
     let cut = super::on_wake::OnWake::new(cut);
+    let meter = super::observe::Meter::initiator_first(log.observed.as_deref());
     let relayed = tokio::select! {
         // The cut first: the connection's end, which follows it, must not
         // read as a plain failure.
@@ -318,7 +319,7 @@ pub(super) async fn relay_logged(
             log.emit(shared);
             return;
         }
-        relayed = super::relay::relay(app, h2s) => relayed,
+        relayed = super::relay::relay(app, h2s, meter) => relayed,
     };
     match relayed {
         Ok((sent, received)) => {
@@ -404,7 +405,8 @@ async fn passthrough(
         }
     };
     log.open(shared);
-    match super::relay::relay_tcp(&mut app, &mut upstream).await {
+    let meter = super::observe::Meter::initiator_first(log.observed.as_deref());
+    match super::relay::relay_tcp(&mut app, &mut upstream, meter).await {
         Ok((sent, received)) => {
             log.bytes_sent = sent;
             log.bytes_received = received;

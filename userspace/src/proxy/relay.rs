@@ -21,6 +21,8 @@
 //!
 //! Half-close as before: EOF from TCP sends END_STREAM, END_STREAM shuts
 //! the socket's write half; the relay ends when both directions have.
+//! Each write is told to the connection's [`Meter`] (the metrics' bytes,
+//! counted as they move).
 //!
 //! [`relay_tcp`] is the plaintext relay (passthrough, inbound plaintext)
 //! between two TCP connections, with the same reads: nothing held while a
@@ -43,7 +45,10 @@ use tokio::{
     net::TcpStream,
 };
 
-use super::h2::{H2Stream, h2_to_io};
+use super::{
+    h2::{H2Stream, h2_to_io},
+    observe::Meter,
+};
 
 /// Largest single read from a TCP socket (the old per-connection copy
 /// buffer's size: smaller capped throughput in measurements).
@@ -62,17 +67,22 @@ thread_local! {
 }
 
 /// Moves bytes both ways between `tcp` and `stream` until both directions
-/// have ended. Returns the bytes TCP → HTTP/2 and HTTP/2 → TCP.
-pub(crate) async fn relay(tcp: &mut TcpStream, stream: &mut H2Stream) -> io::Result<(u64, u64)> {
+/// have ended, counting them into `meter` as they are written. Returns the
+/// bytes TCP → HTTP/2 and HTTP/2 → TCP.
+pub(crate) async fn relay(
+    tcp: &mut TcpStream,
+    stream: &mut H2Stream,
+    meter: Meter<'_>,
+) -> io::Result<(u64, u64)> {
     let mut up = Up::default();
     let mut down = Down::default();
     poll_fn(|cx| {
-        let up_done = match up.poll(cx, tcp, &mut stream.send) {
+        let up_done = match up.poll(cx, tcp, &mut stream.send, meter) {
             Poll::Ready(Ok(())) => true,
             Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
             Poll::Pending => false,
         };
-        let down_done = match down.poll(cx, tcp, &mut stream.recv, &mut stream.pending) {
+        let down_done = match down.poll(cx, tcp, &mut stream.recv, &mut stream.pending, meter) {
             Poll::Ready(Ok(())) => true,
             Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
             Poll::Pending => false,
@@ -108,6 +118,7 @@ impl Up {
         cx: &mut Context<'_>,
         tcp: &mut TcpStream,
         send: &mut SendStream<Bytes>,
+        meter: Meter<'_>,
     ) -> Poll<io::Result<()>> {
         if self.done {
             return Poll::Ready(Ok(()));
@@ -126,6 +137,7 @@ impl Up {
                             return Poll::Ready(Err(ready!(reset_error(send, cx))));
                         }
                         self.bytes += len;
+                        meter.forward(len);
                         continue;
                     }
                     Some(Err(_)) | None => return Poll::Ready(Err(ready!(reset_error(send, cx)))),
@@ -186,12 +198,14 @@ fn poll_read_chunk(
     }
 }
 
-/// Writes `pending` to `tcp` until it is empty, counting into `bytes`.
+/// Writes `pending` to `tcp` until it is empty, counting into `bytes` and
+/// telling `written` of each write.
 fn poll_write_all(
     cx: &mut Context<'_>,
     tcp: &mut TcpStream,
     pending: &mut Bytes,
     bytes: &mut u64,
+    written: impl Fn(u64),
 ) -> Poll<io::Result<()>> {
     while !pending.is_empty() {
         let n = ready!(Pin::new(&mut *tcp).poll_write(cx, pending))?;
@@ -199,6 +213,7 @@ fn poll_write_all(
             return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
         }
         *bytes += n as u64;
+        written(n as u64);
         if n == pending.len() {
             // Not `advance`: an emptied `Bytes` still holds its share of
             // the buffer it came from (h2's read buffer, or a 64 KiB read),
@@ -240,12 +255,15 @@ impl Down {
         tcp: &mut TcpStream,
         recv: &mut RecvStream,
         pending: &mut Bytes,
+        meter: Meter<'_>,
     ) -> Poll<io::Result<()>> {
         if self.done {
             return Poll::Ready(Ok(()));
         }
         loop {
-            ready!(poll_write_all(cx, tcp, pending, &mut self.bytes))?;
+            ready!(poll_write_all(cx, tcp, pending, &mut self.bytes, |n| {
+                meter.back(n)
+            }))?;
             if self.eof {
                 ready!(Pin::new(&mut *tcp).poll_shutdown(cx))?;
                 self.done = true;
@@ -279,17 +297,22 @@ impl Down {
 
 /// Moves bytes both ways between two TCP connections until both directions
 /// have ended, honouring half-close (EOF from one side shuts the other's
-/// write half). Returns the bytes `a` → `b` and `b` → `a`.
-pub(crate) async fn relay_tcp(a: &mut TcpStream, b: &mut TcpStream) -> io::Result<(u64, u64)> {
+/// write half), counting them into `meter` as they are written. Returns
+/// the bytes `a` → `b` and `b` → `a`.
+pub(crate) async fn relay_tcp(
+    a: &mut TcpStream,
+    b: &mut TcpStream,
+    meter: Meter<'_>,
+) -> io::Result<(u64, u64)> {
     let mut a_to_b = TcpToTcp::default();
     let mut b_to_a = TcpToTcp::default();
     poll_fn(|cx| {
-        let forward_done = match a_to_b.poll(cx, a, b) {
+        let forward_done = match a_to_b.poll(cx, a, b, |n| meter.forward(n)) {
             Poll::Ready(Ok(())) => true,
             Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
             Poll::Pending => false,
         };
-        let back_done = match b_to_a.poll(cx, b, a) {
+        let back_done = match b_to_a.poll(cx, b, a, |n| meter.back(n)) {
             Poll::Ready(Ok(())) => true,
             Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
             Poll::Pending => false,
@@ -332,12 +355,19 @@ impl TcpToTcp {
         cx: &mut Context<'_>,
         from: &mut TcpStream,
         to: &mut TcpStream,
+        written: impl Fn(u64),
     ) -> Poll<io::Result<()>> {
         if self.done {
             return Poll::Ready(Ok(()));
         }
         loop {
-            ready!(poll_write_all(cx, to, &mut self.pending, &mut self.bytes))?;
+            ready!(poll_write_all(
+                cx,
+                to,
+                &mut self.pending,
+                &mut self.bytes,
+                &written
+            ))?;
             if self.eof {
                 ready!(Pin::new(&mut *to).poll_shutdown(cx))?;
                 self.done = true;

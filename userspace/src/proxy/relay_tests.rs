@@ -34,7 +34,9 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 async fn relays_every_byte_both_ways_and_passes_half_close_on() {
     let (mut proxy_side, mut client) = pair().await;
     let (mut upstream_side, mut server) = pair().await;
-    let relay = tokio::spawn(async move { relay_tcp(&mut proxy_side, &mut upstream_side).await });
+    let relay = tokio::spawn(async move {
+        relay_tcp(&mut proxy_side, &mut upstream_side, Default::default()).await
+    });
 
     // Large enough for the streaming reads (several 64 KiB reads in a row)
     // and for writes that wait on a full socket buffer.
@@ -90,7 +92,7 @@ async fn holds_no_buffer_between_requests() {
     let read = server.read_exact(&mut got);
     tokio::pin!(read);
     poll_fn(|cx| {
-        let _ = direction.poll(cx, &mut from, &mut to);
+        let _ = direction.poll(cx, &mut from, &mut to, |_| {});
         match read.as_mut().poll(cx) {
             Poll::Ready(r) => Poll::Ready(r.map(|_| ())),
             Poll::Pending => Poll::Pending,
@@ -101,7 +103,7 @@ async fn holds_no_buffer_between_requests() {
     assert_eq!(&got, b"ping");
     // Once more with nothing to read: the direction waits on the socket.
     poll_fn(|cx| {
-        assert!(direction.poll(cx, &mut from, &mut to).is_pending());
+        assert!(direction.poll(cx, &mut from, &mut to, |_| {}).is_pending());
         Poll::Ready(())
     })
     .await;
