@@ -16,6 +16,7 @@ pub const FAMILIES: &[&str] = &[
     "istio_build",
     "istio_tcp_connections_opened_total",
     "istio_tcp_connections_closed_total",
+    "istio_tcp_connections_failed_total",
     "istio_tcp_received_bytes_total",
     "istio_tcp_sent_bytes_total",
     "istio_xds_message_total",

@@ -49,6 +49,9 @@ const MAX_DERIVED_SOURCES: usize = 1024;
 pub(super) struct TcpMetrics {
     pub(super) opened: Family<TcpLabels, Counter>,
     pub(super) closed: Family<TcpLabels, Counter>,
+    /// The closes that carry a failure flag (ztunnel's
+    /// `istio_tcp_connections_failed_total`).
+    pub(super) failed: Family<TcpLabels, Counter>,
     pub(super) received_bytes: Family<TcpLabels, Counter>,
     pub(super) sent_bytes: Family<TcpLabels, Counter>,
     derived: DerivedSources,
@@ -463,15 +466,16 @@ impl OpenConnection for OpenTcp {
             // ztunnel's flag for a connection cut on a revoked certificate.
             ConnectionOutcome::Revoked => "CERT_REVOKED",
         };
-        let labels = if flags == "-" {
-            labels
+        if flags == "-" {
+            tcp.closed.get_or_create(&labels).inc();
         } else {
-            TcpLabels {
+            let labels = TcpLabels {
                 response_flags: flags.into(),
                 ..labels
-            }
-        };
-        tcp.closed.get_or_create(&labels).inc();
+            };
+            tcp.closed.get_or_create(&labels).inc();
+            tcp.failed.get_or_create(&labels).inc();
+        }
     }
 }
 
@@ -576,6 +580,10 @@ mod tests {
         assert_eq!(
             sample(&text, "istio_tcp_sent_bytes_total", &labels),
             Some("10")
+        );
+        assert!(
+            !text.contains("istio_tcp_connections_failed_total{"),
+            "a success is no failure: {text}"
         );
         assert!(text.ends_with("# EOF\n"));
     }
@@ -768,6 +776,16 @@ mod tests {
             sample(
                 &text,
                 "istio_tcp_connections_closed_total",
+                &[principal, "response_flags=\"DENY\""]
+            ),
+            Some("1"),
+            "{text}"
+        );
+        // And counted failed, as ztunnel counts every flagged close.
+        assert_eq!(
+            sample(
+                &text,
+                "istio_tcp_connections_failed_total",
                 &[principal, "response_flags=\"DENY\""]
             ),
             Some("1"),

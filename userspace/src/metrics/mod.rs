@@ -5,7 +5,7 @@
 //!
 //! - recorded as things happen: Istio's standard TCP metrics
 //!   (`istio_tcp_connections_opened_total`, `..._closed_total`,
-//!   `istio_tcp_sent_bytes_total`, `istio_tcp_received_bytes_total`, with
+//!   `..._failed_total`, `istio_tcp_sent_bytes_total`, `istio_tcp_received_bytes_total`, with
 //!   Istio's labels so existing dashboards work), fed by the proxy through
 //!   [`ConnectionObserver`]; the enrolment latency histogram and redirection
 //!   repairs, fed by the agent;
@@ -105,6 +105,11 @@ impl Metrics {
             "tcp_connections_closed",
             "The total number of TCP connections closed",
             tcp.closed.clone(),
+        );
+        istio.register(
+            "tcp_connections_failed",
+            "The total number of TCP connections that failed to establish (unstable)",
+            tcp.failed.clone(),
         );
         istio.register(
             "tcp_received_bytes",
