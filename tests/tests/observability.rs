@@ -514,9 +514,25 @@ fn a_mesh_connection_moves_istio_tcp_metrics_on_both_nodes() {
             "the second connection is still open"
         );
     }
+    // ztunnel's open application sockets: the client's, on its node; the
+    // server's node holds an HBONE connection, not an application's.
+    let open_sockets = |node: &Node, reporter| {
+        metrics(node).sum("istio_tcp_sockets_open", &[("reporter", reporter)])
+    };
+    eventually(
+        "the held socket alone to be counted open",
+        || (open_sockets(&node_a, "source") == Some(1.0)).then_some(()),
+        || format!("{:?}", open_sockets(&node_a, "source")),
+    );
+    assert_eq!(open_sockets(&node_b, "destination"), None);
     // Ours, by PID.
     let _ = hold.kill();
     let _ = hold.wait();
+    eventually(
+        "the held socket to be counted closed",
+        || (open_sockets(&node_a, "source") == Some(0.0)).then_some(()),
+        || format!("{:?}", open_sockets(&node_a, "source")),
+    );
 
     // shunt's own, on node-a (kernel counters as a verify pass after the
     // connection read them).

@@ -19,6 +19,7 @@ pub const FAMILIES: &[&str] = &[
     "istio_tcp_connections_failed_total",
     "istio_tcp_received_bytes_total",
     "istio_tcp_sent_bytes_total",
+    "istio_tcp_sockets_open",
     "istio_xds_message_total",
     "istio_xds_message_bytes_total",
     "istio_xds_connection_terminations_total",

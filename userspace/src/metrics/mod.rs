@@ -365,6 +365,14 @@ mod tests {
                 pods_served: 2,
                 proxies_started: 3,
                 proxies_stopped: 1,
+                sockets_accepted: crate::proxy::ReporterCounts {
+                    source: 3,
+                    destination: 0,
+                },
+                sockets_closed: crate::proxy::ReporterCounts {
+                    source: 1,
+                    destination: 0,
+                },
                 ..Default::default()
             }),
             synced: true,
@@ -382,11 +390,17 @@ mod tests {
             "workload_manager_pending_proxy_count 1",
             "workload_manager_proxies_started_total 3",
             "workload_manager_proxies_stopped_total 1",
+            "istio_tcp_sockets_open{reporter=\"source\"} 2",
         ] {
             assert!(
                 text.lines().any(|l| l == line),
                 "{line:?} missing in\n{text}"
             );
         }
+        // No series for a reporter before its first socket, as ztunnel.
+        assert!(
+            !text.contains("istio_tcp_sockets_open{reporter=\"destination\"}"),
+            "{text}"
+        );
     }
 }

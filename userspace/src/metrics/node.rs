@@ -98,6 +98,28 @@ impl NodeGauges {
             "The total number of connections rejected due to CRL certificate revocation (unstable)",
             rejections,
         );
+        // A reporter's series appears with its first socket, as ztunnel's.
+        let sockets = Family::<ReporterLabels, Gauge>::default();
+        if let Some(proxy) = &self.proxy {
+            let (accepted, closed) = (&proxy.sockets_accepted, &proxy.sockets_closed);
+            for (reporter, accepted, closed) in [
+                ("source", accepted.source, closed.source),
+                ("destination", accepted.destination, closed.destination),
+            ] {
+                if accepted > 0 {
+                    sockets
+                        .get_or_create(&ReporterLabels {
+                            reporter: reporter.into(),
+                        })
+                        .set(i64::try_from(accepted.saturating_sub(closed)).unwrap_or(i64::MAX));
+                }
+            }
+        }
+        registry.register(
+            "tcp_sockets_open",
+            "The current number of open TCP sockets (unstable)",
+            sockets,
+        );
         registry
     }
 

@@ -6,7 +6,9 @@ use std::{future::Future, sync::Arc};
 
 use tokio_util::sync::CancellationToken;
 
-use super::{PodState, Shared, inbound, inbound_plaintext, limits, outbound};
+use super::{
+    PodState, Shared, inbound, inbound_plaintext, limits, outbound, shared::ReporterCounters,
+};
 
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Listener {
@@ -83,20 +85,60 @@ pub(super) async fn accept_loop(
         // connection's handshakes.
         let (shared2, pod2) = (shared.clone(), pod.clone());
         match kind {
-            Listener::Outbound => spawn_tracked(&shared, move || {
-                outbound::serve(shared2, pod2, stream, peer)
-            }),
-            Listener::InboundPlaintext => spawn_tracked(&shared, move || async move {
-                // Holds the connection's per-source slot until it ends.
-                let _admission = admission;
-                inbound_plaintext::serve(shared2, pod2, stream, peer).await
-            }),
+            Listener::Outbound => {
+                let socket = OpenSocket::accepted(&shared, false);
+                spawn_tracked(&shared, move || async move {
+                    let _socket = socket;
+                    outbound::serve(shared2, pod2, stream, peer).await
+                })
+            }
+            Listener::InboundPlaintext => {
+                let socket = OpenSocket::accepted(&shared, true);
+                spawn_tracked(&shared, move || async move {
+                    // Holds the connection's per-source slot until it ends.
+                    let (_admission, _socket) = (admission, socket);
+                    inbound_plaintext::serve(shared2, pod2, stream, peer).await
+                })
+            }
             Listener::Hbone => spawn_tracked(&shared, move || {
                 inbound::serve(shared2, pod2, stream, peer, admission)
             }),
         }
     }
     tracing::debug!(pod = %pod.key, ?kind, ?local, "listener closed");
+}
+
+/// An application's socket the proxy holds (`istio_tcp_sockets_open`, as
+/// ztunnel counts them: the outbound and inbound plaintext listeners'
+/// connections, not HBONE's): counted accepted when made, closed when its
+/// task ends or is cut.
+struct OpenSocket {
+    closed: Arc<ReporterCounters>,
+    inbound: bool,
+}
+
+impl OpenSocket {
+    fn accepted(shared: &Shared, inbound: bool) -> Self {
+        if inbound {
+            shared.sockets_accepted.inbound();
+        } else {
+            shared.sockets_accepted.outbound();
+        }
+        Self {
+            closed: shared.sockets_closed.clone(),
+            inbound,
+        }
+    }
+}
+
+impl Drop for OpenSocket {
+    fn drop(&mut self) {
+        if self.inbound {
+            self.closed.inbound();
+        } else {
+            self.closed.outbound();
+        }
+    }
 }
 
 /// Spawns a connection's or stream's task, tracked (a drain waits for it)

@@ -216,7 +216,13 @@ pub struct ProxyStats {
     /// Connections refused or closed on a revoked peer chain
     /// (`istio_crl_policy_rejections_total`).
     #[serde(default)]
-    pub crl_rejections: CrlRejections,
+    pub crl_rejections: ReporterCounts,
+    /// Application sockets accepted and since closed, by reporter
+    /// (`istio_tcp_sockets_open` is the difference).
+    #[serde(default)]
+    pub sockets_accepted: ReporterCounts,
+    #[serde(default)]
+    pub sockets_closed: ReporterCounts,
     /// Pods served now, and pods whose listeners were started and retired
     /// since the proxy started (`workload_manager_*`, ztunnel's names).
     #[serde(default)]
@@ -227,10 +233,10 @@ pub struct ProxyStats {
     pub proxies_stopped: u64,
 }
 
-/// `istio_crl_policy_rejections_total` by `reporter`: this side as the
-/// client (`source`, outbound) or the server (`destination`, inbound).
+/// A count by Istio's `reporter`: this side as the client (`source`,
+/// outbound) or the server (`destination`, inbound).
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct CrlRejections {
+pub struct ReporterCounts {
     pub source: u64,
     pub destination: u64,
 }
@@ -275,6 +281,8 @@ impl Proxy {
                 abort: CancellationToken::new(),
                 counters: Counters::default(),
                 crl_rejections: Default::default(),
+                sockets_accepted: Default::default(),
+                sockets_closed: Default::default(),
                 limits,
                 service_picks: AtomicUsize::new(0),
                 waypoint_failures: Default::default(),
@@ -352,6 +360,8 @@ impl Proxy {
             refusals: self.shared.limits.refusals(),
             waypoint_failures: self.shared.waypoint_failures.snapshot(),
             crl_rejections: self.shared.crl_rejections.snapshot(),
+            sockets_accepted: self.shared.sockets_accepted.snapshot(),
+            sockets_closed: self.shared.sockets_closed.snapshot(),
             pods_served: self
                 .shared
                 .pods

@@ -34,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 use super::{
     h2::{H2Settings, keepalive},
     on_wake::OnWake,
-    shared::CrlRejectionCounters,
+    shared::ReporterCounters,
 };
 use crate::state::SpiffeId;
 
@@ -104,7 +104,7 @@ pub(crate) struct Driving<R> {
     /// (`tls::until_revoked`); counted in `crl_rejections`, and
     /// `cert_revoked` is cancelled.
     pub revoked: R,
-    pub crl_rejections: Arc<CrlRejectionCounters>,
+    pub crl_rejections: Arc<ReporterCounters>,
     pub cert_revoked: Option<CancellationToken>,
 }
 

@@ -37,29 +37,28 @@ pub(super) struct Counters {
     pub(super) proxies_stopped: AtomicU64,
 }
 
-/// Connections this side refused or closed because a revocation list
-/// names the peer's chain (`istio_crl_policy_rejections_total`), as the
-/// client (`reporter="source"`) and as the server (`"destination"`).
-/// Shared with the pools' connection tasks.
+/// Events counted by Istio's `reporter`: this side as the client
+/// (`reporter="source"`, outbound) or as the server (`"destination"`,
+/// inbound). Shared with the pools' connection tasks.
 #[derive(Debug, Default)]
-pub(crate) struct CrlRejectionCounters {
+pub(crate) struct ReporterCounters {
     as_source: AtomicU64,
     as_destination: AtomicU64,
 }
 
-impl CrlRejectionCounters {
-    /// An outbound connection refused or closed on a revoked server chain.
+impl ReporterCounters {
+    /// One more as the client (`source`).
     pub fn outbound(&self) {
         self.as_source.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// An inbound connection refused or closed on a revoked client chain.
+    /// One more as the server (`destination`).
     pub fn inbound(&self) {
         self.as_destination.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub fn snapshot(&self) -> super::CrlRejections {
-        super::CrlRejections {
+    pub fn snapshot(&self) -> super::ReporterCounts {
+        super::ReporterCounts {
             source: self.as_source.load(Ordering::Relaxed),
             destination: self.as_destination.load(Ordering::Relaxed),
         }
@@ -140,7 +139,14 @@ pub(crate) struct Shared {
     /// Cancelled when the drain grace period ends: everything stops.
     pub abort: CancellationToken,
     pub(super) counters: Counters,
-    pub(super) crl_rejections: Arc<CrlRejectionCounters>,
+    /// Connections this side refused or closed because a revocation list
+    /// names the peer's chain (`istio_crl_policy_rejections_total`).
+    pub(super) crl_rejections: Arc<ReporterCounters>,
+    /// Application sockets accepted, and closed: outbound from a local pod
+    /// (`source`) and inbound plaintext (`destination`); their difference
+    /// is ztunnel's `istio_tcp_sockets_open`.
+    pub(super) sockets_accepted: ReporterCounters,
+    pub(super) sockets_closed: Arc<ReporterCounters>,
     /// Per-source and fd limits on inbound connections; refusals by reason.
     pub(crate) limits: limits::Limits,
     /// Connections to service VIPs so far: which endpoint the next one gets
