@@ -24,10 +24,9 @@ use shunt::xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL};
 use shunt_proto::istio::workload as workload_pb;
 use shunt_testbed::{
     Cgroup, Node, Pod, Topology,
-    access_log::access_lines,
+    access_log::wait_for_access_line,
     agent::{Agent, WorkloadSpec, mesh_pods_enrolled, workloads_yaml},
     apps::{EchoServer, TestApp, local_of, via_the_proxy},
-    poll::eventually,
     require_root,
     scrape::{sample, wait_metrics},
 };
@@ -179,21 +178,17 @@ async fn a_cidr_service_entry_keeps_its_range_on_the_proxy_and_the_rest_direct()
         "a connect into the CIDR goes through the proxy"
     );
     let to_inside = format!("{}:8080", inside.ip());
-    eventually(
-        "the proxy's line names the ServiceEntry",
-        TIMEOUT,
-        || {
-            access_lines(&agent.logs(), "passthrough")
-                .iter()
-                .any(|l| {
-                    l["fields"]["dst.service"] == "default/egress.example.com"
-                        && l["fields"]["dst.addr"] == to_inside.as_str()
-                })
-                .then_some(())
-        },
-        || agent.logs(),
-    )
-    .await;
+    blocking(|| {
+        wait_for_access_line(
+            &agent,
+            "passthrough",
+            "the proxy's line names the ServiceEntry",
+            |l| {
+                l["fields"]["dst.service"] == "default/egress.example.com"
+                    && l["fields"]["dst.addr"] == to_inside.as_str()
+            },
+        )
+    });
     assert!(
         !blocking(|| connect(&apps, &agent, &client, &outside, &echo_outside)),
         "a connect outside it goes direct"

@@ -512,6 +512,26 @@ mod tests {
         Arc::new(RwLock::new(store))
     }
 
+    /// `client`'s outbound HBONE connection to the server (through the
+    /// service `via`'s VIP, when given), as the proxy reports it.
+    fn client_to_server<'a>(
+        client: &'a WorkloadKey,
+        via: Option<&'a WorkloadKey>,
+    ) -> ConnectionInfo<'a> {
+        ConnectionInfo {
+            direction: Direction::Outbound,
+            pod: Some(client),
+            src_addr: "198.18.1.2:40000".parse().expect("addr"),
+            src_identity: Some("spiffe://cluster.local/ns/default/sa/sa-client"),
+            dst_addr: "198.18.2.2:8080".parse().expect("addr"),
+            dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
+            dst_service: via,
+            derived_source: None,
+            src_through_gateway: false,
+            derived_destination: None,
+        }
+    }
+
     fn sample<'a>(text: &'a str, name: &str, must: &[&str]) -> Option<&'a str> {
         text.lines()
             .filter(|l| l.starts_with(&format!("{name}{{")))
@@ -524,20 +544,9 @@ mod tests {
         let metrics = Metrics::new();
         let observer = metrics.connection_observer(store());
         let client = WorkloadKey::new("default", "client");
+        // The client connected to the service web's VIP.
         let web = WorkloadKey::new("default", "web");
-        let info = ConnectionInfo {
-            direction: Direction::Outbound,
-            pod: Some(&client),
-            src_addr: SocketAddr::from(([127, 0, 0, 1], 40000)),
-            src_identity: Some("spiffe://cluster.local/ns/default/sa/sa-client"),
-            dst_addr: "198.18.2.2:8080".parse().unwrap(),
-            dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
-            // The client connected to the service web's VIP.
-            dst_service: Some(&web),
-            derived_source: None,
-            src_through_gateway: false,
-            derived_destination: None,
-        };
+        let info = client_to_server(&client, Some(&web));
         let open = observer.opened(&info);
         let text = metrics.encode(None);
         let labels = [
@@ -593,18 +602,7 @@ mod tests {
         let metrics = Metrics::new();
         let observer = metrics.connection_observer(store());
         let client = WorkloadKey::new("default", "client");
-        let info = ConnectionInfo {
-            direction: Direction::Outbound,
-            pod: Some(&client),
-            src_addr: "198.18.1.2:40000".parse().expect("addr"),
-            src_identity: Some("spiffe://cluster.local/ns/default/sa/sa-client"),
-            dst_addr: "198.18.2.2:8080".parse().expect("addr"),
-            dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
-            dst_service: None,
-            derived_source: None,
-            src_through_gateway: false,
-            derived_destination: None,
-        };
+        let info = client_to_server(&client, None);
         let open = observer.opened(&info);
         let series = ["destination_workload=\"server\""];
         let bytes = |text: &str| {
@@ -638,18 +636,7 @@ mod tests {
         let workloads = store();
         let observer = metrics.connection_observer(workloads.clone());
         let client = WorkloadKey::new("default", "client");
-        let info = ConnectionInfo {
-            direction: Direction::Outbound,
-            pod: Some(&client),
-            src_addr: "198.18.1.2:40000".parse().expect("addr"),
-            src_identity: Some("spiffe://cluster.local/ns/default/sa/sa-client"),
-            dst_addr: "198.18.2.2:8080".parse().expect("addr"),
-            dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
-            dst_service: None,
-            derived_source: None,
-            src_through_gateway: false,
-            derived_destination: None,
-        };
+        let info = client_to_server(&client, None);
         let open = observer.opened(&info);
         // The destination pod is deleted while the connection lives.
         let gone = workloads.write().expect("store").remove("default/server");
