@@ -346,11 +346,14 @@ fn a_mesh_connection_moves_istio_tcp_metrics_on_both_nodes() {
     topo.add_node("node-b").expect("node");
     let client = topo.add_pod("node-a", "client").expect("pod");
     let server = topo.add_pod("node-b", "server").expect("pod");
+    // A mesh pod whose HBONE port the client's network drops.
+    let guarded = topo.add_pod("node-b", "guarded").expect("pod");
     let apps = Cgroup::create(&topo, "apps").expect("cgroup");
     let apps = TestApp::new(TESTAPP, &apps);
     let yaml = workloads_yaml(&[
         WorkloadSpec::for_pod(&client, true),
         WorkloadSpec::for_pod(&server, true),
+        WorkloadSpec::for_pod(&guarded, true),
     ]);
     let args = ["--redirect", "ebpf"];
     let node_a = topo.node("node-a").expect("node").clone();
@@ -532,6 +535,52 @@ fn a_mesh_connection_moves_istio_tcp_metrics_on_both_nodes() {
         "the held socket to be counted closed",
         || (open_sockets(&node_a, "source") == Some(0.0)).then_some(()),
         || format!("{:?}", open_sockets(&node_a, "source")),
+    );
+
+    // A connect to a peer whose HBONE port is dropped (what a
+    // NetworkPolicy without 15008 does) times out, and ztunnel names that
+    // failure NETWORK_POLICY (its pool: a timed-out connect to 15008).
+    let drop_hbone = client
+        .command("iptables")
+        .args(["-A", "OUTPUT", "-p", "tcp", "--dport", "15008", "-d"])
+        .arg(guarded.ip().to_string())
+        .args(["-j", "DROP"])
+        .status()
+        .expect("iptables");
+    assert!(drop_hbone.success(), "iptables -A OUTPUT … -j DROP");
+    let to_guarded = format!("{}:8080", guarded.ip());
+    let report = apps.run(
+        &client,
+        &[
+            "connect",
+            &to_guarded,
+            "--send",
+            "10",
+            "--timeout-ms",
+            "30000",
+        ],
+    );
+    assert_eq!(report["ok"], Value::Bool(false), "{report}");
+    let blocked = [
+        ("reporter", "source"),
+        ("destination_workload", "guarded"),
+        ("response_flags", "NETWORK_POLICY"),
+    ];
+    eventually(
+        "the timed-out connect to be counted NETWORK_POLICY",
+        || {
+            let m = metrics(&node_a);
+            (m.sum("istio_tcp_connections_closed_total", &blocked) == Some(1.0)
+                && m.sum("istio_tcp_connections_failed_total", &blocked) == Some(1.0))
+            .then_some(())
+        },
+        || {
+            format!(
+                "{:#?}\n{}",
+                metrics(&node_a).samples("istio_tcp_connections_closed_total"),
+                agent_a.logs()
+            )
+        },
     );
 
     // shunt's own, on node-a (kernel counters as a verify pass after the

@@ -20,7 +20,7 @@ use prometheus_client::{
 
 use crate::{
     proxy::{
-        Baggage, ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome,
+        Baggage, ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, Failure,
         OpenConnection,
     },
     state::{Workload, WorkloadKey},
@@ -463,6 +463,12 @@ impl OpenConnection for OpenTcp {
             ConnectionOutcome::Denied => "DENY",
             // Any other refusal or failure is one of reaching the target.
             ConnectionOutcome::Refused | ConnectionOutcome::Failed => "CONNECT",
+            ConnectionOutcome::FailedWith(failure) => match failure {
+                Failure::HbonePortTimedOut => "NETWORK_POLICY",
+                Failure::NoCertificate => "IDENTITY_ERROR",
+                Failure::Http2 => "H2_HANDSHAKE_FAILURE",
+                Failure::TlsConfig => "TLS_FAILURE",
+            },
             // ztunnel's flag for a connection cut on a revoked certificate.
             ConnectionOutcome::Revoked => "CERT_REVOKED",
         };
@@ -628,6 +634,43 @@ mod tests {
         });
         let text = metrics.encode(None);
         assert_eq!(bytes(&text), (Some("7".into()), Some("3".into())), "{text}");
+    }
+
+    #[test]
+    fn failures_ztunnel_names_apart_carry_its_flags() {
+        let metrics = Metrics::new();
+        let observer = metrics.connection_observer(store());
+        let client = WorkloadKey::new("default", "client");
+        for failure in [
+            Failure::HbonePortTimedOut,
+            Failure::NoCertificate,
+            Failure::Http2,
+            Failure::TlsConfig,
+        ] {
+            observer
+                .opened(&client_to_server(&client, None))
+                .closed(&ConnectionClose {
+                    bytes_to_target: 0,
+                    bytes_from_target: 0,
+                    duration: Duration::ZERO,
+                    outcome: ConnectionOutcome::FailedWith(failure),
+                });
+        }
+        let text = metrics.encode(None);
+        for flag in [
+            "NETWORK_POLICY",
+            "IDENTITY_ERROR",
+            "H2_HANDSHAKE_FAILURE",
+            "TLS_FAILURE",
+        ] {
+            let labels = [&format!("response_flags=\"{flag}\"")[..]];
+            for family in [
+                "istio_tcp_connections_closed_total",
+                "istio_tcp_connections_failed_total",
+            ] {
+                assert_eq!(sample(&text, family, &labels), Some("1"), "{flag}: {text}");
+            }
+        }
     }
 
     #[test]

@@ -50,6 +50,8 @@ pub(crate) struct AccessLog<'a> {
     pub bytes_sent: u64,
     pub bytes_received: u64,
     pub outcome: Outcome,
+    /// Why it failed, where the metrics name it (with `Outcome::Failed`).
+    pub failure: Option<observe::Failure>,
     pub reason: Option<String>,
     /// The local pod served (see [`ConnectionInfo::pod`]).
     pub pod: Option<&'a WorkloadKey>,
@@ -87,6 +89,7 @@ impl<'a> AccessLog<'a> {
             bytes_sent: 0,
             bytes_received: 0,
             outcome: Outcome::Refused,
+            failure: None,
             reason: None,
             pod: None,
             opened: false,
@@ -164,7 +167,10 @@ impl<'a> AccessLog<'a> {
                     Outcome::Success => ConnectionOutcome::Success,
                     Outcome::Refused => ConnectionOutcome::Refused,
                     Outcome::Denied => ConnectionOutcome::Denied,
-                    Outcome::Failed => ConnectionOutcome::Failed,
+                    Outcome::Failed => match self.failure {
+                        Some(failure) => ConnectionOutcome::FailedWith(failure),
+                        None => ConnectionOutcome::Failed,
+                    },
                     Outcome::Revoked => ConnectionOutcome::Revoked,
                 },
             };

@@ -53,6 +53,7 @@ pub(super) async fn serve(
                 OutboundError::Status(_) => Outcome::Refused,
                 _ => Outcome::Failed,
             };
+            log.failure = e.failure();
             log.reason = Some(format!(
                 "through the gateway {} of network {}: {e}",
                 hop.gateway, hop.network

@@ -47,7 +47,7 @@ pub use limits::{
     RefusalReason, fd_reserve_now, open_files_limit, raise_open_files_limit,
 };
 pub use observe::{
-    ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, Direction,
+    ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, Direction, Failure,
     OpenConnection,
 };
 pub use pods::ServedPod;

@@ -85,9 +85,28 @@ pub enum ConnectionOutcome {
     Denied,
     /// Failed after being accepted (upstream unreachable, reset).
     Failed,
+    /// Failed, for a reason Istio's metrics name apart.
+    FailedWith(Failure),
     /// Cut because a reloaded revocation list revoked the peer of its
     /// HBONE connection (`response_flags="CERT_REVOKED"`, as ztunnel).
     Revoked,
+}
+
+/// Why an outbound connection failed, where ztunnel's metrics tell it
+/// apart from a plain failure to connect (its `extract_failure_reason`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Failure {
+    /// The TCP connect to the peer's HBONE port timed out, which ztunnel
+    /// reads as a network policy dropping it (`NETWORK_POLICY`).
+    HbonePortTimedOut,
+    /// No certificate for the source's identity (`IDENTITY_ERROR`).
+    NoCertificate,
+    /// The peer's HTTP/2 failed: its handshake, ALPN or the connection
+    /// (`H2_HANDSHAKE_FAILURE`).
+    Http2,
+    /// The TLS configuration could not be made (`TLS_FAILURE`; a failed
+    /// TLS handshake is an I/O error to ztunnel, a plain failure).
+    TlsConfig,
 }
 
 /// One connection, as the proxy knows it.

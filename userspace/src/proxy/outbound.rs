@@ -31,7 +31,7 @@ use tracing::Instrument;
 use crate::state::Service;
 
 use super::{
-    AccessLog, Outcome, PROXY_PORTS, PodState, Shared,
+    AccessLog, Failure, Outcome, PROXY_PORTS, PodState, Shared,
     h2::H2Stream,
     lookup::{NoEndpoint, Target},
     pool::{PoolKey, StreamGuard},
@@ -68,6 +68,25 @@ pub(crate) enum OutboundError {
     Status(StatusCode),
     #[error("CONNECT authority {authority:?}: {reason}")]
     Authority { authority: String, reason: String },
+}
+
+impl OutboundError {
+    /// What ztunnel's metrics call this failure, where they name it apart
+    /// from a plain `CONNECT`.
+    pub(super) fn failure(&self) -> Option<Failure> {
+        match self {
+            OutboundError::Identity(_) => Some(Failure::NoCertificate),
+            OutboundError::TlsConfig(_) => Some(Failure::TlsConfig),
+            // ztunnel's pool: a connect to 15008 that timed out.
+            OutboundError::Connect { source, .. }
+                if source.kind() == std::io::ErrorKind::TimedOut =>
+            {
+                Some(Failure::HbonePortTimedOut)
+            }
+            OutboundError::H2(_) | OutboundError::NoH2 { .. } => Some(Failure::Http2),
+            _ => None,
+        }
+    }
 }
 
 pub(super) async fn serve(
@@ -176,6 +195,7 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
             OutboundError::Status(_) => Outcome::Refused,
             _ => Outcome::Failed,
         };
+        log.failure = e.failure();
         log.reason = Some(e.to_string());
         log.emit(&shared);
         reset(&app);
@@ -617,4 +637,34 @@ async fn connect(
                 .then(tokio_util::sync::CancellationToken::new),
         },
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io;
+
+    use super::*;
+
+    #[test]
+    fn a_timed_out_connect_to_the_peer_is_named_as_ztunnel_names_it() {
+        let addr: SocketAddr = "198.18.2.2:15008".parse().expect("addr");
+        let connect = |kind| OutboundError::Connect {
+            addr,
+            source: io::Error::new(kind, "connect"),
+        };
+        assert_eq!(
+            connect(io::ErrorKind::TimedOut).failure(),
+            Some(Failure::HbonePortTimedOut)
+        );
+        // Refused is an answer, not a drop: a plain CONNECT.
+        assert_eq!(connect(io::ErrorKind::ConnectionRefused).failure(), None);
+        assert_eq!(OutboundError::NoH2 { addr }.failure(), Some(Failure::Http2));
+        // A failed TLS handshake is an I/O error to ztunnel.
+        let handshake = OutboundError::Handshake {
+            addr,
+            source: io::Error::other("bad certificate"),
+        };
+        assert_eq!(handshake.failure(), None);
+        assert_eq!(OutboundError::Status(StatusCode::FORBIDDEN).failure(), None);
+    }
 }
