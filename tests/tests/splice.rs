@@ -355,8 +355,11 @@ fn a_blocking_read_on_a_spliced_socket_returns_eagain_spuriously() {
     // while its writer thread sends 1 byte and shuts down its side; it
     // counts the EAGAINs and reads on, so the transfer still completes.
     let on = node("splice-eagain", &["--splice", "on"]);
+    // Most runs show it on 6.18 (24 of 25 alone when this was written; a
+    // CI run beside other tests once saw 5 in a row without): run until
+    // one does, at most EAGAIN_TRIES times. One proves the behaviour.
     let mut eagains = Vec::new();
-    for _ in 0..EAGAIN_RUNS {
+    while eagains.len() < EAGAIN_TRIES && !eagains.iter().any(|&n| n >= 1) {
         let report = run_bounded(
             &on,
             &["connect", &on.to_server, "--send", "1", "--retry-eagain"],
@@ -365,12 +368,10 @@ fn a_blocking_read_on_a_spliced_socket_returns_eagain_spuriously() {
         assert_eq!(as_u64(&report, "tcp_bytes_sent"), 0, "spliced: {report}");
         eagains.push(as_u64(&report, "eagain"));
     }
-    // Nearly every run shows it on 6.18 (24 of 25 when this was written);
-    // one of EAGAIN_RUNS is enough to prove the kernel behaviour.
     eprintln!("EAGAINs per run on a spliced blocking socket: {eagains:?}");
     assert!(
         eagains.iter().any(|&n| n >= 1),
-        "no EAGAIN in {EAGAIN_RUNS} runs on a spliced blocking socket: {eagains:?}"
+        "no EAGAIN in {EAGAIN_TRIES} runs on a spliced blocking socket: {eagains:?}"
     );
 
     // The same application in a pod that opted out: not one.
@@ -389,8 +390,10 @@ fn a_blocking_read_on_a_spliced_socket_returns_eagain_spuriously() {
     }
 }
 
-/// Runs of the blocking-read test.
+/// Runs of the blocking-read test's opted-out half (none may see EAGAIN).
 const EAGAIN_RUNS: usize = 5;
+/// At most this many runs of its spliced half, until one sees EAGAIN.
+const EAGAIN_TRIES: usize = 25;
 
 #[test]
 fn a_pod_that_opts_out_is_never_spliced_and_its_blocking_reads_work() {
