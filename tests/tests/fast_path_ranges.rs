@@ -18,7 +18,7 @@ use std::{
     time::Duration,
 };
 
-use fake_istiod::{FakeIstiod, Pki, pod, response, service};
+use fake_istiod::{FakeIstiod, Pki, agent_args, pod, response, service};
 use serde_json::Value;
 use shunt::xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL};
 use shunt_proto::istio::workload as workload_pb;
@@ -127,29 +127,19 @@ async fn a_cidr_service_entry_keeps_its_range_on_the_proxy_and_the_rest_direct()
         .expect("listener in node-a");
     let istiod = FakeIstiod::start_on(&pki, listener);
     let xds_address = istiod.addr.to_string();
-    let root = pki.root_file().display().to_string();
-    let token = pki.token_file().display().to_string();
     let yaml = workloads_yaml(&[WorkloadSpec::for_pod(&client, true)]);
-    let args = [
+    let xds = agent_args(&xds_address, &pki);
+    let args: Vec<&str> = [
         "--redirect",
         "ebpf",
         "--fast-path",
         "on",
         "--log-format",
         "json",
-        "--xds-address",
-        &xds_address,
-        "--xds-root-cert",
-        &root,
-        "--xds-token",
-        &token,
-        "--instance-ip",
-        "198.18.0.5",
-        "--pod-name",
-        "shunt-x1",
-        "--pod-namespace",
-        "istio-system",
-    ];
+    ]
+    .into_iter()
+    .chain(xds.iter().map(String::as_str))
+    .collect();
     let mut agent = blocking(|| Agent::start(&topo, &node, &yaml, &args)).expect("agent");
     istiod.initial_requests(1).await;
     let client_pb = pod("default", client.name(), client.ip().octets(), "node-a");

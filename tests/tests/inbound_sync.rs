@@ -18,7 +18,7 @@ mod fake_istiod;
 
 use std::time::{Duration, Instant};
 
-use fake_istiod::{FakeIstiod, Pki, pod, policy, principal_policy, response, workload};
+use fake_istiod::{FakeIstiod, Pki, agent_args, pod, policy, principal_policy, response, workload};
 use shunt::xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL};
 use shunt_proto::istio::security as security_pb;
 use shunt_testbed::{
@@ -52,8 +52,6 @@ fn refusals(metrics: &str, reason: &str) -> Option<u64> {
 async fn fails_closed_until_istiod_sends_policies(mode: &str) {
     require_root().expect("kernel tests need root");
     let pki = Pki::new();
-    let root = pki.root_file().display().to_string();
-    let token = pki.token_file().display().to_string();
     let mut topo = Topology::new(&format!("sync-{mode}")).expect("topology");
     // node-a and shunt-x1: the names the in-test istiod expects.
     topo.add_node("node-a").expect("node");
@@ -67,24 +65,11 @@ async fn fails_closed_until_istiod_sends_policies(mode: &str) {
         WorkloadSpec::for_pod(&server, true),
         WorkloadSpec::for_pod(&outsider, false),
     ]);
-    let args = [
-        "--redirect",
-        mode,
-        "--log-format",
-        "json",
-        "--xds-address",
-        ISTIOD,
-        "--xds-root-cert",
-        &root,
-        "--xds-token",
-        &token,
-        "--instance-ip",
-        "198.18.0.5",
-        "--pod-name",
-        "shunt-x1",
-        "--pod-namespace",
-        "istio-system",
-    ];
+    let xds = agent_args(ISTIOD, &pki);
+    let args: Vec<&str> = ["--redirect", mode, "--log-format", "json"]
+        .into_iter()
+        .chain(xds.iter().map(String::as_str))
+        .collect();
     let mut agent = blocking(|| Agent::start(&topo, &node, &yaml, &args)).expect("agent");
     blocking(|| agent.wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_enrolled))
         .expect("enrolled");

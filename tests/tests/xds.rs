@@ -20,8 +20,8 @@ mod fake_istiod;
 use std::{net::Ipv4Addr, time::Duration};
 
 use fake_istiod::{
-    FakeIstiod, Pki, WEB, pod, policy, principal_policy, response, service, web_backend,
-    web_service, workload,
+    FakeIstiod, Pki, WEB, agent_args, pod, policy, principal_policy, response, service,
+    web_backend, web_service, workload,
 };
 use serde_json::Value;
 use shunt::xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL};
@@ -64,8 +64,6 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone_in_ebp
         .expect("listener in node-a");
     let istiod = FakeIstiod::start_on(&pki, listener);
     let xds_address = istiod.addr.to_string();
-    let root = pki.root_file().display().to_string();
-    let token = pki.token_file().display().to_string();
 
     // The file enrols the pods; it names no service.
     let yaml = workloads_yaml(&[
@@ -74,21 +72,9 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone_in_ebp
         WorkloadSpec::for_pod(&sick, true),
     ]);
     let common = ["--redirect", "ebpf", "--log-format", "json"];
+    let xds = agent_args(&xds_address, &pki);
     let mut xds_args = common.to_vec();
-    xds_args.extend([
-        "--xds-address",
-        &xds_address,
-        "--xds-root-cert",
-        &root,
-        "--xds-token",
-        &token,
-        "--instance-ip",
-        "198.18.0.5",
-        "--pod-name",
-        "shunt-x1",
-        "--pod-namespace",
-        "istio-system",
-    ]);
+    xds_args.extend(xds.iter().map(String::as_str));
     let mut agent_a = blocking(|| Agent::start(&topo, &node_a, &yaml, &xds_args)).expect("agent a");
     let mut agent_b = blocking(|| Agent::start(&topo, &node_b, &yaml, &common)).expect("agent b");
 

@@ -15,7 +15,7 @@ mod fake_istiod;
 
 use std::time::Duration;
 
-use fake_istiod::{FakeIstiod, Pki, pod, response, workload};
+use fake_istiod::{FakeIstiod, Pki, agent_args, pod, response, workload};
 use serde_json::Value;
 use shunt::xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL};
 use shunt_testbed::{
@@ -54,34 +54,17 @@ async fn identities_take_the_trust_domain_istiod_gives_each_workload() {
         .listen_tcp("127.0.0.1:0".parse().expect("addr"))
         .expect("listener in node-a");
     let istiod = FakeIstiod::start_on(&pki, listener);
-    let (address, root, token) = (
-        istiod.addr.to_string(),
-        pki.root_file().display().to_string(),
-        pki.token_file().display().to_string(),
-    );
+    let address = istiod.addr.to_string();
     let yaml = workloads_yaml(&[
         WorkloadSpec::for_pod(&client, true),
         WorkloadSpec::for_pod(&server, true),
     ]);
     assert!(yaml.contains("trustDomain: cluster.local"), "{yaml}");
-    let args = [
-        "--redirect",
-        "ebpf",
-        "--log-format",
-        "json",
-        "--xds-address",
-        &address,
-        "--xds-root-cert",
-        &root,
-        "--xds-token",
-        &token,
-        "--instance-ip",
-        "198.18.0.5",
-        "--pod-name",
-        "shunt-x1",
-        "--pod-namespace",
-        "istio-system",
-    ];
+    let xds = agent_args(&address, &pki);
+    let args: Vec<&str> = ["--redirect", "ebpf", "--log-format", "json"]
+        .into_iter()
+        .chain(xds.iter().map(String::as_str))
+        .collect();
     let mut agent = blocking(|| Agent::start(&topo, &node_a, &yaml, &args)).expect("agent");
 
     // The workloads istiod sends, in trust domain example.org.

@@ -20,7 +20,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use fake_istiod::{FakeIstiod, Pki, pod, response, service, workload};
+use fake_istiod::{FakeIstiod, Pki, agent_args, pod, response, service, workload};
 use shunt::state::PodState;
 use shunt::xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL};
 use shunt_proto::istio::workload as workload_pb;
@@ -99,29 +99,15 @@ async fn a_workload_entry_named_like_a_pod_keeps_hbone_and_both_hosts_are_served
         .expect("listener in node-a");
     let istiod = FakeIstiod::start_on(&pki, listener);
     let xds_address = istiod.addr.to_string();
-    let root = pki.root_file().display().to_string();
-    let token = pki.token_file().display().to_string();
 
     let yaml = workloads_yaml(&[
         WorkloadSpec::for_pod(&client, true),
         WorkloadSpec::for_pod(&server, true),
     ]);
     let common = ["--redirect", "iptables", "--log-format", "json"];
+    let xds = agent_args(&xds_address, &pki);
     let mut xds_args = common.to_vec();
-    xds_args.extend([
-        "--xds-address",
-        &xds_address,
-        "--xds-root-cert",
-        &root,
-        "--xds-token",
-        &token,
-        "--instance-ip",
-        "198.18.0.5",
-        "--pod-name",
-        "shunt-x1",
-        "--pod-namespace",
-        "istio-system",
-    ]);
+    xds_args.extend(xds.iter().map(String::as_str));
     let mut agent_a = blocking(|| Agent::start(&topo, &node_a, &yaml, &xds_args)).expect("agent a");
     let mut agent_b = blocking(|| Agent::start(&topo, &node_b, &yaml, &common)).expect("agent b");
     istiod.initial_requests(1).await;

@@ -53,6 +53,28 @@ pub fn node() -> XdsNode {
     }
 }
 
+/// The agent's arguments that point it at an istiod on `address` as
+/// [`node`], with `pki`'s root and token files.
+pub fn agent_args(address: &str, pki: &Pki) -> Vec<String> {
+    let node = node();
+    [
+        "--xds-address",
+        address,
+        "--xds-root-cert",
+        &pki.root_file().display().to_string(),
+        "--xds-token",
+        &pki.token_file().display().to_string(),
+        "--instance-ip",
+        &node.ip.to_string(),
+        "--pod-name",
+        &node.pod_name,
+        "--pod-namespace",
+        &node.pod_namespace,
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
 pub const NODE_ID: &str = "ztunnel~198.18.0.5~shunt-x1.istio-system~istio-system.svc.cluster.local";
 
 /// A test root; the root and token files the agent reads.
