@@ -17,7 +17,10 @@ const PROTOS: &[&str] = &[
 const IMPORTED: &[&str] = &["envoy/config/core/v3/base.proto", "google/rpc/status.proto"];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // Read when the script runs, not compiled in: a build script built in
+    // another checkout sharing the target directory would look there.
+    let root = std::env::var_os("CARGO_MANIFEST_DIR").ok_or("CARGO_MANIFEST_DIR is not set")?;
+    let root = Path::new(&root);
     for proto in PROTOS.iter().chain(IMPORTED) {
         println!("cargo:rerun-if-changed={}", root.join(proto).display());
     }
