@@ -19,6 +19,7 @@ use shunt_testbed::reference::{
     cases::{Case, authz, dns, routing},
     compare,
     metrics::{Side, mismatches, normalise, record_path},
+    probe::Outcome,
     ztunnel_peer::ztunnel_binary,
 };
 use shunt_testbed::require_root;
@@ -30,7 +31,8 @@ const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
 /// of Deployments with a locality (the labels name the owner, the
 /// canonical service and revision, the region and zone); and a client's
 /// connection to a service VIP through its own proxy, whose metrics are
-/// compared too (`reporter="source"`, the service named); DNS questions to
+/// compared too (`reporter="source"`, the service named), and the same
+/// connection failing on a dropped HBONE port; DNS questions to
 /// the client's proxy (`istio_dns_requests_total`).
 fn cases() -> Vec<Case> {
     let names = [
@@ -45,10 +47,21 @@ fn cases() -> Vec<Case> {
             c
         })
         .collect();
+    let through_service = routing::cases()
+        .into_iter()
+        .find(|c| c.name == "no load balancing: the endpoint on the other node")
+        .expect("the routing case");
+    // The same connection when the server's HBONE port is dropped on the
+    // way: `response_flags="NETWORK_POLICY"` on the client's proxy.
+    let mut dropped = through_service.clone();
+    dropped.name = "the server's HBONE port dropped on the way";
+    dropped.hbone_port_dropped = true;
+    for row in &mut dropped.outbound {
+        row.expect = Outcome::Refused;
+    }
     cases.extend(
-        routing::cases()
+        [through_service, dropped]
             .into_iter()
-            .filter(|c| c.name == "no load balancing: the endpoint on the other node")
             .chain(dns::cases())
             .map(|mut c| {
                 c.deployed = true;
@@ -86,7 +99,7 @@ async fn the_istio_families_are_ztunnels() {
     let record = std::env::var_os("SHUNT_RECORD_METRICS").is_some();
     let bed = Bed::new("ref-metrics", std::path::Path::new(TESTAPP)).expect("the bed");
     let cases = cases();
-    assert_eq!(cases.len(), 4, "every case found");
+    assert_eq!(cases.len(), 5, "every case found");
     let mut failures = Vec::new();
     for case in cases {
         if let Ok(binary) = &ztunnel {

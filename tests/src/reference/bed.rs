@@ -274,6 +274,11 @@ impl Bed {
                 self.start_side(client, ztunnel, &self.client, case, Role::Client)
             })?;
             client_side.settle().await?;
+            let _dropped = if case.hbone_port_dropped {
+                Some(HbonePortDropped::new(&self.client, SERVER_IP)?)
+            } else {
+                None
+            };
             outbound = self.probe_outbound(case);
             dns = self.probe_dns(case);
             client_metrics = Some(tokio::task::block_in_place(|| client_side.proxy.metrics()));
@@ -431,8 +436,19 @@ impl Bed {
             .iter()
             .map(|row| {
                 let to = std::net::SocketAddrV4::new(row.dst.into(), row.port).to_string();
+                // A dropped HBONE port fails the connection only when the
+                // proxy's connect times out (≈ 3 s): wait for that, so the
+                // metrics scraped next have counted it.
+                let timeout = if case.hbone_port_dropped {
+                    "15000"
+                } else {
+                    "5000"
+                };
                 let report = tokio::task::block_in_place(|| {
-                    app.run(&self.client, &["connect", &to, "--send", "4096"])
+                    app.run(
+                        &self.client,
+                        &["connect", &to, "--send", "4096", "--timeout-ms", timeout],
+                    )
                 });
                 let outcome = if ok(&report) {
                     Outcome::Allowed
@@ -451,6 +467,63 @@ impl Bed {
             })
             .collect()
     }
+}
+
+/// A pod's packets to a peer's HBONE port dropped (its `OUTPUT` chain),
+/// and its SYNs retried once, until dropped: what a NetworkPolicy that
+/// does not allow 15008 does to the proxy's connect, in ≈ 3 s.
+struct HbonePortDropped {
+    netns: PathBuf,
+    rule: Vec<String>,
+    syn_retries: String,
+}
+
+impl HbonePortDropped {
+    fn new(pod: &Pod, peer: std::net::Ipv4Addr) -> Result<Self> {
+        let netns = pod.netns_path();
+        let syn_retries = in_netns(&netns, &["sysctl", "-n", "net.ipv4.tcp_syn_retries"])?
+            .trim()
+            .to_owned();
+        let rule: Vec<String> = ["OUTPUT", "-p", "tcp", "-d", &peer.to_string()]
+            .into_iter()
+            .chain(["--dport", "15008", "-j", "DROP"])
+            .map(str::to_owned)
+            .collect();
+        let dropped = Self {
+            netns,
+            rule,
+            syn_retries,
+        };
+        in_netns(
+            &dropped.netns,
+            &["sysctl", "-w", "net.ipv4.tcp_syn_retries=1"],
+        )?;
+        let mut add = vec!["iptables", "-A"];
+        add.extend(dropped.rule.iter().map(String::as_str));
+        in_netns(&dropped.netns, &add)?;
+        Ok(dropped)
+    }
+}
+
+impl Drop for HbonePortDropped {
+    fn drop(&mut self) {
+        let mut delete = vec!["iptables", "-D"];
+        delete.extend(self.rule.iter().map(String::as_str));
+        let restore = format!("net.ipv4.tcp_syn_retries={}", self.syn_retries);
+        for args in [delete, vec!["sysctl", "-w", &restore]] {
+            if let Err(e) = in_netns(&self.netns, &args) {
+                eprintln!("restoring the client pod's HBONE port: {e}");
+            }
+        }
+    }
+}
+
+/// `args` run in the network namespace at `netns`.
+fn in_netns(netns: &Path, args: &[&str]) -> Result<String> {
+    let net = format!("--net={}", netns.display());
+    let mut all = vec![net.as_str(), "--"];
+    all.extend_from_slice(args);
+    crate::cmd::run("nsenter", &all)
 }
 
 /// Which end of the probes a proxy serves.

@@ -101,6 +101,11 @@ pub struct Case {
     /// owner, a canonical service and revision other than the pod's name,
     /// and a locality (`false`: each named by its pod alone).
     pub deployed: bool,
+    /// The client pod's packets to the server's HBONE port are dropped
+    /// during the outbound rows, as a NetworkPolicy that does not allow
+    /// 15008 drops them (its SYNs retried once, so a connect times out in
+    /// about 3 s instead of 2 minutes).
+    pub hbone_port_dropped: bool,
 }
 
 impl Case {
@@ -128,6 +133,7 @@ impl Case {
             gateway_authority: None,
             forwarded_host: None,
             deployed: false,
+            hbone_port_dropped: false,
         }
     }
 }

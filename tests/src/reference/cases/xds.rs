@@ -82,6 +82,7 @@ fn raw_case(
         gateway_authority: None,
         forwarded_host: None,
         deployed: false,
+        hbone_port_dropped: false,
     }
 }
 
