@@ -10,6 +10,7 @@
 //! against ztunnel's recorded one, [`metrics`] its `/metrics`. Not to be
 //! confused with the ZDS stand-in `ztunnel.rs`.
 
+pub mod access_lines;
 pub mod bed;
 pub mod cases;
 pub mod compare;

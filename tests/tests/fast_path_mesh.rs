@@ -106,6 +106,13 @@ fn carried_in_kernel(
             "{line}"
         );
         assert!(has_field(&line, "bytes_sent", &bytes.to_string()), "{line}");
+        // Both ends named as ztunnel's line names them.
+        assert!(
+            has_field(&line, "src.workload", client.name())
+                && has_field(&line, "dst.workload", server.name())
+                && has_field(&line, "dst.namespace", "default"),
+            "{line}"
+        );
     }
 }
 

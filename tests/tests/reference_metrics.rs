@@ -7,7 +7,10 @@
 //! record (skipped, with the reason printed, otherwise). The rows'
 //! outcomes and baggage are checked as the reference tables check them
 //! (in two cases the workloads are Deployments' pods with a locality).
-//! `SHUNT_RECORD_METRICS=1` with the binary writes the records anew.
+//! The access lines are held the same way
+//! (`shunt_testbed::reference::access_lines`: who talked to whom, by
+//! ztunnel's names). `SHUNT_RECORD_METRICS=1` with the binary writes the
+//! records anew.
 //!
 //! Run as root: `SHUNT_BIN=… [SHUNT_ZTUNNEL_BIN=…] cargo test -p
 //! shunt-testbed --test reference_metrics`.
@@ -15,6 +18,7 @@
 use std::collections::BTreeSet;
 
 use shunt_testbed::reference::{
+    access_lines,
     bed::{Bed, Peer, Run},
     cases::{Case, authz, dns, routing},
     compare,
@@ -72,8 +76,11 @@ fn cases() -> Vec<Case> {
 }
 
 fn read_record(case: &Case, side: Side) -> BTreeSet<String> {
-    let path = record_path(case.name, side);
-    std::fs::read_to_string(&path)
+    read_lines(&record_path(case.name, side))
+}
+
+fn read_lines(path: &std::path::Path) -> BTreeSet<String> {
+    std::fs::read_to_string(path)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
         .lines()
         .map(str::to_owned)
@@ -90,7 +97,7 @@ fn sides(run: Run) -> Vec<(Side, Result<String, String>)> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_istio_families_are_ztunnels() {
+async fn the_istio_families_and_access_lines_are_ztunnels() {
     require_root().expect("kernel tests need root");
     let ztunnel = ztunnel_binary();
     if let Err(why) = &ztunnel {
@@ -109,6 +116,18 @@ async fn the_istio_families_are_ztunnels() {
                 .expect("run");
             // The rows' outcomes and the baggage as the tables expect.
             failures.extend(compare::mismatches(Peer::Ztunnel, &case, &run));
+            let lines = access_lines::normalise(&run.logs).expect("ztunnel's access lines");
+            let path = access_lines::record_path(case.name);
+            if record {
+                let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+                std::fs::write(&path, text).expect("writing the record");
+            }
+            if lines != read_lines(&path) {
+                failures.push(format!(
+                    "{}: ztunnel's access lines are no longer the record; SHUNT_RECORD_METRICS=1 writes it anew",
+                    case.name
+                ));
+            }
             for (side, text) in sides(run) {
                 let live = normalise(&text.expect("ztunnel's /metrics")).expect("parses");
                 if record {
@@ -125,6 +144,16 @@ async fn the_istio_families_are_ztunnels() {
         }
         let run = bed.run(Peer::Shunt, None, &case).await.expect("run");
         failures.extend(compare::mismatches(Peer::Shunt, &case, &run));
+        // The access lines name both ends as ztunnel's do. The metrics are
+        // scraped before the log is read, and the agent writes a line
+        // before it counts the close: a close the metrics show is in it.
+        let lines = access_lines::normalise(&run.logs).expect("shunt's access lines");
+        let recorded = read_lines(&access_lines::record_path(case.name));
+        failures.extend(
+            mismatches(&recorded, &lines)
+                .into_iter()
+                .map(|m| format!("{} (access lines): {m}", case.name)),
+        );
         let got = sides(run);
         let expected_sides = if case.outbound.is_empty() && case.dns.is_empty() {
             1

@@ -20,7 +20,10 @@ use tracing::warn;
 
 use crate::{
     metrics::{FastPathMetrics, KernelConnections, PodFastPathKind, TcpSeries},
-    proxy::{ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, Direction},
+    proxy::{
+        AccessLogEnd, ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome,
+        Direction, WorkloadLookup,
+    },
     redirect::ebpf::{FastPathCounters, FastPathEvents},
     state::{TrustDomain, WorkloadKey},
     store::WorkloadStore,
@@ -313,7 +316,7 @@ impl Reporter {
                     side.series
                         .closed(close.bytes_to_target, close.bytes_from_target);
                 }
-                access_log(&info, &close, event);
+                access_log(self.store.as_ref(), &info, &close, event);
             }
             _ => {}
         }
@@ -362,7 +365,25 @@ impl Reporter {
 
 /// The proxy's access log line (`shunt::access`), for a connection the
 /// kernel carried.
-fn access_log(info: &ConnectionInfo<'_>, close: &ConnectionClose, event: &FastPathEvent) {
+fn access_log(
+    workloads: &dyn WorkloadLookup,
+    info: &ConnectionInfo<'_>,
+    close: &ConnectionClose,
+    event: &FastPathEvent,
+) {
+    let enabled = match close.outcome {
+        ConnectionOutcome::Success => {
+            tracing::enabled!(target: "shunt::access", tracing::Level::INFO)
+        }
+        _ => tracing::enabled!(target: "shunt::access", tracing::Level::WARN),
+    };
+    if !enabled {
+        return;
+    }
+    // Both ends are pods of this node's (or, passthrough, none).
+    let src = AccessLogEnd::source(workloads, Some(info.src_addr.ip()), None);
+    let dst = AccessLogEnd::destination(workloads, info.dst_addr.ip(), None);
+    let duration = format!("{}ms", close.duration.as_millis());
     let result = match close.outcome {
         ConnectionOutcome::Success => "success",
         _ => "failed",
@@ -381,13 +402,19 @@ fn access_log(info: &ConnectionInfo<'_>, close: &ConnectionClose, event: &FastPa
                 target: "shunt::access",
                 direction = info.direction.as_str(),
                 src.addr = %info.src_addr,
+                src.workload = src.workload(),
+                src.namespace = src.namespace(),
                 src.identity = info.src_identity.unwrap_or("-"),
+                src.cluster = src.cluster(),
                 dst.addr = %info.dst_addr,
-                dst.identity = info.dst_identity.unwrap_or("-"),
                 dst.service = %dst_service,
+                dst.workload = dst.workload(),
+                dst.namespace = dst.namespace(),
+                dst.identity = info.dst_identity.unwrap_or("-"),
+                dst.cluster = dst.cluster(),
                 bytes_sent = close.bytes_to_target,
-                bytes_received = close.bytes_from_target,
-                duration_ms = close.duration.as_millis() as u64,
+                bytes_recv = close.bytes_from_target,
+                duration = duration.as_str(),
                 result,
                 policy = "-",
                 reason,

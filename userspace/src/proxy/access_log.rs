@@ -2,13 +2,94 @@
 //! how much, how long, how it ended), which also feeds the counters and the
 //! observers' records.
 
-use std::{net::SocketAddr, sync::atomic::Ordering, time::Instant};
+use std::{
+    net::{IpAddr, SocketAddr},
+    sync::{Arc, atomic::Ordering},
+    time::Instant,
+};
 
 use super::{
-    ConnectionClose, ConnectionInfo, ConnectionOutcome, Decision, OpenConnection, RefusalReason,
-    Shared, observe,
+    Baggage, ConnectionClose, ConnectionInfo, ConnectionOutcome, Decision, OpenConnection,
+    RefusalReason, Shared, lookup::WorkloadLookup, observe,
 };
-use crate::state::WorkloadKey;
+use crate::state::{Workload, WorkloadKey};
+
+/// The access line's target, for its writers and readers.
+pub(crate) const TARGET: &str = "shunt::access";
+
+/// Istio's cluster name when a workload names none.
+const DEFAULT_CLUSTER: &str = "Kubernetes";
+
+/// One end of a connection as ztunnel's access line names it
+/// (`src.workload`, `src.namespace`, `src.cluster` and the `dst.` ones):
+/// the workload, the one its baggage describes, or none (the fields are
+/// then left out, as ztunnel leaves them out).
+pub(crate) enum End<'a> {
+    Workload(Arc<Workload>),
+    Baggage(&'a Baggage),
+    Unknown,
+}
+
+impl<'a> End<'a> {
+    /// The source: the workload at its address (unless that address is a
+    /// gateway's, `None`), else the one its baggage names.
+    pub(crate) fn source(
+        workloads: &dyn WorkloadLookup,
+        addr: Option<IpAddr>,
+        baggage: Option<&'a Baggage>,
+    ) -> Self {
+        match (addr.and_then(|ip| workloads.workload_by_ip(ip)), baggage) {
+            (Some(w), _) => End::Workload(w),
+            (None, Some(b)) => End::Baggage(b),
+            (None, None) => End::Unknown,
+        }
+    }
+
+    /// The destination: the one its proxy named in its baggage (through a
+    /// gateway, whose address it is), else the workload at its address.
+    pub(crate) fn destination(
+        workloads: &dyn WorkloadLookup,
+        addr: IpAddr,
+        baggage: Option<&'a Baggage>,
+    ) -> Self {
+        match baggage {
+            Some(b) => End::Baggage(b),
+            None => workloads
+                .workload_by_ip(addr)
+                .map_or(End::Unknown, End::Workload),
+        }
+    }
+
+    /// The pod's name, as ztunnel writes it (not the owner the metrics
+    /// name); the baggage's workload name.
+    pub(crate) fn workload(&self) -> Option<&str> {
+        match self {
+            End::Workload(w) => non_empty(&w.name),
+            End::Baggage(b) => b.workload_name.as_deref(),
+            End::Unknown => None,
+        }
+    }
+
+    pub(crate) fn namespace(&self) -> Option<&str> {
+        match self {
+            End::Workload(w) => non_empty(&w.namespace),
+            End::Baggage(b) => b.namespace.as_deref(),
+            End::Unknown => None,
+        }
+    }
+
+    pub(crate) fn cluster(&self) -> Option<&str> {
+        match self {
+            End::Workload(w) => Some(non_empty(&w.cluster_id).unwrap_or(DEFAULT_CLUSTER)),
+            End::Baggage(b) => b.cluster_id.as_deref(),
+            End::Unknown => None,
+        }
+    }
+}
+
+fn non_empty(s: &str) -> Option<&str> {
+    (!s.is_empty()).then_some(s)
+}
 
 /// How a connection or stream ended, for the access log.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -150,7 +231,7 @@ impl<'a> AccessLog<'a> {
     pub fn emit(&mut self, shared: &Shared) {
         // The line first: whoever sees the connection counted (status,
         // metrics; they flush the log first) finds it in the log.
-        self.write_line();
+        self.write_line(shared.workloads.as_ref());
         if let Some(observer) = shared.observer.get() {
             let observed = match self.observed.take() {
                 Some(observed) => Some(observed),
@@ -208,12 +289,24 @@ impl<'a> AccessLog<'a> {
         }
     }
 
-    /// Writes the line (unless quiet).
-    fn write_line(&self) {
-        if self.quiet {
+    /// Writes the line (unless quiet, or filtered out: the ends are
+    /// looked up only for a line that is written).
+    fn write_line(&self, workloads: &dyn WorkloadLookup) {
+        let enabled = match self.outcome {
+            Outcome::Success => tracing::enabled!(target: TARGET, tracing::Level::INFO),
+            _ => tracing::enabled!(target: TARGET, tracing::Level::WARN),
+        };
+        if self.quiet || !enabled {
             return;
         }
-        let duration_ms = self.started.elapsed().as_millis() as u64;
+        let src = End::source(
+            workloads,
+            (!self.src_through_gateway).then_some(self.src_addr.ip()),
+            self.derived_source,
+        );
+        let dst = End::destination(workloads, self.dst_addr.ip(), self.derived_destination);
+        // As ztunnel writes it: `duration="12ms"`.
+        let duration = format!("{}ms", self.started.elapsed().as_millis());
         let src_identity = self.src_identity.unwrap_or("-");
         let dst_identity = self.dst_identity.unwrap_or("-");
         let reason = self.reason.as_deref().unwrap_or("");
@@ -240,13 +333,19 @@ impl<'a> AccessLog<'a> {
                     direction = self.direction,
                     pod = %pod,
                     src.addr = %self.src_addr,
+                    src.workload = src.workload(),
+                    src.namespace = src.namespace(),
                     src.identity = src_identity,
+                    src.cluster = src.cluster(),
                     dst.addr = %self.dst_addr,
-                    dst.identity = dst_identity,
                     dst.service = %dst_service,
+                    dst.workload = dst.workload(),
+                    dst.namespace = dst.namespace(),
+                    dst.identity = dst_identity,
+                    dst.cluster = dst.cluster(),
                     bytes_sent = self.bytes_sent,
-                    bytes_received = self.bytes_received,
-                    duration_ms,
+                    bytes_recv = self.bytes_received,
+                    duration = duration.as_str(),
                     result = self.outcome.as_str(),
                     policy = %policy,
                     reason,
@@ -258,5 +357,76 @@ impl<'a> AccessLog<'a> {
             Outcome::Success => line!(info),
             _ => line!(warn),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::RwLock;
+
+    use super::*;
+    use crate::store::WorkloadStore;
+
+    fn store() -> RwLock<WorkloadStore> {
+        let mut store = WorkloadStore::new();
+        store.replace_all([Workload {
+            name: "client-7d9f".into(),
+            namespace: "shop".into(),
+            ips: vec!["198.18.1.2".parse().expect("ip")],
+            ..Default::default()
+        }]);
+        RwLock::new(store)
+    }
+
+    fn names(end: &End<'_>) -> [Option<String>; 3] {
+        [end.workload(), end.namespace(), end.cluster()].map(|v| v.map(str::to_owned))
+    }
+
+    #[test]
+    fn an_end_is_named_as_ztunnels_access_line_names_it() {
+        let store = store();
+        let (known, other) = (
+            "198.18.1.2".parse().expect("ip"),
+            "198.18.9.9".parse().expect("ip"),
+        );
+        let baggage = Baggage {
+            workload_name: Some("reviews".into()),
+            namespace: Some("bookinfo".into()),
+            cluster_id: Some("east".into()),
+            ..Default::default()
+        };
+        // A workload by its address: the pod's name, its namespace, and
+        // Istio's default cluster when it names none.
+        let by_address =
+            [Some("client-7d9f"), Some("shop"), Some("Kubernetes")].map(|v| v.map(String::from));
+        assert_eq!(names(&End::source(&store, Some(known), None)), by_address);
+        // The address wins over the baggage for a source ...
+        assert_eq!(
+            names(&End::source(&store, Some(known), Some(&baggage))),
+            by_address
+        );
+        // ... which names a source the store does not know, or one through
+        // a gateway (whose address is not the source's).
+        let by_baggage =
+            [Some("reviews"), Some("bookinfo"), Some("east")].map(|v| v.map(String::from));
+        assert_eq!(
+            names(&End::source(&store, Some(other), Some(&baggage))),
+            by_baggage
+        );
+        assert_eq!(
+            names(&End::source(&store, None, Some(&baggage))),
+            by_baggage
+        );
+        // A destination's baggage (double HBONE) wins over its address.
+        assert_eq!(
+            names(&End::destination(&store, known, Some(&baggage))),
+            by_baggage
+        );
+        assert_eq!(names(&End::destination(&store, known, None)), by_address);
+        // Unknown: every field left out.
+        assert_eq!(
+            names(&End::destination(&store, other, None)),
+            [None, None, None]
+        );
     }
 }

@@ -39,6 +39,7 @@ mod shared;
 mod socket;
 pub mod waypoint;
 
+pub(crate) use access_log::End as AccessLogEnd;
 pub use baggage::Baggage;
 pub use h2::H2Settings;
 pub use inbound::NON_CONNECT_STATUS;
