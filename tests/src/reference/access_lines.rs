@@ -23,13 +23,7 @@ const NAMES: &[&str] = &[
 
 /// Where the record of case `name` lives (in the source tree).
 pub fn record_path(name: &str) -> PathBuf {
-    let file: String = name
-        .chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
-        .collect();
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("src/reference/expected/access")
-        .join(format!("{file}.txt"))
+    super::record_file("access", name, ".txt")
 }
 
 /// The compared part of every access line of `logs` (either proxy's
@@ -145,6 +139,24 @@ mod tests {
             got,
             BTreeSet::from([format!("{expected} no-bytes_recv no-duration-ms")])
         );
+    }
+
+    #[test]
+    fn records_are_found_by_their_case_name() {
+        let case = "DENY serviceAccounts [default/sleep]";
+        assert!(
+            record_path(case).exists(),
+            "{}",
+            record_path(case).display()
+        );
+        let server =
+            crate::reference::metrics::record_path(case, crate::reference::metrics::Side::Server);
+        assert!(server.exists(), "{}", server.display());
+        let client = crate::reference::metrics::record_path(
+            "no load balancing: the endpoint on the other node",
+            crate::reference::metrics::Side::Client,
+        );
+        assert!(client.exists(), "{}", client.display());
     }
 
     #[test]

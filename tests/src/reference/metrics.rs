@@ -43,17 +43,11 @@ pub enum Side {
 
 /// Where the record of case `name`'s `side` lives (in the source tree).
 pub fn record_path(name: &str, side: Side) -> PathBuf {
-    let file: String = name
-        .chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
-        .collect();
     let suffix = match side {
-        Side::Server => "",
-        Side::Client => ".client",
+        Side::Server => ".txt",
+        Side::Client => ".client.txt",
     };
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("src/reference/expected/metrics")
-        .join(format!("{file}{suffix}.txt"))
+    super::record_file("metrics", name, suffix)
 }
 
 /// The compared part of an exposition, one line each, sorted: `# TYPE`
