@@ -9,6 +9,7 @@ use super::{NodeAgent, PodEntry};
 use crate::{
     api::KernelAuthzStatus,
     authz::kernel::{KernelSource, compile},
+    proxy::ACCESS_LOG_TARGET,
     redirect::MeshLocalTable,
     state::{PodState, Workload, WorkloadKey},
 };
@@ -50,7 +51,7 @@ impl NodeAgent {
                 ),
             };
             warn!(
-                target: "shunt::access",
+                target: ACCESS_LOG_TARGET,
                 direction = "outbound",
                 pod = %refusal.pod,
                 src.identity = identity,

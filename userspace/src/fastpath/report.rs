@@ -21,8 +21,8 @@ use tracing::warn;
 use crate::{
     metrics::{FastPathMetrics, KernelConnections, PodFastPathKind, TcpSeries},
     proxy::{
-        AccessLogEnd, ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome,
-        Direction, WorkloadLookup,
+        ACCESS_LOG_TARGET, AccessLogEnd, ConnectionClose, ConnectionInfo, ConnectionObserver,
+        ConnectionOutcome, Direction, WorkloadLookup,
     },
     redirect::ebpf::{FastPathCounters, FastPathEvents},
     state::{TrustDomain, WorkloadKey},
@@ -373,9 +373,9 @@ fn access_log(
 ) {
     let enabled = match close.outcome {
         ConnectionOutcome::Success => {
-            tracing::enabled!(target: "shunt::access", tracing::Level::INFO)
+            tracing::enabled!(target: ACCESS_LOG_TARGET, tracing::Level::INFO)
         }
-        _ => tracing::enabled!(target: "shunt::access", tracing::Level::WARN),
+        _ => tracing::enabled!(target: ACCESS_LOG_TARGET, tracing::Level::WARN),
     };
     if !enabled {
         return;
@@ -399,7 +399,7 @@ fn access_log(
     macro_rules! line {
         ($level:ident) => {
             tracing::$level!(
-                target: "shunt::access",
+                target: ACCESS_LOG_TARGET,
                 direction = info.direction.as_str(),
                 src.addr = %info.src_addr,
                 src.workload = src.workload(),

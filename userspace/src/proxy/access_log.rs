@@ -329,7 +329,7 @@ impl<'a> AccessLog<'a> {
         macro_rules! line {
             ($level:ident) => {
                 tracing::$level!(
-                    target: "shunt::access",
+                    target: TARGET,
                     direction = self.direction,
                     pod = %pod,
                     src.addr = %self.src_addr,

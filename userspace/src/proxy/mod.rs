@@ -39,7 +39,7 @@ mod shared;
 mod socket;
 pub mod waypoint;
 
-pub(crate) use access_log::End as AccessLogEnd;
+pub(crate) use access_log::{End as AccessLogEnd, TARGET as ACCESS_LOG_TARGET};
 pub use baggage::Baggage;
 pub use h2::H2Settings;
 pub use inbound::NON_CONNECT_STATUS;
