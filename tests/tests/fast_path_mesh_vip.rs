@@ -152,7 +152,10 @@ fn a_service_vip_with_same_node_endpoints_is_carried_in_the_kernel() {
     assert_eq!(counted("client").mesh_inbound, 0, "{status:?}");
     assert_eq!(counted("server").mesh_inbound, 1, "{status:?}");
     let line = fast_access_line(&agent_a, "outbound", &[&local.to_string()]);
-    assert!(has_field(&line, "dst.service", "default/web"), "{line}");
+    assert!(
+        has_field(&line, "dst.service", "web.default.svc.cluster.local"),
+        "{line}"
+    );
     assert!(line.contains(&endpoint.to_string()), "{line}");
 
     // A service with an endpoint on another node: the proxy, HBONE.

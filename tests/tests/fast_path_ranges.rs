@@ -174,7 +174,7 @@ async fn a_cidr_service_entry_keeps_its_range_on_the_proxy_and_the_rest_direct()
             "passthrough",
             "the proxy's line names the ServiceEntry",
             |l| {
-                l["fields"]["dst.service"] == "default/egress.example.com"
+                l["fields"]["dst.service"] == "egress.example.com"
                     && l["fields"]["dst.addr"] == to_inside.as_str()
             },
         )

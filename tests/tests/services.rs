@@ -101,7 +101,7 @@ fn service_vips_end_to_end(mode: &str) {
         "outbound",
         "node-a's access log names the service and the endpoint",
         |l| {
-            l["fields"]["dst.service"] == "default/web"
+            l["fields"]["dst.service"] == "web.default.svc.cluster.local"
                 && l["fields"]["dst.addr"] == to_server.as_str()
         },
     );
@@ -127,7 +127,7 @@ fn service_vips_end_to_end(mode: &str) {
         "passthrough",
         "node-a's access log names the service and the endpoint",
         |l| {
-            l["fields"]["dst.service"] == "default/plain"
+            l["fields"]["dst.service"] == "plain.default.svc.cluster.local"
                 && l["fields"]["dst.addr"] == to_outsider.as_str()
         },
     );
@@ -144,7 +144,7 @@ fn service_vips_end_to_end(mode: &str) {
     );
     assert_ne!(report["intact"], Value::Bool(true), "{report}");
     wait_for_access_line(&agent_a, "outbound", "the refusal names the service", |l| {
-        l["fields"]["dst.service"] == "default/empty"
+        l["fields"]["dst.service"] == "empty.default.svc.cluster.local"
             && l["fields"]["result"] == "refused"
             && l["fields"]["reason"]
                 .as_str()

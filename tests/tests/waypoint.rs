@@ -242,7 +242,7 @@ fn waypoint_end_to_end(mode: &str) {
         "outbound",
         "node-a's access line names the service, the VIP and the waypoint",
         |l| {
-            l["fields"]["dst.service"] == "default/web"
+            l["fields"]["dst.service"] == "web.default.svc.cluster.local"
                 && l["fields"]["dst.addr"] == to_vip.as_str()
                 && l["fields"]["dst.identity"] == waypoint_id.as_str()
                 && l["fields"]["result"] == "success"
@@ -287,7 +287,7 @@ fn waypoint_end_to_end(mode: &str) {
         "outbound",
         "the failure names the service and its waypoint",
         |l| {
-            l["fields"]["dst.service"] == "default/web"
+            l["fields"]["dst.service"] == "web.default.svc.cluster.local"
                 && l["fields"]["result"] == "failed"
                 && l["fields"]["reason"]
                     .as_str()

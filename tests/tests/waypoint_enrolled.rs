@@ -217,7 +217,7 @@ fn enrolled_waypoint(mode: &str) {
         "outbound",
         "the waypoint's connect to the VIP went to the server, not back to the waypoint",
         |l| {
-            l["fields"]["dst.service"] == "default/web"
+            l["fields"]["dst.service"] == "web.default.svc.cluster.local"
                 && l["fields"]["src.identity"] == waypoint_id.as_str()
                 && l["fields"]["dst.identity"] == identity("sa-server").as_str()
                 && l["fields"]["result"] == "success"

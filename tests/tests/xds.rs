@@ -205,7 +205,7 @@ async fn a_service_known_only_from_istiod_reaches_its_endpoint_over_hbone_in_ebp
             access_lines(&agent_a.logs(), "outbound")
                 .iter()
                 .any(|l| {
-                    l["fields"]["dst.service"] == "default/web"
+                    l["fields"]["dst.service"] == "web.default.svc.cluster.local"
                         && l["fields"]["dst.addr"] == to_server.as_str()
                 })
                 .then_some(())

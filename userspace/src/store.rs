@@ -324,6 +324,24 @@ impl WorkloadStore {
         &self.services
     }
 
+    /// Istio's name for the service `key` (its `destination_service`,
+    /// ztunnel's `dst.service`): its hostname; for a service the store no
+    /// longer knows, or knows without one, its DNS name in the default
+    /// cluster domain.
+    pub fn service_hostname(&self, key: &WorkloadKey) -> String {
+        self.services
+            .get(key)
+            .map(|s| s.hostname.clone())
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| {
+                crate::control::waypoint::service_hostname(
+                    &key.namespace,
+                    &key.name,
+                    crate::control::waypoint::DEFAULT_CLUSTER_DOMAIN,
+                )
+            })
+    }
+
     /// The service a connection to `dst` from a client in `client_ns`
     /// addresses, as ztunnel finds it: a VIP's (of the services sharing
     /// it, those the client may see, its own namespace's first); else,

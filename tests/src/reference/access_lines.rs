@@ -1,7 +1,7 @@
 //! The access lines against ztunnel's for the same case: for each line,
 //! who talked to whom as ztunnel's line names them (`src.workload`,
-//! `src.namespace`, `src.cluster` and the `dst.` ones, each left out when
-//! unknown) and whether it carries ztunnel's `bytes_sent`, `bytes_recv`
+//! `src.namespace`, `src.cluster`, `dst.service` and the other `dst.`
+//! ones, each left out when unknown) and whether it carries ztunnel's `bytes_sent`, `bytes_recv`
 //! and `duration="Nms"`. Addresses, ports, byte counts and durations are
 //! left out: they differ from run to run. A record holds ztunnel's side
 //! ([`normalise`]), so shunt is held to it without the binary.
@@ -16,6 +16,7 @@ const NAMES: &[&str] = &[
     "src.workload",
     "src.namespace",
     "src.cluster",
+    "dst.service",
     "dst.workload",
     "dst.namespace",
     "dst.cluster",

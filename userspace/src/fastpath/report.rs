@@ -393,9 +393,8 @@ fn access_log(
     } else {
         "connect failed (the connection never became established)"
     };
-    let dst_service = info
-        .dst_service
-        .map_or_else(|| "-".to_owned(), ToString::to_string);
+    // ztunnel's: the service's hostname, left out when there is none.
+    let dst_service = info.dst_service.map(|key| workloads.service_hostname(key));
     macro_rules! line {
         ($level:ident) => {
             tracing::$level!(
@@ -407,7 +406,7 @@ fn access_log(
                 src.identity = info.src_identity.unwrap_or("-"),
                 src.cluster = src.cluster(),
                 dst.addr = %info.dst_addr,
-                dst.service = %dst_service,
+                dst.service = dst_service.as_deref(),
                 dst.workload = dst.workload(),
                 dst.namespace = dst.namespace(),
                 dst.identity = info.dst_identity.unwrap_or("-"),

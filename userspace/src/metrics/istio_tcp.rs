@@ -23,7 +23,7 @@ use crate::{
         Baggage, ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, Failure,
         OpenConnection,
     },
-    state::{Workload, WorkloadKey},
+    state::Workload,
     store::WorkloadStore,
 };
 
@@ -303,14 +303,7 @@ impl TcpObserver {
             Some(derived) => self.tcp.derived.admit(Named::derived(derived)),
             None => Named::of(dst),
         };
-        let destination_service = c.dst_service.map(|key| {
-            store
-                .services()
-                .get(key)
-                .map(|s| s.hostname.clone())
-                .filter(|h| !h.is_empty())
-                .unwrap_or_else(|| service_hostname(key))
-        });
+        let destination_service = c.dst_service.map(|key| store.service_hostname(key));
         let principal = |id: Option<&str>| -> Label {
             id.map_or(Cow::Borrowed(UNKNOWN), |id| Cow::Owned(id.to_owned()))
         };
@@ -357,16 +350,6 @@ impl TcpObserver {
             connection_security_policy: c.direction.security_policy().into(),
         }
     }
-}
-
-/// Istio's `destination_service` for a service the store no longer knows
-/// (or knows without hostname): its DNS name in the default cluster domain.
-fn service_hostname(service: &WorkloadKey) -> String {
-    crate::control::waypoint::service_hostname(
-        &service.namespace,
-        &service.name,
-        crate::control::waypoint::DEFAULT_CLUSTER_DOMAIN,
-    )
 }
 
 /// A workload's label values (`unknown` when not known), as ztunnel
@@ -550,7 +533,11 @@ mod tests {
     };
 
     use super::*;
-    use crate::{metrics::Metrics, proxy::Direction, state::DataplaneMode};
+    use crate::{
+        metrics::Metrics,
+        proxy::Direction,
+        state::{DataplaneMode, WorkloadKey},
+    };
 
     fn workload(name: &str, ip: &str, node: &str) -> Workload {
         Workload {

@@ -312,10 +312,11 @@ impl<'a> AccessLog<'a> {
         let reason = self.reason.as_deref().unwrap_or("");
         // Formatted only by the writer that takes the line: nothing is
         // allocated for them per connection (or at all when filtered out).
-        let dst_service: &dyn std::fmt::Display = match &self.dst_service {
-            Some(key) => key,
-            None => &"-",
-        };
+        // ztunnel's: the service's hostname, left out when there is none.
+        let dst_service = self
+            .dst_service
+            .as_ref()
+            .map(|key| workloads.service_hostname(key));
         let policy: &dyn std::fmt::Display = match &self.policy {
             Some(key) => key,
             None => &"-",
@@ -338,7 +339,7 @@ impl<'a> AccessLog<'a> {
                     src.identity = src_identity,
                     src.cluster = src.cluster(),
                     dst.addr = %self.dst_addr,
-                    dst.service = %dst_service,
+                    dst.service = dst_service.as_deref(),
                     dst.workload = dst.workload(),
                     dst.namespace = dst.namespace(),
                     dst.identity = dst_identity,

@@ -21,6 +21,9 @@ pub trait WorkloadLookup: Send + Sync {
     /// Shared: a connection takes a pointer, not a copy.
     fn workload_by_ip(&self, ip: IpAddr) -> Option<Arc<Workload>>;
 
+    /// Istio's name for the service `key` ([`WorkloadStore::service_hostname`]).
+    fn service_hostname(&self, key: &WorkloadKey) -> String;
+
     /// The service a client of namespace `client_ns` addresses at `dst`
     /// (a VIP and port, or an address in a service's range).
     fn service_at(&self, dst: SocketAddr, client_ns: &str) -> Option<Arc<Service>>;
@@ -165,6 +168,12 @@ impl WorkloadLookup for RwLock<WorkloadStore> {
             .unwrap_or_else(|p| p.into_inner())
             .by_ip_shared(ip)
             .cloned()
+    }
+
+    fn service_hostname(&self, key: &WorkloadKey) -> String {
+        self.read()
+            .unwrap_or_else(|p| p.into_inner())
+            .service_hostname(key)
     }
 
     fn service_at(&self, dst: SocketAddr, client_ns: &str) -> Option<Arc<Service>> {
