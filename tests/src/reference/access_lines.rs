@@ -114,15 +114,18 @@ mod tests {
         let ztunnel = "2026-12-05T02:33:31Z\tinfo\taccess\tconnection complete\t\
             src.addr=198.18.1.10:42944 src.workload=\"client\" src.namespace=\"default\" \
             src.identity=\"spiffe://cluster.local/ns/default/sa/sa-client\" src.cluster=\"Kubernetes\" \
-            dst.addr=198.18.2.10:15008 dst.workload=\"server\" direction=\"outbound\" \
+            dst.addr=198.18.2.10:15008 dst.service=\"anywhere.default.svc.cluster.local\" \
+            dst.workload=\"server\" direction=\"outbound\" \
             bytes_sent=4096 bytes_recv=4096 duration=\"10ms\"\n";
         let shunt = "2026-12-05T02:33:32Z  INFO outbound{pod=default/client}: shunt::access: \
             connection complete direction=\"outbound\" pod=default/client \
             src.addr=198.18.1.10:39392 src.workload=\"client\" src.namespace=\"default\" \
-            src.cluster=\"Kubernetes\" dst.addr=198.18.2.10:8080 dst.service=default/anywhere \
+            src.cluster=\"Kubernetes\" dst.addr=198.18.2.10:8080 \
+            dst.service=\"anywhere.default.svc.cluster.local\" \
             dst.workload=\"server\" bytes_sent=4096 bytes_recv=4096 duration=\"10ms\" reason=\"\"\n";
         let expected = "direction=outbound src.workload=\"client\" src.namespace=\"default\" \
-            src.cluster=\"Kubernetes\" dst.workload=\"server\"";
+            src.cluster=\"Kubernetes\" dst.service=\"anywhere.default.svc.cluster.local\" \
+            dst.workload=\"server\"";
         assert_eq!(
             normalise(ztunnel).expect("parses"),
             BTreeSet::from([expected.to_owned()])
