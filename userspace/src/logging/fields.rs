@@ -46,9 +46,7 @@ impl PlainVisitor<'_> {
             self.result = self.writer.write_char(' ');
         }
     }
-}
 
-impl PlainVisitor<'_> {
     /// `name="value"` for a value `Debug` would not escape.
     fn record_quoted(&mut self, field: &Field, value: &str) {
         let name = field.name();
