@@ -1,7 +1,7 @@
 //! The access lines against ztunnel's for the same case: for each line,
 //! who talked to whom as ztunnel's line names them (`src.workload`,
-//! `src.namespace`, `src.cluster`, `dst.service` and the other `dst.`
-//! ones, each left out when unknown) and whether it carries ztunnel's `bytes_sent`, `bytes_recv`
+//! `src.namespace`, `src.identity`, `src.cluster`, `dst.service` and the
+//! other `dst.` ones, each left out when unknown) and whether it carries ztunnel's `bytes_sent`, `bytes_recv`
 //! and `duration="Nms"`. Addresses, ports, byte counts and durations are
 //! left out: they differ from run to run. A record holds ztunnel's side
 //! ([`normalise`]), so shunt is held to it without the binary.
@@ -15,10 +15,12 @@ use std::{
 const NAMES: &[&str] = &[
     "src.workload",
     "src.namespace",
+    "src.identity",
     "src.cluster",
     "dst.service",
     "dst.workload",
     "dst.namespace",
+    "dst.identity",
     "dst.cluster",
 ];
 
@@ -120,10 +122,12 @@ mod tests {
         let shunt = "2026-12-05T02:33:32Z  INFO outbound{pod=default/client}: shunt::access: \
             connection complete direction=\"outbound\" pod=default/client \
             src.addr=198.18.1.10:39392 src.workload=\"client\" src.namespace=\"default\" \
+            src.identity=\"spiffe://cluster.local/ns/default/sa/sa-client\" \
             src.cluster=\"Kubernetes\" dst.addr=198.18.2.10:8080 \
             dst.service=\"anywhere.default.svc.cluster.local\" \
             dst.workload=\"server\" bytes_sent=4096 bytes_recv=4096 duration=\"10ms\" reason=\"\"\n";
         let expected = "direction=outbound src.workload=\"client\" src.namespace=\"default\" \
+            src.identity=\"spiffe://cluster.local/ns/default/sa/sa-client\" \
             src.cluster=\"Kubernetes\" dst.service=\"anywhere.default.svc.cluster.local\" \
             dst.workload=\"server\"";
         assert_eq!(

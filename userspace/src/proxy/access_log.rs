@@ -307,8 +307,11 @@ impl<'a> AccessLog<'a> {
         let dst = End::destination(workloads, self.dst_addr.ip(), self.derived_destination);
         // As ztunnel writes it: `duration="12ms"`.
         let duration = format!("{}ms", self.started.elapsed().as_millis());
-        let src_identity = self.src_identity.unwrap_or("-");
-        let dst_identity = self.dst_identity.unwrap_or("-");
+        // As ztunnel: the identities of a mutual-TLS connection only, and
+        // left out when unknown.
+        let mtls = matches!(self.direction, "outbound" | "inbound");
+        let src_identity = self.src_identity.filter(|_| mtls);
+        let dst_identity = self.dst_identity.filter(|_| mtls);
         let reason = self.reason.as_deref().unwrap_or("");
         // Formatted only by the writer that takes the line: nothing is
         // allocated for them per connection (or at all when filtered out).
