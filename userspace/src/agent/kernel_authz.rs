@@ -9,7 +9,7 @@ use super::{NodeAgent, PodEntry};
 use crate::{
     api::KernelAuthzStatus,
     authz::kernel::{KernelSource, compile},
-    proxy::ACCESS_LOG_TARGET,
+    proxy::access_log,
     redirect::MeshLocalTable,
     state::{PodState, Workload, WorkloadKey},
 };
@@ -51,7 +51,7 @@ impl NodeAgent {
                 ),
             };
             warn!(
-                target: ACCESS_LOG_TARGET,
+                target: access_log::TARGET,
                 direction = "outbound",
                 pod = %refusal.pod,
                 src.identity = identity,

@@ -21,8 +21,8 @@ use tracing::warn;
 use crate::{
     metrics::{FastPathMetrics, KernelConnections, PodFastPathKind, TcpSeries},
     proxy::{
-        ACCESS_LOG_TARGET, AccessLogEnd, ConnectionClose, ConnectionInfo, ConnectionObserver,
-        ConnectionOutcome, Direction, WorkloadLookup,
+        ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, Direction,
+        WorkloadLookup, access_log,
     },
     redirect::ebpf::{FastPathCounters, FastPathEvents},
     state::{TrustDomain, WorkloadKey},
@@ -316,7 +316,7 @@ impl Reporter {
                     side.series
                         .closed(close.bytes_to_target, close.bytes_from_target);
                 }
-                access_log(self.store.as_ref(), &info, &close, event);
+                write_access_line(self.store.as_ref(), &info, &close, event);
             }
             _ => {}
         }
@@ -365,25 +365,19 @@ impl Reporter {
 
 /// The proxy's access log line (`shunt::access`), for a connection the
 /// kernel carried.
-fn access_log(
+fn write_access_line(
     workloads: &dyn WorkloadLookup,
     info: &ConnectionInfo<'_>,
     close: &ConnectionClose,
     event: &FastPathEvent,
 ) {
-    let enabled = match close.outcome {
-        ConnectionOutcome::Success => {
-            tracing::enabled!(target: ACCESS_LOG_TARGET, tracing::Level::INFO)
-        }
-        _ => tracing::enabled!(target: ACCESS_LOG_TARGET, tracing::Level::WARN),
-    };
-    if !enabled {
+    if !access_log::line_enabled(close.outcome == ConnectionOutcome::Success) {
         return;
     }
     // Both ends are pods of this node's (or, passthrough, none).
-    let src = AccessLogEnd::source(workloads, Some(info.src_addr.ip()), None);
-    let dst = AccessLogEnd::destination(workloads, info.dst_addr.ip(), None);
-    let duration = format!("{}ms", close.duration.as_millis());
+    let src = access_log::End::source(workloads, Some(info.src_addr.ip()), None);
+    let dst = access_log::End::destination(workloads, info.dst_addr.ip(), None);
+    let duration = access_log::duration_field(close.duration);
     let result = match close.outcome {
         ConnectionOutcome::Success => "success",
         _ => "failed",
@@ -398,7 +392,7 @@ fn access_log(
     macro_rules! line {
         ($level:ident) => {
             tracing::$level!(
-                target: ACCESS_LOG_TARGET,
+                target: access_log::TARGET,
                 direction = info.direction.as_str(),
                 src.addr = %info.src_addr,
                 src.workload = src.workload(),

@@ -91,6 +91,21 @@ fn non_empty(s: &str) -> Option<&str> {
     (!s.is_empty()).then_some(s)
 }
 
+/// Whether a line would be written (`info` for a success, `warn`
+/// otherwise): its ends are looked up only then.
+pub(crate) fn line_enabled(success: bool) -> bool {
+    if success {
+        tracing::enabled!(target: TARGET, tracing::Level::INFO)
+    } else {
+        tracing::enabled!(target: TARGET, tracing::Level::WARN)
+    }
+}
+
+/// A duration as ztunnel's line writes it: `duration="12ms"`.
+pub(crate) fn duration_field(duration: std::time::Duration) -> String {
+    format!("{}ms", duration.as_millis())
+}
+
 /// How a connection or stream ended, for the access log.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Outcome {
@@ -292,11 +307,7 @@ impl<'a> AccessLog<'a> {
     /// Writes the line (unless quiet, or filtered out: the ends are
     /// looked up only for a line that is written).
     fn write_line(&self, workloads: &dyn WorkloadLookup) {
-        let enabled = match self.outcome {
-            Outcome::Success => tracing::enabled!(target: TARGET, tracing::Level::INFO),
-            _ => tracing::enabled!(target: TARGET, tracing::Level::WARN),
-        };
-        if self.quiet || !enabled {
+        if self.quiet || !line_enabled(self.outcome == Outcome::Success) {
             return;
         }
         let src = End::source(
@@ -305,8 +316,7 @@ impl<'a> AccessLog<'a> {
             self.derived_source,
         );
         let dst = End::destination(workloads, self.dst_addr.ip(), self.derived_destination);
-        // As ztunnel writes it: `duration="12ms"`.
-        let duration = format!("{}ms", self.started.elapsed().as_millis());
+        let duration = duration_field(self.started.elapsed());
         // As ztunnel: the identities of a mutual-TLS connection only, and
         // left out when unknown.
         let mtls = matches!(self.direction, "outbound" | "inbound");

@@ -14,7 +14,7 @@
 //! `SO_REUSEPORT`, so a new agent can bind while the old one drains.
 
 mod accept;
-mod access_log;
+pub(crate) mod access_log;
 mod baggage;
 mod dns_sockets;
 mod double_hbone;
@@ -39,7 +39,6 @@ mod shared;
 mod socket;
 pub mod waypoint;
 
-pub(crate) use access_log::{End as AccessLogEnd, TARGET as ACCESS_LOG_TARGET};
 pub use baggage::Baggage;
 pub use h2::H2Settings;
 pub use inbound::NON_CONNECT_STATUS;
