@@ -20,6 +20,7 @@ pub mod istiod;
 pub mod metrics;
 pub mod pki;
 pub mod probe;
+mod resolver;
 pub mod resources;
 pub mod ztunnel_node;
 pub mod ztunnel_peer;

@@ -17,8 +17,9 @@ use super::{
     istiod::{Answer, Istiod, Snapshot},
     pki::Pki,
     probe::{Observed, Outcome, dns_a, probe},
+    resolver::CaseResolver,
     resources::{pod, policy, workload},
-    ztunnel_peer::Ztunnel,
+    ztunnel_peer::{PeerSettings, Ztunnel},
 };
 use crate::{
     Cgroup, Pod, Result, TestbedError, Topology,
@@ -111,6 +112,8 @@ pub struct Bed {
     server: Pod,
     _echo: [EchoServer; 2],
     gateway: StandInWaypoint,
+    /// Where a case's names are served (`resolver.rs`).
+    gateway_pod: Pod,
     topology: Topology,
 }
 
@@ -172,6 +175,7 @@ impl Bed {
             server,
             _echo: echo,
             gateway,
+            gateway_pod,
             topology,
         })
     }
@@ -258,7 +262,7 @@ impl Bed {
         case: &Case,
     ) -> Result<Run> {
         let mut server_side = tokio::task::block_in_place(|| {
-            self.start_side(server, ztunnel, &self.server, case, Role::Server)
+            self.start_side(server, ztunnel, &self.server, case, Role::Server, None)
         })?;
         let before_sync = self.probe_rows(&case.before_sync).await;
         server_side.istiod.release();
@@ -270,8 +274,20 @@ impl Bed {
         let (mut outbound, mut dns, mut client_metrics) = (Vec::new(), Vec::new(), None);
         let gateway_before = self.gateway.received().len();
         if !case.outbound.is_empty() || !case.dns.is_empty() {
+            let resolver = match case.resolves.as_slice() {
+                [] => None,
+                names => Some(CaseResolver::start(&self.gateway_pod, names)?),
+            };
+            let resolv_conf = resolver.as_ref().map(CaseResolver::conf);
             let mut client_side = tokio::task::block_in_place(|| {
-                self.start_side(client, ztunnel, &self.client, case, Role::Client)
+                self.start_side(
+                    client,
+                    ztunnel,
+                    &self.client,
+                    case,
+                    Role::Client,
+                    resolv_conf,
+                )
             })?;
             client_side.settle().await?;
             let _dropped = if case.hbone_port_dropped {
@@ -306,7 +322,8 @@ impl Bed {
     }
 
     /// A fresh `peer` serving `pod` and the istiod feeding it the case's
-    /// snapshot (held, on the server side, until released).
+    /// snapshot (held, on the server side, until released), resolving
+    /// with `resolv_conf` when given.
     fn start_side(
         &self,
         peer: Peer,
@@ -314,6 +331,7 @@ impl Bed {
         pod: &Pod,
         case: &Case,
         role: Role,
+        resolv_conf: Option<&Path>,
     ) -> Result<Side> {
         let on_loopback = ([127, 0, 0, 1], 0).into();
         let listener = match peer {
@@ -331,22 +349,28 @@ impl Bed {
                 let binary = ztunnel.ok_or_else(|| {
                     TestbedError::Invalid("no ztunnel binary for a ztunnel run".into())
                 })?;
-                let (service_account, capture, network) = match role {
+                let (service_account, capture_outbound, network) = match role {
                     Role::Server => (SERVER_SA, None, ""),
                     Role::Client => (CLIENT_SA, Some(CAPTURED), case.client_network),
                 };
                 let workload = ("default", pod.name(), service_account);
+                let settings = PeerSettings {
+                    capture_outbound,
+                    network,
+                    resolv_conf,
+                };
                 Proxy::Ztunnel(Box::new(Ztunnel::start(
-                    binary, pod, workload, &istiod, &self.pki, capture, network,
+                    binary, pod, workload, &istiod, &self.pki, settings,
                 )?))
             }
-            Peer::Shunt => Proxy::Shunt(Box::new(self.start_agent(&istiod, pod)?)),
+            Peer::Shunt => Proxy::Shunt(Box::new(self.start_agent(&istiod, pod, resolv_conf)?)),
         };
         Ok(Side { istiod, proxy })
     }
 
-    /// The agent of `pod`'s node, on the in-test istiod and the bed's root.
-    fn start_agent(&self, istiod: &Istiod, pod: &Pod) -> Result<Agent> {
+    /// The agent of `pod`'s node, on the in-test istiod and the bed's root
+    /// (and `resolv_conf`'s resolvers, when given).
+    fn start_agent(&self, istiod: &Istiod, pod: &Pod, resolv_conf: Option<&Path>) -> Result<Agent> {
         let yaml = workloads_yaml(&[
             WorkloadSpec::for_pod(&self.server, true),
             WorkloadSpec {
@@ -362,32 +386,35 @@ impl Bed {
         let root = self.pki.root_file().display().to_string();
         let token = self.pki.token_file().display().to_string();
         let node = pod.node();
-        let mut agent = Agent::start(
-            &self.topology,
-            node,
-            &yaml,
-            &[
-                "--redirect",
-                "ebpf",
-                "--xds-address",
-                &address,
-                "--xds-root-cert",
-                &root,
-                "--xds-token",
-                &token,
-                "--instance-ip",
-                "198.18.0.5",
-                "--pod-name",
-                "shunt-x1",
-                "--pod-namespace",
-                "istio-system",
-                // The agent's default (the harness turns it off unless a
-                // test says): the kernel may send a connect around the
-                // proxy, and the outcomes must still be ztunnel's.
-                "--fast-path",
-                "on",
-            ],
-        )?;
+        let resolv_conf = resolv_conf.map(|p| p.display().to_string());
+        let resolvers = resolv_conf
+            .iter()
+            .flat_map(|conf| ["--dns-resolv-conf", conf.as_str()]);
+        let args: Vec<&str> = [
+            "--redirect",
+            "ebpf",
+            "--xds-address",
+            &address,
+            "--xds-root-cert",
+            &root,
+            "--xds-token",
+            &token,
+            "--instance-ip",
+            "198.18.0.5",
+            "--pod-name",
+            "shunt-x1",
+            "--pod-namespace",
+            "istio-system",
+            // The agent's default (the harness turns it off unless a
+            // test says): the kernel may send a connect around the
+            // proxy, and the outcomes must still be ztunnel's.
+            "--fast-path",
+            "on",
+        ]
+        .into_iter()
+        .chain(resolvers)
+        .collect();
+        let mut agent = Agent::start(&self.topology, node, &yaml, &args)?;
         agent.wait_for("its pod enrolled", WAIT, mesh_pods_enrolled)?;
         Ok(agent)
     }

@@ -106,6 +106,10 @@ pub struct Case {
     /// 15008 drops them (its SYNs retried once, so a connect times out in
     /// about 3 s instead of 2 minutes).
     pub hbone_port_dropped: bool,
+    /// Names the client's proxy resolves (a DNS-resolved ServiceEntry's
+    /// endpoints) and their addresses, served by the bed's DNS server
+    /// (`resolver.rs`); empty: none runs.
+    pub resolves: Vec<(&'static str, [u8; 4])>,
 }
 
 impl Case {
@@ -134,6 +138,7 @@ impl Case {
             forwarded_host: None,
             deployed: false,
             hbone_port_dropped: false,
+            resolves: Vec::new(),
         }
     }
 }

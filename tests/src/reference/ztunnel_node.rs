@@ -41,7 +41,7 @@ impl ZtunnelNode {
         zds_socket: &Path,
     ) -> Result<ZtunnelNode> {
         let env = [("INPOD_UDS", zds_socket)];
-        let process = ZtunnelProcess::start(binary, pod, cgroup, istiod, pki, env)?;
+        let process = ZtunnelProcess::start(binary, pod, cgroup, istiod, pki, env, None)?;
         Ok(ZtunnelNode { process })
     }
 

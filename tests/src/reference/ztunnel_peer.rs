@@ -43,21 +43,36 @@ pub struct Ztunnel {
     rules: Vec<String>,
 }
 
+/// What a peer's ztunnel is given besides its workload.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PeerSettings<'a> {
+    /// A CIDR: the pod's own connections there go to it too.
+    pub capture_outbound: Option<&'a str>,
+    /// The proxy's network (`NETWORK`).
+    pub network: &'a str,
+    /// The resolv.conf it resolves with instead of the system's (its
+    /// hostname endpoints, the DNS it forwards).
+    pub resolv_conf: Option<&'a std::path::Path>,
+}
+
 impl Ztunnel {
     /// Starts `binary` for the workload `namespace/name/service_account` in
     /// `pod`, against `istiod` (listening on the pod netns' loopback), and
-    /// waits (bounded) until its readiness endpoint answers. With
-    /// `capture_outbound` (a CIDR), the pod's own connections there go to
-    /// it too. `network` is the proxy's network (`NETWORK`).
+    /// waits (bounded) until its readiness endpoint answers, with
+    /// `settings`.
     pub fn start(
         binary: &std::path::Path,
         pod: &Pod,
         workload: (&str, &str, &str),
         istiod: &Istiod,
         pki: &Pki,
-        capture_outbound: Option<&str>,
-        network: &str,
+        settings: PeerSettings<'_>,
     ) -> Result<Ztunnel> {
+        let PeerSettings {
+            capture_outbound,
+            network,
+            resolv_conf,
+        } = settings;
         let mut wanted = vec![inbound_plaintext_rule()];
         if let Some(cidr) = capture_outbound {
             wanted.push(outbound_rule(cidr));
@@ -80,7 +95,7 @@ impl Ztunnel {
                 nat_rule(pod, "-A", &rule)?;
                 added.push(rule);
             }
-            ZtunnelProcess::start(binary, pod, None, istiod, pki, env)
+            ZtunnelProcess::start(binary, pod, None, istiod, pki, env, resolv_conf)
         })();
         match started {
             Ok(process) => Ok(Ztunnel {

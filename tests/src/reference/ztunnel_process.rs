@@ -48,7 +48,8 @@ pub(super) struct ZtunnelProcess {
 impl ZtunnelProcess {
     /// Starts `binary` in `pod` (and in `cgroup`, if given) against
     /// `istiod` with the common settings and `env` on top, and waits
-    /// (bounded) until readiness answers.
+    /// (bounded) until readiness answers. With `resolv_conf`, that file is
+    /// its `/etc/resolv.conf` ([`with_resolv_conf`]).
     pub(super) fn start<'a, V: AsRef<OsStr> + 'a>(
         binary: &Path,
         pod: &Pod,
@@ -56,6 +57,7 @@ impl ZtunnelProcess {
         istiod: &Istiod,
         pki: &Pki,
         env: impl IntoIterator<Item = (&'a str, V)>,
+        resolv_conf: Option<&Path>,
     ) -> Result<ZtunnelProcess> {
         // ztunnel reads a few defaults relative to its working directory
         // (`./etc/istio/...`, `./var/run/secrets/...`): an empty one.
@@ -66,7 +68,10 @@ impl ZtunnelProcess {
             .try_clone()
             .map_err(|e| TestbedError::io("ztunnel log", e))?;
         let istiod_url = format!("https://{}", istiod.addr);
-        let mut command = pod.command(binary);
+        let mut command = match resolv_conf {
+            Some(conf) => with_resolv_conf(pod, binary, conf),
+            None => pod.command(binary),
+        };
         if let Some(cgroup) = cgroup {
             cgroup.place(&mut command);
         }
@@ -193,6 +198,24 @@ impl Drop for ZtunnelProcess {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// `binary` in `pod`'s netns and in a mount namespace of its own whose
+/// `/etc/resolv.conf` is `conf`: ztunnel resolves with the system's
+/// resolver, which reads that path. `unshare` and `nsenter` exec, so the
+/// child's PID is ztunnel's.
+fn with_resolv_conf(pod: &Pod, binary: &Path, conf: &Path) -> std::process::Command {
+    let mut command = std::process::Command::new("unshare");
+    command
+        .args(["--mount", "--propagation", "private", "--", "sh", "-c"])
+        .arg(r#"mount --bind "$1" /etc/resolv.conf && shift && exec "$@""#)
+        .arg("sh")
+        .arg(conf)
+        .arg("nsenter")
+        .arg(format!("--net={}", pod.netns_path().display()))
+        .arg("--")
+        .arg(binary);
+    command
 }
 
 /// GET /healthz/ready on `addr` from the current thread's netns.

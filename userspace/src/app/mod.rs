@@ -59,6 +59,8 @@ pub enum AgentError {
     Workloads(#[from] crate::control::local::WorkloadsFileError),
     #[error("eBPF redirection: {0}")]
     Ebpf(#[from] LoadError),
+    #[error("DNS: {0}")]
+    Dns(#[from] crate::dns::DnsError),
     #[error("iptables redirection: {0}")]
     Iptables(#[from] crate::redirect::iptables::IptablesError),
     #[error("--cgroup-root {path}: {problem}")]
@@ -208,7 +210,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             // The DNS proxy's names, from the store like the fast-path
             // table; the proxy hands these parts to each pod's server
             // (`proxy/dns_sockets.rs`).
-            let dns = start_dns_names(&args, parts, store_applied.clone(), &metrics);
+            let dns = start_dns_names(&args, parts, store_applied.clone(), &metrics)?;
             parts.proxy.set_dns(dns);
             let proxy = parts.proxy.clone();
             if let Some(kernel) = fast_path {

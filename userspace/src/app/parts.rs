@@ -107,13 +107,14 @@ pub(super) fn start_fast_path(
 /// The DNS proxy's shared parts: the one task that publishes the mesh's
 /// names (fed by the store owner's `applied` views, as the fast-path table
 /// writer is), the upstreams from `--dns-resolv-conf` (unreadable: logged,
-/// and what the mesh does not know gets SERVFAIL), the metrics.
+/// and what the mesh does not know gets SERVFAIL, hostname endpoints do
+/// not resolve), the metrics.
 pub(super) fn start_dns_names(
     args: &AgentArgs,
     parts: &ProxyParts,
     applied: watch::Receiver<u64>,
     metrics: &crate::metrics::Metrics,
-) -> crate::dns::DnsShared {
+) -> Result<crate::dns::DnsShared, AgentError> {
     let (publish, names) = crate::dns::names_channel(&args.cluster_domain);
     tokio::spawn(
         crate::dns::publish_names(
@@ -130,11 +131,22 @@ pub(super) fn start_dns_names(
                 warn!(error = %e, "DNS proxy without upstream resolvers: names the mesh does not know get SERVFAIL");
                 crate::dns::Forwarder::new(Vec::new(), args.dns_upstream_timeout)
             });
-    crate::dns::DnsShared {
+    let on_demand = match crate::dns::OnDemandResolver::from_resolv_conf(
+        &args.dns_resolv_conf,
+        args.dns_upstream_timeout,
+    ) {
+        Ok(resolver) => resolver,
+        Err(e) => {
+            warn!(error = %e, "no resolver for service endpoints named by hostname: connections to them fail");
+            crate::dns::OnDemandResolver::without_upstream(args.dns_upstream_timeout)?
+        }
+    };
+    Ok(crate::dns::DnsShared {
         names,
         forwarder: Arc::new(forwarder),
         metrics: metrics.dns().clone(),
-    }
+        on_demand: Arc::new(on_demand),
+    })
 }
 
 /// `--xds-address`: the istiod source, configured (not connected yet).

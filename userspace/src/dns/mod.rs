@@ -50,6 +50,7 @@ mod answer;
 pub mod forward;
 pub mod metrics;
 pub mod names;
+pub mod on_demand;
 pub mod resolv_conf;
 mod server;
 
@@ -61,6 +62,7 @@ use tokio_util::sync::CancellationToken;
 pub use forward::{DEFAULT_UPSTREAM_TIMEOUT, ForwardError, Forwarder, UpstreamSockets};
 pub use metrics::DnsMetrics;
 pub use names::{MeshNames, names_channel, publish_names};
+pub use on_demand::{OnDemandResolver, ResolveError};
 pub use resolv_conf::ResolvConf;
 
 /// The port a pod's DNS is captured to (Istio's).
@@ -76,6 +78,8 @@ pub enum DnsError {
         #[source]
         source: io::Error,
     },
+    #[error("the resolver for hostname endpoints: {0}")]
+    Resolver(String),
     #[error("DNS socket {what}: {source}")]
     Socket {
         what: String,
@@ -96,6 +100,9 @@ pub struct DnsShared {
     pub names: watch::Receiver<Arc<MeshNames>>,
     pub forwarder: Arc<Forwarder>,
     pub metrics: Arc<DnsMetrics>,
+    /// Resolves the service endpoints istiod names by DNS name
+    /// (`on_demand.rs`); the outbound proxy's, not the pods' DNS servers'.
+    pub on_demand: Arc<OnDemandResolver>,
 }
 
 /// `--dns-upstream-timeout`: `5s`, `500ms`, or a bare number of seconds;

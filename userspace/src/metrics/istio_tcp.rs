@@ -23,9 +23,11 @@ use crate::{
         Baggage, ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, Failure,
         OpenConnection,
     },
-    state::Workload,
+    state::{Workload, WorkloadKey},
     store::WorkloadStore,
 };
+
+use super::on_demand_dns::OnDemandDnsLabels;
 
 /// Istio's value for a label it cannot fill.
 const UNKNOWN: &str = "unknown";
@@ -54,6 +56,8 @@ pub(super) struct TcpMetrics {
     pub(super) failed: Family<TcpLabels, Counter>,
     pub(super) received_bytes: Family<TcpLabels, Counter>,
     pub(super) sent_bytes: Family<TcpLabels, Counter>,
+    /// `istio_on_demand_dns_total` (the proxy's, as ztunnel's is).
+    pub(super) on_demand_dns: Family<OnDemandDnsLabels, Counter>,
     derived: DerivedSources,
     /// Every label set a connection opened with, once.
     series: Arc<RwLock<HashSet<SharedSeries>>>,
@@ -356,22 +360,22 @@ impl TcpObserver {
 /// takes them from a workload (`with_source`, `with_destination`) or
 /// from its baggage (`with_derived_source`, `with_derived_destination`).
 #[derive(Clone, Hash, PartialEq, Eq)]
-struct Named {
+pub(super) struct Named {
     /// Whether a workload (or its baggage) was found at all.
     known: bool,
-    workload: Label,
-    canonical_service: Label,
-    namespace: Label,
-    revision: Label,
-    app: Label,
-    version: Label,
-    cluster: Label,
+    pub(super) workload: Label,
+    pub(super) canonical_service: Label,
+    pub(super) namespace: Label,
+    pub(super) revision: Label,
+    pub(super) app: Label,
+    pub(super) version: Label,
+    pub(super) cluster: Label,
     region: Label,
     zone: Label,
 }
 
 impl Named {
-    fn of(workload: Option<&Workload>) -> Self {
+    pub(super) fn of(workload: Option<&Workload>) -> Self {
         let Some(w) = workload else {
             return Named {
                 known: false,
@@ -449,6 +453,15 @@ impl ConnectionObserver for TcpObserver {
             moved_to_target: AtomicU64::new(0),
             moved_from_target: AtomicU64::new(0),
         })
+    }
+
+    fn resolved_on_demand(&self, pod: &WorkloadKey, principal: &str, hostname: &str) {
+        let source = {
+            let store = self.workloads.read().unwrap_or_else(|p| p.into_inner());
+            Named::of(store.get(pod))
+        };
+        let labels = OnDemandDnsLabels::new(source, principal.to_owned().into(), hostname);
+        self.tcp.on_demand_dns.get_or_create(&labels).inc();
     }
 }
 

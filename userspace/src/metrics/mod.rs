@@ -28,6 +28,7 @@
 mod fast_path;
 mod istio_tcp;
 mod node;
+mod on_demand_dns;
 
 use std::{
     sync::{Arc, OnceLock, RwLock},
@@ -120,6 +121,11 @@ impl Metrics {
             "tcp_sent_bytes",
             "The size of total bytes sent during response in case of a TCP connection",
             tcp.sent_bytes.clone(),
+        );
+        istio.register(
+            "on_demand_dns",
+            "The total number of requests that used on-demand DNS (unstable)",
+            tcp.on_demand_dns.clone(),
         );
         let dns = Arc::new(crate::dns::DnsMetrics::default());
         dns.register(istio);

@@ -11,7 +11,7 @@ use super::{
     waypoint,
 };
 use crate::{
-    state::{Place, Service, ServiceStore, TrustDomain, Workload, WorkloadKey},
+    state::{HostnameTarget, Place, Service, ServiceStore, TrustDomain, Workload, WorkloadKey},
     store::WorkloadStore,
 };
 
@@ -88,6 +88,9 @@ pub enum Target {
     Direct(SocketAddr),
     /// An endpoint on another network: through its network's gateway.
     ThroughGateway(Box<GatewayHop>),
+    /// An endpoint known by DNS name: resolved, then dialled
+    /// (`on_demand_dns.rs`).
+    Resolve(Box<HostnameTarget>),
 }
 
 /// Why [`WorkloadLookup::pick_endpoint`] found no endpoint.
@@ -200,6 +203,14 @@ impl WorkloadLookup for RwLock<WorkloadStore> {
         } else {
             service.pick(dst, client.network, n)
         };
+        // ztunnel picks among named and addressed endpoints alike; shunt
+        // takes a named one only when no addressed one on the client's
+        // network is ready (a ServiceEntry has one kind or the other).
+        if picked.is_none()
+            && let Some(named) = service.pick_hostname(dst, n)
+        {
+            return Ok(Target::Resolve(Box::new(named)));
+        }
         match picked {
             Some((_, target)) => Ok(Target::Direct(target)),
             // ztunnel picks among every network's endpoints alike; shunt

@@ -209,3 +209,48 @@ fn a_hostname_connect_reaches_the_arrival_pod_at_its_target_port() {
         assert_eq!(got.as_ref().ok().copied(), *expected, "{what}: {got:?}");
     }
 }
+
+/// A service whose endpoints are known by DNS name (a `resolution: DNS`
+/// ServiceEntry's) gives the name to resolve and the target port; an
+/// addressed ready endpoint, when there is one, is taken first.
+#[test]
+fn a_service_known_by_name_is_resolved_only_without_a_ready_address() {
+    use super::{Target, WorkloadLookup};
+    use crate::state::{HostnameEndpoint, HostnameTarget, TrustDomain};
+    let vip: std::net::SocketAddr = "198.19.200.1:80".parse().expect("vip");
+    let mut api = Service {
+        name: "api".into(),
+        namespace: "default".into(),
+        hostname: "api.example.test".into(),
+        vips: vec![vip.ip()],
+        ports: vec![ServicePort {
+            port: 80,
+            target_port: Some(8080),
+        }],
+        hostname_endpoints: vec![HostnameEndpoint {
+            workload: WorkloadKey::new("default", "api-ext"),
+            hostname: "api.example.test".into(),
+            ready: true,
+            capacity: 1,
+            ports: BTreeMap::new(),
+        }],
+        ..Default::default()
+    };
+    let lookup = std::sync::RwLock::new(WorkloadStore::new());
+    let td = TrustDomain::default();
+    let client: IpAddr = "198.18.1.10".parse().expect("ip");
+    assert_eq!(
+        lookup.pick_endpoint(&td, &api, client, vip, 0),
+        Ok(Target::Resolve(Box::new(HostnameTarget {
+            workload: WorkloadKey::new("default", "api-ext"),
+            hostname: "api.example.test".into(),
+            port: 8080,
+        })))
+    );
+    api.endpoints
+        .push(Endpoint::new("198.18.1.20".parse().expect("ip"), None));
+    assert_eq!(
+        lookup.pick_endpoint(&td, &api, client, vip, 0),
+        Ok(Target::Direct("198.18.1.20:8080".parse().expect("addr")))
+    );
+}

@@ -27,6 +27,7 @@ mod limits;
 mod lookup;
 mod network_gateway;
 mod observe;
+mod on_demand_dns;
 mod on_wake;
 mod outbound;
 mod pods;

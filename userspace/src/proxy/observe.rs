@@ -165,6 +165,13 @@ pub trait ConnectionObserver: Send + Sync {
     /// close: the close is recorded as the open was, even if the workloads
     /// it names changed meanwhile (ztunnel keeps its labels the same way).
     fn opened(&self, connection: &ConnectionInfo<'_>) -> Box<dyn OpenConnection>;
+
+    /// A connection from the local workload `pod` (its identity
+    /// `principal`) picked a service endpoint known by `hostname`, which
+    /// is resolved now (ztunnel's `istio_on_demand_dns_total`).
+    fn resolved_on_demand(&self, pod: &WorkloadKey, principal: &str, hostname: &str) {
+        let _ = (pod, principal, hostname);
+    }
 }
 
 /// One connection an observer was told of, until it closes.

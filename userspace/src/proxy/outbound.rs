@@ -6,7 +6,8 @@
 //! has one) goes over HBONE to the waypoint, `:authority` the original
 //! destination, or fails when the waypoint cannot be used (`waypoint.rs`).
 //! Otherwise a service's VIP and port is first resolved to one of its ready endpoints (round robin), at the
-//! endpoint's target port; a VIP with no ready endpoint is refused (RST),
+//! endpoint's target port (an endpoint known by DNS name is resolved then:
+//! `on_demand_dns.rs`); a VIP with no ready endpoint is refused (RST),
 //! as there is nowhere to send it. Then a mesh workload gets HBONE to its
 //! IP:15008 (presenting the source pod's identity, accepting only the
 //! destination's, `:authority` the endpoint's IP and port), anything else
@@ -153,10 +154,20 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
             return;
         }
     }
-    let dst = match resolve_service(&shared, service, client, dst, n, &mut log) {
-        Some(Target::Direct(dst)) => dst,
+    let (dst, by_name) = match resolve_service(&shared, service, client, dst, n, &mut log) {
+        Some(Target::Direct(dst)) => (dst, false),
         Some(Target::ThroughGateway(hop)) => {
             return super::double_hbone::serve(&shared, &pod, app, hop, headers, log).await;
+        }
+        Some(Target::Resolve(named)) => {
+            match super::on_demand_dns::resolve(&shared, &pod, &named, dst, &mut log).await {
+                Some(resolved) => (resolved, true),
+                None => {
+                    log.emit(&shared);
+                    reset(&app);
+                    return;
+                }
+            }
         }
         None => {
             log.emit(&shared);
@@ -172,10 +183,14 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
         return;
     }
 
+    // An endpoint known by name is dialled as ztunnel dials one istiod
+    // sends without a tunnel (a ServiceEntry's), whoever owns the address
+    // it resolved to. Limitation: one sent with HBONE (a WorkloadEntry by
+    // name) is dialled in plaintext too.
     let mesh_peer = shared
         .workloads
         .workload_by_ip(dst.ip())
-        .filter(|w| w.wants_mesh());
+        .filter(|w| !by_name && w.wants_mesh());
     let Some(workload) = mesh_peer else {
         passthrough(&shared, &pod, app, dst, log).await;
         return;

@@ -4,6 +4,7 @@
 //! produced them (the local workloads file or the Kubernetes watch),
 //! so that reconciling, enrolment and the proxy never see a source's format.
 
+mod hostname_endpoint;
 mod locality;
 mod owner;
 mod pod_state;
@@ -11,6 +12,7 @@ mod service;
 mod service_store;
 mod weighted;
 
+pub use hostname_endpoint::{HostnameEndpoint, HostnameTarget};
 pub use locality::Place;
 pub use owner::{ApplicationTunnel, ApplicationTunnelProtocol, WorkloadType, pod_owner};
 pub use pod_state::PodState;

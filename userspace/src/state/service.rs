@@ -62,6 +62,11 @@ pub struct Service {
     /// with no address): never dialled, never in DNS or the kernel's
     /// tables; only `proxy/network_gateway.rs` looks at them.
     pub gateway_only: Vec<GatewayOnlyEndpoint>,
+    /// Endpoints known by DNS name (a `resolution: DNS` ServiceEntry's):
+    /// resolved by the proxy when a connection picks one, taken only when
+    /// no addressed endpoint on the client's network is ready
+    /// (`hostname_endpoint.rs`).
+    pub hostname_endpoints: Vec<super::HostnameEndpoint>,
 }
 
 /// A range of addresses (`addr/prefix`, host bits zero) and the network

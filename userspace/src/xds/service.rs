@@ -15,9 +15,9 @@ use shunt_proto::istio::workload as pb;
 
 use super::{FieldError, ip_from_bytes, port, workload::gateway};
 use crate::state::{
-    Endpoint, GatewayOnlyEndpoint, HealthPolicy, IpFamilies, LoadBalancing, LoadBalancingMode,
-    LoadBalancingScope, Service, ServicePort, VipRange, Visibility, WeightedWaypoint, Workload,
-    WorkloadStatus,
+    Endpoint, GatewayOnlyEndpoint, HealthPolicy, HostnameEndpoint, IpFamilies, LoadBalancing,
+    LoadBalancingMode, LoadBalancingScope, Service, ServicePort, VipRange, Visibility,
+    WeightedWaypoint, Workload, WorkloadStatus,
 };
 
 /// Translates one service (without endpoints: see [`attach_endpoints`]).
@@ -137,6 +137,7 @@ pub(crate) fn translate(s: pb::Service) -> Result<Service, FieldError> {
         ip_families,
         visibility,
         gateway_only: Vec::new(),
+        hostname_endpoints: Vec::new(),
     })
 }
 
@@ -204,6 +205,19 @@ pub(crate) fn push_endpoints(service: &mut Service, w: &Workload, ports: &BTreeM
         .filter(|(_, target)| **target != 0)
         .map(|(p, t)| (*p, *t))
         .collect();
+    // No address but a DNS name (a `resolution: DNS` ServiceEntry's):
+    // resolved when a connection picks it. ztunnel counts the name as an
+    // address, so such a workload never goes through a gateway.
+    if w.ips.is_empty() && !w.hostname.is_empty() {
+        service.hostname_endpoints.push(HostnameEndpoint {
+            workload: w.key(),
+            hostname: w.hostname.clone(),
+            ready,
+            capacity: w.capacity,
+            ports: ports.clone(),
+        });
+        return;
+    }
     // No address: only its network's gateway reaches it (ztunnel keeps
     // it only then, and uses it only from another network).
     if w.ips.is_empty()
@@ -539,6 +553,35 @@ mod tests {
             targets,
             ["198.18.2.1:8443".parse::<SocketAddr>().expect("a")]
         );
+    }
+
+    /// A `resolution: DNS` ServiceEntry's endpoint: a workload with a
+    /// hostname and no address is an endpoint resolved when picked, even
+    /// with a network gateway (the name is its address, as in ztunnel).
+    #[test]
+    fn a_workload_known_by_name_is_a_hostname_endpoint() {
+        let mut services = vec![translate(proto()).expect("valid")];
+        let mut named = backend("ext", "198.18.2.1", &[(80, 9090)], true);
+        named.ips.clear();
+        named.hostname = "api.example.test".into();
+        named.network_gateway = Some(crate::state::GatewayAddress {
+            destination: crate::state::GatewayDestination::Address {
+                network: "net-b".into(),
+                ip: ip("198.18.9.9"),
+            },
+            hbone_mtls_port: 15008,
+        });
+        named.capacity = 2;
+        attach_endpoints(&mut services, [&named]);
+        let web = &services[0];
+        assert!(web.endpoints.is_empty() && web.gateway_only.is_empty());
+        let vip: SocketAddr = "198.19.100.1:80".parse().expect("addr");
+        let target = web.pick_hostname(vip, 0).expect("a hostname target");
+        assert_eq!(
+            (target.hostname.as_str(), target.port, target.workload),
+            ("api.example.test", 9090, named.key())
+        );
+        assert_eq!(web.hostname_endpoints[0].capacity, 2);
     }
 
     #[test]

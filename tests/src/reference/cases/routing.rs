@@ -109,7 +109,65 @@ pub fn cases() -> Vec<Case> {
         ),
         range_through_waypoint(),
         shared_vip(),
+        resolved_by_name(),
     ]
+}
+
+/// A `resolution: DNS` ServiceEntry as istiod sends it: a service at a
+/// VIP whose endpoint is a workload with a `hostname` and no address (no
+/// tunnel). The client's proxy resolves the name when the connection
+/// comes (the bed's DNS server answers the server pod's address) and
+/// connects there in plaintext; a second one's name has no address, and
+/// its connection is refused.
+fn resolved_by_name() -> Case {
+    let named = |host: &str, name: &str| {
+        let port = wl::Port {
+            service_port: 80,
+            target_port: 8080,
+            ..Default::default()
+        };
+        encode(wl::Address {
+            r#type: Some(wl::address::Type::Workload(wl::Workload {
+                uid: format!("Kubernetes/networking.istio.io/ServiceEntry/default/{host}/{name}"),
+                name: host.split('.').next().unwrap_or(host).into(),
+                namespace: "default".into(),
+                hostname: name.into(),
+                services: [(
+                    format!("default/{host}"),
+                    wl::PortList { ports: vec![port] },
+                )]
+                .into(),
+                cluster_id: "Kubernetes".into(),
+                ..Default::default()
+            })),
+        })
+    };
+    let (vip, unresolved_vip) = ([198, 19, 100, 62], [198, 19, 100, 63]);
+    let mut case = Case::authz(
+        "a DNS-resolved ServiceEntry: the endpoint's name resolved by the client's proxy",
+        Vec::new(),
+        Vec::new(),
+    );
+    case.addresses = vec![
+        encode(service("api", "api.example.com", vip)),
+        named("api.example.com", "backend.example.com"),
+        encode(service("gone", "gone.example.com", unresolved_vip)),
+        named("gone.example.com", "nowhere.example.com"),
+    ];
+    case.resolves = vec![("backend.example.com", SERVER_IP.octets())];
+    case.outbound = vec![
+        OutboundRow {
+            dst: vip,
+            port: 80,
+            expect: Allowed,
+        },
+        OutboundRow {
+            dst: unresolved_vip,
+            port: 80,
+            expect: Refused,
+        },
+    ];
+    case
 }
 
 /// Two namespaces' ServiceEntries for one host at one VIP, as istiod sends

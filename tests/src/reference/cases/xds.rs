@@ -83,6 +83,7 @@ fn raw_case(
         forwarded_host: None,
         deployed: false,
         hbone_port_dropped: false,
+        resolves: Vec::new(),
     }
 }
 
