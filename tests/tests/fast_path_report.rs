@@ -111,12 +111,15 @@ fn n_direct_connections_make_n_reports_and_status_shows_the_fast_path() {
     );
     assert_eq!(report["ok"], Value::Bool(true), "{report}");
     assert_eq!(report["succeeded"].as_u64(), Some(connections), "{report}");
-    let principal = format!("spiffe://cluster.local/ns/default/sa/sa-{}", client.name());
+    // As ztunnel labels a plaintext connection to a workload it knows:
+    // no source principal, the destination's identity.
+    let principal = format!("spiffe://cluster.local/ns/default/sa/sa-{}", plain.name());
     let labels = [
         ("reporter", "source"),
         ("source_workload", client.name()),
-        ("source_principal", principal.as_str()),
+        ("source_principal", "unknown"),
         ("destination_workload", plain.name()),
+        ("destination_principal", principal.as_str()),
         ("response_flags", "-"),
     ];
     let text = wait_metrics(&node, &agent, "every connection counted closed", |m| {

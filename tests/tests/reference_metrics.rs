@@ -36,8 +36,9 @@ const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
 /// canonical service and revision, the region and zone); and a client's
 /// connection to a service VIP through its own proxy, whose metrics are
 /// compared too (`reporter="source"`, the service named), and the same
-/// connection failing on a dropped HBONE port; DNS questions to
-/// the client's proxy (`istio_dns_requests_total`).
+/// connection failing on a dropped HBONE port; connections to a
+/// DNS-resolved ServiceEntry (`istio_on_demand_dns_total`); DNS questions
+/// to the client's proxy (`istio_dns_requests_total`).
 fn cases() -> Vec<Case> {
     let names = [
         "ALLOW serviceAccounts [default/sleep]",
@@ -51,10 +52,17 @@ fn cases() -> Vec<Case> {
             c
         })
         .collect();
-    let through_service = routing::cases()
-        .into_iter()
-        .find(|c| c.name == "no load balancing: the endpoint on the other node")
-        .expect("the routing case");
+    let routing = routing::cases();
+    let routed = |name: &str| {
+        routing
+            .iter()
+            .find(|c| c.name == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("the routing case {name:?}"))
+    };
+    let through_service = routed("no load balancing: the endpoint on the other node");
+    let by_name =
+        routed("a DNS-resolved ServiceEntry: the endpoint's name resolved by the client's proxy");
     // The same connection when the server's HBONE port is dropped on the
     // way: `response_flags="NETWORK_POLICY"` on the client's proxy.
     let mut dropped = through_service.clone();
@@ -64,7 +72,7 @@ fn cases() -> Vec<Case> {
         row.expect = Outcome::Refused;
     }
     cases.extend(
-        [through_service, dropped]
+        [through_service, dropped, by_name]
             .into_iter()
             .chain(dns::cases())
             .map(|mut c| {
@@ -106,7 +114,7 @@ async fn the_istio_families_and_access_lines_are_ztunnels() {
     let record = std::env::var_os("SHUNT_RECORD_METRICS").is_some();
     let bed = Bed::new("ref-metrics", std::path::Path::new(TESTAPP)).expect("the bed");
     let cases = cases();
-    assert_eq!(cases.len(), 5, "every case found");
+    assert_eq!(cases.len(), 6, "every case found");
     let mut failures = Vec::new();
     for case in cases {
         if let Ok(binary) = &ztunnel {

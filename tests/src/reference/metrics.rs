@@ -24,6 +24,7 @@ pub const FAMILIES: &[&str] = &[
     "istio_xds_message_bytes_total",
     "istio_xds_connection_terminations_total",
     "istio_dns_requests_total",
+    "istio_on_demand_dns_total",
 ];
 
 /// Labels whose value differs by design: compared by name only.

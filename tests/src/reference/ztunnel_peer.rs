@@ -85,6 +85,7 @@ impl Ztunnel {
                 format!("{namespace}/{name}/{service_account}"),
             ),
             ("NETWORK", network.to_string()),
+            ("PACKET_MARK", MARK.to_string()),
             // Nothing may bind the pod's source address on ztunnel's side
             // (no policy routing here).
             ("ENABLE_ORIG_SRC", "false".to_string()),
@@ -146,11 +147,18 @@ fn inbound_plaintext_rule() -> String {
 }
 
 /// The pod's own TCP to `cidr` (the test range: VIPs and pods), except
-/// to HBONE's 15008, to ztunnel's outbound port 15001. ztunnel's own
-/// connections (HBONE to 15008, istiod on loopback) are not caught again.
+/// to HBONE's 15008 and ztunnel's own (its [`MARK`], as istio-cni's rules
+/// skip it), to ztunnel's outbound port 15001: ztunnel's connections
+/// (HBONE, plain TCP to an endpoint outside the mesh) are not caught
+/// again.
 fn outbound_rule(cidr: &str) -> String {
-    format!("OUTPUT -p tcp -d {cidr} ! --dport 15008 -j REDIRECT --to-ports 15001")
+    format!(
+        "OUTPUT -p tcp -d {cidr} ! --dport 15008 -m mark ! --mark {MARK:#x}/0xfff -j REDIRECT --to-ports 15001"
+    )
 }
+
+/// The mark ztunnel puts on its sockets (`PACKET_MARK`; Istio's 0x539).
+const MARK: u32 = 1337;
 
 /// Appends (`-A`) or deletes (`-D`) `rule` (chain first, words separated
 /// by spaces) in the pod's `nat` table; appending a rule that is there

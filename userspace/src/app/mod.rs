@@ -193,9 +193,9 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
     // The workload store and its one writer (only the builtin proxy reads it).
     let (cluster_views, store_applied) = match &proxy {
         Some(parts) => {
-            parts
-                .proxy
-                .set_observer(metrics.connection_observer(parts.store.clone()));
+            parts.proxy.set_observer(
+                metrics.connection_observer(parts.store.clone(), trust_domain.clone()),
+            );
             node_agent = node_agent.with_proxy(ProxyHandle {
                 proxy: parts.proxy.clone(),
                 runtime: tokio::runtime::Handle::current(),

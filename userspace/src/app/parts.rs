@@ -91,8 +91,8 @@ pub(super) fn start_fast_path(
         .instrument(info_span!("fast_path_table")),
     );
     let reporter = crate::fastpath::report::Reporter {
-        observer: metrics.connection_observer(parts.store.clone()),
-        connections: metrics.kernel_connections(parts.store.clone()),
+        observer: metrics.connection_observer(parts.store.clone(), trust_domain.clone()),
+        connections: metrics.kernel_connections(parts.store.clone(), trust_domain.clone()),
         store: parts.store.clone(),
         trust_domain: trust_domain.clone(),
         metrics: fast,

@@ -195,11 +195,13 @@ impl super::Metrics {
     pub fn kernel_connections(
         &self,
         workloads: std::sync::Arc<std::sync::RwLock<crate::store::WorkloadStore>>,
+        trust_domain: crate::state::TrustDomain,
     ) -> KernelConnections {
         KernelConnections {
             observer: super::istio_tcp::TcpObserver {
                 tcp: self.inner.tcp.clone(),
                 workloads,
+                trust_domain,
             },
         }
     }

@@ -23,7 +23,7 @@ use crate::{
         Baggage, ConnectionClose, ConnectionInfo, ConnectionObserver, ConnectionOutcome, Failure,
         OpenConnection,
     },
-    state::{Workload, WorkloadKey},
+    state::{TrustDomain, Workload, WorkloadKey},
     store::WorkloadStore,
 };
 
@@ -275,6 +275,8 @@ impl Hash for TcpLabels {
 pub(super) struct TcpObserver {
     pub(super) tcp: Arc<TcpMetrics>,
     pub(super) workloads: Arc<RwLock<WorkloadStore>>,
+    /// The mesh's, for a destination workload's identity.
+    pub(super) trust_domain: TrustDomain,
 }
 
 impl TcpObserver {
@@ -282,9 +284,10 @@ impl TcpObserver {
         let store = self.workloads.read().unwrap_or_else(|p| p.into_inner());
         let local = c.pod.and_then(|key| store.get(key));
         let (src, dst) = if c.direction.local_is_source() {
+            let chosen = c.dst_workload.and_then(|key| store.get(key));
             (
                 local.or_else(|| store.by_ip(c.src_addr.ip())),
-                store.by_ip(c.dst_addr.ip()),
+                chosen.or_else(|| store.by_ip(c.dst_addr.ip())),
             )
         } else {
             // Through a network gateway the address is the gateway's.
@@ -303,6 +306,17 @@ impl TcpObserver {
         };
         // ztunnel's derived destination (double HBONE): the address is the
         // gateway's, the destination's proxy named the workload.
+        // ztunnel's principals: the source's only from a mutual-TLS
+        // handshake (not a plaintext connection's local pod); the
+        // destination's the one checked, else the destination workload's
+        // identity, whatever the connection's security.
+        let mtls_source = c.direction.security_policy() != "unknown";
+        let src_identity = c.src_identity.filter(|_| mtls_source);
+        let dst_principal = match (c.dst_identity, c.derived_destination, dst) {
+            (Some(id), _, _) => Some(Cow::Owned(id.to_owned())),
+            (None, None, Some(w)) => Some(Cow::Owned(w.identity(&self.trust_domain).to_string())),
+            _ => None,
+        };
         let dst = match c.derived_destination {
             Some(derived) => self.tcp.derived.admit(Named::derived(derived)),
             None => Named::of(dst),
@@ -330,7 +344,7 @@ impl TcpObserver {
             source_canonical_service: src.canonical_service,
             source_canonical_revision: src.revision,
             source_workload_namespace: src.namespace,
-            source_principal: principal(c.src_identity),
+            source_principal: principal(src_identity),
             source_app: src.app,
             source_version: src.version,
             source_cluster: src.cluster,
@@ -345,7 +359,7 @@ impl TcpObserver {
             destination_canonical_service: dst.canonical_service,
             destination_canonical_revision: dst.revision,
             destination_workload_namespace: dst.namespace,
-            destination_principal: principal(c.dst_identity),
+            destination_principal: dst_principal.unwrap_or(Cow::Borrowed(UNKNOWN)),
             destination_app: dst.app,
             destination_version: dst.version,
             destination_cluster: dst.cluster,
@@ -588,6 +602,7 @@ mod tests {
             src_identity: Some("spiffe://cluster.local/ns/default/sa/sa-client"),
             dst_addr: "198.18.2.2:8080".parse().expect("addr"),
             dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
+            dst_workload: None,
             dst_service: via,
             derived_source: None,
             src_through_gateway: false,
@@ -605,7 +620,7 @@ mod tests {
     #[test]
     fn a_connection_moves_istio_tcp_metrics_with_istio_labels() {
         let metrics = Metrics::new();
-        let observer = metrics.connection_observer(store());
+        let observer = metrics.connection_observer(store(), TrustDomain::default());
         let client = WorkloadKey::new("default", "client");
         // The client connected to the service web's VIP.
         let web = WorkloadKey::new("default", "web");
@@ -665,6 +680,7 @@ mod tests {
         let observer = TcpObserver {
             tcp: Arc::default(),
             workloads: store(),
+            trust_domain: TrustDomain::default(),
         };
         let (client, service) = (
             WorkloadKey::new("default", "client"),
@@ -694,7 +710,7 @@ mod tests {
     #[test]
     fn bytes_count_as_they_move_and_the_close_adds_only_the_rest() {
         let metrics = Metrics::new();
-        let observer = metrics.connection_observer(store());
+        let observer = metrics.connection_observer(store(), TrustDomain::default());
         let client = WorkloadKey::new("default", "client");
         let info = client_to_server(&client, None);
         let open = observer.opened(&info);
@@ -727,7 +743,7 @@ mod tests {
     #[test]
     fn failures_ztunnel_names_apart_carry_its_flags() {
         let metrics = Metrics::new();
-        let observer = metrics.connection_observer(store());
+        let observer = metrics.connection_observer(store(), TrustDomain::default());
         let client = WorkloadKey::new("default", "client");
         for failure in [
             Failure::HbonePortTimedOut,
@@ -765,7 +781,7 @@ mod tests {
     fn a_connection_closes_in_the_series_it_opened_in_though_its_peer_left() {
         let metrics = Metrics::new();
         let workloads = store();
-        let observer = metrics.connection_observer(workloads.clone());
+        let observer = metrics.connection_observer(workloads.clone(), TrustDomain::default());
         let client = WorkloadKey::new("default", "client");
         let info = client_to_server(&client, None);
         let open = observer.opened(&info);
@@ -822,7 +838,8 @@ mod tests {
         let mut store = WorkloadStore::new();
         store.replace_all([client]);
         let metrics = Metrics::new();
-        let observer = metrics.connection_observer(Arc::new(RwLock::new(store)));
+        let observer =
+            metrics.connection_observer(Arc::new(RwLock::new(store)), TrustDomain::default());
         let pod = WorkloadKey::new("default", "client-7d9f-x2");
         let mut info = ConnectionInfo {
             direction: Direction::Outbound,
@@ -831,6 +848,7 @@ mod tests {
             src_identity: None,
             dst_addr: "198.18.9.9:80".parse().expect("addr"),
             dst_identity: None,
+            dst_workload: None,
             dst_service: None,
             derived_source: None,
             src_through_gateway: false,
@@ -867,7 +885,7 @@ mod tests {
     #[test]
     fn a_denied_connection_closes_with_response_flags_deny() {
         let metrics = Metrics::new();
-        let observer = metrics.connection_observer(store());
+        let observer = metrics.connection_observer(store(), TrustDomain::default());
         let server = WorkloadKey::new("default", "server");
         let info = ConnectionInfo {
             direction: Direction::Inbound,
@@ -876,6 +894,7 @@ mod tests {
             src_identity: Some("spiffe://cluster.local/ns/default/sa/intruder"),
             dst_addr: "198.18.2.2:8080".parse().expect("addr"),
             dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
+            dst_workload: None,
             dst_service: None,
             derived_source: None,
             src_through_gateway: false,
@@ -926,7 +945,7 @@ mod tests {
     #[test]
     fn through_a_gateway_the_source_reporter_names_the_destination_by_its_answer() {
         let metrics = Metrics::new();
-        let observer = metrics.connection_observer(store());
+        let observer = metrics.connection_observer(store(), TrustDomain::default());
         let client = WorkloadKey::new("default", "client");
         let baggage = Baggage {
             cluster_id: Some("west".into()),
@@ -943,6 +962,7 @@ mod tests {
             src_identity: Some("spiffe://cluster.local/ns/default/sa/sa-client"),
             dst_addr: "198.18.1.2:15008".parse().expect("addr"),
             dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
+            dst_workload: None,
             dst_service: None,
             derived_source: None,
             src_through_gateway: false,
@@ -965,7 +985,7 @@ mod tests {
     #[test]
     fn the_destination_names_an_unknown_source_by_its_baggage_a_known_one_by_its_address() {
         let metrics = Metrics::new();
-        let observer = metrics.connection_observer(store());
+        let observer = metrics.connection_observer(store(), TrustDomain::default());
         let server = WorkloadKey::new("default", "server");
         let baggage = Baggage {
             cluster_id: Some("east".into()),
@@ -982,6 +1002,7 @@ mod tests {
             src_identity: Some("spiffe://cluster.local/ns/shop/sa/productpage"),
             dst_addr: "198.18.2.2:8080".parse().expect("addr"),
             dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
+            dst_workload: None,
             dst_service: None,
             derived_source: Some(&baggage),
             src_through_gateway: false,
@@ -1077,6 +1098,7 @@ mod tests {
                 ..TcpMetrics::clone(&metrics.inner.tcp)
             }),
             workloads: store(),
+            trust_domain: TrustDomain::default(),
         };
         let server = WorkloadKey::new("default", "server");
         let open = |workload: &str| {
@@ -1093,6 +1115,7 @@ mod tests {
                 src_identity: Some("spiffe://cluster.local/ns/shop/sa/any"),
                 dst_addr: "198.18.2.2:8080".parse().expect("addr"),
                 dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
+                dst_workload: None,
                 dst_service: None,
                 derived_source: Some(&baggage),
                 src_through_gateway: false,
@@ -1123,7 +1146,7 @@ mod tests {
     #[test]
     fn inbound_plaintext_is_reported_by_the_destination_without_mtls() {
         let metrics = Metrics::new();
-        let observer = metrics.connection_observer(store());
+        let observer = metrics.connection_observer(store(), TrustDomain::default());
         let server = WorkloadKey::new("default", "server");
         let info = ConnectionInfo {
             direction: Direction::InboundPlaintext,
@@ -1132,6 +1155,7 @@ mod tests {
             src_identity: None,
             dst_addr: "198.18.2.2:8080".parse().unwrap(),
             dst_identity: Some("spiffe://cluster.local/ns/default/sa/sa-server"),
+            dst_workload: None,
             dst_service: None,
             derived_source: None,
             src_through_gateway: false,

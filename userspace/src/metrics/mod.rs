@@ -46,6 +46,7 @@ use crate::{
     control::kube::SourceStats,
     proxy::ConnectionObserver,
     snapshot::{NodeSnapshot, SnapshotReader},
+    state::TrustDomain,
     store::WorkloadStore,
 };
 pub use fast_path::{FastPathMetrics, KernelConnections, PodFastPathKind, TcpSeries};
@@ -206,10 +207,12 @@ impl Metrics {
     pub fn connection_observer(
         &self,
         workloads: Arc<RwLock<WorkloadStore>>,
+        trust_domain: TrustDomain,
     ) -> Arc<dyn ConnectionObserver> {
         Arc::new(TcpObserver {
             tcp: self.inner.tcp.clone(),
             workloads,
+            trust_domain,
         })
     }
 

@@ -45,6 +45,12 @@ impl<'a> End<'a> {
         }
     }
 
+    /// The workload `key`, when the proxy chose it by name
+    /// ([`ConnectionInfo::dst_workload`]).
+    pub(crate) fn named(workloads: &dyn WorkloadLookup, key: &WorkloadKey) -> Self {
+        workloads.workload(key).map_or(End::Unknown, End::Workload)
+    }
+
     /// The destination: the one its proxy named in its baggage (through a
     /// gateway, whose address it is), else the workload at its address.
     pub(crate) fn destination(
@@ -141,6 +147,8 @@ pub(crate) struct AccessLog<'a> {
     pub dst_identity: Option<&'a str>,
     /// The service whose VIP the source connected to, when it did.
     pub dst_service: Option<WorkloadKey>,
+    /// See [`ConnectionInfo::dst_workload`].
+    pub dst_workload: Option<WorkloadKey>,
     pub started: Instant,
     /// Bytes from the connection's initiator to its target, and back.
     pub bytes_sent: u64,
@@ -162,6 +170,11 @@ pub(crate) struct AccessLog<'a> {
     pub refusal: Option<RefusalReason>,
     /// Counted, but no line written (rate-limited refusals).
     pub quiet: bool,
+    /// Refused before any target was chosen, as ztunnel's early deny (no
+    /// endpoint, a name that does not resolve, a call to the proxy
+    /// itself): the line says `connection failed`, and Istio's metrics
+    /// do not count it (ztunnel's do not).
+    pub early: bool,
     /// See [`ConnectionInfo::derived_source`].
     pub derived_source: Option<&'a super::Baggage>,
     /// See [`ConnectionInfo::src_through_gateway`].
@@ -181,6 +194,7 @@ impl<'a> AccessLog<'a> {
             dst_addr,
             dst_identity: None,
             dst_service: None,
+            dst_workload: None,
             started: Instant::now(),
             bytes_sent: 0,
             bytes_received: 0,
@@ -193,6 +207,7 @@ impl<'a> AccessLog<'a> {
             policy: None,
             refusal: None,
             quiet: false,
+            early: false,
             derived_source: None,
             src_through_gateway: false,
             derived_destination: None,
@@ -226,6 +241,7 @@ impl<'a> AccessLog<'a> {
             src_identity: self.src_identity,
             dst_addr: self.dst_addr,
             dst_identity: self.dst_identity,
+            dst_workload: self.dst_workload.as_ref(),
             dst_service: self.dst_service.as_ref(),
             derived_source: self.derived_source,
             src_through_gateway: self.src_through_gateway,
@@ -247,7 +263,7 @@ impl<'a> AccessLog<'a> {
         // The line first: whoever sees the connection counted (status,
         // metrics; they flush the log first) finds it in the log.
         self.write_line(shared.workloads.as_ref());
-        if let Some(observer) = shared.observer.get() {
+        if let Some(observer) = shared.observer.get().filter(|_| !self.early) {
             let observed = match self.observed.take() {
                 Some(observed) => Some(observed),
                 // Refused before it opened: reported open at its close.
@@ -315,7 +331,10 @@ impl<'a> AccessLog<'a> {
             (!self.src_through_gateway).then_some(self.src_addr.ip()),
             self.derived_source,
         );
-        let dst = End::destination(workloads, self.dst_addr.ip(), self.derived_destination);
+        let dst = match &self.dst_workload {
+            Some(key) => End::named(workloads, key),
+            None => End::destination(workloads, self.dst_addr.ip(), self.derived_destination),
+        };
         let duration = duration_field(self.started.elapsed());
         // As ztunnel: the identities of a mutual-TLS connection only, and
         // left out when unknown.
@@ -341,7 +360,7 @@ impl<'a> AccessLog<'a> {
             None => &"-",
         };
         macro_rules! line {
-            ($level:ident) => {
+            ($level:ident, $message:literal) => {
                 tracing::$level!(
                     target: TARGET,
                     direction = self.direction,
@@ -363,13 +382,14 @@ impl<'a> AccessLog<'a> {
                     result = self.outcome.as_str(),
                     policy = %policy,
                     reason,
-                    "connection complete"
+                    $message
                 )
             };
         }
         match self.outcome {
-            Outcome::Success => line!(info),
-            _ => line!(warn),
+            Outcome::Success => line!(info, "connection complete"),
+            _ if self.early => line!(warn, "connection failed"),
+            _ => line!(warn, "connection complete"),
         }
     }
 }

@@ -21,6 +21,9 @@ pub trait WorkloadLookup: Send + Sync {
     /// Shared: a connection takes a pointer, not a copy.
     fn workload_by_ip(&self, ip: IpAddr) -> Option<Arc<Workload>>;
 
+    /// The workload stored as `key` (shared, as [`Self::workload_by_ip`]).
+    fn workload(&self, key: &WorkloadKey) -> Option<Arc<Workload>>;
+
     /// Istio's name for the service `key` ([`WorkloadStore::service_hostname`]).
     fn service_hostname(&self, key: &WorkloadKey) -> String;
 
@@ -170,6 +173,13 @@ impl WorkloadLookup for RwLock<WorkloadStore> {
         self.read()
             .unwrap_or_else(|p| p.into_inner())
             .by_ip_shared(ip)
+            .cloned()
+    }
+
+    fn workload(&self, key: &WorkloadKey) -> Option<Arc<Workload>> {
+        self.read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_shared(key)
             .cloned()
     }
 

@@ -125,6 +125,10 @@ pub struct ConnectionInfo<'a> {
     /// SPIFFE identity of the target: the one the proxy checked (outbound
     /// HBONE) or the local pod's (inbound).
     pub dst_identity: Option<&'a str>,
+    /// The target workload when the proxy chose it by name, not address
+    /// (a service endpoint known by DNS name: `dst_addr` is then what the
+    /// name resolved to, which may be anyone's). None elsewhere.
+    pub dst_workload: Option<&'a WorkloadKey>,
     /// The service (`namespace/name`) whose VIP the source connected to;
     /// `dst_addr` is then the endpoint chosen (outbound and passthrough
     /// only: the destination's proxy sees the endpoint address).

@@ -20,6 +20,9 @@ pub(super) async fn resolve(
     dialled: SocketAddr,
     log: &mut AccessLog<'_>,
 ) -> Option<SocketAddr> {
+    // The connection's destination is the workload, not whoever owns the
+    // address (metrics labels and the access line name it, as ztunnel's).
+    log.dst_workload = Some(target.workload.clone());
     // Counted before the lookup, as ztunnel counts it: a lookup that fails
     // was still asked for.
     if let Some(observer) = shared.observer.get() {
@@ -42,6 +45,7 @@ pub(super) async fn resolve(
         Err(why) => {
             tracing::warn!(workload = %target.workload, vip = %dialled, "service endpoint {why}; connection refused");
             log.dst_addr = dialled;
+            log.early = true;
             log.reason = Some(why);
             None
         }

@@ -178,6 +178,7 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
     log.dst_addr = dst;
     // Redirected to ourselves would loop forever.
     if dst.ip().is_loopback() && PROXY_PORTS.contains(&dst.port()) {
+        log.early = true;
         log.reason = Some("destination is the proxy itself".into());
         log.emit(&shared);
         return;
@@ -412,6 +413,7 @@ fn resolve_service(
                 NoEndpoint::OnOtherNetworks(why) => why,
             };
             tracing::warn!(service = %service.key(), vip = %dst, "service has {why}; connection refused");
+            log.early = true;
             log.dst_addr = dst;
             log.reason = Some(format!("service {} has {why} for {dst}", service.key()));
             None

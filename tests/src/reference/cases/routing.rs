@@ -115,7 +115,8 @@ pub fn cases() -> Vec<Case> {
 
 /// A `resolution: DNS` ServiceEntry as istiod sends it: a service at a
 /// VIP whose endpoint is a workload with a `hostname` and no address (no
-/// tunnel). The client's proxy resolves the name when the connection
+/// tunnel; named, typed and canonical as istiod's ServiceEntry workloads:
+/// after the ServiceEntry, a "pod"). The client's proxy resolves the name when the connection
 /// comes (the bed's DNS server answers the server pod's address) and
 /// connects there in plaintext; a second one's name has no address, and
 /// its connection is refused.
@@ -126,10 +127,11 @@ fn resolved_by_name() -> Case {
             target_port: 8080,
             ..Default::default()
         };
+        let entry = host.split('.').next().unwrap_or(host);
         encode(wl::Address {
             r#type: Some(wl::address::Type::Workload(wl::Workload {
-                uid: format!("Kubernetes/networking.istio.io/ServiceEntry/default/{host}/{name}"),
-                name: host.split('.').next().unwrap_or(host).into(),
+                uid: format!("Kubernetes/networking.istio.io/ServiceEntry/default/{entry}/{name}"),
+                name: entry.into(),
                 namespace: "default".into(),
                 hostname: name.into(),
                 services: [(
@@ -138,6 +140,11 @@ fn resolved_by_name() -> Case {
                 )]
                 .into(),
                 cluster_id: "Kubernetes".into(),
+                trust_domain: "cluster.local".into(),
+                workload_name: entry.into(),
+                workload_type: wl::WorkloadType::Pod as i32,
+                canonical_name: entry.into(),
+                canonical_revision: "latest".into(),
                 ..Default::default()
             })),
         })
