@@ -37,8 +37,10 @@ const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
 /// connection to a service VIP through its own proxy, whose metrics are
 /// compared too (`reporter="source"`, the service named), and the same
 /// connection failing on a dropped HBONE port; connections to a
-/// DNS-resolved ServiceEntry (`istio_on_demand_dns_total`); DNS questions
-/// to the client's proxy (`istio_dns_requests_total`).
+/// DNS-resolved ServiceEntry (`istio_on_demand_dns_total`); one refused
+/// for a waypoint without endpoints (ztunnel's early deny: no TCP
+/// series); DNS questions to the client's proxy
+/// (`istio_dns_requests_total`).
 fn cases() -> Vec<Case> {
     let names = [
         "ALLOW serviceAccounts [default/sleep]",
@@ -63,6 +65,8 @@ fn cases() -> Vec<Case> {
     let through_service = routed("no load balancing: the endpoint on the other node");
     let by_name =
         routed("a DNS-resolved ServiceEntry: the endpoint's name resolved by the client's proxy");
+    let waypoint_without_endpoint =
+        routed("a weighted set of waypoints, every weight 0: the primary alone");
     // The same connection when the server's HBONE port is dropped on the
     // way: `response_flags="NETWORK_POLICY"` on the client's proxy.
     let mut dropped = through_service.clone();
@@ -72,7 +76,7 @@ fn cases() -> Vec<Case> {
         row.expect = Outcome::Refused;
     }
     cases.extend(
-        [through_service, dropped, by_name]
+        [through_service, dropped, by_name, waypoint_without_endpoint]
             .into_iter()
             .chain(dns::cases())
             .map(|mut c| {
@@ -114,7 +118,7 @@ async fn the_istio_families_and_access_lines_are_ztunnels() {
     let record = std::env::var_os("SHUNT_RECORD_METRICS").is_some();
     let bed = Bed::new("ref-metrics", std::path::Path::new(TESTAPP)).expect("the bed");
     let cases = cases();
-    assert_eq!(cases.len(), 6, "every case found");
+    assert_eq!(cases.len(), 7, "every case found");
     let mut failures = Vec::new();
     for case in cases {
         if let Ok(binary) = &ztunnel {

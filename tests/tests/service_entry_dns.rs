@@ -1,6 +1,8 @@
 //! A `resolution: DNS` ServiceEntry, as istiod sends it to ztunnel: a
 //! service with a VIP (Istio's auto-allocated address, here in the test
-//! range) whose endpoint is a workload with a `hostname` and no address.
+//! range) whose endpoint is a workload with a `hostname` and no address
+//! (`shunt_testbed::reference::resources::named_endpoint`, as the
+//! reference table sends it to the real ztunnel).
 //! The agent resolves the name with its own resolver (`--dns-resolv-conf`
 //! naming an in-test DNS server in another pod) when a connection to the
 //! VIP picks it, as ztunnel does:
@@ -24,10 +26,9 @@ use std::{
     time::Duration,
 };
 
-use fake_istiod::{FakeIstiod, Pki, agent_args, pod, response, service, workload};
+use fake_istiod::{FakeIstiod, Pki, agent_args, pod, response, workload};
 use serde_json::Value;
 use shunt::xds::{ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL};
-use shunt_proto::istio::workload as workload_pb;
 use shunt_testbed::{
     Cgroup, Topology,
     access_log::access_lines,
@@ -35,6 +36,7 @@ use shunt_testbed::{
     apps::{EchoServer, TestApp},
     dns::DnsResponder,
     poll::eventually,
+    reference::resources::{encode, named_endpoint, service},
     require_root,
     scrape::{metrics, sample},
 };
@@ -51,51 +53,6 @@ const ENDPOINT_NAME: &str = "backend.example.test";
 /// A second ServiceEntry whose endpoint's name has no address.
 const GONE_VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 120, 2);
 const GONE_HOST: &str = "gone.example.test";
-
-/// istiod's service for a ServiceEntry host at `vip`, port 80 to 8080.
-fn service_entry(host: &str, vip: Ipv4Addr) -> workload_pb::Service {
-    workload_pb::Service {
-        name: "api".into(),
-        namespace: "default".into(),
-        hostname: host.into(),
-        addresses: vec![workload_pb::NetworkAddress {
-            network: String::new(),
-            address: vip.octets().to_vec(),
-            ..Default::default()
-        }],
-        ports: vec![workload_pb::Port {
-            service_port: 80,
-            target_port: 8080,
-            ..Default::default()
-        }],
-        ..Default::default()
-    }
-}
-
-/// istiod's workload for a DNS-resolved ServiceEntry endpoint: a name,
-/// no address, no tunnel.
-fn named_endpoint(host: &str, name: &str) -> workload_pb::Workload {
-    let mut services = BTreeMap::new();
-    services.insert(
-        format!("default/{host}"),
-        workload_pb::PortList {
-            ports: vec![workload_pb::Port {
-                service_port: 80,
-                target_port: 8080,
-                ..Default::default()
-            }],
-        },
-    );
-    workload_pb::Workload {
-        uid: format!("Kubernetes/networking.istio.io/ServiceEntry/default/api/{name}"),
-        name: "api".into(),
-        namespace: "default".into(),
-        hostname: name.into(),
-        services: services.into_iter().collect(),
-        cluster_id: "Kubernetes".into(),
-        ..Default::default()
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_service_entry_endpoint_known_by_name_is_resolved_and_reached() {
@@ -154,10 +111,10 @@ async fn a_service_entry_endpoint_known_by_name_is_resolved_and_reached() {
         "a1",
         vec![
             workload(client_pb, "1"),
-            workload(named_endpoint(HOST, ENDPOINT_NAME), "1"),
-            service(service_entry(HOST, VIP), "1"),
-            workload(named_endpoint(GONE_HOST, "nowhere.example.test"), "1"),
-            service(service_entry(GONE_HOST, GONE_VIP), "1"),
+            encode(named_endpoint(HOST, ENDPOINT_NAME)),
+            encode(service("api", HOST, VIP.octets())),
+            encode(named_endpoint(GONE_HOST, "nowhere.example.test")),
+            encode(service("gone", GONE_HOST, GONE_VIP.octets())),
         ],
         &[],
     ));

@@ -133,3 +133,38 @@ pub fn service(name: &str, host: &str, vip: [u8; 4]) -> wl::Address {
         })),
     }
 }
+
+/// A DNS-resolved ServiceEntry's endpoint as istiod sends it for the
+/// ServiceEntry host `host` (`<entry>.<domain>`, the entry named by its
+/// first label): a workload of `default` known by `name` (its
+/// `hostname`, no address, no tunnel), named, typed and canonical after
+/// the ServiceEntry (a "pod"), an endpoint of the host's service on port
+/// 80 to 8080.
+pub fn named_endpoint(host: &str, name: &str) -> wl::Address {
+    let entry = host.split('.').next().unwrap_or(host);
+    let port = wl::Port {
+        service_port: 80,
+        target_port: 8080,
+        ..Default::default()
+    };
+    wl::Address {
+        r#type: Some(wl::address::Type::Workload(wl::Workload {
+            uid: format!("Kubernetes/networking.istio.io/ServiceEntry/default/{entry}/{name}"),
+            name: entry.into(),
+            namespace: "default".into(),
+            hostname: name.into(),
+            services: [(
+                format!("default/{host}"),
+                wl::PortList { ports: vec![port] },
+            )]
+            .into(),
+            cluster_id: "Kubernetes".into(),
+            trust_domain: "cluster.local".into(),
+            workload_name: entry.into(),
+            workload_type: wl::WorkloadType::Pod as i32,
+            canonical_name: entry.into(),
+            canonical_revision: "latest".into(),
+            ..Default::default()
+        })),
+    }
+}

@@ -293,6 +293,9 @@ fn refuse_for_waypoint(
         log.dst_service = Some(failure.target.clone());
     }
     log.dst_addr = dst;
+    // A waypoint that could not be chosen is ztunnel's early deny (no TCP
+    // metrics); one chosen but unreachable is a failed connection.
+    log.early = failure.reason != FailureReason::Unreachable;
     log.outcome = match failure.reason {
         FailureReason::Unreachable => Outcome::Failed,
         _ => Outcome::Refused,

@@ -15,7 +15,7 @@ use crate::reference::{
         TUNNELED_ADDRESSLESS, TUNNELED_TO_WAYPOINT,
     },
     probe::Outcome::{self, Allowed, Refused},
-    resources::{encode, pod, service},
+    resources::{encode, named_endpoint, pod, service},
 };
 
 /// A Service `default/<name>` at `vip` choosing endpoints by `mode` with
@@ -114,41 +114,12 @@ pub fn cases() -> Vec<Case> {
 }
 
 /// A `resolution: DNS` ServiceEntry as istiod sends it: a service at a
-/// VIP whose endpoint is a workload with a `hostname` and no address (no
-/// tunnel; named, typed and canonical as istiod's ServiceEntry workloads:
-/// after the ServiceEntry, a "pod"). The client's proxy resolves the name when the connection
+/// VIP whose endpoint is a workload with a `hostname` and no address
+/// ([`named_endpoint`]). The client's proxy resolves the name when the connection
 /// comes (the bed's DNS server answers the server pod's address) and
 /// connects there in plaintext; a second one's name has no address, and
 /// its connection is refused.
 fn resolved_by_name() -> Case {
-    let named = |host: &str, name: &str| {
-        let port = wl::Port {
-            service_port: 80,
-            target_port: 8080,
-            ..Default::default()
-        };
-        let entry = host.split('.').next().unwrap_or(host);
-        encode(wl::Address {
-            r#type: Some(wl::address::Type::Workload(wl::Workload {
-                uid: format!("Kubernetes/networking.istio.io/ServiceEntry/default/{entry}/{name}"),
-                name: entry.into(),
-                namespace: "default".into(),
-                hostname: name.into(),
-                services: [(
-                    format!("default/{host}"),
-                    wl::PortList { ports: vec![port] },
-                )]
-                .into(),
-                cluster_id: "Kubernetes".into(),
-                trust_domain: "cluster.local".into(),
-                workload_name: entry.into(),
-                workload_type: wl::WorkloadType::Pod as i32,
-                canonical_name: entry.into(),
-                canonical_revision: "latest".into(),
-                ..Default::default()
-            })),
-        })
-    };
     let (vip, unresolved_vip) = ([198, 19, 100, 62], [198, 19, 100, 63]);
     let mut case = Case::authz(
         "a DNS-resolved ServiceEntry: the endpoint's name resolved by the client's proxy",
@@ -157,9 +128,9 @@ fn resolved_by_name() -> Case {
     );
     case.addresses = vec![
         encode(service("api", "api.example.com", vip)),
-        named("api.example.com", "backend.example.com"),
+        encode(named_endpoint("api.example.com", "backend.example.com")),
         encode(service("gone", "gone.example.com", unresolved_vip)),
-        named("gone.example.com", "nowhere.example.com"),
+        encode(named_endpoint("gone.example.com", "nowhere.example.com")),
     ];
     case.resolves = vec![("backend.example.com", SERVER_IP.octets())];
     case.outbound = vec![
