@@ -33,13 +33,14 @@ const TESTAPP: &str = env!("CARGO_BIN_EXE_shunt-testapp");
 /// Mutual-TLS streams from three identities and a plaintext connection,
 /// allowed and denied by a policy; in the second, the workloads are pods
 /// of Deployments with a locality (the labels name the owner, the
-/// canonical service and revision, the region and zone); and a client's
-/// connection to a service VIP through its own proxy, whose metrics are
-/// compared too (`reporter="source"`, the service named), and the same
-/// connection failing on a dropped HBONE port; connections to a
-/// DNS-resolved ServiceEntry (`istio_on_demand_dns_total`); one refused
-/// for a waypoint without endpoints (ztunnel's early deny: no TCP
-/// series); DNS questions to the client's proxy
+/// canonical service and revision, the region and zone); every routing
+/// case (a client's connections through its own proxy, whose metrics are
+/// compared too, `reporter="source"`: to service VIPs by locality, across
+/// networks and their gateways, through waypoints — the destination named
+/// as the waypoint — to a DNS-resolved ServiceEntry,
+/// `istio_on_demand_dns_total`, and refused before any target, ztunnel's
+/// early deny: no TCP series), and the first of them failing on a dropped
+/// HBONE port; DNS questions to the client's proxy
 /// (`istio_dns_requests_total`).
 fn cases() -> Vec<Case> {
     let names = [
@@ -55,29 +56,23 @@ fn cases() -> Vec<Case> {
         })
         .collect();
     let routing = routing::cases();
-    let routed = |name: &str| {
-        routing
-            .iter()
-            .find(|c| c.name == name)
-            .cloned()
-            .unwrap_or_else(|| panic!("the routing case {name:?}"))
-    };
-    let through_service = routed("no load balancing: the endpoint on the other node");
-    let by_name =
-        routed("a DNS-resolved ServiceEntry: the endpoint's name resolved by the client's proxy");
-    let waypoint_without_endpoint =
-        routed("a weighted set of waypoints, every weight 0: the primary alone");
-    // The same connection when the server's HBONE port is dropped on the
-    // way: `response_flags="NETWORK_POLICY"` on the client's proxy.
-    let mut dropped = through_service.clone();
+    // The first routing case's connection when the server's HBONE port is
+    // dropped on the way: `response_flags="NETWORK_POLICY"` on the
+    // client's proxy.
+    let mut dropped = routing[0].clone();
+    assert_eq!(
+        dropped.name,
+        "no load balancing: the endpoint on the other node"
+    );
     dropped.name = "the server's HBONE port dropped on the way";
     dropped.hbone_port_dropped = true;
     for row in &mut dropped.outbound {
         row.expect = Outcome::Refused;
     }
     cases.extend(
-        [through_service, dropped, by_name, waypoint_without_endpoint]
+        routing
             .into_iter()
+            .chain([dropped])
             .chain(dns::cases())
             .map(|mut c| {
                 c.deployed = true;
@@ -118,7 +113,7 @@ async fn the_istio_families_and_access_lines_are_ztunnels() {
     let record = std::env::var_os("SHUNT_RECORD_METRICS").is_some();
     let bed = Bed::new("ref-metrics", std::path::Path::new(TESTAPP)).expect("the bed");
     let cases = cases();
-    assert_eq!(cases.len(), 7, "every case found");
+    assert_eq!(cases.len(), 18, "every case found");
     let mut failures = Vec::new();
     for case in cases {
         if let Ok(binary) = &ztunnel {

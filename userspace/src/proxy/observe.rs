@@ -125,9 +125,11 @@ pub struct ConnectionInfo<'a> {
     /// SPIFFE identity of the target: the one the proxy checked (outbound
     /// HBONE) or the local pod's (inbound).
     pub dst_identity: Option<&'a str>,
-    /// The target workload when the proxy chose it by name, not address
-    /// (a service endpoint known by DNS name: `dst_addr` is then what the
-    /// name resolved to, which may be anyone's). None elsewhere.
+    /// The target workload when the proxy chose it by name, not address:
+    /// a service endpoint known by DNS name (`dst_addr` is then what the
+    /// name resolved to, which may be anyone's), or the waypoint a
+    /// connection goes through (`dst_addr` the original destination).
+    /// None elsewhere.
     pub dst_workload: Option<&'a WorkloadKey>,
     /// The service (`namespace/name`) whose VIP the source connected to;
     /// `dst_addr` is then the endpoint chosen (outbound and passthrough

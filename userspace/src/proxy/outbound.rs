@@ -247,6 +247,8 @@ async fn via_waypoint(
     mut log: AccessLog<'_>,
 ) {
     log.dst_addr = hop.authority;
+    // As ztunnel's metrics and line: the destination is the waypoint.
+    log.dst_workload = Some(hop.waypoint.clone());
     if hop.bound == Bound::Service {
         log.dst_service = Some(hop.target.clone());
     }
