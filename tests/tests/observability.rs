@@ -517,8 +517,9 @@ fn a_mesh_connection_moves_istio_tcp_metrics_on_both_nodes() {
             "the second connection is still open"
         );
     }
-    // ztunnel's open application sockets: the client's, on its node; the
-    // server's node holds an HBONE connection, not an application's.
+    // ztunnel's open sockets: the client's application socket, on its
+    // node; on the server's, the HBONE connection it rides on (ztunnel
+    // counts its 15008 accepts too; others may still be pooled).
     let open_sockets = |node: &Node, reporter| {
         metrics(node).sum("istio_tcp_sockets_open", &[("reporter", reporter)])
     };
@@ -527,7 +528,8 @@ fn a_mesh_connection_moves_istio_tcp_metrics_on_both_nodes() {
         || (open_sockets(&node_a, "source") == Some(1.0)).then_some(()),
         || format!("{:?}", open_sockets(&node_a, "source")),
     );
-    assert_eq!(open_sockets(&node_b, "destination"), None);
+    let hbone = open_sockets(&node_b, "destination");
+    assert!(hbone.is_some_and(|n| n >= 1.0), "{hbone:?}");
     // Ours, by PID.
     let _ = hold.kill();
     let _ = hold.wait();

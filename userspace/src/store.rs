@@ -324,13 +324,19 @@ impl WorkloadStore {
         &self.services
     }
 
-    /// Istio's name for the service `key` (its `destination_service`,
-    /// ztunnel's `dst.service`): its hostname; for a service the store no
-    /// longer knows, or knows without one, its DNS name in the default
-    /// cluster domain.
+    /// The service a connection names (`ConnectionInfo::dst_service`):
+    /// by its id (namespace/hostname, [`Service::id`]: one of a
+    /// ServiceEntry's hosts), else by namespace/name.
+    pub fn service_named(&self, key: &WorkloadKey) -> Option<&Arc<Service>> {
+        self.services.by_id(key).or_else(|| self.services.get(key))
+    }
+
+    /// Istio's name for the service `key` ([`Self::service_named`]; its
+    /// `destination_service`, ztunnel's `dst.service`): its hostname; for
+    /// a service the store no longer knows, or knows without one, its DNS
+    /// name in the default cluster domain.
     pub fn service_hostname(&self, key: &WorkloadKey) -> String {
-        self.services
-            .get(key)
+        self.service_named(key)
             .map(|s| s.hostname.clone())
             .filter(|h| !h.is_empty())
             .unwrap_or_else(|| {

@@ -226,7 +226,7 @@ impl Reporter {
             };
             let dst_service = service
                 .and_then(|vip| store.services().by_addr(vip))
-                .map(|s| s.key());
+                .map(|s| s.id());
             (
                 named(src.ip()),
                 if mesh_local { named(dst.ip()) } else { None },

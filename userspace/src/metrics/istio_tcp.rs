@@ -322,6 +322,12 @@ impl TcpObserver {
             None => Named::of(dst),
         };
         let destination_service = c.dst_service.map(|key| store.service_hostname(key));
+        // Its namespace and name (of a ServiceEntry's host: the entry's).
+        let service_named = c.dst_service.map(|key| {
+            store
+                .service_named(key)
+                .map_or((&key.namespace, &key.name), |s| (&s.namespace, &s.name))
+        });
         let principal = |id: Option<&str>| -> Label {
             id.map_or(Cow::Borrowed(UNKNOWN), |id| Cow::Owned(id.to_owned()))
         };
@@ -349,12 +355,10 @@ impl TcpObserver {
             source_version: src.version,
             source_cluster: src.cluster,
             destination_service: destination_service.map_or(UNKNOWN.into(), Cow::Owned),
-            destination_service_namespace: c
-                .dst_service
-                .map_or(UNKNOWN.into(), |s| s.namespace.clone().into()),
-            destination_service_name: c
-                .dst_service
-                .map_or(UNKNOWN.into(), |s| s.name.clone().into()),
+            destination_service_namespace: service_named
+                .map_or(UNKNOWN.into(), |(namespace, _)| namespace.clone().into()),
+            destination_service_name: service_named
+                .map_or(UNKNOWN.into(), |(_, name)| name.clone().into()),
             destination_workload: dst.workload,
             destination_canonical_service: dst.canonical_service,
             destination_canonical_revision: dst.revision,
@@ -615,6 +619,46 @@ mod tests {
             .filter(|l| l.starts_with(&format!("{name}{{")))
             .find(|l| must.iter().all(|m| l.contains(m)))
             .and_then(|l| l.rsplit(' ').next())
+    }
+
+    /// A ServiceEntry's two hosts are two services of one name: the
+    /// connection names the one its VIP is (by id), each its own series.
+    #[test]
+    fn each_host_of_a_service_entry_is_its_own_destination_service() {
+        let workloads = store();
+        {
+            let mut store = workloads.write().expect("store");
+            store.replace_services(["a.ext.example.com", "b.ext.example.com"].map(|host| {
+                crate::state::Service {
+                    name: "ext".into(),
+                    namespace: "default".into(),
+                    hostname: host.into(),
+                    vips: vec!["198.19.100.9".parse().expect("ip")],
+                    ..Default::default()
+                }
+            }));
+        }
+        let metrics = Metrics::new();
+        let observer = metrics.connection_observer(workloads, TrustDomain::default());
+        let client = WorkloadKey::new("default", "client");
+        let hosts = ["a.ext.example.com", "b.ext.example.com"];
+        let ids = hosts.map(|host| WorkloadKey::new("default", host));
+        for id in &ids {
+            observer.opened(&client_to_server(&client, Some(id)));
+        }
+        let text = metrics.encode(None);
+        for host in hosts {
+            let labels = [
+                &format!("destination_service=\"{host}\"") as &str,
+                "destination_service_name=\"ext\"",
+                "destination_service_namespace=\"default\"",
+            ];
+            assert_eq!(
+                sample(&text, "istio_tcp_connections_opened_total", &labels),
+                Some("1"),
+                "{host}: {text}"
+            );
+        }
     }
 
     #[test]

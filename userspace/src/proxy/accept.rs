@@ -100,18 +100,22 @@ pub(super) async fn accept_loop(
                     inbound_plaintext::serve(shared2, pod2, stream, peer).await
                 })
             }
-            Listener::Hbone => spawn_tracked(&shared, move || {
-                inbound::serve(shared2, pod2, stream, peer, admission)
-            }),
+            Listener::Hbone => {
+                let socket = OpenSocket::accepted(&shared, true);
+                spawn_tracked(&shared, move || async move {
+                    let _socket = socket;
+                    inbound::serve(shared2, pod2, stream, peer, admission).await
+                })
+            }
         }
     }
     tracing::debug!(pod = %pod.key, ?kind, ?local, "listener closed");
 }
 
-/// An application's socket the proxy holds (`istio_tcp_sockets_open`, as
-/// ztunnel counts them: the outbound and inbound plaintext listeners'
-/// connections, not HBONE's): counted accepted when made, closed when its
-/// task ends or is cut.
+/// A socket a listener accepted (`istio_tcp_sockets_open`, as ztunnel
+/// counts them: the outbound listener's as `source`, the inbound plaintext
+/// and HBONE listeners' as `destination`): counted accepted when made,
+/// closed when its task ends or is cut.
 struct OpenSocket {
     closed: Arc<ReporterCounters>,
     inbound: bool,

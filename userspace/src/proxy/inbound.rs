@@ -363,6 +363,8 @@ pub(super) async fn serve_stream(
     let (target, upstream_addr, target_pod) = match checked {
         Ok(t) => t,
         Err((status, reason)) => {
+            // No target (ztunnel's early deny): no TCP metrics.
+            log.early = true;
             refuse(status, reason, &mut log);
             log.emit(&shared);
             return;
@@ -371,6 +373,11 @@ pub(super) async fn serve_stream(
     log.dst_addr = target;
     log.dst_identity = Some(target_pod.identity.as_str());
     log.pod = Some(&target_pod.key);
+    log.dst_service = shared.workloads.inbound_service(
+        &target_pod.key,
+        super::inbound_service::forwarded_host(request.headers()),
+        upstream_addr.port(),
+    );
     // Before the application is dialled: a denied peer never reaches it.
     // 401, as ztunnel answers a CONNECT its policies deny.
     let changes = shared.policy_changes.subscribe();

@@ -53,6 +53,7 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, tcp: TcpStream, pe
         log.emit(&shared);
         return;
     }
+    log.dst_service = shared.workloads.inbound_service(&pod.key, None, dst.port());
     let connection = PlaintextConnection {
         pod: &pod.key,
         src: peer,

@@ -524,6 +524,9 @@ pub(crate) fn refuse_unsynced(
         pod: Some(&pod.key),
         dst_identity: Some(pod.identity.as_str()),
         refusal: Some(RefusalReason::NotSynced),
+        // ztunnel holds such a connection unanswered: none of its TCP
+        // metrics counts it.
+        early: true,
         ..AccessLog::new(direction, peer, local)
     };
     quiet_unless_allowed(

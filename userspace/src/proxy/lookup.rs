@@ -27,6 +27,15 @@ pub trait WorkloadLookup: Send + Sync {
     /// Istio's name for the service `key` ([`WorkloadStore::service_hostname`]).
     fn service_hostname(&self, key: &WorkloadKey) -> String;
 
+    /// The service (by id) an inbound connection to the local workload
+    /// `pod`'s `port` is counted for ([`super::inbound_service::guess`]).
+    fn inbound_service(
+        &self,
+        pod: &WorkloadKey,
+        forwarded_host: Option<&str>,
+        port: u16,
+    ) -> Option<WorkloadKey>;
+
     /// The service a client of namespace `client_ns` addresses at `dst`
     /// (a VIP and port, or an address in a service's range).
     fn service_at(&self, dst: SocketAddr, client_ns: &str) -> Option<Arc<Service>>;
@@ -187,6 +196,17 @@ impl WorkloadLookup for RwLock<WorkloadStore> {
         self.read()
             .unwrap_or_else(|p| p.into_inner())
             .service_hostname(key)
+    }
+
+    fn inbound_service(
+        &self,
+        pod: &WorkloadKey,
+        forwarded_host: Option<&str>,
+        port: u16,
+    ) -> Option<WorkloadKey> {
+        let store = self.read().unwrap_or_else(|p| p.into_inner());
+        let target = store.get(pod)?;
+        super::inbound_service::guess(&store, target, forwarded_host, port)
     }
 
     fn service_at(&self, dst: SocketAddr, client_ns: &str) -> Option<Arc<Service>> {

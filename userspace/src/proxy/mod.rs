@@ -23,6 +23,7 @@ mod h2_io;
 mod h2_refusals;
 mod inbound;
 mod inbound_plaintext;
+mod inbound_service;
 mod limits;
 mod lookup;
 mod network_gateway;
@@ -218,7 +219,7 @@ pub struct ProxyStats {
     /// (`istio_crl_policy_rejections_total`).
     #[serde(default)]
     pub crl_rejections: ReporterCounts,
-    /// Application sockets accepted and since closed, by reporter
+    /// Sockets the listeners accepted and since closed, by reporter
     /// (`istio_tcp_sockets_open` is the difference).
     #[serde(default)]
     pub sockets_accepted: ReporterCounts,

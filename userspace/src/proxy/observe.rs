@@ -131,7 +131,10 @@ pub struct ConnectionInfo<'a> {
     /// connection goes through (`dst_addr` the original destination).
     /// None elsewhere.
     pub dst_workload: Option<&'a WorkloadKey>,
-    /// The service (`namespace/name`) whose VIP the source connected to;
+    /// The service whose VIP the source connected to, by its id
+    /// (`namespace/hostname`: a ServiceEntry's hosts are services of one
+    /// name; `namespace/name` is understood too,
+    /// [`crate::store::WorkloadStore::service_named`]);
     /// `dst_addr` is then the endpoint chosen (outbound and passthrough
     /// only: the destination's proxy sees the endpoint address).
     pub dst_service: Option<&'a WorkloadKey>,

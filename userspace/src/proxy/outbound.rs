@@ -144,7 +144,7 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
             return via_waypoint(&shared, &pod, app, hop, headers, log).await;
         }
         Route::ThroughGateway(hop) => {
-            log.dst_service = service.as_ref().map(|s| s.key());
+            log.dst_service = service.as_ref().map(|s| s.id());
             drop(service);
             return super::double_hbone::serve(&shared, &pod, app, hop, headers, log).await;
         }
@@ -394,7 +394,7 @@ fn resolve_service(
     let Some(service) = service else {
         return Some(Target::Direct(dst));
     };
-    log.dst_service = Some(service.key());
+    log.dst_service = Some(service.id());
     if service.is_passthrough() {
         // Load-balancing mode PASSTHROUGH: no endpoint choice.
         return Some(Target::Direct(dst));

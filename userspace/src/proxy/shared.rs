@@ -142,9 +142,9 @@ pub(crate) struct Shared {
     /// Connections this side refused or closed because a revocation list
     /// names the peer's chain (`istio_crl_policy_rejections_total`).
     pub(super) crl_rejections: Arc<ReporterCounters>,
-    /// Application sockets accepted, and closed: outbound from a local pod
-    /// (`source`) and inbound plaintext (`destination`); their difference
-    /// is ztunnel's `istio_tcp_sockets_open`.
+    /// Sockets the listeners accepted, and closed: outbound from a local
+    /// pod (`source`), inbound plaintext and HBONE (`destination`); their
+    /// difference is ztunnel's `istio_tcp_sockets_open`.
     pub(super) sockets_accepted: ReporterCounters,
     pub(super) sockets_closed: Arc<ReporterCounters>,
     /// Per-source and fd limits on inbound connections; refusals by reason.
