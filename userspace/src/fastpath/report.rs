@@ -217,20 +217,26 @@ impl Reporter {
         dst: SocketAddr,
         service: Option<SocketAddr>,
     ) -> Vec<Side> {
-        let (source, destination, dst_service) = {
+        let (source, destination, dst_service, inbound_service) = {
             let store = self.store.read().unwrap_or_else(|p| p.into_inner());
             let named = |ip| {
                 store
                     .by_ip(ip)
                     .map(|w| (w.key(), w.identity(&self.trust_domain).to_string()))
             };
-            let dst_service = service
-                .and_then(|vip| store.services().by_addr(vip))
-                .map(|s| s.id());
+            let dialled = service.and_then(|vip| store.services().by_addr(vip));
+            // The destination's side names the service as a proxy's
+            // inbound would (the outbound's `forwarded` host= is the
+            // dialled service's hostname).
+            let inbound_service = store.by_ip(dst.ip()).and_then(|target| {
+                let host = dialled.map(|s| s.hostname.as_str());
+                crate::proxy::inbound_service::guess(&store, target, host, dst.port())
+            });
             (
                 named(src.ip()),
                 if mesh_local { named(dst.ip()) } else { None },
-                dst_service,
+                dialled.map(|s| s.id()),
+                inbound_service,
             )
         };
         let src_identity = source.as_ref().map(|(_, id)| id.clone());
@@ -245,9 +251,10 @@ impl Reporter {
         };
         ends.into_iter()
             .map(|(direction, pod)| {
-                let dst_service = dst_service
-                    .clone()
-                    .filter(|_| direction != Direction::KernelInbound);
+                let dst_service = match direction {
+                    Direction::KernelInbound => inbound_service.clone(),
+                    _ => dst_service.clone(),
+                };
                 let info = ConnectionInfo {
                     direction,
                     pod: pod.as_ref(),

@@ -4,6 +4,10 @@
 //! proxy named in the CONNECT's `forwarded` `host=`, when the target
 //! backs it; else the first of the target's services whose target port
 //! (the service's, or the target's own for it) is the port connected to.
+//!
+//! Limitation: a workload's services are known only from istiod (xDS
+//! `services`); from the Kubernetes source or the workloads file the guess
+//! finds none, and the inbound side says `unknown` as before.
 
 use crate::{
     state::{Workload, WorkloadKey},

@@ -23,7 +23,7 @@ mod h2_io;
 mod h2_refusals;
 mod inbound;
 mod inbound_plaintext;
-mod inbound_service;
+pub(crate) mod inbound_service;
 mod limits;
 mod lookup;
 mod network_gateway;
