@@ -304,8 +304,6 @@ impl TcpObserver {
             (None, Some(derived)) => self.tcp.derived.admit(Named::derived(derived)),
             (known, _) => Named::of(known),
         };
-        // ztunnel's derived destination (double HBONE): the address is the
-        // gateway's, the destination's proxy named the workload.
         // ztunnel's principals: the source's only from a mutual-TLS
         // handshake (not a plaintext connection's local pod); the
         // destination's the one checked, else the destination workload's
@@ -317,6 +315,8 @@ impl TcpObserver {
             (None, None, Some(w)) => Some(Cow::Owned(w.identity(&self.trust_domain).to_string())),
             _ => None,
         };
+        // ztunnel's derived destination (double HBONE): the address is the
+        // gateway's, the destination's proxy named the workload.
         let dst = match c.derived_destination {
             Some(derived) => self.tcp.derived.admit(Named::derived(derived)),
             None => Named::of(dst),

@@ -171,9 +171,10 @@ pub(crate) struct AccessLog<'a> {
     /// Counted, but no line written (rate-limited refusals).
     pub quiet: bool,
     /// Refused before any target was chosen, as ztunnel's early deny (no
-    /// endpoint, a name that does not resolve, a call to the proxy
-    /// itself): the line says `connection failed`, and Istio's metrics
-    /// do not count it (ztunnel's do not).
+    /// endpoint, a name that does not resolve, a waypoint that cannot be
+    /// chosen, a call to the proxy itself, an inbound CONNECT without a
+    /// target, inbound before the first sync): the line says `connection
+    /// failed`, and Istio's metrics do not count it (ztunnel's do not).
     pub early: bool,
     /// See [`ConnectionInfo::derived_source`].
     pub derived_source: Option<&'a super::Baggage>,
