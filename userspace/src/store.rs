@@ -336,7 +336,13 @@ impl WorkloadStore {
     /// a service the store no longer knows, or knows without one, its DNS
     /// name in the default cluster domain.
     pub fn service_hostname(&self, key: &WorkloadKey) -> String {
-        self.service_named(key)
+        Self::hostname_of(key, self.service_named(key).map(Arc::as_ref))
+    }
+
+    /// [`Self::service_hostname`] of `key`, `service` being what
+    /// [`Self::service_named`] found for it.
+    pub fn hostname_of(key: &WorkloadKey, service: Option<&Service>) -> String {
+        service
             .map(|s| s.hostname.clone())
             .filter(|h| !h.is_empty())
             .unwrap_or_else(|| {

@@ -321,12 +321,15 @@ impl TcpObserver {
             Some(derived) => self.tcp.derived.admit(Named::derived(derived)),
             None => Named::of(dst),
         };
-        let destination_service = c.dst_service.map(|key| store.service_hostname(key));
-        // Its namespace and name (of a ServiceEntry's host: the entry's).
-        let service_named = c.dst_service.map(|key| {
-            store
-                .service_named(key)
-                .map_or((&key.namespace, &key.name), |s| (&s.namespace, &s.name))
+        // The service, looked up once: its hostname, namespace and name
+        // (of a ServiceEntry's host: the entry's).
+        let service = c
+            .dst_service
+            .map(|key| (key, store.service_named(key).map(Arc::as_ref)));
+        let destination_service =
+            service.map(|(key, found)| WorkloadStore::hostname_of(key, found));
+        let service_named = service.map(|(key, found)| {
+            found.map_or((&key.namespace, &key.name), |s| (&s.namespace, &s.name))
         });
         let principal = |id: Option<&str>| -> Label {
             id.map_or(Cow::Borrowed(UNKNOWN), |id| Cow::Owned(id.to_owned()))

@@ -40,10 +40,9 @@ pub(crate) fn guess(
     let services = || {
         target.services.iter().filter_map(|(key, own_ports)| {
             let (namespace, hostname) = key.split_once('/')?;
-            let id = WorkloadKey::new(namespace, hostname);
             store
                 .services()
-                .by_id(&id)
+                .by_hostname(namespace, hostname)
                 .map(|service| (service, own_ports))
         })
     };

@@ -188,10 +188,14 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, stream: TcpStream,
     // sends without a tunnel (a ServiceEntry's), whoever owns the address
     // it resolved to. Limitation: one sent with HBONE (a WorkloadEntry by
     // name) is dialled in plaintext too.
-    let mesh_peer = shared
-        .workloads
-        .workload_by_ip(dst.ip())
-        .filter(|w| !by_name && w.wants_mesh());
+    let mesh_peer = if by_name {
+        None
+    } else {
+        shared
+            .workloads
+            .workload_by_ip(dst.ip())
+            .filter(|w| w.wants_mesh())
+    };
     let Some(workload) = mesh_peer else {
         passthrough(&shared, &pod, app, dst, log).await;
         return;

@@ -43,7 +43,11 @@ impl Service {
             .hostname_endpoints
             .iter()
             .filter(|e| e.ready)
-            .filter_map(|e| Some((e, self.hostname_target_port(e, dst.port())?)))
+            // A target port of 0 in either mapping: none.
+            .filter_map(|e| {
+                let port = self.target_port_with(&e.ports, dst.port())?;
+                (port != 0).then_some((e, port))
+            })
             .collect();
         let (endpoint, port) = weighted_pick(&candidates, |(e, _)| e.capacity, n)?;
         Some(HostnameTarget {
@@ -51,22 +55,6 @@ impl Service {
             hostname: endpoint.hostname.clone(),
             port: *port,
         })
-    }
-
-    /// Where `endpoint` takes the service's `port`: its own mapping, else
-    /// the service's numeric target port (0 in either: none).
-    fn hostname_target_port(&self, endpoint: &HostnameEndpoint, port: u16) -> Option<u16> {
-        endpoint
-            .ports
-            .get(&port)
-            .copied()
-            .or_else(|| {
-                self.ports
-                    .iter()
-                    .find(|p| p.port == port)
-                    .and_then(|p| p.target_port)
-            })
-            .filter(|t| *t != 0)
     }
 }
 

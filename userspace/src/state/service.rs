@@ -332,7 +332,13 @@ impl Service {
     /// Where `endpoint` takes connections to the service's `port`, if it
     /// does.
     pub fn target_port(&self, endpoint: &Endpoint, port: u16) -> Option<u16> {
-        if let Some(target) = endpoint.ports.get(&port) {
+        self.target_port_with(&endpoint.ports, port)
+    }
+
+    /// Where a backend whose own mapping is `own` (service port → target
+    /// port) takes the service's `port`: its own, else the service's.
+    pub(super) fn target_port_with(&self, own: &BTreeMap<u16, u16>, port: u16) -> Option<u16> {
+        if let Some(target) = own.get(&port) {
             return Some(*target);
         }
         self.ports
