@@ -238,3 +238,59 @@ fn turning_the_sysctl_off_under_an_enrolled_pod_drops_the_flag() {
     let exit = agent.stop().expect("stop");
     assert!(exit.success(), "{}", agent.logs());
 }
+
+/// More connections from one mesh client than the server pod has ephemeral
+/// ports, over three of the application's ports: every one keeps the
+/// client's address. The proxy's end of each closes first (the client
+/// shuts its side, the proxy passes that on) and stays in TIME_WAIT,
+/// holding its port for that destination. A port chosen at `connect`
+/// (`IP_BIND_ADDRESS_NO_PORT`) is still free for the other destinations;
+/// one chosen at `bind` was taken for all of them, so past the range the
+/// proxy fell back to the pod's own address and the application saw that.
+#[test]
+fn the_clients_address_outlasts_the_server_pods_port_range() {
+    const PORTS: [u16; 3] = [8080, 8081, 8082];
+    const RANGE: &str = "40000 40003";
+    let bed = bed("replyports");
+    bed.server
+        .run(|| std::fs::write("/proc/sys/net/ipv4/ip_local_port_range", RANGE))
+        .expect("enter pod")
+        .expect("narrow the server's port range");
+    let node = bed.topology.node("node-a").expect("node").clone();
+    let mut agent = Agent::start(&bed.topology, &node, &yaml(&bed, true), &ARGS).expect("agent");
+    agent
+        .wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_in(&bed))
+        .expect("enrolled");
+    let echoes: Vec<EchoServer> = PORTS
+        .iter()
+        .map(|&port| EchoServer::on(&bed.server, port).expect("echo"))
+        .collect();
+    let apps = TestApp::new(TESTAPP, &bed.apps);
+    // Nine connections, three per port: more than the four ports.
+    for round in 0..3 {
+        for port in PORTS {
+            let to = format!("{}:{port}", bed.server.ip());
+            let report = apps.run(&bed.client, &["connect", &to, "--send", "64"]);
+            assert_eq!(
+                report["intact"],
+                Value::Bool(true),
+                "round {round}, port {port}: {report}\n{}",
+                agent.logs()
+            );
+        }
+    }
+    for (echo, port) in echoes.iter().zip(PORTS) {
+        let peers = echo.peers();
+        assert_eq!(peers.len(), 3, "port {port}: {peers:?}");
+        for peer in &peers {
+            assert_eq!(
+                peer.ip(),
+                IpAddr::V4(bed.client.ip()),
+                "port {port}: the application sees the client's address ({peers:?})\n{}",
+                agent.logs()
+            );
+        }
+    }
+    let exit = agent.stop().expect("stop");
+    assert!(exit.success(), "{}", agent.logs());
+}

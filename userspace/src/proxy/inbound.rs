@@ -57,7 +57,7 @@ use tracing::Instrument;
 use super::on_wake::OnWake;
 
 use super::{
-    AccessLog, Decision, Outcome, PROXY_PORTS, PodState, RefusalReason, Shared,
+    AccessLog, ClientSocket, Decision, Outcome, PROXY_PORTS, PodState, RefusalReason, Shared,
     h2::H2Stream,
     h2_refusals::FrameTap,
     limits::{Admission, H2Context},
@@ -397,19 +397,25 @@ pub(super) async fn serve_stream(
     // own address (shunt and ztunnel open HBONE from inside the source pod).
     // Boxed, and so freed once connected: the stream's task keeps only
     // what the relay needs for the stream's life (see `task_sizes_tests.rs`).
-    let mut upstream =
-        match Box::pin(target_pod.connect_app(&shared.config, upstream_addr, peer)).await {
-            Ok(s) => s,
-            Err(e) => {
-                refuse(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    format!("application at {upstream_addr}: {e}"),
-                    &mut log,
-                );
-                log.emit(&shared);
-                return;
-            }
-        };
+    let mut upstream = match Box::pin(target_pod.connect_app(
+        &shared.config,
+        upstream_addr,
+        peer,
+        ClientSocket::Tunnelled,
+    ))
+    .await
+    {
+        Ok(s) => s,
+        Err(e) => {
+            refuse(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("application at {upstream_addr}: {e}"),
+                &mut log,
+            );
+            log.emit(&shared);
+            return;
+        }
+    };
     let send = match respond.send_response(answer_ok(&shared, upstream_addr), false) {
         Ok(s) => s,
         Err(e) => {

@@ -14,7 +14,9 @@ use shunt_common::PORT_INBOUND_PLAINTEXT;
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
-use super::{AccessLog, Decision, Outcome, PROXY_PORTS, PlaintextConnection, PodState, Shared};
+use super::{
+    AccessLog, ClientSocket, Decision, Outcome, PROXY_PORTS, PlaintextConnection, PodState, Shared,
+};
 
 pub(super) async fn serve(
     shared: Arc<Shared>,
@@ -76,7 +78,10 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, tcp: TcpStream, pe
         log.emit(&shared);
         return;
     }
-    let mut upstream = match pod.connect_app(&shared.config, dst, peer).await {
+    let mut upstream = match pod
+        .connect_app(&shared.config, dst, peer, ClientSocket::AcceptedHere)
+        .await
+    {
         Ok(s) => s,
         Err(e) => {
             log.outcome = Outcome::Failed;

@@ -96,15 +96,20 @@ impl PodState {
         config: &ProxyConfig,
         dst: SocketAddr,
         client: SocketAddr,
+        client_socket: ClientSocket,
     ) -> std::io::Result<tokio::net::TcpStream> {
         // The pod's own address needs nothing special (a pod reaching itself
         // through the mesh).
         if !config.preserve_source || self.ips.contains(&client.ip()) {
             return self.sockets.connect(dst, config.connect_timeout).await;
         }
+        let port = match client_socket {
+            ClientSocket::Tunnelled => socket::SourcePort::AtConnect,
+            ClientSocket::AcceptedHere => socket::SourcePort::Except(client.port()),
+        };
         match self
             .sockets
-            .connect_transparent(dst, client.ip(), client.port(), config.connect_timeout)
+            .connect_transparent(dst, client.ip(), port, config.connect_timeout)
             .await
         {
             Ok(stream) => Ok(stream),
@@ -120,6 +125,17 @@ impl PodState {
             }
         }
     }
+}
+
+/// Where the client's own connection ends, which decides the ports the
+/// proxy's connection to the application may leave from
+/// ([`socket::SourcePort`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum ClientSocket {
+    /// In another netns: the client came through HBONE.
+    Tunnelled,
+    /// In this pod's netns: the proxy accepted it (inbound plaintext).
+    AcceptedHere,
 }
 
 /// State shared by every task of the proxy.

@@ -179,20 +179,21 @@ impl PodSockets {
     }
 
     /// Connects to the application at `addr` from the client's address
-    /// `source` (`IP_TRANSPARENT`, any free port but `avoid_port`), so that
-    /// the application sees who the client is. The application's replies to
+    /// `source` (`IP_TRANSPARENT`, a port as `port` says), so that the
+    /// application sees who the client is. The application's replies to
     /// that foreign address reach this socket only through the pod's reply
     /// path (the policy route for mark 0x111, fed by the mangle rules in
     /// iptables mode or by the TC egress program in eBPF mode).
     ///
     /// [`SourceError::Bind`] means the address could not be taken (no
-    /// `CAP_NET_ADMIN`, family mismatch...): the caller may connect from the
-    /// pod's own address instead. Anything else is the connection's failure.
+    /// `CAP_NET_ADMIN`, family mismatch, no port of the pod's range left
+    /// for this destination...): the caller may connect from the pod's own
+    /// address instead. Anything else is the connection's failure.
     pub async fn connect_transparent(
         &self,
         addr: SocketAddr,
         source: IpAddr,
-        avoid_port: u16,
+        port: SourcePort,
         timeout: std::time::Duration,
     ) -> Result<tokio::net::TcpStream, SourceError> {
         let domain = Domain::for_address(addr);
@@ -202,30 +203,50 @@ impl PodSockets {
                 format!("client address {source} is not of the family of {addr}"),
             )));
         }
-        let mut bound = None;
+        let socket = match port {
+            SourcePort::AtConnect => {
+                let socket = self.socket(domain).map_err(SourceError::Connect)?;
+                bind_transparent(&socket, source, true).map_err(SourceError::Bind)?;
+                socket
+            }
+            SourcePort::Except(avoid_port) => self.bind_except(domain, source, avoid_port)?,
+        };
+        finish_connect(socket, addr, timeout)
+            .await
+            .map_err(|e| match e.raw_os_error() {
+                // Every port of the pod's range is taken for this
+                // destination (connections from this client, open or in
+                // TIME_WAIT): the pod's own address has ports of its own.
+                Some(libc::EADDRNOTAVAIL) => SourceError::Bind(e),
+                _ => SourceError::Connect(e),
+            })
+    }
+
+    /// A transparent socket bound to `source` and an ephemeral port other
+    /// than `avoid_port` (see [`SourcePort::Except`]).
+    fn bind_except(
+        &self,
+        domain: Domain,
+        source: IpAddr,
+        avoid_port: u16,
+    ) -> Result<Socket, SourceError> {
         // Twice at most: a second ephemeral port cannot be the avoided one.
         for _ in 0..2 {
             let socket = self.socket(domain).map_err(SourceError::Connect)?;
-            bind_transparent(&socket, source).map_err(SourceError::Bind)?;
+            bind_transparent(&socket, source, false).map_err(SourceError::Bind)?;
             let port = socket
                 .local_addr()
                 .ok()
                 .and_then(|a| a.as_socket())
                 .map(|a| a.port());
             if port != Some(avoid_port) {
-                bound = Some(socket);
-                break;
+                return Ok(socket);
             }
         }
-        let socket = bound.ok_or_else(|| {
-            SourceError::Bind(io::Error::new(
-                io::ErrorKind::AddrInUse,
-                format!("no free port on {source}"),
-            ))
-        })?;
-        finish_connect(socket, addr, timeout)
-            .await
-            .map_err(SourceError::Connect)
+        Err(SourceError::Bind(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            format!("no free port on {source}"),
+        )))
     }
 
     /// A marked, non-blocking TCP socket of the pod's netns, created on
@@ -267,15 +288,47 @@ pub(crate) enum SourceError {
     Connect(io::Error),
 }
 
-/// `IP_TRANSPARENT` and a bind to `source` with an ephemeral port. The port
-/// is not the client's own (ztunnel keeps it when free): with `bpf_sk_assign`
-/// the proxy's accepted socket already holds podIP:appPort ⇄ client:port in
-/// this netns, and the application's side of our connection would be that
-/// same 4-tuple, so the kernel would deliver our SYN to the wrong socket.
-fn bind_transparent(socket: &Socket, source: IpAddr) -> io::Result<()> {
+/// Which port the proxy's connection to the application leaves from (the
+/// address is the client's).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum SourcePort {
+    /// Any the kernel finds free at `connect` for this destination
+    /// (`IP_BIND_ADDRESS_NO_PORT`): a tunnelled client (HBONE), whose own
+    /// socket lives in another netns.
+    AtConnect,
+    /// Any but the client's own port, chosen at `bind`: the client's
+    /// connection ended in this netns (inbound plaintext), and the proxy's
+    /// accepted socket holds podIP:appPort ⇄ client:port. The application's
+    /// side of our connection would be that same 4-tuple, and `connect`'s
+    /// own check cannot see the clash (it looks for our orientation of the
+    /// tuple), so the kernel would deliver our SYN to the accepted socket.
+    /// Limitation: `bind` walks every port the client's address holds, so
+    /// a client keeping thousands of connections in TIME_WAIT here makes
+    /// each new one slower (what `AtConnect` avoids).
+    Except(u16),
+}
+
+/// `IP_TRANSPARENT` and a bind to `source`. With `port_at_connect` the port
+/// is left to `connect`, which picks one free for the destination: a port
+/// in TIME_WAIT with another destination stays usable, and the choice is a
+/// lookup per port tried. `bind` with port 0 instead reserves a port for
+/// every destination at once, walking each candidate's owners — with tens
+/// of thousands of connections from one client in TIME_WAIT, milliseconds
+/// per connection (docs/BENCHMARKS.md, "Port choice for the client's
+/// address"), then no port at all. (ztunnel binds port 0.)
+fn bind_transparent(socket: &Socket, source: IpAddr, port_at_connect: bool) -> io::Result<()> {
     match source {
         IpAddr::V4(_) => socket.set_ip_transparent_v4(true)?,
         IpAddr::V6(_) => socket.set_ip_transparent_v6(true)?,
+    }
+    if port_at_connect {
+        // An IP-level option that IPv6 sockets honour too.
+        nix::sys::socket::setsockopt(
+            socket,
+            nix::sys::socket::sockopt::IpBindAddressNoPort,
+            &true,
+        )
+        .map_err(io::Error::from)?;
     }
     socket.bind(&SockAddr::from(SocketAddr::new(source, 0)))
 }
