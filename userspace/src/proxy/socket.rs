@@ -279,9 +279,10 @@ impl crate::dns::UpstreamSockets for PodSockets {
 /// Why a transparent connect failed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum SourceError {
-    /// The client's address could not be bound: connecting from the pod's
-    /// own address still can work.
-    #[error("binding the client's address: {0}")]
+    /// The client's address could not be bound, or has no port left for
+    /// this destination: connecting from the pod's own address still can
+    /// work.
+    #[error("taking the client's address: {0}")]
     Bind(#[source] io::Error),
     /// The connection itself failed.
     #[error(transparent)]
