@@ -239,31 +239,38 @@ fn turning_the_sysctl_off_under_an_enrolled_pod_drops_the_flag() {
     assert!(exit.success(), "{}", agent.logs());
 }
 
-/// More connections from one client than the server pod has ephemeral
+/// More connections from one mesh client than the server pod has ephemeral
 /// ports, over three of the application's ports: every one keeps the
 /// client's address. The proxy's end of each closes first (the client
 /// shuts its side, the proxy passes that on) and stays in TIME_WAIT,
 /// holding its port for that destination. A port chosen at `connect`
 /// (`IP_BIND_ADDRESS_NO_PORT`) is still free for the other destinations;
-/// one chosen at `bind` was taken for all of them, and past the range the
-/// fifth connection failed (no port for the client's address, nor for the
-/// pod's own).
-fn many_connections_keep_the_clients_address(test: &str, client: fn(&Bed) -> &Pod) {
+/// one chosen at `bind` was taken for all of them, so past the range the
+/// proxy fell back to the pod's own address and the application saw that.
+#[test]
+fn the_clients_address_outlasts_the_server_pods_port_range() {
     const PORTS: [u16; 3] = [8080, 8081, 8082];
-    let bed = bed(test);
-    narrow_port_range(&bed.server, "40000 40003");
-    let agent = started(&bed);
+    const RANGE: &str = "40000 40003";
+    let bed = bed("replyports");
+    bed.server
+        .run(|| std::fs::write("/proc/sys/net/ipv4/ip_local_port_range", RANGE))
+        .expect("enter pod")
+        .expect("narrow the server's port range");
+    let node = bed.topology.node("node-a").expect("node").clone();
+    let mut agent = Agent::start(&bed.topology, &node, &yaml(&bed, true), &ARGS).expect("agent");
+    agent
+        .wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_in(&bed))
+        .expect("enrolled");
     let echoes: Vec<EchoServer> = PORTS
         .iter()
         .map(|&port| EchoServer::on(&bed.server, port).expect("echo"))
         .collect();
     let apps = TestApp::new(TESTAPP, &bed.apps);
-    let from = client(&bed);
     // Nine connections, three per port: more than the four ports.
     for round in 0..3 {
         for port in PORTS {
             let to = format!("{}:{port}", bed.server.ip());
-            let report = apps.run(from, &["connect", &to, "--send", "64"]);
+            let report = apps.run(&bed.client, &["connect", &to, "--send", "64"]);
             assert_eq!(
                 report["intact"],
                 Value::Bool(true),
@@ -278,79 +285,12 @@ fn many_connections_keep_the_clients_address(test: &str, client: fn(&Bed) -> &Po
         for peer in &peers {
             assert_eq!(
                 peer.ip(),
-                IpAddr::V4(from.ip()),
+                IpAddr::V4(bed.client.ip()),
                 "port {port}: the application sees the client's address ({peers:?})\n{}",
                 agent.logs()
             );
         }
     }
-    stop(agent);
-}
-
-fn narrow_port_range(pod: &Pod, range: &str) {
-    pod.run(|| std::fs::write("/proc/sys/net/ipv4/ip_local_port_range", range))
-        .expect("enter pod")
-        .expect("narrow the pod's port range");
-}
-
-fn started(bed: &Bed) -> Agent {
-    let node = bed.topology.node("node-a").expect("node").clone();
-    let mut agent = Agent::start(&bed.topology, &node, &yaml(bed, true), &ARGS).expect("agent");
-    agent
-        .wait_for("mesh pods enrolled", TIMEOUT, mesh_pods_in(bed))
-        .expect("enrolled");
-    agent
-}
-
-fn stop(mut agent: Agent) {
     let exit = agent.stop().expect("stop");
     assert!(exit.success(), "{}", agent.logs());
-}
-
-#[test]
-fn a_mesh_clients_address_outlasts_the_server_pods_port_range() {
-    many_connections_keep_the_clients_address("replyports", |bed| &bed.client);
-}
-
-/// The same from outside the mesh (inbound plaintext), where the port the
-/// client itself connected from is kept out of the choice (its 4-tuple is
-/// the proxy's accepted socket's): the rest of the pod's range, per socket
-/// (`IP_LOCAL_PORT_RANGE`).
-#[test]
-fn a_plaintext_clients_address_outlasts_the_server_pods_port_range() {
-    many_connections_keep_the_clients_address("replyportspt", |bed| &bed.outsider);
-}
-
-/// A plaintext client whose own port is in the server pod's two-port
-/// range: the proxy's connection to the application takes the other one.
-/// Left to the kernel, `connect` would take the even port first — the
-/// client's, whose 4-tuple the proxy's accepted socket holds — and the
-/// SYN would reach that socket instead of the application.
-#[test]
-fn a_plaintext_clients_own_port_is_kept_out_of_the_choice() {
-    let bed = bed("replyownport");
-    narrow_port_range(&bed.server, "40000 40001");
-    let agent = started(&bed);
-    let echo = EchoServer::on(&bed.server, 8080).expect("echo");
-    let apps = TestApp::new(TESTAPP, &bed.apps);
-    let to = format!("{}:8080", bed.server.ip());
-    let bind = format!("{}:40000", bed.outsider.ip());
-    let report = apps.run(
-        &bed.outsider,
-        &["connect", &to, "--send", "64", "--bind", &bind],
-    );
-    assert_eq!(
-        report["intact"],
-        Value::Bool(true),
-        "{report}\n{}",
-        agent.logs()
-    );
-    let peers = echo.peers();
-    assert_eq!(
-        peers,
-        vec![std::net::SocketAddr::from((bed.outsider.ip(), 40001))],
-        "the application sees the client's address, from the range's other port\n{}",
-        agent.logs()
-    );
-    stop(agent);
 }

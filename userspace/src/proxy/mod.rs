@@ -39,7 +39,6 @@ mod relay;
 mod relay_tests;
 mod shared;
 mod socket;
-mod source_port;
 pub mod waypoint;
 
 pub use baggage::Baggage;

@@ -12,9 +12,7 @@ use std::{
 
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
-use super::{
-    ConnectionObserver, ProxyConfig, WorkloadLookup, limits, pool, socket, source_port, waypoint,
-};
+use super::{ConnectionObserver, ProxyConfig, WorkloadLookup, limits, pool, socket, waypoint};
 use crate::{
     identity::IdentityManager,
     redirect::OriginalDst,
@@ -106,8 +104,8 @@ impl PodState {
             return self.sockets.connect(dst, config.connect_timeout).await;
         }
         let port = match client_socket {
-            ClientSocket::Tunnelled => source_port::SourcePort::AtConnect,
-            ClientSocket::AcceptedHere => source_port::SourcePort::Except(client.port()),
+            ClientSocket::Tunnelled => socket::SourcePort::AtConnect,
+            ClientSocket::AcceptedHere => socket::SourcePort::Except(client.port()),
         };
         match self
             .sockets
@@ -131,7 +129,7 @@ impl PodState {
 
 /// Where the client's own connection ends, which decides the ports the
 /// proxy's connection to the application may leave from
-/// ([`source_port::SourcePort`]).
+/// ([`socket::SourcePort`]).
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum ClientSocket {
     /// In another netns: the client came through HBONE.

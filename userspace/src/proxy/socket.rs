@@ -24,7 +24,6 @@ use std::{
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 use tokio::sync::oneshot;
 
-use super::source_port::{PortRangeCache, SourcePort, ports_without, set_local_port_range};
 use crate::netns::NetNs;
 
 /// Mark carried by every socket of the proxy, so redirection never captures
@@ -74,8 +73,6 @@ pub(crate) type DnsPair = (std::net::UdpSocket, std::net::TcpListener);
 pub(crate) struct PodSockets {
     netns: Arc<NetNs>,
     tx: mpsc::Sender<Request>,
-    /// The netns's ephemeral ports, for [`SourcePort::Except`].
-    port_range: Arc<PortRangeCache>,
 }
 
 impl std::fmt::Debug for PodSockets {
@@ -145,11 +142,7 @@ impl PodSockets {
                 tracing::debug!(netns = %path.display(), error = %e, "cannot enable net.ipv4.tcp_migrate_req")
             }
         }
-        Ok(Self {
-            netns,
-            tx,
-            port_range: Arc::default(),
-        })
+        Ok(Self { netns, tx })
     }
 
     /// A marked, non-blocking listener bound inside the pod's netns.
@@ -229,38 +222,17 @@ impl PodSockets {
             })
     }
 
-    /// A transparent socket bound to `source` whose port will not be
-    /// `avoid_port` (see [`SourcePort::Except`]): left to `connect` within
-    /// the pod's range minus that port where the kernel takes a range per
-    /// socket, else reserved now by `bind`, checked, and retried once.
+    /// A transparent socket bound to `source` and an ephemeral port other
+    /// than `avoid_port` (see [`SourcePort::Except`]).
     fn bind_except(
         &self,
         domain: Domain,
         source: IpAddr,
         avoid_port: u16,
     ) -> Result<Socket, SourceError> {
-        let (socket, range) = self
-            .netns
-            .run_here(|| stream_socket(domain).map(|s| (s, self.port_range.get_here())))
-            .map_err(|e| SourceError::Connect(io::Error::other(e)))?
-            .map_err(SourceError::Connect)?;
-        if let Some(ports) = range.and_then(|range| ports_without(range, avoid_port))
-            && set_local_port_range(&socket, ports).is_ok()
-        {
-            bind_transparent(&socket, source, true).map_err(SourceError::Bind)?;
-            return Ok(socket);
-        }
-        // A kernel before 6.3, or a range of the avoided port alone.
-        // Limitation: `bind` walks every port the client's address holds,
-        // so a client keeping thousands of connections in TIME_WAIT here
-        // makes each new one slower.
-        let mut socket = Some(socket);
         // Twice at most: a second ephemeral port cannot be the avoided one.
         for _ in 0..2 {
-            let socket = match socket.take() {
-                Some(first) => first,
-                None => self.socket(domain).map_err(SourceError::Connect)?,
-            };
+            let socket = self.socket(domain).map_err(SourceError::Connect)?;
             bind_transparent(&socket, source, false).map_err(SourceError::Bind)?;
             let port = socket
                 .local_addr()
@@ -317,9 +289,34 @@ pub(crate) enum SourceError {
     Connect(io::Error),
 }
 
-/// `IP_TRANSPARENT` and a bind to `source`; with `port_at_connect` the port
-/// is left to `connect` (`IP_BIND_ADDRESS_NO_PORT`; why: `source_port.rs`),
-/// else one is reserved now.
+/// Which port the proxy's connection to the application leaves from (the
+/// address is the client's).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum SourcePort {
+    /// Any the kernel finds free at `connect` for this destination
+    /// (`IP_BIND_ADDRESS_NO_PORT`): a tunnelled client (HBONE), whose own
+    /// socket lives in another netns.
+    AtConnect,
+    /// Any but the client's own port, chosen at `bind`: the client's
+    /// connection ended in this netns (inbound plaintext), and the proxy's
+    /// accepted socket holds podIP:appPort ⇄ client:port. The application's
+    /// side of our connection would be that same 4-tuple, and `connect`'s
+    /// own check cannot see the clash (it looks for our orientation of the
+    /// tuple), so the kernel would deliver our SYN to the accepted socket.
+    /// Limitation: `bind` walks every port the client's address holds, so
+    /// a client keeping thousands of connections in TIME_WAIT here makes
+    /// each new one slower (what `AtConnect` avoids).
+    Except(u16),
+}
+
+/// `IP_TRANSPARENT` and a bind to `source`. With `port_at_connect` the port
+/// is left to `connect`, which picks one free for the destination: a port
+/// in TIME_WAIT with another destination stays usable, and the choice is a
+/// lookup per port tried. `bind` with port 0 instead reserves a port for
+/// every destination at once, walking each candidate's owners — with tens
+/// of thousands of connections from one client in TIME_WAIT, milliseconds
+/// per connection (docs/BENCHMARKS.md, "Port choice for the client's
+/// address"), then no port at all. (ztunnel binds port 0.)
 fn bind_transparent(socket: &Socket, source: IpAddr, port_at_connect: bool) -> io::Result<()> {
     match source {
         IpAddr::V4(_) => socket.set_ip_transparent_v4(true)?,
