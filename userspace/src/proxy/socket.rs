@@ -295,7 +295,8 @@ pub(crate) enum SourceError {
 pub(crate) enum SourcePort {
     /// Any the kernel finds free at `connect` for this destination
     /// (`IP_BIND_ADDRESS_NO_PORT`): a tunnelled client (HBONE), whose own
-    /// socket lives in another netns.
+    /// sockets live in another netns (here only the HBONE connection's,
+    /// on port 15008, never the application's).
     AtConnect,
     /// Any but the client's own port, chosen at `bind`: the client's
     /// connection ended in this netns (inbound plaintext), and the proxy's
@@ -303,9 +304,16 @@ pub(crate) enum SourcePort {
     /// side of our connection would be that same 4-tuple, and `connect`'s
     /// own check cannot see the clash (it looks for our orientation of the
     /// tuple), so the kernel would deliver our SYN to the accepted socket.
-    /// Limitation: `bind` walks every port the client's address holds, so
-    /// a client keeping thousands of connections in TIME_WAIT here makes
-    /// each new one slower (what `AtConnect` avoids).
+    /// Not left to `connect` either: tried, `userspace/tests/connection_flood.rs`
+    /// went red — likely because for a client on this node, whose ports the
+    /// same kernel chose by the same hash of these addresses and port,
+    /// `connect` picks the ports of the client's other open connections; `bind`
+    /// picks among ports not bound here at random. Limitations: that can
+    /// still be another open connection's port (odds: the client's open
+    /// connections to this port over the range), and `bind` walks every
+    /// port the client's address holds, so a client keeping thousands of
+    /// connections in TIME_WAIT here makes each new one slower (what
+    /// `AtConnect` avoids).
     Except(u16),
 }
 
