@@ -246,7 +246,8 @@ fn turning_the_sysctl_off_under_an_enrolled_pod_drops_the_flag() {
 /// holding its port for that destination. A port chosen at `connect`
 /// (`IP_BIND_ADDRESS_NO_PORT`) is still free for the other destinations;
 /// one chosen at `bind` was taken for all of them, so past the range the
-/// proxy fell back to the pod's own address and the application saw that.
+/// fifth connection failed (no port for the client's address, nor for the
+/// pod's own).
 #[test]
 fn the_clients_address_outlasts_the_server_pods_port_range() {
     const PORTS: [u16; 3] = [8080, 8081, 8082];

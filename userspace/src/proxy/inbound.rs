@@ -57,10 +57,11 @@ use tracing::Instrument;
 use super::on_wake::OnWake;
 
 use super::{
-    AccessLog, ClientSocket, Decision, Outcome, PROXY_PORTS, PodState, RefusalReason, Shared,
+    AccessLog, Decision, Outcome, PROXY_PORTS, PodState, RefusalReason, Shared,
     h2::H2Stream,
     h2_refusals::FrameTap,
     limits::{Admission, H2Context},
+    socket::SourcePort,
 };
 
 /// Answer to a request that is not CONNECT. DESIGN.md records ztunnel
@@ -401,7 +402,7 @@ pub(super) async fn serve_stream(
         &shared.config,
         upstream_addr,
         peer,
-        ClientSocket::Tunnelled,
+        SourcePort::AtConnect,
     ))
     .await
     {

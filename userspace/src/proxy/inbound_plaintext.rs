@@ -15,7 +15,8 @@ use tokio::net::TcpStream;
 use tracing::Instrument;
 
 use super::{
-    AccessLog, ClientSocket, Decision, Outcome, PROXY_PORTS, PlaintextConnection, PodState, Shared,
+    AccessLog, Decision, Outcome, PROXY_PORTS, PlaintextConnection, PodState, Shared,
+    socket::SourcePort,
 };
 
 pub(super) async fn serve(
@@ -79,7 +80,7 @@ async fn serve_inner(shared: Arc<Shared>, pod: Arc<PodState>, tcp: TcpStream, pe
         return;
     }
     let mut upstream = match pod
-        .connect_app(&shared.config, dst, peer, ClientSocket::AcceptedHere)
+        .connect_app(&shared.config, dst, peer, SourcePort::Except(peer.port()))
         .await
     {
         Ok(s) => s,

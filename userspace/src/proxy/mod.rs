@@ -78,7 +78,7 @@ pub(crate) use access_log::{AccessLog, Outcome};
 pub use lookup::WorkloadLookup;
 use pods::no_ipv6;
 use shared::Counters;
-pub(crate) use shared::{ClientSocket, PodState, Shared};
+pub(crate) use shared::{PodState, Shared};
 use shunt_common::{PORT_HBONE, PORT_INBOUND_PLAINTEXT, PORT_OUTBOUND};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 

@@ -88,7 +88,8 @@ impl PodState {
     /// Connects to this pod's application at `dst` for a client at
     /// `client`: from the client's address when
     /// [`ProxyConfig::preserve_source`] is on (so the application sees
-    /// its real peer, as with ztunnel), else from the pod's own address.
+    /// its real peer, as with ztunnel; its port as `port` says), else from
+    /// the pod's own address.
     /// A client address that cannot be bound falls back to the pod's own,
     /// logged once per pod with the reason.
     pub async fn connect_app(
@@ -96,17 +97,13 @@ impl PodState {
         config: &ProxyConfig,
         dst: SocketAddr,
         client: SocketAddr,
-        client_socket: ClientSocket,
+        port: socket::SourcePort,
     ) -> std::io::Result<tokio::net::TcpStream> {
         // The pod's own address needs nothing special (a pod reaching itself
         // through the mesh).
         if !config.preserve_source || self.ips.contains(&client.ip()) {
             return self.sockets.connect(dst, config.connect_timeout).await;
         }
-        let port = match client_socket {
-            ClientSocket::Tunnelled => socket::SourcePort::AtConnect,
-            ClientSocket::AcceptedHere => socket::SourcePort::Except(client.port()),
-        };
         match self
             .sockets
             .connect_transparent(dst, client.ip(), port, config.connect_timeout)
@@ -125,17 +122,6 @@ impl PodState {
             }
         }
     }
-}
-
-/// Where the client's own connection ends, which decides the ports the
-/// proxy's connection to the application may leave from
-/// ([`socket::SourcePort`]).
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum ClientSocket {
-    /// In another netns: the client came through HBONE.
-    Tunnelled,
-    /// In this pod's netns: the proxy accepted it (inbound plaintext).
-    AcceptedHere,
 }
 
 /// State shared by every task of the proxy.
