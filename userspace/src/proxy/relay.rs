@@ -12,12 +12,15 @@
 //!   (at most one read, [`SCRATCH`] bytes), and the socket is not read again
 //!   until it has gone. While a connection streams (its last read filled at
 //!   least [`BULK`] bytes) it reads straight into a buffer of its own that
-//!   h2 then owns: no copy at all, one allocation per read instead of a
-//!   copy of up to 64 KiB. A short read ends that, and the buffer with it.
-//! - HTTP/2 → TCP: each DATA frame's `Bytes` (h2's own, from the decrypted
-//!   record) is written to the socket as it is; no copy buffer at all. At
-//!   most one frame is held; its window is handed back as it is taken, as
-//!   before (h2's receive window bounds what is queued).
+//!   h2 then owns, up to [`BULK_READ`] bytes: no copy at all, one
+//!   allocation per read instead of a copy. A short read ends that, and the
+//!   buffer with it.
+//! - HTTP/2 → TCP: the DATA frames' `Bytes` (h2's own, from the decrypted
+//!   records) are written to the socket as they are; no copy buffer at
+//!   all. The frames ready at once, up to [`WRITE_BATCH`] bytes, are taken
+//!   together and written with one `writev`; each frame's window is handed
+//!   back as it is taken (the batch bounds what is held here, h2's receive
+//!   window what is queued behind it).
 //!
 //! Half-close as before: EOF from TCP sends END_STREAM, END_STREAM shuts
 //! the socket's write half; the relay ends when both directions have.
@@ -32,6 +35,7 @@
 
 use std::{
     cell::RefCell,
+    collections::VecDeque,
     future::poll_fn,
     io,
     pin::Pin,
@@ -58,6 +62,19 @@ pub(crate) const SCRATCH: usize = 64 * 1024;
 /// read goes straight into a buffer h2 will own (see the module comment).
 /// Request/response traffic stays far below it and keeps no buffer.
 const BULK: usize = SCRATCH / 2;
+
+/// A streaming connection's reads take up to this much at once (as
+/// ztunnel's largest copy buffer): a quarter of the reads of 64 KiB ones,
+/// and fewer TLS flushes and wake-ups (docs/BENCHMARKS.md, "Bulk: fewer,
+/// larger reads and writes").
+const BULK_READ: usize = 256 * 1024;
+
+/// DATA frames written to the socket in one `writev`, at most.
+const BATCH_FRAMES: usize = 16;
+
+/// Bytes of DATA frames gathered for one `writev`, at most (one frame more
+/// can pass it).
+const WRITE_BATCH: usize = 256 * 1024;
 
 thread_local! {
     /// One read buffer per worker thread, shared by every connection it
@@ -188,7 +205,7 @@ fn poll_read_chunk(
     }
     let mut buf = own
         .take()
-        .unwrap_or_else(|| BytesMut::with_capacity(SCRATCH));
+        .unwrap_or_else(|| BytesMut::with_capacity(BULK_READ));
     match tokio_util::io::poll_read_buf(Pin::new(tcp), cx, &mut buf) {
         Poll::Pending => {
             *own = Some(buf);
@@ -241,8 +258,15 @@ fn reset_error(send: &mut SendStream<Bytes>, cx: &mut Context<'_>) -> Poll<io::E
 /// HTTP/2 → TCP.
 #[derive(Default)]
 struct Down {
-    /// END_STREAM came; the socket's write half is shut once `pending` is
-    /// written.
+    /// Frames taken after the first one (which waits in the stream's
+    /// `pending`) when several were ready at once: written together, with
+    /// one `writev`. Empty, and without a buffer, between bursts.
+    rest: VecDeque<Bytes>,
+    /// The stream failed after frames still to be written came: reported
+    /// once they are.
+    failed: Option<io::Error>,
+    /// END_STREAM came; the socket's write half is shut once everything
+    /// taken is written.
     eof: bool,
     done: bool,
     bytes: u64,
@@ -260,39 +284,128 @@ impl Down {
         if self.done {
             return Poll::Ready(Ok(()));
         }
+        // h2 said Pending during this poll (its waker is set): once what was
+        // taken is written there is nothing to ask it again for.
+        let mut h2_waits = false;
         loop {
-            ready!(poll_write_all(cx, tcp, pending, &mut self.bytes, |n| {
-                meter.back(n)
-            }))?;
+            ready!(poll_write_frames(
+                cx,
+                tcp,
+                pending,
+                &mut self.rest,
+                &mut self.bytes,
+                |n| { meter.back(n) }
+            ))?;
+            if let Some(e) = self.failed.take() {
+                return Poll::Ready(Err(e));
+            }
             if self.eof {
                 ready!(Pin::new(&mut *tcp).poll_shutdown(cx))?;
                 self.done = true;
                 return Poll::Ready(Ok(()));
             }
-            match ready!(recv.poll_data(cx)) {
-                Some(Ok(data)) => {
-                    // Hand the window back as soon as the frame is ours:
-                    // one frame per stream is held here, and h2's window
-                    // bounds what waits behind it.
-                    if let Err(e) = recv.flow_control().release_capacity(data.len()) {
-                        return Poll::Ready(Err(h2_to_io(e)));
-                    }
-                    *pending = data;
-                }
-                // END_STREAM: EOF.
-                None => self.eof = true,
-                Some(Err(e)) => {
-                    return Poll::Ready(Err(match e.reason() {
-                        // The peer finished abruptly but cleanly.
-                        Some(Reason::NO_ERROR) | Some(Reason::CANCEL) => {
-                            io::Error::new(io::ErrorKind::ConnectionReset, e.to_string())
+            if h2_waits {
+                return Poll::Pending;
+            }
+            // Take what is ready, up to a batch.
+            let mut taken = 0;
+            while taken < WRITE_BATCH && self.rest.len() < BATCH_FRAMES - 1 {
+                match recv.poll_data(cx) {
+                    Poll::Ready(Some(Ok(data))) => {
+                        // Hand the window back as soon as the frame is
+                        // ours: what waits here is bounded by the batch,
+                        // and h2's window bounds what waits behind it.
+                        if let Err(e) = recv.flow_control().release_capacity(data.len()) {
+                            self.failed = Some(h2_to_io(e));
+                            break;
                         }
-                        _ => h2_to_io(e),
-                    }));
+                        taken += data.len();
+                        if pending.is_empty() {
+                            *pending = data;
+                        } else if !data.is_empty() {
+                            self.rest.push_back(data);
+                        }
+                    }
+                    // END_STREAM: EOF.
+                    Poll::Ready(None) => {
+                        self.eof = true;
+                        break;
+                    }
+                    Poll::Ready(Some(Err(e))) => {
+                        self.failed = Some(match e.reason() {
+                            // The peer finished abruptly but cleanly.
+                            Some(Reason::NO_ERROR) | Some(Reason::CANCEL) => {
+                                io::Error::new(io::ErrorKind::ConnectionReset, e.to_string())
+                            }
+                            _ => h2_to_io(e),
+                        });
+                        break;
+                    }
+                    Poll::Pending if taken == 0 => return Poll::Pending,
+                    Poll::Pending => {
+                        h2_waits = true;
+                        break;
+                    }
                 }
             }
         }
     }
+}
+
+/// Writes `first`, then every frame of `rest`, to `tcp`: one `write` for a
+/// lone frame, one `writev` for up to [`BATCH_FRAMES`] of them; counts into
+/// `bytes` and tells `written` of each write.
+fn poll_write_frames(
+    cx: &mut Context<'_>,
+    tcp: &mut TcpStream,
+    first: &mut Bytes,
+    rest: &mut VecDeque<Bytes>,
+    bytes: &mut u64,
+    written: impl Fn(u64) + Copy,
+) -> Poll<io::Result<()>> {
+    loop {
+        if first.is_empty() {
+            match rest.pop_front() {
+                Some(next) => *first = next,
+                None => break,
+            }
+        }
+        if rest.is_empty() {
+            ready!(poll_write_all(cx, tcp, first, bytes, written))?;
+            continue;
+        }
+        let mut slices = [io::IoSlice::new(&[]); BATCH_FRAMES];
+        slices[0] = io::IoSlice::new(first);
+        let used = 1 + rest.len().min(BATCH_FRAMES - 1);
+        for (slice, frame) in slices[1..used].iter_mut().zip(rest.iter()) {
+            *slice = io::IoSlice::new(frame);
+        }
+        let mut n = ready!(Pin::new(&mut *tcp).poll_write_vectored(cx, &slices[..used]))?;
+        if n == 0 {
+            return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+        }
+        *bytes += n as u64;
+        written(n as u64);
+        if n >= first.len() {
+            n -= first.len();
+            *first = Bytes::new();
+            while let Some(front) = rest.front_mut() {
+                if n < front.len() {
+                    front.advance(n);
+                    break;
+                }
+                n -= front.len();
+                rest.pop_front();
+            }
+        } else {
+            first.advance(n);
+        }
+    }
+    // A burst is over: no buffer kept for an idle connection.
+    if rest.capacity() > 0 {
+        *rest = VecDeque::new();
+    }
+    Poll::Ready(Ok(()))
 }
 
 /// Moves bytes both ways between two TCP connections until both directions

@@ -1,6 +1,7 @@
-//! [`relay_tcp`](super::relay::relay_tcp) on real loopback sockets: every
-//! byte both ways, half-close honoured, and nothing held once a
-//! request/response exchange is done.
+//! [`relay_tcp`](super::relay::relay_tcp) and [`relay`](super::relay::relay)
+//! on real loopback sockets (and a real HTTP/2 connection for `relay`):
+//! every byte both ways, in order, half-close honoured, and nothing held
+//! once a request/response exchange is done.
 
 use std::{
     future::{Future, poll_fn},
@@ -13,7 +14,12 @@ use tokio::{
     net::{TcpListener, TcpStream},
 };
 
-use super::relay::{TcpToTcp, relay_tcp};
+use bytes::Bytes;
+
+use super::{
+    h2::H2Stream,
+    relay::{TcpToTcp, relay, relay_tcp},
+};
 
 /// A connected pair: what the proxy accepted, and the client's end.
 async fn pair() -> (TcpStream, TcpStream) {
@@ -112,4 +118,96 @@ async fn holds_no_buffer_between_requests() {
         direction.holds_nothing(),
         "an idle direction keeps a buffer"
     );
+}
+
+/// Many DATA frames of odd sizes towards an application that reads a KiB at
+/// a time: frames pile up while the socket is full, go out several per
+/// `writev`, and writes end mid-frame. Every byte arrives, in order, and
+/// END_STREAM still arrives as EOF after the last one.
+#[tokio::test]
+async fn frames_written_together_arrive_whole_and_in_order() {
+    let (h2_server_side, h2_client_side) = pair().await;
+    let (mut to_app, mut app) = pair().await;
+    for socket in [&h2_server_side, &h2_client_side, &app] {
+        socket.set_nodelay(true).unwrap();
+    }
+    // A small send buffer: a batch never fits in one write. No Nagle, as
+    // on the proxy's sockets (it would hold each small rest for an ACK).
+    socket2::SockRef::from(&to_app)
+        .set_send_buffer_size(64 * 1024)
+        .unwrap();
+    to_app.set_nodelay(true).unwrap();
+    // Sizes 1..=3000, varied: ≈ 3 MiB in all, far past one socket buffer.
+    let sizes: Vec<usize> = (0..2000u64)
+        .map(|i| (i.wrapping_mul(2_654_435_761) % 3000) as usize + 1)
+        .collect();
+    let total: usize = sizes.iter().sum();
+    let body = pattern(total, 0x3c);
+
+    let client = {
+        let body = body.clone();
+        tokio::spawn(async move {
+            let (mut send_request, connection) =
+                h2::client::handshake(h2_client_side).await.unwrap();
+            tokio::spawn(connection);
+            let request = http::Request::post("http://relay.test/").body(()).unwrap();
+            let (response, mut stream) = send_request.send_request(request, false).unwrap();
+            let mut at = 0;
+            for size in sizes {
+                stream.reserve_capacity(size);
+                while stream.capacity() < size {
+                    match poll_fn(|cx| stream.poll_capacity(cx)).await {
+                        Some(Ok(_)) => {}
+                        other => panic!("no capacity: {other:?}"),
+                    }
+                }
+                stream
+                    .send_data(Bytes::copy_from_slice(&body[at..at + size]), false)
+                    .unwrap();
+                at += size;
+            }
+            stream.send_data(Bytes::new(), true).unwrap();
+            // The response's end: the relay saw the application's EOF.
+            let mut response = response.await.unwrap().into_body();
+            while let Some(data) = response.data().await {
+                data.unwrap();
+            }
+        })
+    };
+    let proxy = tokio::spawn(async move {
+        let mut connection = h2::server::handshake(h2_server_side).await.unwrap();
+        let (request, mut respond) = connection.accept().await.unwrap().unwrap();
+        tokio::spawn(async move { while connection.accept().await.is_some() {} });
+        let send = respond
+            .send_response(http::Response::new(()), false)
+            .unwrap();
+        let mut stream = H2Stream::new(send, request.into_body());
+        relay(&mut to_app, &mut stream, Default::default()).await
+    });
+    let read_slowly = async {
+        let mut got = Vec::with_capacity(total);
+        let mut chunk = [0u8; 1024];
+        loop {
+            let n = app.read(&mut chunk).await.unwrap();
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&chunk[..n]);
+            tokio::task::yield_now().await;
+        }
+        // EOF seen: end the other direction too.
+        app.shutdown().await.unwrap();
+        got
+    };
+    let got = tokio::time::timeout(std::time::Duration::from_secs(60), read_slowly)
+        .await
+        .expect("the application did not reach EOF within 60 s");
+    assert_eq!(got.len(), total, "bytes lost or added");
+    assert!(
+        got == body,
+        "the application received other bytes, or out of order"
+    );
+    let (up, down) = proxy.await.unwrap().expect("the relay failed");
+    assert_eq!((up, down), (0, total as u64));
+    client.await.unwrap();
 }
