@@ -12,7 +12,8 @@
 //!   (at most one read, [`SCRATCH`] bytes), and the socket is not read again
 //!   until it has gone. While a connection streams (its last read filled at
 //!   least [`BULK`] bytes) it reads straight into a buffer of its own that
-//!   h2 then owns, up to [`BULK_READ`] bytes: no copy at all, one
+//!   h2 then owns, of [`SCRATCH`] bytes, or of [`BULK_READ`] while reads
+//!   fill at least half of that ([`next_read`]): no copy at all, one
 //!   allocation per read instead of a copy. A short read ends that, and the
 //!   buffer with it.
 //! - HTTP/2 → TCP: the DATA frames' `Bytes` (h2's own, from the decrypted
@@ -63,10 +64,10 @@ pub(crate) const SCRATCH: usize = 64 * 1024;
 /// Request/response traffic stays far below it and keeps no buffer.
 const BULK: usize = SCRATCH / 2;
 
-/// A streaming connection's reads take up to this much at once (as
-/// ztunnel's largest copy buffer): a quarter of the reads of 64 KiB ones,
-/// and fewer TLS flushes and wake-ups (docs/BENCHMARKS.md, "Bulk: fewer,
-/// larger reads and writes").
+/// A streaming connection with more waiting than [`SCRATCH`] reads up to
+/// this much at once (as ztunnel's largest copy buffer): a quarter of the
+/// reads of 64 KiB ones, and fewer TLS flushes and wake-ups
+/// (docs/BENCHMARKS.md, "Bulk: fewer, larger reads and writes").
 const BULK_READ: usize = 256 * 1024;
 
 /// DATA frames written to the socket in one `writev`, at most.
@@ -122,8 +123,8 @@ struct Up {
     eof: bool,
     done: bool,
     bytes: u64,
-    /// The last read was at least [`BULK`] bytes: read into `own` next.
-    bulk: bool,
+    /// What the next read goes into (see [`next_read`]).
+    read: ReadInto,
     /// The streaming read's buffer, kept only while that read waits for
     /// the socket (so a wake-up without data allocates nothing).
     own: Option<BytesMut>,
@@ -171,10 +172,10 @@ impl Up {
             // then clears the readiness itself, so the next poll waits for
             // epoll instead of paying a `recvfrom` that says EAGAIN (one
             // per request on a request/response connection).
-            match ready!(poll_read_chunk(cx, tcp, self.bulk, &mut self.own)) {
+            match ready!(poll_read_chunk(cx, tcp, self.read, &mut self.own)) {
                 Ok(data) if data.is_empty() => self.eof = true,
                 Ok(data) => {
-                    self.bulk = data.len() >= BULK;
+                    self.read = next_read(self.read, data.len());
                     self.pending = data;
                 }
                 Err(e) => return Poll::Ready(Err(e)),
@@ -183,18 +184,44 @@ impl Up {
     }
 }
 
+/// Where a connection's next read goes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) enum ReadInto {
+    /// The worker thread's scratch buffer, copied out.
+    #[default]
+    Scratch,
+    /// A buffer of the connection's own of this many bytes, which becomes
+    /// the `Bytes` (no copy).
+    Own(usize),
+}
+
+/// Where the read after one into `read` that returned `len` bytes goes:
+/// the scratch buffer below [`BULK`] (request/response); a [`SCRATCH`]-sized
+/// buffer of the connection's own while it streams; a [`BULK_READ`] one
+/// after a read that filled a [`SCRATCH`] one, for as long as reads fill at
+/// least half of it — so a buffer h2 holds is at least half used, as with
+/// the smaller one, but for the read that ends a streak.
+pub(super) fn next_read(read: ReadInto, len: usize) -> ReadInto {
+    match read {
+        _ if len < BULK => ReadInto::Scratch,
+        ReadInto::Own(SCRATCH) if len == SCRATCH => ReadInto::Own(BULK_READ),
+        ReadInto::Own(BULK_READ) if len >= BULK_READ / 2 => ReadInto::Own(BULK_READ),
+        _ => ReadInto::Own(SCRATCH),
+    }
+}
+
 /// One read from `tcp`: into the worker thread's scratch buffer, copied out
-/// into a `Bytes` of exactly what came; or, while the connection streams
-/// (`bulk`), into a buffer of its own that becomes the `Bytes` (no copy).
-/// On `Pending` that buffer is kept in `own` for the next poll. An empty
+/// into a `Bytes` of exactly what came; or, while the connection streams,
+/// into a buffer of its own that becomes the `Bytes` (no copy). On
+/// `Pending` that buffer is kept in `own` for the next poll. An empty
 /// `Bytes` is EOF.
 fn poll_read_chunk(
     cx: &mut Context<'_>,
     tcp: &mut TcpStream,
-    bulk: bool,
+    read: ReadInto,
     own: &mut Option<BytesMut>,
 ) -> Poll<io::Result<Bytes>> {
-    if !bulk {
+    let ReadInto::Own(size) = read else {
         return SCRATCH_BUFFER.with(|scratch| {
             let mut scratch = scratch.borrow_mut();
             let mut buf = ReadBuf::new(&mut scratch[..]);
@@ -202,10 +229,8 @@ fn poll_read_chunk(
                 .poll_read(cx, &mut buf)
                 .map_ok(|()| Bytes::copy_from_slice(buf.filled()))
         });
-    }
-    let mut buf = own
-        .take()
-        .unwrap_or_else(|| BytesMut::with_capacity(BULK_READ));
+    };
+    let mut buf = own.take().unwrap_or_else(|| BytesMut::with_capacity(size));
     match tokio_util::io::poll_read_buf(Pin::new(tcp), cx, &mut buf) {
         Poll::Pending => {
             *own = Some(buf);
@@ -451,8 +476,8 @@ pub(super) struct TcpToTcp {
     done: bool,
     /// Bytes written to the destination.
     pub(super) bytes: u64,
-    /// The last read was at least [`BULK`] bytes (see [`poll_read_chunk`]).
-    bulk: bool,
+    /// What the next read goes into (see [`next_read`]).
+    read: ReadInto,
     own: Option<BytesMut>,
 }
 
@@ -486,10 +511,10 @@ impl TcpToTcp {
                 self.done = true;
                 return Poll::Ready(Ok(()));
             }
-            match ready!(poll_read_chunk(cx, from, self.bulk, &mut self.own)) {
+            match ready!(poll_read_chunk(cx, from, self.read, &mut self.own)) {
                 Ok(data) if data.is_empty() => self.eof = true,
                 Ok(data) => {
-                    self.bulk = data.len() >= BULK;
+                    self.read = next_read(self.read, data.len());
                     self.pending = data;
                 }
                 Err(e) => return Poll::Ready(Err(e)),

@@ -18,7 +18,7 @@ use bytes::Bytes;
 
 use super::{
     h2::H2Stream,
-    relay::{TcpToTcp, relay, relay_tcp},
+    relay::{ReadInto, TcpToTcp, next_read, relay, relay_tcp},
 };
 
 /// A connected pair: what the proxy accepted, and the client's end.
@@ -210,4 +210,32 @@ async fn frames_written_together_arrive_whole_and_in_order() {
     let (up, down) = proxy.await.unwrap().expect("the relay failed");
     assert_eq!((up, down), (0, total as u64));
     client.await.unwrap();
+}
+
+/// Reads grow to 256 KiB only while they come at least half full, so a
+/// buffer handed to h2 is mostly used; request/response stays on the
+/// scratch buffer.
+#[test]
+fn reads_grow_while_the_socket_keeps_them_full() {
+    const K: usize = 1024;
+    let own = ReadInto::Own;
+    let steps = [
+        // (read into, bytes it returned, next read into)
+        (ReadInto::Scratch, 1, ReadInto::Scratch),
+        (ReadInto::Scratch, 31 * K, ReadInto::Scratch),
+        (ReadInto::Scratch, 32 * K, own(64 * K)),
+        (own(64 * K), 63 * K, own(64 * K)),
+        (own(64 * K), 64 * K, own(256 * K)),
+        (own(256 * K), 128 * K, own(256 * K)),
+        (own(256 * K), 127 * K, own(64 * K)),
+        (own(256 * K), 31 * K, ReadInto::Scratch),
+        (own(64 * K), 1, ReadInto::Scratch),
+    ];
+    for (read, len, next) in steps {
+        assert_eq!(
+            next_read(read, len),
+            next,
+            "after {len} bytes into {read:?}"
+        );
+    }
 }
