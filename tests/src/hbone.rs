@@ -188,7 +188,7 @@ pub async fn connect_answered(
     .await
     .map_err(|_| "TLS handshake timed out".to_string())?
     .map_err(|e| format!("TLS handshake with {peer}: {e}"))?;
-    let tls = ServerSpoke::first(tls, peer).await?;
+    let tls = server_spoke(tls, peer).await?;
     let (send, connection) = h2::client::handshake(tls)
         .await
         .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
@@ -222,67 +222,24 @@ pub async fn connect_answered(
 /// certificate; a server that refuses it answers with an alert, and a
 /// client that writes its preface first may meet the closed socket
 /// (`broken pipe`) instead of reading that alert.
-struct ServerSpoke<S> {
-    first: Bytes,
-    io: S,
-}
-
-impl<S: AsyncRead + Unpin> ServerSpoke<S> {
-    async fn first(mut io: S, peer: std::net::SocketAddr) -> std::result::Result<Self, String> {
-        let mut buf = vec![0u8; 16 * 1024];
-        let n = tokio::time::timeout(STEP, io.read(&mut buf))
-            .await
-            .map_err(|_| format!("{peer} said nothing after the TLS handshake"))?
-            .map_err(|e| format!("TLS session with {peer}: {e}"))?;
-        if n == 0 {
-            return Err(format!("{peer} closed the TLS session at once"));
-        }
-        buf.truncate(n);
-        Ok(ServerSpoke {
-            first: Bytes::from(buf),
-            io,
-        })
+async fn server_spoke<S: AsyncRead + AsyncWrite + Unpin>(
+    mut io: S,
+    peer: std::net::SocketAddr,
+) -> std::result::Result<impl AsyncRead + AsyncWrite + Unpin, String> {
+    let mut first = vec![0u8; 16 * 1024];
+    let n = tokio::time::timeout(STEP, io.read(&mut first))
+        .await
+        .map_err(|_| format!("{peer} said nothing after the TLS handshake"))?
+        .map_err(|e| format!("TLS session with {peer}: {e}"))?;
+    if n == 0 {
+        return Err(format!("{peer} closed the TLS session at once"));
     }
-}
-
-impl<S: AsyncRead + Unpin> AsyncRead for ServerSpoke<S> {
-    fn poll_read(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        if !self.first.is_empty() {
-            let n = self.first.len().min(buf.remaining());
-            let head = self.first.split_to(n);
-            buf.put_slice(&head);
-            return std::task::Poll::Ready(Ok(()));
-        }
-        std::pin::Pin::new(&mut self.io).poll_read(cx, buf)
-    }
-}
-
-impl<S: AsyncWrite + Unpin> AsyncWrite for ServerSpoke<S> {
-    fn poll_write(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        data: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.io).poll_write(cx, data)
-    }
-
-    fn poll_flush(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
-    }
+    first.truncate(n);
+    let (reader, writer) = tokio::io::split(io);
+    Ok(tokio::io::join(
+        std::io::Cursor::new(first).chain(reader),
+        writer,
+    ))
 }
 
 /// Sends `chunk` on `to` as flow control allows.
