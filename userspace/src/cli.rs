@@ -533,8 +533,9 @@ pub struct AgentArgs {
     pub instance_ip: Option<std::net::IpAddr>,
 
     // Proxy efficiency (issue 19, docs/BENCHMARKS.md "Proxy efficiency").
-    /// Worker threads of the agent's async runtime, where the proxy's data
-    /// path runs. 0: one per CPU the agent may run on (tokio's default).
+    /// Worker threads of the data path's runtime, where the proxy's
+    /// listeners and connections run (the control plane has two of its
+    /// own). 0: one per CPU the agent may run on (tokio's default).
     #[arg(
         long,
         env = "SHUNT_WORKER_THREADS",

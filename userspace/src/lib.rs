@@ -34,6 +34,7 @@ pub mod snapshot;
 pub mod state;
 pub mod status;
 pub mod store;
+pub mod timers;
 pub mod tls;
 pub mod xds;
 

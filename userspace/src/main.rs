@@ -33,6 +33,10 @@ fn main() -> ExitCode {
     }
 }
 
+/// Worker threads of the control runtime: its work is bursts (a push from
+/// istiod, a pod event), never the data path's.
+const CONTROL_WORKERS: usize = 2;
+
 fn run_agent(args: shunt::cli::AgentArgs) -> anyhow::Result<()> {
     // A parent may have left SIGINT/SIGTERM blocked (the mask is inherited
     // across exec); the agent must hear them to unenrol cleanly.
@@ -44,14 +48,29 @@ fn run_agent(args: shunt::cli::AgentArgs) -> anyhow::Result<()> {
         Some(&stop_signals),
         None,
     )?;
-    // The proxy's data path runs on these workers. One per CPU, tokio's multi-thread scheduler: one worker, a
-    // current-thread runtime and tokio's defaults measured alike on the
-    // HBONE path (docs/BENCHMARKS.md, "Proxy efficiency").
-    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    // Two runtimes (docs/ARCHITECTURE.md, "Threads"): the data path's —
+    // every pod's listeners, connections and DNS proxy — with one worker per
+    // CPU (one worker, a current-thread runtime and tokio's defaults
+    // measured alike on the HBONE path: docs/BENCHMARKS.md, "Proxy
+    // efficiency"), and the control runtime for everything else (sources,
+    // reconciler, certificates, admin, metrics), so that no control timer
+    // or burst of work runs among the data path's connections. The data
+    // path's own timers are kept on a thread of their own (`timers.rs`).
+    shunt::timers::install()?;
+    let mut data_path = tokio::runtime::Builder::new_multi_thread();
     if args.worker_threads > 0 {
-        runtime.worker_threads(args.worker_threads);
+        data_path.worker_threads(args.worker_threads);
     }
-    let runtime = runtime.enable_all().build()?;
-    runtime.block_on(shunt::app::run(args))?;
+    let data_path = data_path.thread_name("shunt-proxy").enable_all().build()?;
+    let control = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(CONTROL_WORKERS)
+        .thread_name("shunt-control")
+        .enable_all()
+        .build()?;
+    control.block_on(shunt::app::run(args, data_path.handle().clone()))?;
+    // The proxy has drained (inside `run`); what is left of its tasks is
+    // cancelled before the control runtime they may still wake goes.
+    drop(data_path);
+    drop(control);
     Ok(())
 }

@@ -408,3 +408,36 @@ async fn a_lying_ca_is_caught() {
         .to_string();
     assert!(err.contains("URI SANs"), "{err}");
 }
+
+/// The agent makes the manager on its control runtime and the proxy
+/// registers a pod's identity from the data path's (`add_pod`): the
+/// certificate is issued and kept by a task on the manager's runtime, so
+/// neither its renewal timer nor its CA calls run on the data path, and it
+/// does not end with the caller's runtime.
+#[test]
+fn certificates_are_kept_on_the_managers_runtime() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = BuiltinCa::load_or_generate(&dir.path().join("ca"), &TrustDomain::default())
+        .expect("generate");
+    let roots = ca.roots();
+    let control = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("control runtime");
+    let manager =
+        control.block_on(async { IdentityManager::new(Arc::new(ca), IdentityConfig::default()) });
+    let identity = id("default", "sleep");
+    // A runtime that runs nothing after the registration and is gone
+    // before the certificate is asked for.
+    let data_path = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("data path runtime");
+    data_path.block_on(async { manager.register(&identity) });
+    drop(data_path);
+    let cert = control
+        .block_on(manager.certificate(&identity))
+        .expect("issued by the manager's runtime");
+    check_leaf(cert.chain(), &roots, &identity);
+}

@@ -119,8 +119,9 @@ struct ProxyParts {
 }
 
 /// `shunt agent`: runs until SIGINT or SIGTERM, then stops as `--on-exit`
-/// says.
-pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
+/// says. Runs on the control runtime; the builtin proxy serves its pods on
+/// `data_path` (see `main.rs`).
+pub async fn run(args: AgentArgs, data_path: tokio::runtime::Handle) -> Result<(), AgentError> {
     raise_open_files_limit(&args);
     let source = match &args.workloads {
         Some(path) => PodSource::File(
@@ -198,7 +199,7 @@ pub async fn run(args: AgentArgs) -> Result<(), AgentError> {
             );
             node_agent = node_agent.with_proxy(ProxyHandle {
                 proxy: parts.proxy.clone(),
-                runtime: tokio::runtime::Handle::current(),
+                runtime: data_path,
             });
             if args.kernel_authz == OnOff::On {
                 // The reconciler compiles the store's policies into the

@@ -22,10 +22,11 @@ use hickory_proto::op::{Message, MessageType};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{TcpStream, UdpSocket},
-    time::{Instant, timeout_at},
+    time::Instant,
 };
 
 use super::{DnsError, resolv_conf::ResolvConf};
+use crate::timers::timeout_at;
 
 /// How long an upstream has for an answer unless told otherwise (over all
 /// upstreams and both transports).

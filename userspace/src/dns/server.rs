@@ -11,12 +11,12 @@ use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{TcpListener, TcpStream, UdpSocket},
     task::JoinSet,
-    time::timeout,
 };
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use super::{answer::Handler, metrics::Protocol};
+use crate::timers::timeout;
 
 /// Queries of one UDP socket being answered at once; more are dropped (the
 /// client retries), so a flood cannot grow the agent without bound.
@@ -81,7 +81,7 @@ pub(crate) async fn serve_tcp(
             Err(e) => {
                 debug!(error = %e, "DNS TCP accept failed");
                 // E.g. out of file descriptors: let some close first.
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                crate::timers::sleep(Duration::from_millis(50)).await;
                 continue;
             }
         };

@@ -168,6 +168,11 @@ struct Inner {
     ca: Arc<dyn CertificateAuthority>,
     config: IdentityConfig,
     entries: Mutex<HashMap<SpiffeId, Entry>>,
+    /// Where the certificates' tasks run: the runtime the manager was made
+    /// on (the agent's control runtime), wherever `register` is called
+    /// from (the proxy's `add_pod`, on the data path's), so that their
+    /// renewal timers and CA calls stay off the data path (`timers.rs`).
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 impl Drop for Inner {
@@ -200,6 +205,7 @@ impl IdentityManager {
                 ca,
                 config,
                 entries: Mutex::new(HashMap::new()),
+                runtime: tokio::runtime::Handle::try_current().ok(),
             }),
         }
     }
@@ -211,7 +217,8 @@ impl IdentityManager {
     }
 
     /// Counts one more pod using `identity`; the first starts issuing its
-    /// certificate in the background. Must be called inside a tokio runtime.
+    /// certificate in the background, on the manager's runtime (a manager
+    /// made outside any: the caller's, which then must be inside one).
     pub fn register(&self, identity: &SpiffeId) {
         let mut entries = self.entries();
         if let Some(entry) = entries.get_mut(identity) {
@@ -219,12 +226,16 @@ impl IdentityManager {
             return;
         }
         let (tx, rx) = watch::channel(CertState::default());
-        let task = tokio::spawn(keep_certificate(
+        let keep = keep_certificate(
             self.inner.ca.clone(),
             self.inner.config.clone(),
             identity.clone(),
             tx,
-        ));
+        );
+        let task = match &self.inner.runtime {
+            Some(runtime) => runtime.spawn(keep),
+            None => tokio::spawn(keep),
+        };
         entries.insert(
             identity.clone(),
             Entry {

@@ -61,7 +61,7 @@ pub(super) async fn accept_loop(
                 let wait = limits::accept_backoff(backoff);
                 backoff = Some(wait);
                 limits::accept_failed(&shared, &pod.key, kind.as_str(), &e, wait);
-                tokio::time::sleep(wait).await;
+                crate::timers::sleep(wait).await;
                 continue;
             }
         };

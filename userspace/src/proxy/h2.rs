@@ -65,8 +65,8 @@ impl H2Settings {
 /// within `timeout` of the last one. Runs until the connection is dropped.
 pub(crate) async fn keepalive(mut ping_pong: h2::PingPong, settings: H2Settings) -> io::Error {
     loop {
-        tokio::time::sleep(settings.keepalive_interval).await;
-        let pong = tokio::time::timeout(
+        crate::timers::sleep(settings.keepalive_interval).await;
+        let pong = crate::timers::timeout(
             settings.keepalive_timeout,
             ping_pong.ping(h2::Ping::opaque()),
         );

@@ -150,7 +150,7 @@ async fn serve_connection(
     let cert_revoked = revocation
         .as_ref()
         .map(|_| tokio_util::sync::CancellationToken::new());
-    let handshake = Box::pin(tokio::time::timeout(
+    let handshake = Box::pin(crate::timers::timeout(
         handshake_timeout,
         tokio_rustls::TlsAcceptor::from(config).accept(tcp),
     ));
@@ -206,7 +206,7 @@ async fn serve_connection(
         peer_identity: peer_identity.clone(),
     };
     let tls = FrameTap::new(tls, move |refusal| context.refused(refusal));
-    let mut conn = match Box::pin(tokio::time::timeout_at(
+    let mut conn = match Box::pin(crate::timers::timeout_at(
         first_request_by,
         shared.config.h2.server().handshake(tls),
     ))
@@ -236,7 +236,7 @@ async fn serve_connection(
     let draining = OnWake::new(shared.draining.clone().cancelled_owned());
     tokio::pin!(draining);
     let mut going_away = false;
-    let first_request = tokio::time::sleep_until(first_request_by);
+    let first_request = crate::timers::sleep_until(first_request_by);
     tokio::pin!(first_request);
     loop {
         let waiting_first = admission.as_ref().is_some_and(|a| !a.is_established());
@@ -291,7 +291,7 @@ async fn serve_connection(
                 conn.abrupt_shutdown(h2::Reason::NO_ERROR);
                 // Bounded: a peer that reads nothing does not hold it open.
                 let closed = std::future::poll_fn(|cx| conn.poll_closed(cx));
-                let _ = tokio::time::timeout(GOAWAY_FLUSH, closed).await;
+                let _ = crate::timers::timeout(GOAWAY_FLUSH, closed).await;
                 break;
             }
         }

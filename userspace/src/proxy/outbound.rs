@@ -523,7 +523,7 @@ pub(super) async fn connect_stream(
         after: timeout,
     };
     // Waits for the peer's concurrency limit, if it has one.
-    let mut send = tokio::time::timeout(timeout, send.ready())
+    let mut send = crate::timers::timeout(timeout, send.ready())
         .await
         .map_err(|_| timed_out("waiting for a stream slot"))??;
     // Only :method and :authority (h2 omits :scheme and :path for CONNECT);
@@ -539,7 +539,7 @@ pub(super) async fn connect_stream(
         })?;
     request.headers_mut().extend(headers.clone());
     let (response, send_stream) = send.send_request(request, false)?;
-    let response = tokio::time::timeout(timeout, response)
+    let response = crate::timers::timeout(timeout, response)
         .await
         .map_err(|_| timed_out("waiting for the CONNECT answer"))??;
     if response.status() != StatusCode::OK {
@@ -585,7 +585,7 @@ where
         .revocation_watch(webpki::KeyUsage::server_auth());
     // No SNI is sent (enable_sni is off); the name only satisfies the API.
     let server_name = ServerName::IpAddress(addr.ip().into());
-    let tls = tokio::time::timeout(
+    let tls = crate::timers::timeout(
         handshake_timeout,
         tokio_rustls::TlsConnector::from(config).connect(server_name, io),
     )
@@ -603,7 +603,7 @@ where
     let peer = crate::tls::peer_identity(tls.get_ref().1);
     let revoked = crate::tls::until_revoked(revocation, tls.get_ref().1);
     let (send, connection) =
-        tokio::time::timeout(handshake_timeout, shared.config.h2.client().handshake(tls))
+        crate::timers::timeout(handshake_timeout, shared.config.h2.client().handshake(tls))
             .await
             .map_err(|_| timed_out(what.1))??;
     Ok(Handshaken {

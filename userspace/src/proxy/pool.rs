@@ -288,7 +288,7 @@ async fn idle_out(conn: &PooledConn, idle_timeout: Duration, draining: &Cancella
                 return;
             }
             tokio::select! {
-                () = tokio::time::sleep_until(deadline) => {}
+                () = crate::timers::sleep_until(deadline) => {}
                 () = conn.became_idle.notified() => {}
                 () = draining.cancelled() => {}
             }

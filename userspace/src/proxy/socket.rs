@@ -348,7 +348,7 @@ async fn finish_connect(
     timeout: std::time::Duration,
 ) -> io::Result<tokio::net::TcpStream> {
     let socket = tokio::net::TcpSocket::from_std_stream(socket.into());
-    let stream = tokio::time::timeout(timeout, socket.connect(addr))
+    let stream = crate::timers::timeout(timeout, socket.connect(addr))
         .await
         .map_err(|_| {
             io::Error::new(

@@ -1,0 +1,114 @@
+//! The data path's timers live off its runtime (`shunt::timers`): a worker
+//! of a runtime whose only pending timer was made there sleeps in
+//! `epoll_wait` without a timeout, where a `tokio::time` timer would give
+//! it one. Read from the kernel: `/proc/self/task/<tid>/syscall` names the
+//! syscall a blocked thread is in and its arguments.
+//!
+//! Its own test binary: `install` is for the whole process, and the library's
+//! unit tests drive their timers with tokio's paused clock.
+
+use std::{future::Future, time::Duration};
+
+use shunt::timers;
+
+/// x86_64's `epoll_wait` and `epoll_pwait`, aarch64's `epoll_pwait`: the
+/// timeout is the fourth argument of each.
+const EPOLL_WAITS: &[u64] = if cfg!(target_arch = "x86_64") {
+    &[232, 281]
+} else {
+    &[22]
+};
+
+/// The timeout (ms) the runtime's one worker sleeps with while `pending`,
+/// spawned on it, waits on a timer it made.
+fn worker_sleep_timeout<F>(pending: F) -> i32
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+    runtime.spawn(async move {
+        let _ = tid_tx.send(nix::unistd::gettid().as_raw());
+        pending.await;
+    });
+    let tid = tid_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the worker ran the task");
+    let path = format!("/proc/self/task/{tid}/syscall");
+    // Bounded: the worker reaches its sleep within microseconds once the
+    // task has parked.
+    for _ in 0..2_000 {
+        let line = std::fs::read_to_string(&path).expect("the worker's syscall");
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if let Some(nr) = fields.first().and_then(|f| f.parse::<u64>().ok())
+            && EPOLL_WAITS.contains(&nr)
+        {
+            let timeout = fields
+                .get(4)
+                .and_then(|f| u64::from_str_radix(f.trim_start_matches("0x"), 16).ok())
+                .expect("epoll_wait's timeout argument");
+            // An `int` argument: the register's low 32 bits.
+            let timeout = timeout as u32 as i32;
+            // A zero timeout is tokio's passing look for events, not a sleep.
+            if timeout != 0 {
+                runtime.shutdown_background();
+                return timeout;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    panic!("the worker never slept in epoll_wait");
+}
+
+#[test]
+fn data_path_workers_sleep_without_a_timeout_while_its_timers_wait() {
+    // The measurement tells the two apart: a timer on the worker's own
+    // runtime sets the sleep's timeout.
+    let own = worker_sleep_timeout(async {
+        tokio::time::sleep(Duration::from_secs(60)).await;
+    });
+    assert!(
+        (1..=60_000).contains(&own),
+        "a tokio::time timer 60 s away gives the worker a timeout (got {own} ms)"
+    );
+
+    timers::install().expect("the timer thread");
+    let moved = worker_sleep_timeout(async {
+        let _ = timers::timeout(Duration::from_secs(60), std::future::pending::<()>()).await;
+    });
+    assert_eq!(
+        moved, -1,
+        "with the data path's timers on the timer thread, the worker sleeps until woken"
+    );
+    let moved = worker_sleep_timeout(async {
+        timers::sleep(Duration::from_secs(60)).await;
+    });
+    assert_eq!(moved, -1);
+}
+
+#[test]
+fn timers_fire_on_a_runtime_without_a_time_driver() {
+    timers::install().expect("the timer thread");
+    // No `enable_time`: a `tokio::time` timer made here would panic.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .expect("a runtime");
+    runtime.block_on(async {
+        timers::sleep(Duration::from_millis(10)).await;
+        let started = tokio::time::Instant::now();
+        timers::sleep_until(started + Duration::from_millis(10)).await;
+        assert!(started.elapsed() >= Duration::from_millis(10));
+        let expired = timers::timeout(Duration::from_millis(10), std::future::pending::<()>());
+        assert!(expired.await.is_err(), "the timeout fires");
+        let done = timers::timeout_at(
+            tokio::time::Instant::now() + Duration::from_secs(60),
+            async { 7 },
+        );
+        assert_eq!(done.await.ok(), Some(7));
+    });
+}
