@@ -126,6 +126,9 @@ pub fn shunt_tc_ingress(ctx: TcContext) -> i32 {
 /// The handshake's SYN-ACK takes this path too. Such packets are not
 /// counted as the pod's outbound traffic.
 ///
+/// Packets to or from port 15008 (HBONE) are never looked up (see
+/// [`may_reply_to_proxy`]).
+///
 /// Cost (`kernel.bpf_stats_enabled`, docs/BENCHMARKS.md): one socket
 /// lookup per packet looked up — most of a run when every TCP packet was
 /// (≈ 500 ns per leaving packet on the fast path); with `REPLY_BY_MARK` a
@@ -201,10 +204,23 @@ fn pod_slot(ctx: &TcContext) -> u32 {
 }
 
 /// Whether `packet` can be a reply to one of the proxy's transparent
-/// sockets, before any lookup: always, unless the pod has `REPLY_BY_MARK`
-/// (see [`shunt_tc_egress`]); then only with a mark, a SYN or an RST.
+/// sockets, before any lookup: never to or from port 15008, else always,
+/// unless the pod has `REPLY_BY_MARK` (see [`shunt_tc_egress`]); then only
+/// with a mark, a SYN or an RST.
+///
+/// Port 15008 is the HBONE connections' (the proxy's, every record of a
+/// cross-node request and its answer), and no reply to a transparent socket
+/// uses it: such a reply leaves from the port a delivery connected to, and
+/// the proxy never delivers to its own ports (`PROXY_PORTS`: CONNECTs to
+/// them are refused, TC ingress never steers them); it goes to the
+/// delivery socket's own port, never 15008 either, because the pod's HBONE
+/// listener holds that port in this netns (`connect` never picks a bound
+/// port) and `bind_except` refuses it (`proxy/socket.rs`).
 #[inline(always)]
 fn may_reply_to_proxy(ctx: &TcContext, flags: u32, packet: &TcpPacket) -> bool {
+    if packet.sport_be == PORT_HBONE.to_be() || packet.dport_be == PORT_HBONE.to_be() {
+        return false;
+    }
     if flags & PodConfig::REPLY_BY_MARK == 0 || packet.flags & (TCP_FLAG_SYN | TCP_FLAG_RST) != 0 {
         return true;
     }

@@ -39,6 +39,8 @@ mod relay;
 mod relay_tests;
 mod shared;
 mod socket;
+#[cfg(test)]
+mod socket_tests;
 pub mod waypoint;
 
 pub use baggage::Baggage;

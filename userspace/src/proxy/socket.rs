@@ -21,6 +21,7 @@ use std::{
     },
 };
 
+use shunt_common::PORT_HBONE;
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 use tokio::sync::oneshot;
 
@@ -230,8 +231,14 @@ impl PodSockets {
         source: IpAddr,
         avoid_port: u16,
     ) -> Result<Socket, SourceError> {
-        // Twice at most: a second ephemeral port cannot be the avoided one.
-        for _ in 0..2 {
+        // Never 15008 either: the pod's TC egress takes a packet to that port
+        // for an HBONE record, not a reply to this socket (`ebpf/src/tc_pod.rs`,
+        // `may_reply_to_proxy`); `bind` can pick it when the node's port range
+        // holds it, as the HBONE listener holds only the pod's own address.
+        // Three tries at most: a refused socket stays bound until the next is,
+        // so each try gets a port the ones before did not.
+        let mut refused = Vec::with_capacity(2);
+        for _ in 0..3 {
             let socket = self.socket(domain).map_err(SourceError::Connect)?;
             bind_transparent(&socket, source, false).map_err(SourceError::Bind)?;
             let port = socket
@@ -239,9 +246,10 @@ impl PodSockets {
                 .ok()
                 .and_then(|a| a.as_socket())
                 .map(|a| a.port());
-            if port != Some(avoid_port) {
+            if port.is_some_and(|p| p != avoid_port && p != PORT_HBONE) {
                 return Ok(socket);
             }
+            refused.push(socket);
         }
         Err(SourceError::Bind(io::Error::new(
             io::ErrorKind::AddrInUse,
@@ -296,7 +304,9 @@ pub(crate) enum SourcePort {
     /// Any the kernel finds free at `connect` for this destination
     /// (`IP_BIND_ADDRESS_NO_PORT`): a tunnelled client (HBONE), whose own
     /// sockets live in another netns (here only the HBONE connection's,
-    /// on port 15008, never the application's).
+    /// on port 15008, never the application's). Never 15008 itself:
+    /// `connect` skips every port something in the netns bound (the HBONE
+    /// listener), which TC egress relies on (`may_reply_to_proxy`).
     AtConnect,
     /// Any but the client's own port, chosen at `bind`: the client's
     /// connection ended in this netns (inbound plaintext), and the proxy's
