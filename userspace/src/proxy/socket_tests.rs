@@ -55,9 +55,17 @@ fn pod_netns() -> Option<(NetNs, Vec<std::net::TcpListener>)> {
     Some((netns, listeners))
 }
 
-/// The namespace by a path any thread of this process can open.
-fn path_of(netns: &NetNs) -> PathBuf {
-    PathBuf::from(format!("/proc/self/fd/{}", netns.as_fd().as_raw_fd()))
+/// The pod's socket thread, with the namespace and its listeners to keep
+/// alive; `None` without the privilege to make a namespace.
+async fn pod_sockets() -> Option<(PodSockets, NetNs, Vec<std::net::TcpListener>)> {
+    let Some((netns, listeners)) = pod_netns() else {
+        eprintln!("SKIPPED: making a network namespace needs CAP_SYS_ADMIN");
+        return None;
+    };
+    // A path any thread of this process can open.
+    let path = PathBuf::from(format!("/proc/self/fd/{}", netns.as_fd().as_raw_fd()));
+    let sockets = PodSockets::start(&path).await.expect("pod sockets");
+    Some((sockets, netns, listeners))
 }
 
 fn port_of(stream: &tokio::net::TcpStream) -> u16 {
@@ -66,13 +74,9 @@ fn port_of(stream: &tokio::net::TcpStream) -> u16 {
 
 #[tokio::test]
 async fn a_delivery_bound_at_bind_never_takes_the_hbone_port() {
-    let Some((netns, _listeners)) = pod_netns() else {
-        eprintln!("SKIPPED: making a network namespace needs CAP_SYS_ADMIN");
+    let Some((sockets, _netns, _listeners)) = pod_sockets().await else {
         return;
     };
-    let sockets = PodSockets::start(&path_of(&netns))
-        .await
-        .expect("pod sockets");
     // Avoiding the client's port 15009 leaves only 15008: refused, so no
     // port for the client's address (the caller falls back to the pod's).
     let only_hbone_left = sockets
@@ -92,13 +96,9 @@ async fn a_delivery_bound_at_bind_never_takes_the_hbone_port() {
 
 #[tokio::test]
 async fn a_delivery_bound_at_connect_never_takes_the_hbone_port() {
-    let Some((netns, _listeners)) = pod_netns() else {
-        eprintln!("SKIPPED: making a network namespace needs CAP_SYS_ADMIN");
+    let Some((sockets, _netns, _listeners)) = pod_sockets().await else {
         return;
     };
-    let sockets = PodSockets::start(&path_of(&netns))
-        .await
-        .expect("pod sockets");
     let first = sockets
         .connect_transparent(APP, CLIENT, SourcePort::AtConnect, TIMEOUT)
         .await
