@@ -11,9 +11,10 @@
 //! data path's workers sleep without a timeout, and a timer that fires
 //! wakes its task across threads like any other wake-up.
 //!
-//! Only timers made here move; a library's own `tokio::time` use on the
-//! data path (the DNS proxy's upstream queries) stays on the runtime it
-//! runs on, which still has its time driver.
+//! Only timers made here move (`proxy/` and `dns/` are held to it by
+//! clippy, `userspace/clippy.toml`); a library's own `tokio::time` use on
+//! the data path would stay on the runtime it runs on, which keeps its time
+//! driver for that.
 //!
 //! Without [`install`] (unit tests, the library used in-process) these are
 //! the current runtime's timers, exactly `tokio::time`'s: a paused test

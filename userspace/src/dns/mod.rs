@@ -46,6 +46,9 @@
 //!   `istio_dns_upstream_request_duration_seconds`, labelled as ztunnel
 //!   labels them.
 
+// Timers come from `crate::timers` here (userspace/clippy.toml).
+#![cfg_attr(not(test), warn(clippy::disallowed_methods))]
+
 mod answer;
 pub mod forward;
 pub mod metrics;

@@ -13,6 +13,9 @@
 //! socket the proxy opens carries `SO_MARK` 0x539 and listeners use
 //! `SO_REUSEPORT`, so a new agent can bind while the old one drains.
 
+// Timers come from `crate::timers` here (userspace/clippy.toml).
+#![cfg_attr(not(test), warn(clippy::disallowed_methods))]
+
 mod accept;
 pub(crate) mod access_log;
 mod baggage;
@@ -387,7 +390,7 @@ impl Proxy {
         self.shared.tracker.close();
         let open = self.shared.tracker.len();
         tracing::info!(open, ?grace, "draining");
-        let finished = tokio::time::timeout(grace, self.shared.tracker.wait())
+        let finished = crate::timers::timeout(grace, self.shared.tracker.wait())
             .await
             .is_ok();
         let left = if finished {
@@ -397,7 +400,7 @@ impl Proxy {
         };
         self.shared.abort.cancel();
         // Cut streams end promptly (they watch `abort`); bounded anyway.
-        let _ = tokio::time::timeout(Duration::from_secs(5), self.shared.tracker.wait()).await;
+        let _ = crate::timers::timeout(Duration::from_secs(5), self.shared.tracker.wait()).await;
         // The pods' identities stay registered until the process exits: a
         // connection accepted in the instant the listeners were cancelled
         // still gets its certificate (unregistering here failed one such
