@@ -269,7 +269,7 @@ impl Bed {
         let (addresses, authorizations, then_addresses, ready) = server_side.settle().await?;
         let observed = self.probe_rows(&case.rows).await;
         let config_dump = tokio::task::block_in_place(|| server_side.proxy.config_dump());
-        let metrics = tokio::task::block_in_place(|| server_side.proxy.metrics());
+        let metrics = tokio::task::block_in_place(|| server_side.proxy.settled_metrics());
         let mut logs = server_side.proxy.logs();
         let (mut outbound, mut dns, mut client_metrics) = (Vec::new(), Vec::new(), None);
         let gateway_before = self.gateway.received().len();
@@ -297,7 +297,9 @@ impl Bed {
             };
             outbound = self.probe_outbound(case);
             dns = self.probe_dns(case);
-            client_metrics = Some(tokio::task::block_in_place(|| client_side.proxy.metrics()));
+            client_metrics = Some(tokio::task::block_in_place(|| {
+                client_side.proxy.settled_metrics()
+            }));
             logs.push_str("\n--- the client's proxy:\n");
             logs.push_str(&client_side.proxy.logs());
         }
@@ -587,6 +589,31 @@ impl Proxy {
         match self {
             Proxy::Ztunnel(zt) => zt.logs(),
             Proxy::Shunt(agent) => agent.logs(),
+        }
+    }
+
+    /// Its `/metrics` text once every TCP connection it counted open is
+    /// counted closed too (bounded by [`WAIT`]; then as it is): a proxy
+    /// counts a close when its side of the connection has ended, which
+    /// can come a moment after the application saw its answer and the
+    /// probe returned.
+    fn settled_metrics(&self) -> std::result::Result<String, String> {
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            let text = self.metrics()?;
+            let total = |family: &str| -> f64 {
+                text.lines()
+                    .filter(|line| line.starts_with(family))
+                    .filter_map(|line| line.rsplit_once(' '))
+                    .filter_map(|(_, value)| value.trim().parse::<f64>().ok())
+                    .sum()
+            };
+            let open = total("istio_tcp_connections_opened_total")
+                - total("istio_tcp_connections_closed_total");
+            if open <= 0.0 || std::time::Instant::now() >= deadline {
+                return Ok(text);
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
