@@ -237,7 +237,8 @@ impl PodSockets {
         // holds it, as the HBONE listener holds only the pod's own address.
         // Three tries at most: a refused socket stays bound until the next is,
         // so each try gets a port the ones before did not.
-        let mut refused = Vec::with_capacity(3);
+        // Empty (no allocation) unless a port is refused, which is rare.
+        let mut refused = Vec::new();
         for _ in 0..3 {
             let socket = self.socket(domain).map_err(SourceError::Connect)?;
             bind_transparent(&socket, source, false).map_err(SourceError::Bind)?;
