@@ -55,13 +55,17 @@ fn run_agent(args: shunt::cli::AgentArgs) -> anyhow::Result<()> {
     // efficiency"), and the control runtime for everything else (sources,
     // reconciler, certificates, admin, metrics), so that no control timer
     // or burst of work runs among the data path's connections. The data
-    // path's own timers are kept on a thread of their own (`timers.rs`).
+    // path's own timers are kept on a thread of their own (`timers.rs`), so
+    // the data runtime has no time driver: its workers do not read the
+    // clock and lock an empty timer wheel around every sleep. A
+    // `tokio::time` timer made on it would panic; clippy points them out
+    // (`userspace/clippy.toml`) and every end-to-end test runs this runtime.
     shunt::timers::install()?;
     let mut data_path = tokio::runtime::Builder::new_multi_thread();
     if args.worker_threads > 0 {
         data_path.worker_threads(args.worker_threads);
     }
-    let data_path = data_path.thread_name("shunt-proxy").enable_all().build()?;
+    let data_path = data_path.thread_name("shunt-proxy").enable_io().build()?;
     let control = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(CONTROL_WORKERS)
         .thread_name("shunt-control")

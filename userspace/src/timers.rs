@@ -11,10 +11,12 @@
 //! data path's workers sleep without a timeout, and a timer that fires
 //! wakes its task across threads like any other wake-up.
 //!
-//! Only timers made here move (`proxy/` and `dns/` are held to it by
-//! clippy, `userspace/clippy.toml`); a library's own `tokio::time` use on
-//! the data path would stay on the runtime it runs on, which keeps its time
-//! driver for that.
+//! The agent's data-path runtime is then built without a time driver
+//! (`main.rs`), which also spares its workers a clock read and a look at
+//! an empty wheel after every sleep: a `tokio::time` timer made on it
+//! panics. `proxy/` and `dns/` are held to this module by clippy
+//! (`userspace/clippy.toml`); the identity manager's wait for a certificate,
+//! asked for per connection, uses it too.
 //!
 //! Without [`install`] (unit tests, the library used in-process) these are
 //! the current runtime's timers, exactly `tokio::time`'s: a paused test

@@ -112,3 +112,45 @@ fn timers_fire_on_a_runtime_without_a_time_driver() {
         assert_eq!(done.await.ok(), Some(7));
     });
 }
+
+/// The proxy asks for a pod's certificate on every connection it serves,
+/// on the data path's runtime, which has no time driver (`main.rs`): the
+/// wait for a certificate still being issued must not need one.
+#[test]
+fn a_certificate_is_looked_up_on_a_runtime_without_a_time_driver() {
+    use shunt::{
+        identity::{IdentityConfig, IdentityManager, ca::BuiltinCa},
+        state::{SpiffeId, TrustDomain},
+    };
+    timers::install().expect("the timer thread");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = BuiltinCa::load_or_generate(&dir.path().join("ca"), &TrustDomain::default())
+        .expect("generate");
+    let control = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("control runtime");
+    let manager = control.block_on(async {
+        IdentityManager::new(std::sync::Arc::new(ca), IdentityConfig::default())
+    });
+    let identity = SpiffeId::for_service_account(&TrustDomain::default(), "default", "sleep");
+    let data_path = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_io()
+        .build()
+        .expect("data path runtime");
+    let cert = data_path.block_on(async {
+        manager.register(&identity);
+        // Spawned, as the proxy's connections are: a panic would end the
+        // task, not this thread.
+        let manager = manager.clone();
+        let identity = identity.clone();
+        tokio::spawn(async move { manager.certificate(&identity).await.is_ok() }).await
+    });
+    assert_eq!(
+        cert.ok(),
+        Some(true),
+        "the certificate is issued and handed over on the data path's runtime"
+    );
+}

@@ -46,7 +46,8 @@
 //!   `istio_dns_upstream_request_duration_seconds`, labelled as ztunnel
 //!   labels them.
 
-// Timers come from `crate::timers` here (userspace/clippy.toml).
+// Timers come from `crate::timers` here: this runs on a runtime without a
+// time driver (userspace/clippy.toml).
 #![cfg_attr(not(test), warn(clippy::disallowed_methods))]
 
 mod answer;

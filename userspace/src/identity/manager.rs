@@ -275,7 +275,9 @@ impl IdentityManager {
             None => return Err(IdentityError::NotRegistered(identity.clone())),
         };
         let waited = self.inner.config.wait_timeout;
-        let outcome = tokio::time::timeout(
+        // Called on the data path (per connection): its runtime keeps no
+        // timers.
+        let outcome = crate::timers::timeout(
             waited,
             rx.wait_for(|s| {
                 s.cert

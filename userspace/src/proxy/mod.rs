@@ -13,7 +13,8 @@
 //! socket the proxy opens carries `SO_MARK` 0x539 and listeners use
 //! `SO_REUSEPORT`, so a new agent can bind while the old one drains.
 
-// Timers come from `crate::timers` here (userspace/clippy.toml).
+// Timers come from `crate::timers` here: this runs on a runtime without a
+// time driver (userspace/clippy.toml).
 #![cfg_attr(not(test), warn(clippy::disallowed_methods))]
 
 mod accept;
