@@ -533,9 +533,9 @@ pub struct AgentArgs {
     pub instance_ip: Option<std::net::IpAddr>,
 
     // Proxy efficiency (issue 19, docs/BENCHMARKS.md "Proxy efficiency").
-    /// Worker threads of the data path's runtime, where the proxy's
-    /// listeners and connections run (the control plane has two of its
-    /// own). 0: one per CPU the agent may run on (tokio's default).
+    /// Worker threads of the data path (its shards), where the proxy's
+    /// listeners and connections run, each pod on one (the control plane
+    /// has two threads of its own). 0: one per CPU the agent may run on.
     #[arg(
         long,
         env = "SHUNT_WORKER_THREADS",

@@ -30,6 +30,7 @@ pub mod metrics;
 pub mod netns;
 pub mod proxy;
 pub mod redirect;
+pub mod shards;
 pub mod snapshot;
 pub mod state;
 pub mod status;

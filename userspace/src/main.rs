@@ -48,33 +48,33 @@ fn run_agent(args: shunt::cli::AgentArgs) -> anyhow::Result<()> {
         Some(&stop_signals),
         None,
     )?;
-    // Two runtimes (docs/ARCHITECTURE.md, "Threads"): the data path's —
-    // every pod's listeners, connections and DNS proxy — with one worker per
-    // CPU (one worker, a current-thread runtime and tokio's defaults
-    // measured alike on the HBONE path: docs/BENCHMARKS.md, "Proxy
-    // efficiency"), and the control runtime for everything else (sources,
-    // reconciler, certificates, admin, metrics), so that no control timer
-    // or burst of work runs among the data path's connections. The data
-    // path's own timers are kept on a thread of their own (`timers.rs`), so
-    // the data runtime has no time driver: its workers do not read the
-    // clock and lock an empty timer wheel around every sleep. A
-    // `tokio::time` timer made on it would panic; clippy points them out
-    // (`userspace/clippy.toml`) and every end-to-end test runs this runtime.
+    // The data path and the control plane apart (docs/ARCHITECTURE.md,
+    // "Threads"): the data path's shards — one single-threaded runtime per
+    // worker, one worker per CPU, each pod's listeners, connections and
+    // HBONE pool on one of them (`shards.rs`) — and the control runtime for
+    // everything else (sources, reconciler, certificates, admin, metrics),
+    // so that no control timer or burst of work runs among the data path's
+    // connections. The data path's own timers are kept on a thread of their
+    // own (`timers.rs`), so the shards have no time driver: their threads do
+    // not read the clock and lock an empty timer wheel around every sleep. A
+    // `tokio::time` timer made on a shard would panic; clippy points them
+    // out (`userspace/clippy.toml`) and every end-to-end test runs shards.
     shunt::timers::install()?;
-    let mut data_path = tokio::runtime::Builder::new_multi_thread();
-    if args.worker_threads > 0 {
-        data_path.worker_threads(args.worker_threads);
-    }
-    let data_path = data_path.thread_name("shunt-proxy").enable_io().build()?;
+    let workers = match args.worker_threads {
+        0 => std::thread::available_parallelism().map_or(1, usize::from),
+        n => n,
+    };
+    let data_path = shunt::shards::DataPath::start(workers)?;
     let control = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(CONTROL_WORKERS)
         .thread_name("shunt-control")
         .enable_all()
         .build()?;
-    control.block_on(shunt::app::run(args, data_path.handle().clone()))?;
+    let outcome = control.block_on(shunt::app::run(args, data_path.shards()));
     // The proxy has drained (inside `run`); what is left of its tasks is
     // cancelled before the control runtime they may still wake goes.
-    drop(data_path);
+    data_path.stop();
     drop(control);
+    outcome?;
     Ok(())
 }

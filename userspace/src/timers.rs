@@ -11,9 +11,9 @@
 //! data path's workers sleep without a timeout, and a timer that fires
 //! wakes its task across threads like any other wake-up.
 //!
-//! The agent's data-path runtime is then built without a time driver
-//! (`main.rs`), which also spares its workers a clock read and a look at
-//! an empty wheel after every sleep: a `tokio::time` timer made on it
+//! The data path's shards (`shards.rs`) are then built without a time
+//! driver, which also spares their threads a clock read and a look at an
+//! empty wheel after every sleep: a `tokio::time` timer made on one
 //! panics. `proxy/` and `dns/` are held to this module by clippy
 //! (`userspace/clippy.toml`); the identity manager's wait for a certificate,
 //! asked for per connection, uses it too.

@@ -114,7 +114,7 @@ fn timers_fire_on_a_runtime_without_a_time_driver() {
 }
 
 /// The proxy asks for a pod's certificate on every connection it serves,
-/// on the data path's runtime, which has no time driver (`main.rs`): the
+/// on a data-path shard, which has no time driver (`shards.rs`): the
 /// wait for a certificate still being issued must not need one.
 #[test]
 fn a_certificate_is_looked_up_on_a_runtime_without_a_time_driver() {

@@ -120,8 +120,8 @@ struct ProxyParts {
 
 /// `shunt agent`: runs until SIGINT or SIGTERM, then stops as `--on-exit`
 /// says. Runs on the control runtime; the builtin proxy serves its pods on
-/// `data_path` (see `main.rs`).
-pub async fn run(args: AgentArgs, data_path: tokio::runtime::Handle) -> Result<(), AgentError> {
+/// the `data_path` shards (see `main.rs`, `shards.rs`).
+pub async fn run(args: AgentArgs, data_path: crate::shards::Shards) -> Result<(), AgentError> {
     raise_open_files_limit(&args);
     let source = match &args.workloads {
         Some(path) => PodSource::File(
@@ -197,9 +197,15 @@ pub async fn run(args: AgentArgs, data_path: tokio::runtime::Handle) -> Result<(
             parts.proxy.set_observer(
                 metrics.connection_observer(parts.store.clone(), trust_domain.clone()),
             );
+            // The reconcile thread runs the proxy's calls on the first
+            // shard; each pod is then served on a shard of its own turn.
+            let runtime = data_path
+                .first()
+                .unwrap_or_else(tokio::runtime::Handle::current);
+            parts.proxy.set_shards(data_path.clone());
             node_agent = node_agent.with_proxy(ProxyHandle {
                 proxy: parts.proxy.clone(),
-                runtime: data_path,
+                runtime,
             });
             if args.kernel_authz == OnOff::On {
                 // The reconciler compiles the store's policies into the

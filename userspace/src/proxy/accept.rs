@@ -40,8 +40,18 @@ pub(super) async fn accept_loop(
     shared: Arc<Shared>,
     pod: Arc<PodState>,
     kind: Listener,
-    listener: tokio::net::TcpListener,
+    listener: std::net::TcpListener,
 ) {
+    // Registered here, with the runtime that runs this loop (the pod's
+    // shard), so that its readiness wakes no other thread.
+    let listener = match tokio::net::TcpListener::from_std(listener) {
+        Ok(l) => l,
+        Err(e) => {
+            // Dropped: the pod's connections to it are refused (fail closed).
+            tracing::error!(pod = %pod.key, ?kind, error = %e, "cannot register the pod's listener; its connections are refused");
+            return;
+        }
+    };
     let local = listener.local_addr().ok();
     let mut backoff = None;
     loop {
@@ -78,6 +88,7 @@ pub(super) async fn accept_loop(
                 None => continue,
             },
         };
+        shared.accepted_here();
         let _ = stream.set_nodelay(true);
         // One spawn per kind: a task's future is as large as the largest
         // state it can be in, for the connection's whole life, so an

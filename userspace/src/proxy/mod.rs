@@ -210,6 +210,10 @@ pub struct ProxyStats {
     pub bytes_in: u64,
     /// Connections and streams being served now.
     pub active: usize,
+    /// Connections the listeners accepted on each of the data path's shards
+    /// (empty without shards).
+    #[serde(default)]
+    pub accepted_by_shard: Vec<u64>,
     /// HBONE connections in the outbound pools.
     pub pooled_connections: usize,
     /// Refusals by reason (every [`RefusalReason`], zeros included), each
@@ -295,6 +299,8 @@ impl Proxy {
                 service_picks: AtomicUsize::new(0),
                 waypoint_failures: Default::default(),
                 observer: OnceLock::new(),
+                shards: OnceLock::new(),
+                accepted_by_shard: OnceLock::new(),
                 dns: OnceLock::new(),
                 policy_changes: tokio::sync::watch::Sender::new(0),
                 cluster_synced: std::sync::atomic::AtomicBool::new(false),
@@ -323,6 +329,15 @@ impl Proxy {
     /// these parts from now on. Only the first call counts.
     pub fn set_dns(&self, dns: crate::dns::DnsShared) -> bool {
         self.shared.dns.set(dns).is_ok()
+    }
+
+    /// Serves each pod added from now on on one of `shards`, in turn (see
+    /// `shards.rs`). Only the first call counts; without one, pods are
+    /// served on the runtime `add_pod` runs on.
+    pub fn set_shards(&self, shards: crate::shards::Shards) -> bool {
+        let counts = (0..shards.len()).map(|_| AtomicU64::new(0)).collect();
+        let _ = self.shared.accepted_by_shard.set(counts);
+        self.shared.shards.set(shards).is_ok()
     }
 
     /// Hands every connection's open and close to `observer` from now on.
@@ -359,6 +374,12 @@ impl Proxy {
             bytes_out: load(&c.bytes_out),
             bytes_in: load(&c.bytes_in),
             active: self.shared.tracker.len(),
+            accepted_by_shard: self
+                .shared
+                .accepted_by_shard
+                .get()
+                .map(|counts| counts.iter().map(|c| c.load(Ordering::Relaxed)).collect())
+                .unwrap_or_default(),
             pooled_connections: self
                 .shared
                 .all_pods()

@@ -167,10 +167,15 @@ impl Proxy {
             dns: pod.dns,
             netns,
         });
+        // The pod's shard: its listeners' connections, and the HBONE pool
+        // they share, run there (`shards.rs`).
+        let shard = self.shared.shards.get().and_then(|s| s.pick());
         for (kind, listener) in listeners {
-            let shared = self.shared.clone();
-            let pod = state.clone();
-            tokio::spawn(accept_loop(shared, pod, kind, listener));
+            let accepting = accept_loop(self.shared.clone(), state.clone(), kind, listener);
+            match &shard {
+                Some(shard) => drop(shard.spawn(accepting)),
+                None => drop(tokio::spawn(accepting)),
+            }
         }
         self.shared
             .counters

@@ -160,6 +160,11 @@ pub(crate) struct Shared {
     /// Told about every connection (metrics); set once, see
     /// [`Proxy::set_observer`].
     pub(super) observer: OnceLock<Arc<dyn ConnectionObserver>>,
+    /// The data path's shards, each pod served on one
+    /// ([`Proxy::set_shards`]). Unset: the current runtime.
+    pub(super) shards: OnceLock<crate::shards::Shards>,
+    /// Connections accepted on each shard, by its index.
+    pub(super) accepted_by_shard: OnceLock<Box<[AtomicU64]>>,
     /// The DNS server's shared parts (names, upstreams, metrics):
     /// [`Proxy::set_dns`]. Unset: a pod's DNS proxy is not bound.
     pub(super) dns: OnceLock<crate::dns::DnsShared>,
@@ -175,6 +180,16 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Counts a connection accepted on the calling thread's shard.
+    pub(super) fn accepted_here(&self) {
+        if let (Some(index), Some(counts)) =
+            (crate::shards::current(), self.accepted_by_shard.get())
+            && let Some(count) = counts.get(index)
+        {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// See [`Shared::cluster_synced`].
     pub fn cluster_synced(&self) -> bool {
         self.cluster_synced

@@ -147,13 +147,14 @@ impl PodSockets {
     }
 
     /// A marked, non-blocking listener bound inside the pod's netns.
-    pub async fn listen(&self, spec: ListenSpec) -> io::Result<tokio::net::TcpListener> {
+    /// Not yet registered with a runtime: its accept loop does that on the
+    /// pod's shard.
+    pub async fn listen(&self, spec: ListenSpec) -> io::Result<std::net::TcpListener> {
         let (reply, rx) = oneshot::channel();
         self.tx
             .send(Request::Listen(spec, reply))
             .map_err(|_| gone())?;
-        let std = rx.await.map_err(|_| gone())??;
-        tokio::net::TcpListener::from_std(std)
+        rx.await.map_err(|_| gone())?
     }
 
     /// The DNS proxy's sockets on `addr` inside the pod's netns: a UDP

@@ -72,6 +72,9 @@ pub const fn pod(
 }
 
 pub struct Mesh {
+    /// Each node proxy's data-path shards (`Mesh::with_shards`), stopped
+    /// when the mesh is dropped.
+    pub data_paths: Vec<shunt::shards::DataPath>,
     pub topo: Topology,
     pub ca: Arc<BuiltinCa>,
     pub store: Arc<RwLock<WorkloadStore>>,
@@ -90,6 +93,19 @@ impl Mesh {
         config: ProxyConfig,
         identity: IdentityConfig,
     ) -> Mesh {
+        Mesh::with_shards(test, specs, config, identity, 0).await
+    }
+
+    /// As [`Mesh::new`], each node's proxy serving its pods on `shards`
+    /// data-path shards of its own (none: on the test's runtime).
+    pub async fn with_shards(
+        test: &str,
+        specs: Vec<PodSpec>,
+        config: ProxyConfig,
+        identity: IdentityConfig,
+        shards: usize,
+    ) -> Mesh {
+        let mut data_paths = Vec::new();
         let mut topo = Topology::new(test).expect("topology (run as root)");
         let mut node_names: Vec<&str> = specs.iter().map(|s| s.node).collect();
         node_names.dedup();
@@ -134,6 +150,11 @@ impl Mesh {
             .expect("proxy");
             // The store above is complete: inbound is served.
             proxy.cluster_view_applied();
+            if shards > 0 {
+                let data_path = shunt::shards::DataPath::start(shards).expect("shards");
+                proxy.set_shards(data_path.shards());
+                data_paths.push(data_path);
+            }
             for w in workloads.iter().filter(|w| w.node == *n && w.wants_mesh()) {
                 proxy
                     .add_pod(PodNet {
@@ -156,6 +177,7 @@ impl Mesh {
             );
         }
         Mesh {
+            data_paths,
             topo,
             ca,
             store,
