@@ -7,6 +7,11 @@
 //! from the agent's resolv.conf (`--dns-resolv-conf`: search list, ndots,
 //! timeouts as the file says), answers cached by their TTL — from the
 //! agent's netns, as ztunnel resolves from its own pod, not the client's.
+//!
+//! hickory keeps its own `tokio::time` timers (each query's timeout), which
+//! the data path's shards cannot hold (no time driver, `shards.rs`): a
+//! lookup runs on the runtime the resolver was made on (the control
+//! runtime), and the connection's task waits for its answer.
 
 use std::{
     net::{IpAddr, SocketAddr},
@@ -39,6 +44,8 @@ pub enum ResolveError {
 #[derive(Clone, Debug)]
 pub struct OnDemandResolver {
     resolver: TokioResolver,
+    /// Where lookups run; the caller's runtime when made outside one.
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 impl OnDemandResolver {
@@ -81,7 +88,10 @@ impl OnDemandResolver {
             .with_options(options)
             .build()
             .map_err(|e| DnsError::Resolver(e.to_string()))?;
-        Ok(Self { resolver })
+        Ok(Self {
+            resolver,
+            runtime: tokio::runtime::Handle::try_current().ok(),
+        })
     }
 
     /// An address of `hostname` for a connection the client made to
@@ -92,14 +102,21 @@ impl OnDemandResolver {
         hostname: &str,
         dialled: SocketAddr,
     ) -> Result<IpAddr, ResolveError> {
-        let found = self
-            .resolver
-            .lookup_ip(hostname)
-            .await
-            .map_err(|e| ResolveError::Lookup {
-                hostname: hostname.to_owned(),
-                reason: e.to_string(),
-            })?;
+        let failed = |reason: String| ResolveError::Lookup {
+            hostname: hostname.to_owned(),
+            reason,
+        };
+        let found = match &self.runtime {
+            Some(runtime) => {
+                let (resolver, name) = (self.resolver.clone(), hostname.to_owned());
+                runtime
+                    .spawn(async move { resolver.lookup_ip(name).await })
+                    .await
+                    .map_err(|e| failed(format!("the lookup's task ended: {e}")))?
+            }
+            None => self.resolver.lookup_ip(hostname).await,
+        }
+        .map_err(|e| failed(e.to_string()))?;
         let addresses: Vec<IpAddr> = found.iter().collect();
         pick(&addresses, dialled.is_ipv6(), random_index).ok_or_else(|| ResolveError::NoAddress {
             hostname: hostname.to_owned(),
@@ -172,6 +189,56 @@ mod tests {
             .await
             .expect_err("no upstream");
         assert!(err.to_string().contains("api.example.test"), "{err}");
+    }
+
+    /// A lookup asked for on a data-path shard, which has no time driver,
+    /// runs where the resolver was made: hickory's query timeout fires
+    /// there (an upstream that never answers) instead of panicking the
+    /// connection's task.
+    #[test]
+    fn a_lookup_from_a_runtime_without_timers_runs_on_the_resolvers() {
+        use hickory_resolver::config::NameServerConfig;
+        let silent = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let port = silent.local_addr().expect("addr").port();
+        let mut server = NameServerConfig::udp(ip("127.0.0.1"));
+        for connection in &mut server.connections {
+            connection.port = port;
+        }
+        let mut options = ResolverOpts::default();
+        options.attempts = 1;
+        let control = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("control runtime");
+        let resolver = control
+            .block_on(async {
+                OnDemandResolver::new(
+                    ResolverConfig::from_name_servers(vec![server]),
+                    options,
+                    Duration::from_millis(200),
+                )
+            })
+            .expect("resolver");
+        let shard = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+            .expect("a runtime without a time driver");
+        let outcome = shard.block_on(async {
+            // Spawned, as a connection's task is: a panic would end it.
+            tokio::spawn(async move {
+                resolver
+                    .resolve("api.example.test.", "198.18.0.1:80".parse().expect("addr"))
+                    .await
+                    .map_err(|e| e.to_string())
+            })
+            .await
+        });
+        let failed = outcome
+            .expect("the connection's task ended without a panic")
+            .expect_err("nobody answers");
+        assert!(failed.contains("api.example.test"), "{failed}");
+        drop(silent);
     }
 
     #[test]

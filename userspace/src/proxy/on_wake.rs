@@ -9,7 +9,11 @@
 //!
 //! [`OnWake`] gives the inner future a waker of its own, which marks it
 //! woken and wakes the task; a poll of the task polls the inner future only
-//! when it is so marked (and the first time).
+//! when it is so marked (and the first time). While it is not, and the task
+//! is the one it last registered, a poll is a plain load and a pointer
+//! comparison: no locked instruction, as a register or a swap would be
+//! (three per poll, and such branches are polled ≈ 18 times per proxied
+//! request/response across the two agents).
 
 use std::{
     future::Future,
@@ -32,6 +36,8 @@ pin_project_lite::pin_project! {
         signal: Arc<Signal>,
         // The inner future's waker: `signal`'s.
         waker: Waker,
+        // The task's waker as last registered with `signal.task`.
+        registered: Option<Waker>,
     }
 }
 
@@ -63,6 +69,7 @@ impl<F: Future> OnWake<F> {
             future,
             waker: Waker::from(Arc::clone(&signal)),
             signal,
+            registered: None,
         }
     }
 }
@@ -72,9 +79,23 @@ impl<F: Future> Future for OnWake<F> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let this = self.project();
+        let same_task = this
+            .registered
+            .as_ref()
+            .is_some_and(|w| w.will_wake(cx.waker()));
+        // Not woken: `signal.task` still holds this task's waker, since only
+        // a wake-up takes it, and a wake-up marks `woken` first. One whose
+        // mark this load misses has woken the task already: it is polled
+        // again, and then sees the mark.
+        if same_task && !this.signal.woken.load(Ordering::Acquire) {
+            return Poll::Pending;
+        }
         // The task's waker first: a wake-up between here and the inner
         // poll then wakes the task again rather than getting lost.
         this.signal.task.register(cx.waker());
+        if !same_task {
+            *this.registered = Some(cx.waker().clone());
+        }
         if !this.signal.woken.swap(false, Ordering::AcqRel) {
             return Poll::Pending;
         }
@@ -147,6 +168,52 @@ mod tests {
         );
         assert!(Pin::new(&mut gated).poll(&mut cx).is_ready());
         assert_eq!(polls.load(Ordering::SeqCst), 2);
+    }
+
+    #[test]
+    fn every_wake_up_reaches_the_task_after_one_was_taken() {
+        let polls = Arc::new(AtomicUsize::new(0));
+        let inner_waker = Arc::new(std::sync::Mutex::new(None::<Waker>));
+        let mut gated = OnWake::new(Gate {
+            polls: polls.clone(),
+            open: Arc::new(AtomicBool::new(false)),
+            waker: inner_waker.clone(),
+        });
+        let task_woken = Arc::new(Counter::default());
+        let task_waker = Waker::from(task_woken.clone());
+        let mut cx = Context::from_waker(&task_waker);
+        assert!(Pin::new(&mut gated).poll(&mut cx).is_pending());
+        for round in 1..=3 {
+            let waker = inner_waker
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take()
+                .expect("the inner future registered a waker");
+            // A wake-up takes the task's waker: the next poll registers it
+            // again, or the round after would wake nothing.
+            waker.wake();
+            assert_eq!(task_woken.0.load(Ordering::SeqCst), round);
+            assert!(Pin::new(&mut gated).poll(&mut cx).is_pending());
+            assert_eq!(polls.load(Ordering::SeqCst), round + 1, "woken: polled");
+            assert!(Pin::new(&mut gated).poll(&mut cx).is_pending());
+            assert_eq!(polls.load(Ordering::SeqCst), round + 1, "not woken: not");
+        }
+        // Polled by another task: its waker is the one registered.
+        let other = Arc::new(Counter::default());
+        let other_waker = Waker::from(other.clone());
+        assert!(
+            Pin::new(&mut gated)
+                .poll(&mut Context::from_waker(&other_waker))
+                .is_pending()
+        );
+        inner_waker
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .expect("registered")
+            .wake();
+        assert_eq!(other.0.load(Ordering::SeqCst), 1, "the new task is woken");
+        assert_eq!(task_woken.0.load(Ordering::SeqCst), 3);
     }
 
     #[derive(Default)]
