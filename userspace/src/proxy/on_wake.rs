@@ -155,12 +155,7 @@ mod tests {
         );
 
         open.store(true, Ordering::SeqCst);
-        let waker = inner_waker
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-            .expect("the inner future registered a waker");
-        waker.wake();
+        wake_inner(&inner_waker);
         assert_eq!(
             task_woken.0.load(Ordering::SeqCst),
             1,
@@ -184,14 +179,9 @@ mod tests {
         let mut cx = Context::from_waker(&task_waker);
         assert!(Pin::new(&mut gated).poll(&mut cx).is_pending());
         for round in 1..=3 {
-            let waker = inner_waker
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .take()
-                .expect("the inner future registered a waker");
             // A wake-up takes the task's waker: the next poll registers it
             // again, or the round after would wake nothing.
-            waker.wake();
+            wake_inner(&inner_waker);
             assert_eq!(task_woken.0.load(Ordering::SeqCst), round);
             assert!(Pin::new(&mut gated).poll(&mut cx).is_pending());
             assert_eq!(polls.load(Ordering::SeqCst), round + 1, "woken: polled");
@@ -206,14 +196,18 @@ mod tests {
                 .poll(&mut Context::from_waker(&other_waker))
                 .is_pending()
         );
-        inner_waker
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-            .expect("registered")
-            .wake();
+        wake_inner(&inner_waker);
         assert_eq!(other.0.load(Ordering::SeqCst), 1, "the new task is woken");
         assert_eq!(task_woken.0.load(Ordering::SeqCst), 3);
+    }
+
+    /// Wakes the waker the inner future last registered.
+    fn wake_inner(slot: &std::sync::Mutex<Option<Waker>>) {
+        slot.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .expect("the inner future registered a waker")
+            .wake();
     }
 
     #[derive(Default)]
