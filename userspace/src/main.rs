@@ -55,11 +55,11 @@ fn run_agent(args: shunt::cli::AgentArgs) -> anyhow::Result<()> {
     // everything else (sources, reconciler, certificates, admin, metrics),
     // so that no control timer or burst of work runs among the data path's
     // connections. The data path's own timers are kept on a thread of their
-    // own (`timers.rs`), so the shards have no time driver: their threads do
-    // not read the clock and lock an empty timer wheel around every sleep. A
-    // `tokio::time` timer made on a shard would panic; clippy points them
-    // out (`userspace/clippy.toml`) and every end-to-end test runs shards.
-    shunt::timers::install()?;
+    // own (`timers.rs`, started with the shards), so the shards have no time
+    // driver: their threads do not read the clock and lock an empty timer
+    // wheel around every sleep. A `tokio::time` timer made on a shard would
+    // panic; clippy points them out (`userspace/clippy.toml`) and every
+    // end-to-end test runs shards.
     let workers = match args.worker_threads {
         0 => std::thread::available_parallelism().map_or(1, usize::from),
         n => n,

@@ -131,7 +131,7 @@ impl Shards {
     /// The first shard's handle: where the reconcile thread runs the
     /// proxy's calls (`agent::ProxyHandle`). None without shards.
     pub fn first(&self) -> Option<Handle> {
-        self.inner.as_ref().map(|inner| inner.handles[0].clone())
+        self.inner.as_ref()?.handles.first().cloned()
     }
 
     /// The next shard in turn: where a new pod is served. None without
