@@ -143,6 +143,20 @@ impl Shards {
     }
 }
 
+/// Spawns `task` on `runtime`, or on the current runtime without one: for
+/// what must run on the runtime its owner was made on (a pod's shard, the
+/// control runtime), wherever it is started from.
+pub fn spawn_on<F>(runtime: Option<&Handle>, task: F) -> tokio::task::JoinHandle<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    match runtime {
+        Some(runtime) => runtime.spawn(task),
+        None => tokio::spawn(task),
+    }
+}
+
 /// The shard the calling thread runs, if it is a shard's thread.
 pub fn current() -> Option<usize> {
     HERE.with(Cell::get)

@@ -46,7 +46,7 @@ pub fn install() -> io::Result<()> {
         .name("shunt-timers".into())
         .spawn(move || runtime.block_on(std::future::pending::<()>()))?;
     // A racing second call leaves its thread idle: harmless, and `install`
-    // is called once, by `main`.
+    // is called once per process, by `shards::DataPath::start`.
     let _ = WHEEL.set(handle);
     Ok(())
 }

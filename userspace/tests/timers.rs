@@ -39,29 +39,27 @@ where
         .recv_timeout(Duration::from_secs(10))
         .expect("the worker ran the task");
     let path = format!("/proc/self/task/{tid}/syscall");
-    // Bounded: the worker reaches its sleep within microseconds once the
-    // task has parked.
-    for _ in 0..2_000 {
-        let line = std::fs::read_to_string(&path).expect("the worker's syscall");
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        if let Some(nr) = fields.first().and_then(|f| f.parse::<u64>().ok())
-            && EPOLL_WAITS.contains(&nr)
-        {
+    // The worker reaches its sleep within microseconds once the task has
+    // parked.
+    let timeout =
+        shunt_testbed::poll::until(Duration::from_secs(10), Duration::from_millis(5), || {
+            let line = std::fs::read_to_string(&path).expect("the worker's syscall");
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let nr = fields.first().and_then(|f| f.parse::<u64>().ok())?;
+            if !EPOLL_WAITS.contains(&nr) {
+                return None;
+            }
             let timeout = fields
                 .get(4)
                 .and_then(|f| u64::from_str_radix(f.trim_start_matches("0x"), 16).ok())
                 .expect("epoll_wait's timeout argument");
-            // An `int` argument: the register's low 32 bits.
-            let timeout = timeout as u32 as i32;
-            // A zero timeout is tokio's passing look for events, not a sleep.
-            if timeout != 0 {
-                runtime.shutdown_background();
-                return timeout;
-            }
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    panic!("the worker never slept in epoll_wait");
+            // An `int` argument: the register's low 32 bits. A zero timeout is
+            // tokio's passing look for events, not a sleep.
+            Some(timeout as u32 as i32).filter(|&t| t != 0)
+        })
+        .expect("the worker slept in epoll_wait");
+    runtime.shutdown_background();
+    timeout
 }
 
 #[test]
@@ -122,7 +120,6 @@ fn a_certificate_is_looked_up_on_a_runtime_without_a_time_driver() {
         identity::{IdentityConfig, IdentityManager, ca::BuiltinCa},
         state::{SpiffeId, TrustDomain},
     };
-    timers::install().expect("the timer thread");
     let dir = tempfile::tempdir().expect("tempdir");
     let ca = BuiltinCa::load_or_generate(&dir.path().join("ca"), &TrustDomain::default())
         .expect("generate");
@@ -135,19 +132,16 @@ fn a_certificate_is_looked_up_on_a_runtime_without_a_time_driver() {
         IdentityManager::new(std::sync::Arc::new(ca), IdentityConfig::default())
     });
     let identity = SpiffeId::for_service_account(&TrustDomain::default(), "default", "sleep");
-    let data_path = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_io()
-        .build()
-        .expect("data path runtime");
-    let cert = data_path.block_on(async {
+    let data_path = shunt::shards::DataPath::start(1).expect("a shard");
+    let shard = data_path.shards().pick().expect("the shard");
+    // On the shard, as the proxy's `add_pod` and connections are: a panic
+    // would end the task.
+    let asked = shard.spawn(async move {
         manager.register(&identity);
-        // Spawned, as the proxy's connections are: a panic would end the
-        // task, not this thread.
-        let manager = manager.clone();
-        let identity = identity.clone();
-        tokio::spawn(async move { manager.certificate(&identity).await.is_ok() }).await
+        manager.certificate(&identity).await.is_ok()
     });
+    let cert = control.block_on(asked);
+    data_path.stop();
     assert_eq!(
         cert.ok(),
         Some(true),

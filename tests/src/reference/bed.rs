@@ -598,9 +598,13 @@ impl Proxy {
     /// can come a moment after the application saw its answer and the
     /// probe returned.
     fn settled_metrics(&self) -> std::result::Result<String, String> {
-        let deadline = std::time::Instant::now() + WAIT;
-        loop {
-            let text = self.metrics()?;
+        // The last scrape, settled or not, when the wait runs out.
+        let mut last = String::new();
+        let settled = crate::poll::until(WAIT, Duration::from_millis(20), || {
+            let text = match self.metrics() {
+                Ok(text) => text,
+                Err(e) => return Some(Err(e)),
+            };
             let total = |family: &str| -> f64 {
                 text.lines()
                     .filter(|line| line.starts_with(family))
@@ -610,11 +614,13 @@ impl Proxy {
             };
             let open = total("istio_tcp_connections_opened_total")
                 - total("istio_tcp_connections_closed_total");
-            if open <= 0.0 || std::time::Instant::now() >= deadline {
-                return Ok(text);
+            if open <= 0.0 {
+                return Some(Ok(text));
             }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            last = text;
+            None
+        });
+        settled.unwrap_or(Ok(last))
     }
 
     /// Its `/metrics` text.

@@ -106,16 +106,12 @@ impl OnDemandResolver {
             hostname: hostname.to_owned(),
             reason,
         };
-        let found = match &self.runtime {
-            Some(runtime) => {
-                let (resolver, name) = (self.resolver.clone(), hostname.to_owned());
-                runtime
-                    .spawn(async move { resolver.lookup_ip(name).await })
-                    .await
-                    .map_err(|e| failed(format!("the lookup's task ended: {e}")))?
-            }
-            None => self.resolver.lookup_ip(hostname).await,
-        }
+        let (resolver, name) = (self.resolver.clone(), hostname.to_owned());
+        let found = crate::shards::spawn_on(self.runtime.as_ref(), async move {
+            resolver.lookup_ip(name).await
+        })
+        .await
+        .map_err(|e| failed(format!("the lookup's task ended: {e}")))?
         .map_err(|e| failed(e.to_string()))?;
         let addresses: Vec<IpAddr> = found.iter().collect();
         pick(&addresses, dialled.is_ipv6(), random_index).ok_or_else(|| ResolveError::NoAddress {

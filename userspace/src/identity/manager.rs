@@ -232,10 +232,7 @@ impl IdentityManager {
             identity.clone(),
             tx,
         );
-        let task = match &self.inner.runtime {
-            Some(runtime) => runtime.spawn(keep),
-            None => tokio::spawn(keep),
-        };
+        let task = crate::shards::spawn_on(self.inner.runtime.as_ref(), keep);
         entries.insert(
             identity.clone(),
             Entry {

@@ -172,10 +172,7 @@ impl Proxy {
         let shard = self.shared.shards.get().and_then(|s| s.pick());
         for (kind, listener) in listeners {
             let accepting = accept_loop(self.shared.clone(), state.clone(), kind, listener);
-            match &shard {
-                Some(shard) => drop(shard.spawn(accepting)),
-                None => drop(tokio::spawn(accepting)),
-            }
+            drop(crate::shards::spawn_on(shard.as_ref(), accepting));
         }
         self.shared
             .counters
