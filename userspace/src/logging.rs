@@ -96,7 +96,9 @@ pub fn init(args: &LogArgs) -> Result<Guard, String> {
         panic_hook(info);
     }));
     // The `log` bridge filters by its own maximum first; keep it in step
-    // with the filter (here and on every reload).
+    // with the filter (here and on every reload). Release builds have no
+    // `log` trace records at all (`release_max_level_debug`, the workspace
+    // Cargo.toml says why): `trace` reaches `tracing`'s callers only.
     log::set_max_level(max);
     let _ = CONTROL.set(Control {
         handle,

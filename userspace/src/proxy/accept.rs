@@ -179,7 +179,10 @@ where
 {
     // Polled only when it woke, not per wake-up of the connection.
     let aborted = super::on_wake::OnWake::new(abort.cancelled());
+    // In order: the abort first (a no-op until it woke), no random start
+    // on every wake-up of the task.
     tokio::select! {
+        biased;
         _ = aborted => {}
         () = make() => {}
     }

@@ -240,7 +240,13 @@ async fn serve_connection(
     tokio::pin!(first_request);
     loop {
         let waiting_first = admission.as_ref().is_some_and(|a| !a.is_established());
+        // In order, no random start: every branch but the connection's is
+        // a cheap no-op until its own wake-up (`OnWake`, a timer, a
+        // token), so the rare ones go first and cannot be starved by a busy
+        // connection, and the per-frame wake-ups skip select!'s
+        // thread-local random number.
         tokio::select! {
+            biased;
             () = &mut first_request, if waiting_first => {
                 log.refusal = Some(RefusalReason::HandshakeTimeout);
                 log.reason = Some(format!("no CONNECT within {handshake_timeout:?} of the connection"));
@@ -253,24 +259,6 @@ async fn serve_connection(
                 log.emit(&shared);
                 break;
             }
-            next = conn.accept() => match next {
-                Some(Ok((request, respond))) => {
-                    if let Some(a) = admission.as_mut() {
-                        a.established();
-                    }
-                    let span = tracing::debug_span!("stream", peer_identity = peer_identity.as_deref().unwrap_or("-"));
-                    let (shared2, peer_identity) = (shared.clone(), peer_identity.clone());
-                    let cut = cert_revoked.clone();
-                    super::accept::spawn_tracked(&shared, move || {
-                        serve_stream(shared2, arrival, peer, peer_identity, cut, request, respond).instrument(span)
-                    });
-                }
-                Some(Err(e)) => {
-                    tracing::debug!(error = %e, "HBONE connection ended with an error");
-                    break;
-                }
-                None => break,
-            },
             e = &mut keepalive => {
                 tracing::info!(pod = %pod.key, src = %peer, error = %e, "HBONE connection dropped: keepalive failed");
                 break;
@@ -294,6 +282,24 @@ async fn serve_connection(
                 let _ = crate::timers::timeout(GOAWAY_FLUSH, closed).await;
                 break;
             }
+            next = conn.accept() => match next {
+                Some(Ok((request, respond))) => {
+                    if let Some(a) = admission.as_mut() {
+                        a.established();
+                    }
+                    let span = tracing::debug_span!("stream", peer_identity = peer_identity.as_deref().unwrap_or("-"));
+                    let (shared2, peer_identity) = (shared.clone(), peer_identity.clone());
+                    let cut = cert_revoked.clone();
+                    super::accept::spawn_tracked(&shared, move || {
+                        serve_stream(shared2, arrival, peer, peer_identity, cut, request, respond).instrument(span)
+                    });
+                }
+                Some(Err(e)) => {
+                    tracing::debug!(error = %e, "HBONE connection ended with an error");
+                    break;
+                }
+                None => break,
+            },
         }
     }
 }

@@ -237,12 +237,16 @@ impl Pool {
                     }
                 }
             });
+            // In order: the rare ones first (a no-op until they woke), so
+            // that a busy connection cannot starve them and its per-frame
+            // wake-ups skip select!'s random start.
             let why = tokio::select! {
+                biased;
+                why = rare => why,
                 r = connection => match r {
                     Ok(()) => "closed by peer".to_string(),
                     Err(e) => format!("error: {e}"),
                 },
-                why = rare => why,
             };
             driven.mark_closed();
             tracing::debug!(conn = driven.id, dst = %key.dst, dst_ip = %key.dst_ip, why, "pooled HBONE connection closed");
