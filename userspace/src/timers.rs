@@ -45,8 +45,9 @@ pub fn install() -> io::Result<()> {
     std::thread::Builder::new()
         .name("shunt-timers".into())
         .spawn(move || runtime.block_on(std::future::pending::<()>()))?;
-    // A racing second call leaves its thread idle: harmless, and `install`
-    // is called once per process, by `shards::DataPath::start`.
+    // Called by every `shards::DataPath::start` (one in the agent, one per
+    // node in some tests): a later call returns above, a racing one leaves
+    // its thread idle, harmless.
     let _ = WHEEL.set(handle);
     Ok(())
 }
